@@ -1,0 +1,29 @@
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+DISTS := libs/core libs/proto services/weight-broker services/trainer services/rollout services/dashboard services/controller
+
+.PHONY: setup proto proto-check test example clean
+
+$(VENV)/.installed: requirements.txt $(foreach d,$(DISTS),$(d)/pyproject.toml)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps $(foreach d,$(DISTS),-e $(d))
+	touch $@
+
+setup: $(VENV)/.installed
+
+proto: setup
+	$(PY) tools/proto_gen.py
+
+proto-check: setup
+	$(PY) tools/proto_gen.py --check
+
+test: setup
+	$(PY) -m pytest -q
+
+example: setup
+	$(VENV)/bin/furlong run examples/addition/run.yaml --out runs/addition
+
+clean:
+	rm -rf $(VENV) runs .furlong

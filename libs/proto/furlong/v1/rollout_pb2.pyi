@@ -1,0 +1,116 @@
+from furlong.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ConfigureRolloutRequest(_message.Message):
+    __slots__ = ("run_id", "model_dir", "reward", "num_engines", "seed")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    model_dir: str
+    reward: str
+    num_engines: int
+    seed: int
+    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., reward: _Optional[str] = ..., num_engines: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ConfigureRolloutResponse(_message.Message):
+    __slots__ = ("run_id", "policy_version", "engine_ids")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    policy_version: int
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Prompt(_message.Message):
+    __slots__ = ("prompt_id", "text", "answer")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    text: str
+    answer: str
+    def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., answer: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("run_id", "step", "prompts", "samples_per_prompt", "sampling", "min_policy_version", "timeout_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    samples_per_prompt: int
+    sampling: _common_pb2.SamplingParams
+    min_policy_version: int
+    timeout_s: float
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("run_id", "step", "num_groups", "num_samples", "reward_mean", "policy_version", "num_tokens", "generate_seconds")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    num_groups: int
+    num_samples: int
+    reward_mean: float
+    policy_version: int
+    num_tokens: int
+    generate_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_samples: _Optional[int] = ..., reward_mean: _Optional[float] = ..., policy_version: _Optional[int] = ..., num_tokens: _Optional[int] = ..., generate_seconds: _Optional[float] = ...) -> None: ...
+
+class EndRolloutRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class EndRolloutResponse(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class GetRolloutStatusRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class EngineStatus(_message.Message):
+    __slots__ = ("engine_id", "policy_version", "healthy")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    policy_version: int
+    healthy: bool
+    def __init__(self, engine_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
+
+class RolloutStatus(_message.Message):
+    __slots__ = ("run_id", "engines")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
+    def __init__(self, run_id: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,124 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AlgorithmConfig(_message.Message):
+    __slots__ = ("name", "learning_rate", "clip_eps", "weight_decay", "max_grad_norm", "epochs_per_batch", "micro_batch_size", "adam_beta1", "adam_beta2")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    CLIP_EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ADAM_BETA1_FIELD_NUMBER: _ClassVar[int]
+    ADAM_BETA2_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    learning_rate: float
+    clip_eps: float
+    weight_decay: float
+    max_grad_norm: float
+    epochs_per_batch: int
+    micro_batch_size: int
+    adam_beta1: float
+    adam_beta2: float
+    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., clip_eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., epochs_per_batch: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., adam_beta1: _Optional[float] = ..., adam_beta2: _Optional[float] = ...) -> None: ...
+
+class ConfigureRunRequest(_message.Message):
+    __slots__ = ("run_id", "model_dir", "algorithm", "seed", "total_steps")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    model_dir: str
+    algorithm: AlgorithmConfig
+    seed: int
+    total_steps: int
+    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., algorithm: _Optional[_Union[AlgorithmConfig, _Mapping]] = ..., seed: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
+
+class ConfigureRunResponse(_message.Message):
+    __slots__ = ("run_id", "policy_version", "num_parameters")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    policy_version: int
+    num_parameters: int
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., num_parameters: _Optional[int] = ...) -> None: ...
+
+class TrainStepRequest(_message.Message):
+    __slots__ = ("run_id", "step", "num_groups", "timeout_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    num_groups: int
+    timeout_s: float
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., num_groups: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class TrainStepResponse(_message.Message):
+    __slots__ = ("run_id", "step", "loss", "policy_version", "num_samples", "num_groups", "step_seconds", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    loss: float
+    policy_version: int
+    num_samples: int
+    num_groups: int
+    step_seconds: float
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., policy_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_groups: _Optional[int] = ..., step_seconds: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class PublishWeightsRequest(_message.Message):
+    __slots__ = ("run_id", "version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PublishWeightsResponse(_message.Message):
+    __slots__ = ("run_id", "version", "num_bytes", "stage_seconds")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    num_bytes: int
+    stage_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., num_bytes: _Optional[int] = ..., stage_seconds: _Optional[float] = ...) -> None: ...
+
+class EndRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class EndRunResponse(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
