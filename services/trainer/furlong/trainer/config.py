@@ -1,0 +1,30 @@
+"""Configuration of the trainer service process, parsed once at the edge (`__main__`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainerServiceConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0            # 0 = no Prometheus endpoint
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    broker_address: str = "127.0.0.1:50051"
+    consumer_name: str = "trainer-0"  # stable across restarts so pending samples are replayed
+    num_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65536), got {self.metrics_port}")
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must be a redis:// URL, got {self.redis_url!r}")
+        if ":" not in self.broker_address:
+            raise ValueError(f"broker_address must be HOST:PORT, got {self.broker_address!r}")
+        if not self.consumer_name:
+            raise ValueError("consumer_name must not be empty")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

@@ -1,0 +1,118 @@
+"""Reads sample groups from a run's Redis stream through a consumer group, and acknowledges them.
+
+Entries are acknowledged only by `ack()`, after the optimizer step that used them, so a trainer
+that crashes mid-step re-reads its pending entries on restart (same consumer name) instead of
+losing them. An entry that does not decode into a valid `SampleGroup` is moved to the run's
+rejected stream with the reason and acknowledged, so it is never trained on and never blocks the
+stream; every other entry is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import redis
+
+from furlong.core.samples import STREAM_FIELD, TRAINER_GROUP, SampleGroup, stream_key
+
+log = logging.getLogger(__name__)
+
+
+def rejected_key(run_id: str) -> str:
+    return f"furlong:run:{run_id}:rejected"
+
+
+@dataclass(frozen=True)
+class StreamBatch:
+    groups: list[SampleGroup]
+    entry_ids: list[bytes]
+    num_rejected: int
+
+
+class SampleReader:
+    def __init__(self, client: redis.Redis, run_id: str, consumer: str, group: str = TRAINER_GROUP):
+        self._redis = client
+        self._run_id = run_id
+        self._key = stream_key(run_id)
+        self._consumer = consumer
+        self._group = group
+        self._replay_pending = True
+        try:
+            client.xgroup_create(self._key, group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, num_groups: int, timeout_s: float) -> StreamBatch:
+        """Block until num_groups valid groups were read (pending ones first), or TimeoutError.
+
+        If the call fails, what it read stays pending and the next call reads it again."""
+        if num_groups <= 0:
+            raise ValueError(f"num_groups must be positive, got {num_groups}")
+        try:
+            return self._read(num_groups, timeout_s)
+        except BaseException:
+            self._replay_pending = True
+            raise
+
+    def _read(self, num_groups: int, timeout_s: float) -> StreamBatch:
+        groups: list[SampleGroup] = []
+        ids: list[bytes] = []
+        rejected = 0
+        deadline = time.monotonic() + timeout_s
+        replay_from = b"0"
+        while len(groups) < num_groups:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise TimeoutError(f"run {self._run_id}: {len(groups)} of {num_groups} sample groups "
+                                   f"arrived within {timeout_s:.1f}s")
+            # First re-read what this consumer had read but not acknowledged (after a restart or a
+            # failed step), then new entries.
+            if self._replay_pending:
+                reply = self._redis.xreadgroup(self._group, self._consumer, {self._key: replay_from},
+                                               count=num_groups - len(groups))
+            else:
+                reply = self._redis.xreadgroup(self._group, self._consumer, {self._key: ">"},
+                                               count=num_groups - len(groups),
+                                               block=max(1, int(min(remaining_s, 1.0) * 1000)))
+            entries = reply[0][1] if reply else []
+            if self._replay_pending and not entries:
+                self._replay_pending = False
+                continue
+            for entry_id, fields in entries:
+                if self._replay_pending:
+                    replay_from = entry_id
+                group = self._decode(entry_id, fields)
+                if group is None:
+                    rejected += 1
+                    continue
+                groups.append(group)
+                ids.append(entry_id)
+        return StreamBatch(groups=groups, entry_ids=ids, num_rejected=rejected)
+
+    def _decode(self, entry_id: bytes, fields: dict) -> SampleGroup | None:
+        try:
+            data = fields.get(STREAM_FIELD)
+            if data is None:
+                raise ValueError(f"entry has no {STREAM_FIELD.decode()!r} field")
+            group = SampleGroup.decode(data)
+            if group.run_id != self._run_id:
+                raise ValueError(f"group belongs to run {group.run_id!r}, not {self._run_id!r}")
+            return group
+        except ValueError as exc:
+            reason = f"entry {entry_id.decode()}: {exc}"
+            log.error("rejecting sample group: %s", reason)
+            pipe = self._redis.pipeline()
+            pipe.xadd(rejected_key(self._run_id), {b"entry_id": entry_id, b"reason": reason.encode(),
+                                                   **{k: v for k, v in fields.items()}})
+            pipe.xack(self._key, self._group, entry_id)
+            pipe.execute()
+            return None
+
+    def ack(self, entry_ids: list[bytes]) -> int:
+        """Acknowledge entries after the step that trained on them is done."""
+        if not entry_ids:
+            return 0
+        return int(self._redis.xack(self._key, self._group, *entry_ids))

@@ -1,0 +1,62 @@
+"""gRPC transport of the trainer: converts furlong.v1 messages to `TrainerService` calls and back.
+Errors are mapped to status codes by `furlong.rpc.rpc_errors`, nowhere else."""
+
+from __future__ import annotations
+
+from furlong.rpc import rpc_errors
+from furlong.trainer.core.learner import LearnerConfig
+from furlong.trainer.service import TrainerService
+from furlong.v1 import trainer_pb2, trainer_pb2_grpc
+
+SERVICE_NAME = "furlong.v1.Trainer"
+SUPPORTED_ALGORITHMS = ("grpo",)
+
+
+def learner_config(request: trainer_pb2.ConfigureRunRequest) -> LearnerConfig:
+    algo = request.algorithm
+    if algo.name not in SUPPORTED_ALGORITHMS:
+        raise ValueError(f"algorithm.name {algo.name!r} is not supported; known: {list(SUPPORTED_ALGORITHMS)}")
+    return LearnerConfig(
+        learning_rate=algo.learning_rate, clip_eps=algo.clip_eps, weight_decay=algo.weight_decay,
+        max_grad_norm=algo.max_grad_norm, epochs_per_batch=algo.epochs_per_batch,
+        micro_batch_size=algo.micro_batch_size, adam_beta1=algo.adam_beta1,
+        adam_beta2=algo.adam_beta2, temperature=request.sampling_temperature, seed=request.seed,
+    )
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, service: TrainerService):
+        self._service = service
+
+    @rpc_errors
+    def ConfigureRun(self, request, context):
+        version, num_parameters = self._service.configure_run(
+            request.run_id, request.model_dir, learner_config(request), request.total_steps)
+        return trainer_pb2.ConfigureRunResponse(run_id=request.run_id, policy_version=version,
+                                                num_parameters=num_parameters)
+
+    @rpc_errors
+    def TrainStep(self, request, context):
+        stats, version = self._service.train_step(request.run_id, request.step, request.num_groups,
+                                                  request.timeout_s)
+        return trainer_pb2.TrainStepResponse(
+            run_id=request.run_id, step=request.step, loss=stats.loss, policy_version=version,
+            num_samples=stats.num_samples, num_groups=stats.num_groups,
+            step_seconds=stats.step_seconds, metrics=stats.as_metrics())
+
+    @rpc_errors
+    def PublishWeights(self, request, context):
+        result = self._service.publish_weights(request.run_id, request.version)
+        return trainer_pb2.PublishWeightsResponse(run_id=request.run_id, version=result.version,
+                                                  num_bytes=result.num_bytes,
+                                                  stage_seconds=result.stage_seconds)
+
+    @rpc_errors
+    def EndRun(self, request, context):
+        self._service.end_run(request.run_id)
+        return trainer_pb2.EndRunResponse(run_id=request.run_id)
+
+
+def register(service: TrainerService):
+    """A `furlong.rpc.start_server` registration callback."""
+    return lambda server: trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(service), server)
