@@ -126,8 +126,9 @@ class TrainerService:
             if version != run.learner.version:
                 raise ConflictError(f"run {run_id}: version {version} requested, the trainer holds "
                                     f"version {run.learner.version}")
-            if version <= run.published_version and version != 0:
-                raise ConflictError(f"run {run_id}: version {version} was already published")
+            if version <= run.published_version:
+                raise ConflictError(f"run {run_id}: version {version} is not newer than the published "
+                                    f"version {run.published_version}")
             result = run.publisher.publish(version, run.learner.state_dict())
             run.published_version = version
         metrics.PUBLISH_SECONDS.observe(result.stage_seconds)

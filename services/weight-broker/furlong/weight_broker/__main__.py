@@ -1,0 +1,59 @@
+"""Run the weight broker service:
+
+    python -m furlong.weight_broker --host 127.0.0.1 --port P --metrics-port M [--log-level INFO]
+
+Serves furlong.v1.WeightBroker and grpc.health.v1 on host:port and Prometheus metrics on
+host:metrics-port; stops cleanly on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from typing import Sequence
+
+from prometheus_client import REGISTRY, start_http_server
+
+from furlong.rpc import start_server
+from furlong.weight_broker.config import BrokerConfig
+from furlong.weight_broker.core import BrokerCore
+from furlong.weight_broker.metrics import BrokerMetrics
+from furlong.weight_broker.server import SERVICE_NAME, WeightBrokerServicer
+
+log = logging.getLogger("furlong.weight_broker")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = BrokerConfig.from_args(argv)
+    logging.basicConfig(level=config.logging_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda received, frame: stop.set())
+
+    core = BrokerCore(max_ack_attempts=config.max_ack_attempts,
+                      observer=BrokerMetrics(REGISTRY))
+    servicer = WeightBrokerServicer(core)
+    metrics_server, metrics_thread = start_http_server(config.metrics_port, addr=config.host,
+                                                       registry=REGISTRY)
+    server = start_server([servicer.add_to_server], [SERVICE_NAME], host=config.host,
+                          port=config.port, max_workers=config.max_workers)
+    log.info("weight broker serving on %s:%d, metrics on %s:%d", config.host, server.port,
+             config.host, metrics_server.server_port)
+
+    while not stop.wait(0.5):
+        pass
+    log.info("weight broker stopping")
+    core.shutdown()          # end watch streams so that their handler threads return
+    server.stop(grace_s=2.0)
+    metrics_server.shutdown()
+    metrics_server.server_close()
+    metrics_thread.join(timeout=5.0)
+    log.info("weight broker stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

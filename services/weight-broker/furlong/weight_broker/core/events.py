@@ -1,0 +1,80 @@
+"""Domain records the broker hands out: where a version's bytes are, what happened to a version, and
+where a run stands. Plain frozen dataclasses, the twins of the furlong.v1 messages of the same role.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from furlong.core.weights import Manifest
+
+MEMORY_KINDS = ("DRAM", "VRAM")
+NO_VERSION = -1
+
+
+@dataclass(frozen=True)
+class WeightSourceInfo:
+    """A NIXL agent and the registered memory region it serves a version from (WeightSource)."""
+
+    agent_name: str
+    agent_metadata: bytes
+    base_address: int
+    size_bytes: int
+    memory_kind: str = "DRAM"
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.agent_name:
+            raise ValueError("weight source with an empty agent_name")
+        if not self.agent_metadata:
+            raise ValueError(f"weight source {self.agent_name!r}: empty agent_metadata")
+        if self.base_address <= 0:
+            raise ValueError(f"weight source {self.agent_name!r}: base_address "
+                             f"{self.base_address} is not a valid address")
+        if self.size_bytes <= 0:
+            raise ValueError(f"weight source {self.agent_name!r}: size_bytes {self.size_bytes} <= 0")
+        if self.memory_kind not in MEMORY_KINDS:
+            raise ValueError(f"weight source {self.agent_name!r}: memory_kind "
+                             f"{self.memory_kind!r} not one of {MEMORY_KINDS}")
+        if self.device_id < 0:
+            raise ValueError(f"weight source {self.agent_name!r}: device_id {self.device_id} < 0")
+
+
+class EventKind(enum.Enum):
+    PUBLISHED = "published"   # pull this version, verify it, switch to it, acknowledge it
+    COMMITTED = "committed"   # every registered engine serves this version
+
+
+@dataclass(frozen=True)
+class VersionEventInfo:
+    """One event of an engine's watch stream. manifest and source are set exactly for PUBLISHED."""
+
+    run_id: str
+    kind: EventKind
+    version: int
+    manifest: Manifest | None = None
+    source: WeightSourceInfo | None = None
+
+    def __post_init__(self) -> None:
+        has_payload = self.manifest is not None and self.source is not None
+        if self.kind is EventKind.PUBLISHED and not has_payload:
+            raise ValueError(f"run {self.run_id}: PUBLISHED event for version {self.version} "
+                             f"without manifest and source")
+        if self.kind is EventKind.COMMITTED and (self.manifest is not None or self.source is not None):
+            raise ValueError(f"run {self.run_id}: COMMITTED event for version {self.version} "
+                             f"carries a manifest or source")
+        if self.manifest is not None and self.manifest.version != self.version:
+            raise ValueError(f"run {self.run_id}: event version {self.version} != manifest version "
+                             f"{self.manifest.version}")
+
+
+@dataclass(frozen=True)
+class VersionStatusInfo:
+    """Where a run stands (VersionStatus). Versions are NO_VERSION (-1) until the first one."""
+
+    run_id: str
+    latest_version: int
+    committed_version: int
+    engine_ids: tuple[str, ...]
+    pending_engine_ids: tuple[str, ...]   # registered engines that have not acknowledged latest

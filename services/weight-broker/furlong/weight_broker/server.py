@@ -1,0 +1,170 @@
+"""The WeightBroker gRPC service: converts furlong.v1 messages to domain objects and back, and calls
+the broker core. Status codes come from furlong.rpc; nothing here decides anything about versions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import grpc
+
+from furlong.core.weights import (
+    CHECKSUM_ALGORITHM, Manifest, TensorSlot, WeightLayout, dtype_from_name, dtype_name)
+from furlong.rpc import rpc_errors
+from furlong.v1 import common_pb2, weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
+from furlong.weight_broker.core import (
+    BrokerCore, EventKind, EventSubscription, VersionEventInfo, VersionStatusInfo, WeightSourceInfo)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightBroker"].full_name  # "furlong.v1.WeightBroker"
+
+_KIND_TO_PROTO = {EventKind.PUBLISHED: pb.VersionEvent.PUBLISHED,
+                  EventKind.COMMITTED: pb.VersionEvent.COMMITTED}
+_KIND_FROM_PROTO = {v: k for k, v in _KIND_TO_PROTO.items()}
+
+
+# -- conversions ------------------------------------------------------------------------------------
+
+def manifest_to_proto(manifest: Manifest) -> common_pb2.WeightManifest:
+    return common_pb2.WeightManifest(
+        version=manifest.version,
+        tensors=[common_pb2.TensorEntry(name=s.name, dtype=dtype_name(s.dtype), shape=list(s.shape),
+                                        offset_bytes=s.offset_bytes, size_bytes=s.size_bytes)
+                 for s in manifest.layout.slots],
+        total_bytes=manifest.total_bytes,
+        checksum_algorithm=CHECKSUM_ALGORITHM,
+        checksum=manifest.checksum,
+    )
+
+
+def manifest_from_proto(msg: common_pb2.WeightManifest) -> Manifest:
+    if msg.checksum_algorithm != CHECKSUM_ALGORITHM:
+        raise ValueError(f"manifest of version {msg.version}: checksum_algorithm "
+                         f"{msg.checksum_algorithm!r} is not {CHECKSUM_ALGORITHM!r}")
+    slots = tuple(TensorSlot(name=t.name, dtype=dtype_from_name(t.dtype), shape=tuple(t.shape),
+                             offset_bytes=t.offset_bytes, size_bytes=t.size_bytes)
+                  for t in msg.tensors)
+    layout = WeightLayout(slots=slots, total_bytes=msg.total_bytes)
+    return Manifest(version=msg.version, layout=layout, checksum=msg.checksum)
+
+
+def source_to_proto(source: WeightSourceInfo) -> common_pb2.WeightSource:
+    return common_pb2.WeightSource(
+        agent_name=source.agent_name, agent_metadata=source.agent_metadata,
+        base_address=source.base_address, size_bytes=source.size_bytes,
+        memory_kind=source.memory_kind, device_id=source.device_id)
+
+
+def source_from_proto(msg: common_pb2.WeightSource) -> WeightSourceInfo:
+    return WeightSourceInfo(
+        agent_name=msg.agent_name, agent_metadata=msg.agent_metadata,
+        base_address=msg.base_address, size_bytes=msg.size_bytes,
+        memory_kind=msg.memory_kind, device_id=msg.device_id)
+
+
+def event_to_proto(event: VersionEventInfo) -> pb.VersionEvent:
+    msg = pb.VersionEvent(run_id=event.run_id, kind=_KIND_TO_PROTO[event.kind],
+                          version=event.version)
+    if event.manifest is not None:
+        msg.manifest.CopyFrom(manifest_to_proto(event.manifest))
+    if event.source is not None:
+        msg.source.CopyFrom(source_to_proto(event.source))
+    return msg
+
+
+def event_from_proto(msg: pb.VersionEvent) -> VersionEventInfo:
+    kind = _KIND_FROM_PROTO.get(msg.kind)
+    if kind is None:
+        raise ValueError(f"run {msg.run_id}: version event {msg.version} has unknown kind {msg.kind}")
+    return VersionEventInfo(
+        run_id=msg.run_id, kind=kind, version=msg.version,
+        manifest=manifest_from_proto(msg.manifest) if msg.HasField("manifest") else None,
+        source=source_from_proto(msg.source) if msg.HasField("source") else None)
+
+
+def status_to_proto(status: VersionStatusInfo) -> pb.VersionStatus:
+    return pb.VersionStatus(run_id=status.run_id, latest_version=status.latest_version,
+                            committed_version=status.committed_version,
+                            engine_ids=list(status.engine_ids),
+                            pending_engine_ids=list(status.pending_engine_ids))
+
+
+def status_from_proto(msg: pb.VersionStatus) -> VersionStatusInfo:
+    return VersionStatusInfo(run_id=msg.run_id, latest_version=msg.latest_version,
+                             committed_version=msg.committed_version,
+                             engine_ids=tuple(msg.engine_ids),
+                             pending_engine_ids=tuple(msg.pending_engine_ids))
+
+
+# -- service ----------------------------------------------------------------------------------------
+
+class WeightBrokerServicer(pb_grpc.WeightBrokerServicer):
+    """Thin transport over BrokerCore. Each open WatchVersions stream holds one server thread."""
+
+    def __init__(self, core: BrokerCore, stream_poll_s: float = 0.5) -> None:
+        self._core = core
+        self._stream_poll_s = stream_poll_s
+
+    def add_to_server(self, server: grpc.Server) -> None:
+        pb_grpc.add_WeightBrokerServicer_to_server(self, server)
+
+    @rpc_errors
+    def RegisterEngine(self, request, context):
+        committed = self._core.register_engine(request.run_id, request.engine_id)
+        return pb.RegisterEngineResponse(run_id=request.run_id, committed_version=committed)
+
+    @rpc_errors
+    def UnregisterEngine(self, request, context):
+        self._core.unregister_engine(request.run_id, request.engine_id)
+        return pb.UnregisterEngineResponse(run_id=request.run_id)
+
+    @rpc_errors
+    def BeginVersion(self, request, context):
+        if not request.HasField("manifest") or not request.HasField("source"):
+            raise ValueError(f"run {request.run_id}: BeginVersion needs both manifest and source")
+        manifest = manifest_from_proto(request.manifest)
+        engines = self._core.begin_version(request.run_id, manifest,
+                                           source_from_proto(request.source))
+        return pb.BeginVersionResponse(run_id=request.run_id, version=manifest.version,
+                                       engine_ids=engines)
+
+    @rpc_errors
+    def WatchVersions(self, request, context):
+        # Subscribe before returning the stream so that an unknown engine is a status, not a hang.
+        sub = self._core.subscribe(request.run_id, request.engine_id)
+        context.add_callback(sub.close)   # the client went away: stop waiting for its acks
+        return self._stream(sub, context)
+
+    def _stream(self, sub: EventSubscription, context) -> Iterator[pb.VersionEvent]:
+        try:
+            while True:
+                event = sub.get(self._stream_poll_s)
+                if event is not None:
+                    yield event_to_proto(event)
+                elif sub.ended or not context.is_active():
+                    return
+        finally:
+            sub.close()
+
+    @rpc_errors
+    def AckVersion(self, request, context):
+        committed = self._core.ack_version(
+            request.run_id, request.engine_id, request.version, request.ok, request.error,
+            request.transfer_seconds, request.transfer_bytes)
+        return pb.AckVersionResponse(run_id=request.run_id, committed_version=committed)
+
+    @rpc_errors
+    def WaitCommitted(self, request, context):
+        return status_to_proto(self._core.wait_committed(request.run_id, request.version,
+                                                         request.timeout_s))
+
+    @rpc_errors
+    def GetVersion(self, request, context):
+        return status_to_proto(self._core.get_version(request.run_id))
+
+    @rpc_errors
+    def EndRun(self, request, context):
+        self._core.end_run(request.run_id)
+        return pb.EndRunBrokerResponse(run_id=request.run_id)

@@ -1,0 +1,134 @@
+"""Flat weight layout, packing, zero-copy views and checksums."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from furlong.core.weights import (
+    CHECKSUM_ALGORITHM, Manifest, TensorSlot, WeightLayout, checksum, dtype_from_name, dtype_name)
+
+pytestmark = pytest.mark.unit
+
+
+def _state_dict() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(5, 3, generator=gen),
+        "norm.weight": torch.randn(3, generator=gen).to(torch.bfloat16),
+        "step": torch.tensor([7], dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "scale": torch.randn(2, 2, generator=gen).to(torch.float8_e4m3fn),
+    }
+
+
+def test_layout_keeps_order_and_aligns_every_tensor():
+    layout = WeightLayout.from_state_dict(_state_dict(), alignment_bytes=64)
+    assert [s.name for s in layout.slots] == ["embed.weight", "norm.weight", "step", "mask", "scale"]
+    assert [s.offset_bytes for s in layout.slots] == [0, 64, 128, 192, 256]
+    assert [s.size_bytes for s in layout.slots] == [60, 6, 8, 3, 4]
+    assert layout.total_bytes == 260
+    assert layout.slot("norm.weight").dtype == torch.bfloat16
+    assert layout.slot("embed.weight").shape == (5, 3)
+
+
+def test_small_alignment_still_respects_item_size():
+    sd = {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.zeros(2, dtype=torch.float64)}
+    layout = WeightLayout.from_state_dict(sd, alignment_bytes=1)
+    assert layout.slot("b").offset_bytes == 8
+    assert layout.total_bytes == 24
+
+
+def test_pack_then_views_round_trip_bit_identical_and_zero_copy():
+    sd = _state_dict()
+    layout = WeightLayout.from_state_dict(sd)
+    buffer = torch.zeros(layout.total_bytes + 10, dtype=torch.uint8)
+    layout.pack(sd, buffer)
+    views = layout.views(buffer)
+    assert list(views) == list(sd)
+    for name, tensor in sd.items():
+        assert views[name].dtype == tensor.dtype and views[name].shape == tensor.shape
+        assert torch.equal(views[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    # Views share memory with the buffer: writing the buffer changes the view.
+    buffer[128] = 9
+    assert views["step"].item() == 9
+
+
+def test_pack_rejects_mismatches_naming_the_tensor_and_writes_nothing():
+    sd = _state_dict()
+    layout = WeightLayout.from_state_dict(sd)
+    buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    bad_shape = dict(sd, **{"embed.weight": torch.zeros(3, 5)})
+    with pytest.raises(ValueError, match=r"'embed.weight': shape \(3, 5\) != layout shape \(5, 3\)"):
+        layout.pack(bad_shape, buffer)
+    bad_dtype = dict(sd, step=torch.tensor([7], dtype=torch.int32))
+    with pytest.raises(ValueError, match="'step': dtype int32 != layout dtype int64"):
+        layout.pack(bad_dtype, buffer)
+    missing = {k: v for k, v in sd.items() if k != "mask"}
+    with pytest.raises(ValueError, match=r"missing \['mask'\]"):
+        layout.pack(missing, buffer)
+    extra = dict(sd, bias=torch.zeros(1))
+    with pytest.raises(ValueError, match=r"unexpected \['bias'\]"):
+        layout.pack(extra, buffer)
+    assert int(buffer.sum()) == 0
+
+
+def test_buffer_checks():
+    layout = WeightLayout.from_state_dict(_state_dict())
+    with pytest.raises(ValueError, match="smaller than 260 bytes"):
+        layout.views(torch.zeros(100, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="1-D uint8"):
+        layout.views(torch.zeros(300, dtype=torch.float32))
+
+
+def test_checksum_is_blake2b_128_of_the_prefix():
+    buffer = torch.arange(200, dtype=torch.uint8)
+    expected = hashlib.blake2b(bytes(range(100)), digest_size=16).hexdigest()
+    assert CHECKSUM_ALGORITHM == "blake2b-128"
+    assert checksum(buffer, 100) == expected
+    buffer[150] = 0   # beyond the prefix: same digest
+    assert checksum(buffer, 100) == expected
+    buffer[5] += 1
+    assert checksum(buffer, 100) != expected
+    with pytest.raises(ValueError):
+        checksum(buffer, 500)
+
+
+def test_dtype_names_round_trip_and_unknown_is_rejected():
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.bool):
+        assert dtype_from_name(dtype_name(dtype)) is dtype
+    assert dtype_name(torch.float) == "float32"
+    with pytest.raises(ValueError, match="unknown dtype name 'float33'"):
+        dtype_from_name("float33")
+
+
+def test_slot_and_layout_validation():
+    with pytest.raises(ValueError, match="size_bytes 10 != 12"):
+        TensorSlot("w", torch.float32, (3,), 0, 10)
+    with pytest.raises(ValueError, match="offset_bytes 2"):
+        TensorSlot("w", torch.float32, (3,), 2, 12)
+    a = TensorSlot("a", torch.float32, (4,), 0, 16)
+    b = TensorSlot("b", torch.float32, (4,), 8, 16)
+    with pytest.raises(ValueError, match="'b' at offset 8 overlaps"):
+        WeightLayout((a, b), 32)
+    with pytest.raises(ValueError, match="beyond total_bytes 8"):
+        WeightLayout((a,), 8)
+    with pytest.raises(ValueError, match="appears twice"):
+        WeightLayout((a, TensorSlot("a", torch.float32, (4,), 16, 16)), 32)
+    with pytest.raises(ValueError, match="without tensors"):
+        WeightLayout.from_state_dict({})
+    with pytest.raises(ValueError, match="alignment_bytes 48"):
+        WeightLayout.from_state_dict({"a": torch.zeros(1)}, alignment_bytes=48)
+
+
+def test_manifest_validation_and_equality():
+    layout = WeightLayout.from_state_dict(_state_dict())
+    digest = "0" * 32
+    assert Manifest(3, layout, digest) == Manifest(3, WeightLayout.from_state_dict(_state_dict()), digest)
+    assert Manifest(3, layout, digest).total_bytes == 260
+    with pytest.raises(ValueError, match="version -1"):
+        Manifest(-1, layout, digest)
+    with pytest.raises(ValueError, match="checksum 'abc'"):
+        Manifest(1, layout, "abc")

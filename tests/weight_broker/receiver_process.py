@@ -1,0 +1,55 @@
+"""A rollout engine stand-in for the transfer tests, run as its own process:
+
+    python receiver_process.py --broker HOST:PORT --run-id R --engine-id E --out DIR
+
+It receives versions with a WeightReceiver over gRPC and NIXL; its apply() copies the tensors and
+saves them to DIR/E-v<version>.pt (atomically) so the test can compare them bit for bit. It stops,
+unregistering the engine, on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from furlong.weight_broker.client import GrpcBrokerClient
+from furlong.weight_broker.receiver import WeightReceiver
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--broker", required=True)
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--engine-id", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format=f"{args.engine_id} %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def apply(version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        copied = {name: tensor.clone() for name, tensor in tensors.items()}
+        final = args.out / f"{args.engine_id}-v{version}.pt"
+        partial = final.with_suffix(".partial")
+        torch.save(copied, partial)
+        os.replace(partial, final)
+
+    client = GrpcBrokerClient(args.broker)
+    receiver = WeightReceiver(client, args.run_id, args.engine_id, apply)
+    receiver.start()
+    while not stop.wait(0.2):
+        pass
+    receiver.close()
+    client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
