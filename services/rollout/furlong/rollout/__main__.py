@@ -1,0 +1,69 @@
+"""Run the rollout service:
+
+    python -m furlong.rollout --host 127.0.0.1 --port P --metrics-port M --redis-url URL \
+        --broker HOST:PORT [--num-threads 2] [--max-batch-size 256] [--log-level INFO]
+
+Serves furlong.v1.Rollout and grpc.health.v1 on host:port and Prometheus metrics on
+host:metrics-port; on SIGTERM or SIGINT ends every run (closing its weight receivers) and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from typing import Sequence
+
+import redis
+import torch
+from prometheus_client import REGISTRY, start_http_server
+
+from furlong.rollout.config import RolloutServerConfig
+from furlong.rollout.core.service import RolloutService
+from furlong.rollout.metrics import RolloutMetrics
+from furlong.rollout.receivers import broker_receiver_factory
+from furlong.rollout.server import SERVICE_NAME, RolloutServicer
+from furlong.rpc import start_server
+from furlong.weight_broker.client import GrpcBrokerClient
+
+log = logging.getLogger("furlong.rollout")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = RolloutServerConfig.from_args(argv)
+    logging.basicConfig(level=config.logging_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(config.num_threads)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda received, frame: stop.set())
+
+    redis_client = redis.Redis.from_url(config.redis_url)
+    broker = GrpcBrokerClient(config.broker_address)
+    service = RolloutService(redis_client, broker_receiver_factory(broker),
+                             max_batch_size=config.max_batch_size, observer=RolloutMetrics(REGISTRY))
+    metrics_server, metrics_thread = start_http_server(config.metrics_port, addr=config.host,
+                                                       registry=REGISTRY)
+    server = start_server([RolloutServicer(service).add_to_server], [SERVICE_NAME], host=config.host,
+                          port=config.port, max_workers=config.max_workers)
+    log.info("rollout serving on %s:%d, metrics on %s:%d, broker %s, %d torch thread(s)", config.host,
+             server.port, config.host, metrics_server.server_port, config.broker_address,
+             config.num_threads)
+
+    while not stop.wait(0.5):
+        pass
+    log.info("rollout stopping")
+    server.stop(grace_s=2.0)
+    service.close()
+    broker.close()
+    redis_client.close()
+    metrics_server.shutdown()
+    metrics_server.server_close()
+    metrics_thread.join(timeout=5.0)
+    log.info("rollout stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

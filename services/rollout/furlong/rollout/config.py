@@ -1,0 +1,69 @@
+"""Configuration of the rollout service process, parsed once at the edge (`__main__`) and validated
+here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _check_port(name: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{name} {port} is not a TCP port (0-65535)")
+
+
+@dataclass(frozen=True)
+class RolloutServerConfig:
+    redis_url: str
+    broker_address: str            # HOST:PORT of the weight broker
+    host: str = "127.0.0.1"
+    port: int = 0                  # 0 picks a free port
+    metrics_port: int = 0          # Prometheus /metrics; 0 picks a free port
+    num_threads: int = 2           # torch intra-op threads (trainer and rollout alternate on the cores)
+    max_batch_size: int = 256      # rows per engine forward pass
+    max_workers: int = 8           # concurrent gRPC calls
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        _check_port("port", self.port)
+        _check_port("metrics_port", self.metrics_port)
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
+        host, sep, port = self.broker_address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"broker_address must be HOST:PORT, got {self.broker_address!r}")
+        for name, low in (("num_threads", 1), ("max_batch_size", 1), ("max_workers", 2)):
+            value = getattr(self, name)
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        if self.log_level not in _LOG_LEVELS:
+            raise ValueError(f"log_level {self.log_level!r} not one of {_LOG_LEVELS}")
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> "RolloutServerConfig":
+        parser = argparse.ArgumentParser(prog="python -m furlong.rollout",
+                                         description="Furlong rollout service (gRPC)")
+        parser.add_argument("--host", default=cls.host)
+        parser.add_argument("--port", type=int, required=True)
+        parser.add_argument("--metrics-port", type=int, required=True)
+        parser.add_argument("--redis-url", required=True)
+        parser.add_argument("--broker", required=True, help="weight broker HOST:PORT")
+        parser.add_argument("--num-threads", type=int, default=cls.num_threads)
+        parser.add_argument("--max-batch-size", type=int, default=cls.max_batch_size)
+        parser.add_argument("--max-workers", type=int, default=cls.max_workers)
+        parser.add_argument("--log-level", default=cls.log_level, type=str.upper)
+        args = parser.parse_args(argv)
+        return cls(redis_url=args.redis_url, broker_address=args.broker, host=args.host,
+                   port=args.port, metrics_port=args.metrics_port, num_threads=args.num_threads,
+                   max_batch_size=args.max_batch_size, max_workers=args.max_workers,
+                   log_level=args.log_level)
+
+    @property
+    def logging_level(self) -> int:
+        return logging.getLevelName(self.log_level)

@@ -1,0 +1,96 @@
+"""The record of one batched decode: which row drew which token at which step, with its log-prob and
+support, turned into per-row responses at the end.
+
+Rows leave the batch as they finish, so each step covers a subset of the original rows; the record
+keeps the original row index of every draw. Everything is concatenated and reordered once at the
+end (no Python loop per token); the only loop is one pass over rows to slice the results.
+Knows nothing about models or tokenizers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from furlong.core.sampling_mask import RolloutSamplingMask
+from furlong.rollout.core.sampler import StepDraw
+
+
+@dataclass(frozen=True)
+class RowTrace:
+    token_ids: list[int]
+    logprobs: list[float]
+    support: RolloutSamplingMask
+
+
+class DecodeTrace:
+    """Accumulates `StepDraw`s of a batch of `num_rows` rows over a vocabulary of `vocab_size`."""
+
+    def __init__(self, num_rows: int, vocab_size: int) -> None:
+        self.num_rows = num_rows
+        self.vocab_size = vocab_size
+        self._rows: list[torch.Tensor] = []
+        self._draws: list[StepDraw] = []
+
+    def add(self, rows: torch.Tensor, draw: StepDraw) -> None:
+        """Record one step: `rows[i]` is the original row index of the draw's i-th entry."""
+        if self._draws and (draw.kept_ids is None) != (self._draws[0].kept_ids is None):
+            raise ValueError("a decode mixes filtered and unfiltered steps")
+        self._rows.append(rows)
+        self._draws.append(draw)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(r.numel()) for r in self._rows)
+
+    def rows(self) -> list[RowTrace]:
+        """Per original row, its tokens, log-probs and supports in decode order."""
+        if not self._draws:
+            raise ValueError("no decode steps were recorded")
+        num_steps = len(self._draws)
+        rows = torch.cat(self._rows)
+        steps = torch.cat([torch.full_like(r, t) for t, r in enumerate(self._rows)])
+        order = torch.argsort(rows * num_steps + steps)
+        tokens = torch.cat([d.tokens for d in self._draws])[order].tolist()
+        logprobs = torch.cat([d.logprobs for d in self._draws])[order].tolist()
+        lengths = torch.bincount(rows, minlength=self.num_rows).tolist()
+        if any(n == 0 for n in lengths):
+            raise ValueError(f"rows without any token: {[i for i, n in enumerate(lengths) if n == 0]}")
+        if self._draws[0].kept_ids is None:
+            supports = self._full_vocab_supports(lengths)
+        else:
+            supports = self._filtered_supports(order, lengths)
+        out, start = [], 0
+        for n, support in zip(lengths, supports):
+            out.append(RowTrace(token_ids=tokens[start:start + n], logprobs=logprobs[start:start + n],
+                                support=support))
+            start += n
+        return out
+
+    def _full_vocab_supports(self, lengths: list[int]) -> list[RolloutSamplingMask]:
+        vocab = np.arange(self.vocab_size, dtype=np.int32)
+        return [RolloutSamplingMask(token_ids=np.tile(vocab, n),
+                                    offsets=np.arange(n + 1, dtype=np.int64) * self.vocab_size,
+                                    vocab_size=self.vocab_size) for n in lengths]
+
+    def _filtered_supports(self, order: torch.Tensor, lengths: list[int]) -> list[RolloutSamplingMask]:
+        width = max(int(d.kept_ids.shape[1]) for d in self._draws)
+        # Pad with vocab_size, which sorts after every real id, then sort each support by token id.
+        kept = torch.cat([torch.nn.functional.pad(d.kept_ids, (0, width - d.kept_ids.shape[1]),
+                                                  value=self.vocab_size) for d in self._draws])
+        counts = torch.cat([d.kept_counts for d in self._draws])[order]
+        kept = kept[order]
+        in_support = torch.arange(width)[None, :] < counts[:, None]
+        kept = torch.sort(kept.masked_fill(~in_support, self.vocab_size), dim=-1).values
+        flat = kept[in_support].to(torch.int32).numpy()
+        token_offsets = np.zeros(counts.numel() + 1, dtype=np.int64)
+        np.cumsum(counts.numpy(), out=token_offsets[1:])
+        supports, start = [], 0
+        for n in lengths:
+            offs = token_offsets[start:start + n + 1]
+            supports.append(RolloutSamplingMask(token_ids=flat[offs[0]:offs[-1]].copy(),
+                                                offsets=offs - offs[0], vocab_size=self.vocab_size))
+            start += n
+        return supports

@@ -1,0 +1,91 @@
+"""Requests and results of the rollout service as plain values, shared by the service, its gRPC
+server and its clients; plus the seams the service is built on (weight receivers, observers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+# apply(version, tensors): called by a receiver with a verified version keyed by state_dict names.
+ApplyWeightsFn = Callable[[int, Mapping[str, "torch.Tensor"]], None]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt_id: str      # unique within the run
+    text: str
+    answer: str         # reference the reward compares against
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    run_id: str
+    policy_version: int
+    engine_ids: list[str]
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    run_id: str
+    step: int
+    num_groups: int
+    num_samples: int
+    reward_mean: float
+    policy_version: int       # the oldest version any sample of the request was drawn with
+    num_tokens: int           # generated tokens
+    generate_seconds: float
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    engine_id: str
+    policy_version: int
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    run_id: str
+    engines: list[EngineStatus]
+
+
+class WeightReceiverLike(Protocol):
+    """Delivers new policy versions of one engine by calling its apply function from its own thread.
+    `start` may raise (the run is then not configured); `close` is idempotent."""
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ReceiverFactory(Protocol):
+    """Builds (does not start) the weight receiver of one engine of a run."""
+
+    def __call__(self, run_id: str, engine_id: str, apply: ApplyWeightsFn) -> WeightReceiverLike: ...
+
+
+class RolloutObserver(Protocol):
+    """Told what the service did (metrics). Called from request and receiver threads; must not raise."""
+
+    def generated(self, run_id: str, num_samples: int, num_tokens: int, seconds: float,
+                  reward_mean: float) -> None: ...
+
+    def version_applied(self, run_id: str, engine_id: str, version: int) -> None: ...
+
+    def run_ended(self, run_id: str, engine_ids: list[str]) -> None: ...
+
+
+class NullObserver:
+    def generated(self, run_id: str, num_samples: int, num_tokens: int, seconds: float,
+                  reward_mean: float) -> None:
+        pass
+
+    def version_applied(self, run_id: str, engine_id: str, version: int) -> None:
+        pass
+
+    def run_ended(self, run_id: str, engine_ids: list[str]) -> None:
+        pass

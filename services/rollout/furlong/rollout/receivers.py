@@ -1,0 +1,20 @@
+"""Weight receivers of the rollout engines backed by the weight broker: one `WeightReceiver` per
+engine, all sharing one broker client. The service only sees the `ReceiverFactory` seam.
+"""
+
+from __future__ import annotations
+
+from furlong.rollout.core.types import ApplyWeightsFn, ReceiverFactory
+from furlong.weight_broker.client import BrokerClient
+from furlong.weight_broker.config import TransferConfig
+from furlong.weight_broker.receiver import WeightReceiver
+
+
+def broker_receiver_factory(broker: BrokerClient,
+                            transfer: TransferConfig = TransferConfig()) -> ReceiverFactory:
+    """A factory of broker-backed receivers; the engine id doubles as its NIXL agent name prefix."""
+
+    def make(run_id: str, engine_id: str, apply: ApplyWeightsFn) -> WeightReceiver:
+        return WeightReceiver(broker, run_id, engine_id, apply, config=transfer)
+
+    return make

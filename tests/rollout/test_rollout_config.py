@@ -1,0 +1,34 @@
+"""The rollout process configuration: command line parsing and validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from furlong.rollout.config import RolloutServerConfig
+
+pytestmark = pytest.mark.unit
+
+
+def test_from_args_parses_every_flag():
+    config = RolloutServerConfig.from_args([
+        "--host", "127.0.0.1", "--port", "5001", "--metrics-port", "5002", "--redis-url",
+        "redis://127.0.0.1:6379/0", "--broker", "127.0.0.1:5003", "--num-threads", "1",
+        "--max-batch-size", "64", "--log-level", "debug"])
+    assert config == RolloutServerConfig(redis_url="redis://127.0.0.1:6379/0",
+                                         broker_address="127.0.0.1:5003", host="127.0.0.1",
+                                         port=5001, metrics_port=5002, num_threads=1,
+                                         max_batch_size=64, log_level="DEBUG")
+    assert config.logging_level == 10
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(port=70000), "port 70000"), (dict(metrics_port=-1), "metrics_port -1"),
+    (dict(redis_url="localhost:6379"), "redis_url"), (dict(broker_address="nohost"), "broker_address"),
+    (dict(broker_address="h:0"), "broker_address"), (dict(num_threads=0), "num_threads"),
+    (dict(max_batch_size=0), "max_batch_size"), (dict(log_level="LOUD"), "log_level"),
+    (dict(host=""), "host"),
+])
+def test_bad_values_are_named(change, needle):
+    base = dict(redis_url="redis://127.0.0.1:6379/0", broker_address="127.0.0.1:1")
+    with pytest.raises(ValueError, match=needle):
+        RolloutServerConfig(**{**base, **change})
