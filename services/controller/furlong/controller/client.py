@@ -1,0 +1,117 @@
+"""Clients of the controller's REST API: over HTTP, and an in-process twin with the same interface.
+
+Both return the JSON shapes of `docs/rest-api.md` (plain dicts) and raise the same domain errors:
+SpecError (422 naming a field), ValueError (other 422), NotFoundError (404), ConflictError (409),
+UnavailableError (503 or the controller cannot be reached), PermissionError (401).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol
+
+import httpx
+
+from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
+
+from furlong.controller.run_spec import SpecError
+from furlong.controller.runs import RunService
+
+
+class ControllerClient(Protocol):
+    """Blocking calls; thread-safe."""
+
+    def create_run(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """Submit a run spec; the created run (state pending)."""
+
+    def list_runs(self, state: str | None = None) -> list[dict[str, Any]]:
+        """All runs, newest first."""
+
+    def get_run(self, run_id: str) -> dict[str, Any]: ...
+
+    def stop_run(self, run_id: str) -> dict[str, Any]:
+        """Ask a run to stop; the run as it is right after the request."""
+
+    def run_metrics(self, run_id: str, since: int = 0) -> list[dict[str, Any]]:
+        """Step records from index since."""
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        detail = response.text
+    if response.status_code == 401:
+        raise PermissionError(f"controller rejected the token: {detail}")
+    if response.status_code == 404:
+        raise NotFoundError(str(detail))
+    if response.status_code == 409:
+        raise ConflictError(str(detail))
+    if response.status_code == 422:
+        if isinstance(detail, dict) and detail.get("field"):
+            field, message = str(detail["field"]), str(detail.get("message", ""))
+            raise SpecError(field, message.removeprefix(f"{field}: "))
+        raise ValueError(str(detail))
+    if response.status_code == 503:
+        raise UnavailableError(str(detail))
+    raise RuntimeError(f"controller answered {response.status_code}: {detail}")
+
+
+class HttpControllerClient:
+    def __init__(self, base_url: str, token: str, timeout_s: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s,
+                                  headers={"Authorization": f"Bearer {token}"})
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise UnavailableError(f"controller at {self.base_url} unreachable: {exc}") from None
+        _raise_for(response)
+        return response.json()
+
+    def create_run(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        return self._request("POST", "/v1/runs", json=dict(spec))
+
+    def list_runs(self, state: str | None = None) -> list[dict[str, Any]]:
+        params = {"state": state} if state else None
+        return self._request("GET", "/v1/runs", params=params)["runs"]
+
+    def get_run(self, run_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/v1/runs/{run_id}")
+
+    def stop_run(self, run_id: str) -> dict[str, Any]:
+        return self._request("POST", f"/v1/runs/{run_id}/stop")
+
+    def run_metrics(self, run_id: str, since: int = 0) -> list[dict[str, Any]]:
+        return self._request("GET", f"/v1/runs/{run_id}/metrics", params={"since": since})["steps"]
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class InProcessControllerClient:
+    """The same interface straight over a RunService, for tests and embedding."""
+
+    def __init__(self, service: RunService) -> None:
+        self._service = service
+
+    def create_run(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        return self._service.create_run(dict(spec)).to_dict()
+
+    def list_runs(self, state: str | None = None) -> list[dict[str, Any]]:
+        return [r.to_dict() for r in self._service.list_runs(state)]
+
+    def get_run(self, run_id: str) -> dict[str, Any]:
+        return self._service.get_run(run_id).to_dict()
+
+    def stop_run(self, run_id: str) -> dict[str, Any]:
+        return self._service.stop_run(run_id).to_dict()
+
+    def run_metrics(self, run_id: str, since: int = 0) -> list[dict[str, Any]]:
+        return [s.to_dict() for s in self._service.step_metrics(run_id, since)]
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,70 @@
+"""The controller's configuration, parsed once in `__main__` and validated here."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+
+_ADDRESS_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+
+
+@dataclass(frozen=True)
+class DriverTimeouts:
+    """Seconds each call of the RL loop may take. `configure_s` covers loading a checkpoint;
+    `generate_s`, `train_s` and `commit_s` are sent to the service as its own wait (the gRPC
+    deadline adds a margin on top)."""
+
+    configure_s: float = 300.0
+    generate_s: float = 600.0
+    train_s: float = 600.0
+    publish_s: float = 120.0
+    commit_s: float = 120.0
+    end_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"DriverTimeouts.{f.name} must be a positive number, got {value!r}")
+
+
+def check_address(name: str, address: str) -> str:
+    """address if it looks like host:port, else ValueError naming it."""
+    if not _ADDRESS_RE.match(address or ""):
+        raise ValueError(f"{name} must be host:port, got {address!r}")
+    port = int(address.rsplit(":", 1)[1])
+    if not 0 < port < 65536:
+        raise ValueError(f"{name} port must be in 1..65535, got {port}")
+    return address
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    host: str
+    port: int
+    redis_url: str
+    trainer: str                  # host:port of the trainer's gRPC server
+    rollout: str
+    broker: str
+    token: str                    # bearer token every /v1 request must present
+    timeouts: DriverTimeouts = DriverTimeouts()
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must be non-empty")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port!r}")
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must be a redis:// URL, got {self.redis_url!r}")
+        for name in ("trainer", "rollout", "broker"):
+            check_address(name, getattr(self, name))
+        if len(self.token) < 16 or any(c.isspace() for c in self.token):
+            raise ValueError("token must be at least 16 characters without whitespace "
+                             f"(got {len(self.token)} characters)")
+
+    def __repr__(self) -> str:  # the token must never reach a log line
+        return (f"ControllerConfig(host={self.host!r}, port={self.port}, redis_url={self.redis_url!r}, "
+                f"trainer={self.trainer!r}, rollout={self.rollout!r}, broker={self.broker!r}, "
+                f"token=<redacted>, timeouts={self.timeouts!r})")

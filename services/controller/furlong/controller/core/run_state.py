@@ -1,0 +1,116 @@
+"""A run's lifecycle: its states, the transitions allowed between them, and the run record.
+
+    pending  -> starting | cancelled (stopped while pending) | failed
+    starting -> running | stopping (stopped while configuring) | failed
+    running  -> stopping | failed
+    stopping -> succeeded | failed | cancelled
+
+`stopping` is the teardown phase (EndRun on every service), entered both after the last step and
+after a stop request; the terminal state says why the run ended. A stop request on a started run is
+recorded as `stop_requested` and acted on by the run's driver between phases. `-> failed` from
+pending, starting or running is for runs a restarted controller finds orphaned. Knows nothing about
+Redis or HTTP.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Any
+
+from furlong.core.errors import ConflictError
+
+from furlong.controller.run_spec import RunSpec, parse_run_spec
+
+
+class RunState(str, enum.Enum):
+    PENDING = "pending"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+    @classmethod
+    def parse(cls, value: str) -> "RunState":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown run state {value!r}; known: {[s.value for s in cls]}") from None
+
+
+TERMINAL_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED})
+ACTIVE_STATES = frozenset({RunState.STARTING, RunState.RUNNING, RunState.STOPPING})
+
+TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+    RunState.PENDING: frozenset({RunState.STARTING, RunState.CANCELLED, RunState.FAILED}),
+    RunState.STARTING: frozenset({RunState.RUNNING, RunState.STOPPING, RunState.FAILED}),
+    RunState.RUNNING: frozenset({RunState.STOPPING, RunState.FAILED}),
+    RunState.STOPPING: frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED}),
+    RunState.SUCCEEDED: frozenset(),
+    RunState.FAILED: frozenset(),
+    RunState.CANCELLED: frozenset(),
+}
+
+
+def check_transition(run_id: str, current: RunState, target: RunState) -> None:
+    """Raise ConflictError unless current -> target is in the transition table."""
+    if target not in TRANSITIONS[current]:
+        allowed = sorted(s.value for s in TRANSITIONS[current]) or "none (terminal)"
+        raise ConflictError(f"run {run_id}: illegal transition {current.value} -> {target.value} "
+                            f"(allowed from {current.value}: {allowed})")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the controller knows about one run. Times are Unix seconds; `current_step` is the last
+    completed step (0 before the first) and `policy_version` the last committed version."""
+
+    run_id: str
+    spec: RunSpec
+    state: RunState
+    created_at: float
+    updated_at: float
+    reason: str = ""
+    started_at: float | None = None
+    finished_at: float | None = None
+    current_step: int = 0
+    policy_version: int = 0
+    stop_requested: bool = False
+
+    def transitioned(self, target: RunState, now: float, reason: str | None = None) -> "Run":
+        """This run moved to target at time now; raises ConflictError for an illegal move."""
+        check_transition(self.run_id, self.state, target)
+        return replace(
+            self, state=target, updated_at=now,
+            reason=self.reason if reason is None else reason,
+            started_at=now if target == RunState.STARTING else self.started_at,
+            finished_at=now if target.terminal else self.finished_at,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id, "name": self.spec.name, "state": self.state.value,
+            "reason": self.reason, "created_at": self.created_at, "updated_at": self.updated_at,
+            "started_at": self.started_at, "finished_at": self.finished_at,
+            "current_step": self.current_step, "total_steps": self.spec.steps,
+            "policy_version": self.policy_version, "stop_requested": self.stop_requested,
+            "spec": self.spec.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Run":
+        return cls(
+            run_id=data["run_id"], spec=parse_run_spec(data["spec"]),
+            state=RunState.parse(data["state"]), created_at=float(data["created_at"]),
+            updated_at=float(data["updated_at"]), reason=data.get("reason", ""),
+            started_at=data.get("started_at"), finished_at=data.get("finished_at"),
+            current_step=int(data.get("current_step", 0)),
+            policy_version=int(data.get("policy_version", 0)),
+            stop_requested=bool(data.get("stop_requested", False)),
+        )

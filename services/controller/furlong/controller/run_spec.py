@@ -1,0 +1,182 @@
+"""The run spec: what a user asks the controller to run, parsed once from a dict (YAML or JSON).
+
+Every section is a frozen dataclass validated in `__post_init__`. `parse_run_spec` rejects unknown
+fields, missing required fields, wrong types and out-of-range values with a `SpecError` whose `field`
+is the dotted path of the bad value (`sampling.top_p`). Optional fields have the defaults written in
+the dataclasses below; the controller stores and returns the fully resolved spec, so nothing is
+implied. Knows nothing about files, HTTP or the services the spec is sent to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ALGORITHMS = ("grpo",)
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class SpecError(ValueError):
+    """A run spec value is missing, unknown, of the wrong type or out of range. `field` is the
+    dotted path of the bad value; the message starts with it."""
+
+    def __init__(self, field_path: str, problem: str) -> None:
+        super().__init__(f"{field_path}: {problem}")
+        self.field = field_path
+        self.problem = problem
+
+    def under(self, prefix: str) -> "SpecError":
+        """The same error with its path nested under prefix."""
+        return SpecError(f"{prefix}.{self.field}", self.problem)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(name, f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise SpecError(name, f"must be >= {minimum}, got {value}")
+
+
+def _check_float(name: str, value: Any, low: float, high: float, low_open: bool = False,
+                 high_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        hint = " (a string: YAML reads 3e-4 as text, write 3.0e-4)" if isinstance(value, str) else ""
+        raise SpecError(name, f"must be a number, got {value!r}{hint}")
+    if not math.isfinite(value):
+        raise SpecError(name, f"must be finite, got {value}")
+    too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
+    if too_low or too_high:
+        lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+        raise SpecError(name, f"must be in {lo}{low:g}, {high:g}{hi}, got {value}")
+
+
+def _check_str(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(name, f"must be a non-empty string, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    temperature: float = 1.0
+    top_k: int = 0                # 0 = off
+    top_p: float = 1.0            # 1.0 = off
+    max_new_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        _check_float("temperature", self.temperature, 0.0, math.inf, low_open=True, high_open=True)
+        _check_int("top_k", self.top_k, 0)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    name: str = "grpo"
+    learning_rate: float = 3e-4
+    clip_eps: float = 0.2
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0    # 0 = no clipping
+    epochs_per_batch: int = 1
+    micro_batch_size: int = 64
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+
+    def __post_init__(self) -> None:
+        if self.name not in ALGORITHMS:
+            raise SpecError("name", f"must be one of {list(ALGORITHMS)}, got {self.name!r}")
+        _check_float("learning_rate", self.learning_rate, 0.0, math.inf, low_open=True, high_open=True)
+        _check_float("clip_eps", self.clip_eps, 0.0, math.inf, low_open=True, high_open=True)
+        _check_float("weight_decay", self.weight_decay, 0.0, math.inf, high_open=True)
+        _check_float("max_grad_norm", self.max_grad_norm, 0.0, math.inf, high_open=True)
+        _check_int("epochs_per_batch", self.epochs_per_batch, 1)
+        _check_int("micro_batch_size", self.micro_batch_size, 1)
+        _check_float("adam_beta1", self.adam_beta1, 0.0, 1.0, high_open=True)
+        _check_float("adam_beta2", self.adam_beta2, 0.0, 1.0, high_open=True)
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    num_engines: int = 1
+
+    def __post_init__(self) -> None:
+        _check_int("num_engines", self.num_engines, 1)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    model: str                    # absolute checkpoint directory, as the services will read it
+    task: str
+    steps: int
+    seed: int = 0
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 8
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
+
+    def __post_init__(self) -> None:
+        _check_str("name", self.name)
+        if not _NAME_RE.match(self.name):
+            raise SpecError("name", f"must match {_NAME_RE.pattern}, got {self.name!r}")
+        _check_str("model", self.model)
+        if not self.model.startswith("/"):
+            raise SpecError("model", f"must be an absolute path, got {self.model!r}")
+        _check_str("task", self.task)
+        _check_int("steps", self.steps, 1)
+        _check_int("seed", self.seed, 0)
+        _check_int("prompts_per_step", self.prompts_per_step, 1)
+        _check_int("samples_per_prompt", self.samples_per_prompt, 1)
+        for name, kind in (("sampling", SamplingSpec), ("algorithm", AlgorithmSpec),
+                           ("rollout", RolloutSpec)):
+            if not isinstance(getattr(self, name), kind):
+                raise SpecError(name, f"must be a {kind.__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS: dict[str, type] = {"sampling": SamplingSpec, "algorithm": AlgorithmSpec,
+                              "rollout": RolloutSpec}
+
+
+def _float_fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.type in ("float", float)}
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """Construct cls from a mapping, naming unknown or missing fields by their full path."""
+    where = prefix or "spec"
+    if not isinstance(data, Mapping):
+        raise SpecError(where, f"must be a mapping, got {type(data).__name__}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    path = (lambda key: f"{prefix}.{key}") if prefix else (lambda key: str(key))
+    for key in data:
+        if key not in known:
+            raise SpecError(path(key), f"unknown field (known: {', '.join(known)})")
+    floats = _float_fields(cls)
+    kwargs: dict[str, Any] = {}
+    for name, f in known.items():
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise SpecError(path(name), "required field is missing")
+            continue
+        value = data[name]
+        if not prefix and name in _SECTIONS:
+            value = _build(_SECTIONS[name], value, name)
+        elif name in floats and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except SpecError as err:
+        raise (err.under(prefix) if prefix else err) from None
+
+
+def parse_run_spec(data: Any) -> RunSpec:
+    """A validated RunSpec from its dict form; raises SpecError naming the bad field."""
+    return _build(RunSpec, data, "")

@@ -1,0 +1,221 @@
+"""The RL loop driver with in-process fakes of the services and a real Redis store."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from furlong.core.errors import UnavailableError
+
+from furlong.controller.config import DriverTimeouts
+from furlong.controller.core.run_state import RunState
+from furlong.controller.core.step_record import sampling_seed
+from furlong.controller.driver import RunDriver
+from furlong.controller.executor import RunExecutor
+from furlong.controller.metrics import ControllerMetrics
+from furlong.controller.prompt_source import TaskPromptSource
+from furlong.controller.run_spec import parse_run_spec
+from furlong.controller.run_store import RunStore
+
+from controller_fakes import fake_stack
+
+pytestmark = pytest.mark.integration
+
+
+def make_spec(steps: int = 3, **extra):
+    return parse_run_spec({"name": "add", "model": "/models/tiny", "task": "addition",
+                           "steps": steps, "seed": 7, "prompts_per_step": 4,
+                           "samples_per_prompt": 2, **extra})
+
+
+@pytest.fixture
+def env(redis_url):
+    store = RunStore.from_url(redis_url)
+    fakes = fake_stack()
+    metrics = ControllerMetrics()
+    driver = RunDriver(store, fakes.trainer, fakes.rollout, fakes.broker, fakes.prompts,
+                       DriverTimeouts(end_s=1.0), metrics)
+    yield store, fakes, driver, metrics
+    store.close()
+
+
+def sample(metrics: ControllerMetrics, name: str, **labels) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def test_steps_advance_and_metrics_are_recorded(env):
+    store, fakes, driver, metrics = env
+    run = store.create(make_spec(steps=3))
+    final = driver.execute(run.run_id)
+    assert final.state == RunState.SUCCEEDED and final.reason == ""
+    assert (final.current_step, final.policy_version) == (3, 3)
+    steps = store.metrics(run.run_id)
+    assert [s.step for s in steps] == [1, 2, 3]
+    assert [s.policy_version for s in steps] == [1, 2, 3]
+    assert [s.sampled_policy_version for s in steps] == [0, 1, 2]
+    assert [s.reward_mean for s in steps] == pytest.approx([0.1, 0.2, 0.3])
+    assert [s.loss for s in steps] == pytest.approx([1.0, 0.5, 1 / 3])
+    assert all(s.samples == 8 and s.num_tokens == 24 for s in steps)
+    assert steps[1].trainer_metrics == {"grad_norm": 1.0, "clip_fraction": 0.0}
+    for s in steps:
+        assert s.step_seconds >= s.generate_seconds + s.train_seconds + s.sync_seconds - 1e-9
+    # what the services were asked
+    assert fakes.rollout.configured[run.run_id] == {"model_dir": "/models/tiny",
+                                                    "reward": "addition_exact_match",
+                                                    "num_engines": 1, "seed": 7}
+    trainer_cfg = fakes.trainer.configured[run.run_id]
+    assert (trainer_cfg["model_dir"], trainer_cfg["seed"], trainer_cfg["total_steps"],
+            trainer_cfg["temperature"]) == ("/models/tiny", 7, 3, 1.0)
+    assert trainer_cfg["algorithm"] == run.spec.algorithm
+    calls = fakes.rollout.generate_calls
+    assert [c["min_policy_version"] for c in calls] == [0, 1, 2]
+    assert [c["seed"] for c in calls] == [sampling_seed(7, s) for s in (1, 2, 3)]
+    assert calls[0]["prompt_ids"] == [f"s7-t1-{i}" for i in range(4)]
+    assert fakes.rollout.ended == fakes.trainer.ended == fakes.broker.ended == [run.run_id]
+    # Prometheus
+    assert sample(metrics, "furlong_controller_runs_total", state="succeeded") == 1
+    assert sample(metrics, "furlong_controller_reward_mean", run_id=run.run_id) == pytest.approx(0.3)
+    assert sample(metrics, "furlong_controller_policy_version", run_id=run.run_id) == 3
+    assert sample(metrics, "furlong_controller_step_seconds_count") == 3
+    assert sample(metrics, "furlong_controller_active_runs") == 0
+
+
+def test_service_error_fails_the_run_with_reason(env):
+    store, fakes, driver, metrics = env
+    fakes.faults.raise_in["train_step"] = UnavailableError("trainer went away")
+    run = store.create(make_spec())
+    final = driver.execute(run.run_id)
+    assert final.state == RunState.FAILED
+    assert final.reason == "step 1 trainer.TrainStep: UnavailableError: trainer went away"
+    assert store.metrics(run.run_id) == []
+    assert fakes.trainer.ended == [run.run_id]  # teardown still ran
+    assert sample(metrics, "furlong_controller_runs_total", state="failed") == 1
+
+
+def test_configure_error_and_unknown_task(env):
+    store, fakes, driver, _ = env
+    fakes.faults.raise_in["rollout.configure_run"] = ValueError("no such checkpoint /models/tiny")
+    run = store.create(make_spec())
+    final = driver.execute(run.run_id)
+    assert final.state == RunState.FAILED
+    assert final.reason.startswith("rollout.ConfigureRun: ValueError: no such checkpoint")
+    assert fakes.trainer.runs == {}  # the trainer was never configured
+    fakes.faults.raise_in.clear()
+    other = store.create(parse_run_spec({"name": "x", "model": "/m", "task": "sorting", "steps": 1}))
+    final = driver.execute(other.run_id)
+    assert final.state == RunState.FAILED and final.reason.startswith("task: ValueError: unknown task")
+
+
+def test_teardown_error_turns_success_into_failure(env):
+    store, fakes, driver, _ = env
+    fakes.faults.raise_in["broker.end_run"] = UnavailableError("broker gone")
+    run = store.create(make_spec(steps=1))
+    final = driver.execute(run.run_id)
+    assert final.state == RunState.FAILED
+    assert final.reason == "teardown: broker.EndRun: UnavailableError: broker gone"
+    assert final.current_step == 1
+
+
+def test_uncommitted_version_fails(env):
+    store, fakes, driver, _ = env
+    fakes.broker.commit = lambda run_id, version: None  # engines never acknowledge
+    run = store.create(make_spec(steps=2))
+    final = driver.execute(run.run_id)
+    assert final.state == RunState.FAILED
+    assert final.reason.startswith("step 1 broker.WaitCommitted: TimeoutError: version 1 not committed")
+
+
+def test_stop_between_phases_cancels(env):
+    store, fakes, driver, metrics = env
+    gate = threading.Event()
+    fakes.faults.gates["generate"] = gate
+    run = store.create(make_spec(steps=5))
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("run", driver.execute(run.run_id)))
+    worker.start()
+    assert fakes.faults.entered.setdefault("generate", threading.Event()).wait(10)
+    assert store.get(run.run_id).state == RunState.RUNNING
+    flagged = store.request_stop(run.run_id)
+    assert flagged.stop_requested and flagged.state == RunState.RUNNING
+    gate.set()
+    worker.join(10)
+    final = result["run"]
+    assert final.state == RunState.CANCELLED
+    assert final.reason == "stopped by request after step 1 rollout.Generate"
+    assert final.current_step == 0 and store.metrics(run.run_id) == []
+    assert fakes.rollout.ended == [run.run_id]
+    assert sample(metrics, "furlong_controller_runs_total", state="cancelled") == 1
+
+
+def test_cancelled_before_start_is_not_started(env):
+    store, fakes, driver, _ = env
+    run = store.create(make_spec())
+    store.request_stop(run.run_id)
+    final = driver.execute(run.run_id)
+    assert final.state == RunState.CANCELLED
+    assert fakes.rollout.configured == {} and fakes.rollout.ended == []
+
+
+def test_timestamps_are_ordered(env):
+    store, _, driver, _ = env
+    run = store.create(make_spec(steps=1))
+    final = driver.execute(run.run_id)
+    assert run.created_at <= final.started_at <= final.finished_at
+
+
+def test_executor_recovers_orphans_and_runs_pending_in_order(env):
+    store, fakes, driver, _ = env
+    orphan = store.create(make_spec())
+    store.transition(orphan.run_id, RunState.STARTING)
+    store.transition(orphan.run_id, RunState.RUNNING)
+    first = store.create(make_spec(steps=1))
+    second = store.create(make_spec(steps=1))
+    executor = RunExecutor(store, driver)
+    assert executor.recover() == [first.run_id, second.run_id]
+    failed = store.get(orphan.run_id)
+    assert failed.state == RunState.FAILED
+    assert failed.reason == "controller restarted while the run was running"
+    executor.start()
+    deadline = time.monotonic() + 10
+    while store.get(second.run_id).state != RunState.SUCCEEDED and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert executor.close(5)
+    assert store.get(first.run_id).state == store.get(second.run_id).state == RunState.SUCCEEDED
+    assert list(fakes.rollout.configured) == [first.run_id, second.run_id]
+    # the orphan was ended on every service before the queued runs started
+    assert fakes.rollout.ended[0] == fakes.trainer.ended[0] == fakes.broker.ended[0] == orphan.run_id
+
+
+def test_closing_executor_stops_the_active_run_and_leaves_queued_ones_pending(env):
+    store, fakes, driver, _ = env
+    gate = threading.Event()
+    fakes.faults.gates["generate"] = gate
+    executor = RunExecutor(store, driver).start()
+    active, queued = store.create(make_spec()), store.create(make_spec())
+    executor.submit(active.run_id)
+    executor.submit(queued.run_id)
+    assert fakes.faults.entered.setdefault("generate", threading.Event()).wait(10)
+    closer = threading.Thread(target=executor.close, args=(10,))
+    closer.start()
+    deadline = time.monotonic() + 10
+    while not store.get(active.run_id).stop_requested and time.monotonic() < deadline:
+        time.sleep(0.02)
+    gate.set()
+    closer.join(10)
+    assert store.get(active.run_id).state == RunState.CANCELLED
+    assert store.get(queued.run_id).state == RunState.PENDING
+
+
+@pytest.mark.unit
+def test_task_prompt_source_uses_the_registered_tasks():
+    source = TaskPromptSource()
+    assert source.reward_name("addition") == "addition_exact_match"
+    prompts = source.prompts("addition", seed=3, step=2, count=4)
+    assert len(prompts) == 4 and len({p.prompt_id for p in prompts}) == 4
+    assert prompts == source.prompts("addition", seed=3, step=2, count=4)  # deterministic
+    a, b = prompts[0].text.rstrip("=").split("+")
+    assert prompts[0].answer == str(int(a) + int(b))
+    with pytest.raises(ValueError, match="unknown task 'sorting'"):
+        source.reward_name("sorting")

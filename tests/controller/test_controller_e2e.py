@@ -1,0 +1,136 @@
+"""The whole stack as separate processes (real Redis, weight broker, trainer, rollout, controller,
+dashboard) on a tiny checkpoint: `furlong up` -> REST calls -> `furlong down`, and `furlong run`
+starting and stopping its own stack. Both must leave no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+FURLONG = str(Path(sys.executable).parent / "furlong")
+
+
+def write_tiny_checkpoint(directory: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from furlong.core.checkpoint import save_policy
+    from furlong.core.tasks import AdditionTask
+    from furlong.core.tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer(AdditionTask.ALPHABET)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2)
+    save_policy(LlamaForCausalLM(config), tokenizer, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+def spec(model: str, name: str = "e2e-addition", steps: int = 2) -> dict:
+    return {"name": name, "model": model, "task": "addition", "steps": steps, "seed": 0,
+            "prompts_per_step": 2, "samples_per_prompt": 2,
+            "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 4},
+            "algorithm": {"name": "grpo", "learning_rate": 0.001, "micro_batch_size": 8}}
+
+
+def all_gone(pids) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+def wait_state(http: httpx.Client, run_id: str, states: set[str], timeout_s: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = http.get(f"/v1/runs/{run_id}").json()
+        if run["state"] in states:
+            return run
+        time.sleep(0.2)
+    raise AssertionError(f"run {run_id} not in {states} after {timeout_s}s")
+
+
+def test_up_rest_down(checkpoint, tmp_path):
+    state_dir = tmp_path / "state"
+    up = subprocess.run([FURLONG, "up", "--state-dir", str(state_dir)], capture_output=True,
+                        text=True, timeout=300)
+    stack = json.loads((state_dir / "stack.json").read_text()) if up.returncode == 0 else None
+    pids = [p["pid"] for p in stack["processes"]] if stack else []
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert [p["name"] for p in stack["processes"]] == \
+            ["redis", "weight_broker", "trainer", "rollout", "controller", "dashboard"]
+        token = (state_dir / "token").read_text().strip()
+        assert stack["rest_url"] in up.stdout and token in up.stdout
+        assert httpx.get(f"{stack['rest_url']}/readyz").json()["ready"] is True
+        assert httpx.get(f"{stack['rest_url']}/v1/runs").status_code == 401
+        http = httpx.Client(base_url=stack["rest_url"], timeout=30,
+                            headers={"Authorization": f"Bearer {token}"})
+        bad = http.post("/v1/runs", json=spec(str(tmp_path / "no-such-checkpoint"), name="bad"))
+        assert bad.status_code == 201
+        failed = wait_state(http, bad.json()["run_id"], {"failed", "succeeded", "cancelled"})
+        assert failed["state"] == "failed" and failed["reason"].startswith("rollout.ConfigureRun:")
+        created = http.post("/v1/runs", json=spec(str(checkpoint)))
+        assert created.status_code == 201
+        run = wait_state(http, created.json()["run_id"], {"failed", "succeeded", "cancelled"})
+        assert run["state"] == "succeeded", run["reason"]
+        assert (run["current_step"], run["policy_version"]) == (2, 2)
+        steps = http.get(f"/v1/runs/{run['run_id']}/metrics").json()["steps"]
+        assert [s["step"] for s in steps] == [1, 2] and all(s["samples"] == 4 for s in steps)
+        assert [s["sampled_policy_version"] for s in steps] == [0, 1]
+        assert all(0.0 <= s["reward_mean"] <= 1.0 for s in steps)
+        prom = httpx.get(f"{stack['rest_url']}/metrics").text
+        assert f'furlong_controller_policy_version{{run_id="{run["run_id"]}"}} 2.0' in prom
+        host = httpx.get(f"{stack['dashboard_url']}/metrics").text
+        trainer_pid = next(p["pid"] for p in stack["processes"] if p["name"] == "trainer")
+        assert f'furlong_host_process_rss_bytes{{pid="{trainer_pid}",service="trainer"}}' in host
+    finally:
+        down = subprocess.run([FURLONG, "down", "--state-dir", str(state_dir)], capture_output=True,
+                              text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert all_gone(pids)
+    assert not (state_dir / "stack.json").exists()
+
+
+def test_run_starts_and_stops_its_own_stack(checkpoint, tmp_path):
+    config_dir = tmp_path / "cfg"
+    config_dir.mkdir()
+    config = config_dir / "run.yaml"
+    # a relative model path is resolved against the config file's directory
+    config.write_text(yaml.safe_dump(spec(os.path.relpath(checkpoint, config_dir))))
+    state_dir, out = tmp_path / "state", tmp_path / "out"
+    before = {p.pid for p in psutil.process_iter()}
+    result = subprocess.run([FURLONG, "run", str(config), "--out", str(out), "--state-dir",
+                             str(state_dir)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    assert all({"step", "reward_mean", "loss", "policy_version", "samples", "step_seconds"} <= set(x)
+               for x in lines)
+    run = json.loads((out / "run.json").read_text())
+    assert run["state"] == "succeeded" and run["spec"]["model"] == str(checkpoint.resolve())
+    assert not (state_dir / "stack.json").exists()
+    started = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
+               and str(state_dir) in " ".join(p.info["cmdline"] or [])]
+    assert all_gone([p.pid for p in started])

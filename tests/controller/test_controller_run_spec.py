@@ -1,0 +1,115 @@
+"""Run spec parsing: defaults, and every kind of bad value named by its field path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from furlong.controller.run_spec import (AlgorithmSpec, RunSpec, SamplingSpec, SpecError,
+                                         parse_run_spec)
+
+FULL = {
+    "name": "addition-grpo", "model": "/models/tiny", "task": "addition", "steps": 30, "seed": 0,
+    "prompts_per_step": 16, "samples_per_prompt": 8,
+    "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 8},
+    "algorithm": {"name": "grpo", "learning_rate": 0.0003, "clip_eps": 0.2, "weight_decay": 0.0,
+                  "max_grad_norm": 1.0, "epochs_per_batch": 1, "micro_batch_size": 64,
+                  "adam_beta1": 0.9, "adam_beta2": 0.999},
+    "rollout": {"num_engines": 1},
+}
+
+
+def with_value(path: str, value):
+    data = copy.deepcopy(FULL)
+    *parents, leaf = path.split(".")
+    node = data
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    return data
+
+
+def without(path: str):
+    data = copy.deepcopy(FULL)
+    *parents, leaf = path.split(".")
+    node = data
+    for p in parents:
+        node = node[p]
+    del node[leaf]
+    return data
+
+
+@pytest.mark.unit
+def test_full_spec_round_trips():
+    spec = parse_run_spec(FULL)
+    assert spec.sampling.max_new_tokens == 8
+    assert spec.algorithm.micro_batch_size == 64
+    assert spec.to_dict() == FULL
+    assert parse_run_spec(spec.to_dict()) == spec
+
+
+@pytest.mark.unit
+def test_minimal_spec_takes_documented_defaults():
+    spec = parse_run_spec({"name": "r", "model": "/m", "task": "addition", "steps": 2})
+    assert spec.seed == 0 and spec.prompts_per_step == 16 and spec.samples_per_prompt == 8
+    assert spec.sampling == SamplingSpec(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8)
+    assert spec.algorithm == AlgorithmSpec()
+    assert spec.algorithm.learning_rate == 3e-4
+    assert spec.rollout.num_engines == 1
+
+
+@pytest.mark.unit
+def test_integers_are_accepted_for_float_fields_and_stored_as_floats():
+    spec = parse_run_spec(with_value("sampling.top_p", 1))
+    assert spec.sampling.top_p == 1.0 and isinstance(spec.sampling.top_p, float)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("data, field, words", [
+    (with_value("sampling.top_p", 1.5), "sampling.top_p", "(0, 1]"),
+    (with_value("sampling.top_p", 0.0), "sampling.top_p", "(0, 1]"),
+    (with_value("sampling.temperature", 0), "sampling.temperature", "got 0"),
+    (with_value("sampling.temperature", float("nan")), "sampling.temperature", "finite"),
+    (with_value("sampling.top_k", -1), "sampling.top_k", ">= 0"),
+    (with_value("sampling.top_k", 1.5), "sampling.top_k", "integer"),
+    (with_value("sampling.max_new_tokens", 0), "sampling.max_new_tokens", ">= 1"),
+    (with_value("sampling.extra", 1), "sampling.extra", "unknown field"),
+    (with_value("sampling", [1]), "sampling", "mapping"),
+    (with_value("algorithm.name", "ppo2"), "algorithm.name", "grpo"),
+    (with_value("algorithm.learning_rate", -1e-3), "algorithm.learning_rate", "got -0.001"),
+    (with_value("algorithm.adam_beta2", 1.0), "algorithm.adam_beta2", "[0, 1)"),
+    (with_value("algorithm.epochs_per_batch", 0), "algorithm.epochs_per_batch", ">= 1"),
+    (with_value("algorithm.micro_batch_size", "64"), "algorithm.micro_batch_size", "integer"),
+    (with_value("algorithm.max_grad_norm", -0.5), "algorithm.max_grad_norm", "got -0.5"),
+    (with_value("rollout.num_engines", 0), "rollout.num_engines", ">= 1"),
+    (with_value("rollout.gpus", 1), "rollout.gpus", "unknown field"),
+    (with_value("steps", 0), "steps", ">= 1"),
+    (with_value("steps", True), "steps", "integer"),
+    (with_value("steps", "30"), "steps", "integer"),
+    (with_value("seed", -1), "seed", ">= 0"),
+    (with_value("prompts_per_step", 0), "prompts_per_step", ">= 1"),
+    (with_value("samples_per_prompt", 0), "samples_per_prompt", ">= 1"),
+    (with_value("model", "relative/dir"), "model", "absolute"),
+    (with_value("model", ""), "model", "non-empty"),
+    (with_value("name", "has space"), "name", "must match"),
+    (with_value("task", 7), "task", "string"),
+    (with_value("epochs", 3), "epochs", "unknown field"),
+    (without("name"), "name", "required"),
+    (without("steps"), "steps", "required"),
+    ([1, 2], "spec", "mapping"),
+])
+def test_bad_values_name_their_field(data, field, words):
+    with pytest.raises(SpecError) as err:
+        parse_run_spec(data)
+    assert err.value.field == field
+    assert str(err.value).startswith(f"{field}: ")
+    assert words in str(err.value)
+
+
+@pytest.mark.unit
+def test_direct_construction_validates_too():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingSpec(top_p=2.0)
+    with pytest.raises(ValueError, match="sampling"):
+        RunSpec(name="r", model="/m", task="t", steps=1, sampling={"top_p": 1.0})
