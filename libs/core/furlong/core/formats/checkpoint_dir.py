@@ -1,0 +1,155 @@
+"""A checkpoint directory as Hugging Face lays it out: `config.json`, and either one
+`model.safetensors` or shards listed by `model.safetensors.index.json` (`weight_map`: tensor name ->
+shard file name, `metadata.total_size`).
+
+`CheckpointDir.open` validates the whole layout before anything is read: the index is well formed,
+shard names are plain file names inside the directory, every shard header is valid (see
+`furlong.core.safetensors_io`), and the index and the shard headers agree tensor for tensor. Reading
+then goes tensor by tensor. Knows nothing about model families or quantisation formats.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from furlong.core.safetensors_io import (Header, SafetensorsFormatError, SafetensorsReader,
+                                         TensorEntry)
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object; ValueError naming the file otherwise."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_config(model_dir: Path | str) -> dict[str, Any]:
+    return read_json_object(Path(model_dir) / CONFIG_FILE)
+
+
+def _check_shard_name(index_path: Path, name: Any) -> str:
+    if (not isinstance(name, str) or not name.endswith(".safetensors") or "/" in name
+            or "\\" in name or name.startswith(".") or "\0" in name):
+        raise SafetensorsFormatError(f"index {index_path}: shard name {name!r} is not a plain "
+                                     f".safetensors file name")
+    return name
+
+
+def _read_index(index_path: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    try:
+        doc = read_json_object(index_path)
+    except ValueError as exc:
+        raise SafetensorsFormatError(str(exc)) from None
+    weight_map = doc.get("weight_map")
+    metadata = doc.get("metadata", {})
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise SafetensorsFormatError(f"index {index_path}: weight_map must be a non-empty object")
+    if not isinstance(metadata, dict):
+        raise SafetensorsFormatError(f"index {index_path}: metadata must be an object")
+    for name, shard in weight_map.items():
+        if not name:
+            raise SafetensorsFormatError(f"index {index_path}: empty tensor name")
+        _check_shard_name(index_path, shard)
+    return dict(weight_map), dict(metadata)
+
+
+@dataclass
+class CheckpointDir:
+    """A validated checkpoint directory. `shards` are file names in first-use order."""
+
+    path: Path
+    shards: tuple[str, ...]
+    weight_map: dict[str, str]
+    indexed: bool
+    index_metadata: dict[str, Any] = field(default_factory=dict)
+    _readers: dict[str, SafetensorsReader] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, path: Path | str) -> "CheckpointDir":
+        path = Path(path)
+        if not path.is_dir():
+            raise ValueError(f"checkpoint directory {path} does not exist")
+        index_path = path / INDEX_FILE
+        if index_path.is_file():
+            weight_map, metadata = _read_index(index_path)
+            indexed = True
+        elif (path / SINGLE_FILE).is_file():
+            weight_map, metadata, indexed = {}, {}, False
+        else:
+            raise ValueError(f"checkpoint directory {path} has neither {INDEX_FILE} nor "
+                             f"{SINGLE_FILE}")
+        shards = tuple(dict.fromkeys(weight_map.values())) if indexed else (SINGLE_FILE,)
+        readers: dict[str, SafetensorsReader] = {}
+        for shard in shards:
+            if not (path / shard).is_file():
+                raise ValueError(f"checkpoint {path}: shard {shard} listed in {INDEX_FILE} does "
+                                 f"not exist")
+            readers[shard] = SafetensorsReader(path / shard)
+        if indexed:
+            for shard, reader in readers.items():
+                for name in reader.header.entries:
+                    listed = weight_map.get(name)
+                    if listed != shard:
+                        raise SafetensorsFormatError(
+                            f"checkpoint {path}: tensor {name!r} is stored in {shard} but the "
+                            f"index maps it to {listed!r}")
+            for name, shard in weight_map.items():
+                if name not in readers[shard].header.entries:
+                    raise SafetensorsFormatError(f"checkpoint {path}: index maps tensor {name!r} "
+                                                 f"to {shard}, which does not hold it")
+        else:
+            weight_map = {name: SINGLE_FILE for name in readers[SINGLE_FILE].header.entries}
+        return cls(path, shards, weight_map, indexed, metadata, readers)
+
+    def header(self, shard: str) -> Header:
+        return self._readers[shard].header
+
+    def names_in(self, shard: str) -> list[str]:
+        """Tensor names of one shard in data-offset order."""
+        return list(self._readers[shard].header.entries)
+
+    def entry(self, name: str) -> TensorEntry:
+        return self._readers[self.shard_of(name)].entry(name)
+
+    def shard_of(self, name: str) -> str:
+        try:
+            return self.weight_map[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in checkpoint {self.path}") from None
+
+    def read_bytes(self, name: str) -> np.ndarray:
+        return self._readers[self.shard_of(name)].read_bytes(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._readers[self.shard_of(name)].read(name)
+
+    def shard_bytes(self, shard: str) -> int:
+        return self._readers[shard].header.file_bytes
+
+    def total_tensor_bytes(self) -> int:
+        return sum(self.entry(name).nbytes for name in self.weight_map)
+
+
+def write_index(model_dir: Path, weight_map: Mapping[str, str], total_size: int,
+                extra_metadata: Mapping[str, Any] | None = None) -> None:
+    """Write `model.safetensors.index.json` (tensor names sorted, as Hugging Face writes them)."""
+    metadata = dict(extra_metadata or {})
+    metadata["total_size"] = int(total_size)
+    doc = {"metadata": metadata, "weight_map": {k: weight_map[k] for k in sorted(weight_map)}}
+    (Path(model_dir) / INDEX_FILE).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
