@@ -7,6 +7,7 @@ from ci_fakes import FakeGitHub, pull
 
 from tools.ci.command import CommandRejected
 from tools.ci.gateway import RERUN_WORKFLOW, CommentEvent, handle, plan_dispatch
+from tools.ci.github_api import GitHubApiError
 
 pytestmark = pytest.mark.unit
 
@@ -137,3 +138,27 @@ def test_event_validation(kwargs):
     }
     with pytest.raises(ValueError):
         CommentEvent(**fields)
+
+
+def test_github_errors_are_answered_and_raised():
+    api = setup()
+    del api.pulls[(REPO, 42)]  # the pull request lookup fails (404)
+    with pytest.raises(GitHubApiError):
+        handle(event(), api, api, PathChecks())
+    (reply,) = api.comments.values()
+    assert reply["body"].startswith("`/rerun-test` could not be checked:")
+    assert api.dispatches == []
+
+
+def test_failed_dispatch_is_answered_and_raised():
+    api = setup()
+
+    def refuse(*args):
+        raise GitHubApiError("POST", "/dispatches", 422, "workflow not found")
+
+    api.dispatch_workflow = refuse
+    with pytest.raises(GitHubApiError):
+        handle(event(), api, api, PathChecks())
+    (reply,) = api.comments.values()
+    assert reply["body"].startswith("`/rerun-test` could not start the run:")
+    assert "workflow not found" in reply["body"]

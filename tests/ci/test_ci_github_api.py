@@ -51,7 +51,7 @@ def server(monkeypatch):
         monkeypatch.setenv(name, "127.0.0.1")
     Recorder.routes, Recorder.seen = {}, []
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}", Recorder
     httpd.shutdown()

@@ -41,13 +41,13 @@ IMPOSSIBLE = [
 
 @pytest.mark.parametrize(("combo", "expected"), REACHABLE + IMPOSSIBLE)
 def test_listed_combinations(combo, expected):
-    assert decide_outcome(dict(zip(JOBS, combo, strict=False))) is expected
+    assert decide_outcome(dict(zip(JOBS, combo, strict=True))) is expected
 
 
 def test_every_combination_of_known_results():
     counts = {outcome: 0 for outcome in Outcome}
     for combo in itertools.product((S, F, C, K), repeat=len(JOBS)):
-        outcome = decide_outcome(dict(zip(JOBS, combo, strict=False)))
+        outcome = decide_outcome(dict(zip(JOBS, combo, strict=True)))
         counts[outcome] += 1
         if combo == (S, S, S):
             assert outcome is Outcome.PASSED

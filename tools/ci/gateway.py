@@ -5,7 +5,7 @@ before it passes), write access of the comment's author, an open pull request wh
 this same repository, and a test path that is a plain file (no symlink, no submodule) at the head
 commit. Only then is the fixed workflow `rerun-test.yml` dispatched on the default branch with the
 head SHA as data; the pull request's code never runs here. A refusal is answered with a reply
-comment and raised, so the gateway job fails visibly too.
+comment and raised, so the gateway job fails visibly too; so is a GitHub error on the way.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from tools.ci.command import CommandRejected, RerunCommand, parse_command
-from tools.ci.github_api import CommentApi, RepoApi, check_repository
+from tools.ci.github_api import CommentApi, GitHubApiError, RepoApi, check_repository
 from tools.ci.status_comment import positive_int
 
 log = logging.getLogger(__name__)
@@ -98,25 +98,33 @@ def plan_dispatch(event: CommentEvent, api: RepoApi, check_path: PathCheck) -> D
     )
 
 
-def rejection_body(reason: Exception) -> str:
+def reply_body(verdict: str, reason: Exception) -> str:
     """The reply; the reason sits in a code block so echoed text cannot mention or format."""
     text = str(reason).replace("`", "'")
-    return f"`/rerun-test` rejected:\n```\n{text}\n```"
+    return f"`/rerun-test` {verdict}:\n```\n{text}\n```"
 
 
 def handle(
     event: CommentEvent, repo_api: RepoApi, comment_api: CommentApi, check_path: PathCheck
 ) -> Dispatch:
-    """Dispatch the run, or reply with the reason and re-raise CommandRejected."""
+    """Dispatch the run; on a refusal or a GitHub error reply with the reason, then re-raise."""
     try:
         dispatch = plan_dispatch(event, repo_api, check_path)
-    except CommandRejected as exc:
-        log.error("rejected /rerun-test on #%d by @%s: %s", event.pr_number, event.author, exc)
-        comment_api.create_comment(event.repository, event.pr_number, rejection_body(exc))
+    except (CommandRejected, GitHubApiError) as exc:
+        verdict = "rejected" if isinstance(exc, CommandRejected) else "could not be checked"
+        log.error("/rerun-test on #%d by @%s %s: %s", event.pr_number, event.author, verdict, exc)
+        comment_api.create_comment(event.repository, event.pr_number, reply_body(verdict, exc))
         raise
-    repo_api.dispatch_workflow(
-        event.repository, dispatch.workflow_file, dispatch.ref, dict(dispatch.inputs)
-    )
+    try:
+        repo_api.dispatch_workflow(
+            event.repository, dispatch.workflow_file, dispatch.ref, dict(dispatch.inputs)
+        )
+    except GitHubApiError as exc:
+        log.error("dispatching %s failed: %s", dispatch.workflow_file, exc)
+        comment_api.create_comment(
+            event.repository, event.pr_number, reply_body("could not start the run", exc)
+        )
+        raise
     log.info(
         "dispatched %s on %s for #%d: %s at %s",
         dispatch.workflow_file,
