@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -214,6 +214,20 @@ class SafetensorsReader:
                                    f"(file changed since its header was read?)")
         return out
 
+    def iter_bytes(self, name: str, chunk_bytes: int = 64 << 20) -> Iterator[np.ndarray]:
+        """The raw bytes of a tensor in chunks of at most chunk_bytes (each a fresh array)."""
+        entry = self.entry(name)
+        with open(self.path, "rb") as f:
+            f.seek(self.header.data_start + entry.begin)
+            remaining = entry.nbytes
+            while remaining:
+                out = np.empty(min(chunk_bytes, remaining), dtype=np.uint8)
+                got = f.readinto(memoryview(out))
+                if got != out.nbytes:
+                    raise _fail(self.path, f"tensor {name!r}: file ended inside the tensor")
+                remaining -= got
+                yield out
+
     def read(self, name: str) -> torch.Tensor:
         """The tensor with its dtype and shape (F4: float4_e2m1fn_x2 with the last dim halved)."""
         entry = self.entry(name)
@@ -224,6 +238,8 @@ class SafetensorsReader:
         shape = list(entry.shape)
         if entry.dtype == "F4" and shape:
             shape[-1] //= 2
+        if entry.nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
         raw = torch.from_numpy(self.read_bytes(name))
         return raw.view(dtype).reshape(shape)
 

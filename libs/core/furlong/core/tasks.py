@@ -54,7 +54,8 @@ def _check_draw(seed: int, step: int, count: int) -> None:
 
 @dataclass(frozen=True)
 class AdditionTask:
-    """`a+b=` with the decimal sum as the answer; operands are uniform in [0, 10**num_digits).
+    """`a+b=` with the decimal sum as the answer; operands are uniform in [0, 10**num_digits) and
+    written zero-padded to num_digits ("07+85=", answer "92").
 
     The alphabet is digits, '+' and '='. The expected response is the sum's digits (then end of
     sequence, which is the tokenizer's concern, not this task's).
@@ -75,16 +76,16 @@ class AdditionTask:
         return 10 ** self.num_digits - 1
 
     @property
-    def max_prompt_chars(self) -> int:
+    def prompt_chars(self) -> int:
         return 2 * self.num_digits + 2
 
     @property
     def max_answer_chars(self) -> int:
         return self.num_digits + 1
 
-    @staticmethod
-    def format_prompt(a: int, b: int) -> str:
-        return f"{a}+{b}="
+    def format_prompt(self, a: int, b: int) -> str:
+        # Zero-padded operands put every digit at a fixed position, which a tiny model learns fast.
+        return f"{a:0{self.num_digits}d}+{b:0{self.num_digits}d}="
 
     def prompts(self, seed: int, step: int, count: int) -> list[TaskPrompt]:
         _check_draw(seed, step, count)

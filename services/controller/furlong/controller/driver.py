@@ -181,6 +181,8 @@ class RunDriver:
         m.reward_mean.labels(run_id=run_id).set(record.reward_mean)
         m.loss.labels(run_id=run_id).set(record.loss)
         m.policy_version.labels(run_id=run_id).set(record.policy_version)
+        if record.generate_seconds > 0:
+            m.tokens_per_second.labels(run_id=run_id).set(record.num_tokens / record.generate_seconds)
 
     def _finish(self, run_id: str, outcome: RunState, reason: str, configured: list[str]) -> Run:
         try:

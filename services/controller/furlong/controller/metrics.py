@@ -17,6 +17,7 @@ STEPS_TOTAL = "furlong_controller_steps_total"
 REWARD_MEAN = "furlong_controller_reward_mean"
 LOSS = "furlong_controller_loss"
 POLICY_VERSION = "furlong_controller_policy_version"
+TOKENS_PER_SECOND = "furlong_controller_tokens_per_second"
 
 _STEP_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -45,6 +46,8 @@ class ControllerMetrics:
         self.loss = Gauge(LOSS, "Loss of the run's latest step", ["run_id"], registry=r)
         self.policy_version = Gauge(POLICY_VERSION, "Latest committed policy version", ["run_id"],
                                     registry=r)
+        self.tokens_per_second = Gauge(TOKENS_PER_SECOND, "Generated tokens per second of the run's "
+                                       "latest Generate phase", ["run_id"], registry=r)
 
     def entered(self, state: str) -> None:
         self.runs_total.labels(state=state).inc()

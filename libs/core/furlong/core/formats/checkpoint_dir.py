@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -138,6 +138,9 @@ class CheckpointDir:
 
     def read(self, name: str) -> torch.Tensor:
         return self._readers[self.shard_of(name)].read(name)
+
+    def iter_bytes(self, name: str, chunk_bytes: int = 64 << 20) -> Iterator[np.ndarray]:
+        return self._readers[self.shard_of(name)].iter_bytes(name, chunk_bytes)
 
     def shard_bytes(self, shard: str) -> int:
         return self._readers[shard].header.file_bytes
