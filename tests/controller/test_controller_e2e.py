@@ -100,6 +100,22 @@ def test_up_rest_down(checkpoint, tmp_path):
         assert [s["step"] for s in steps] == [1, 2] and all(s["samples"] == 4 for s in steps)
         assert [s["sampled_policy_version"] for s in steps] == [0, 1]
         assert all(0.0 <= s["reward_mean"] <= 1.0 for s in steps)
+        # A long run is seen advancing, then stopped over REST.
+        long_run = http.post("/v1/runs", json=spec(str(checkpoint), name="long", steps=500)).json()
+        deadline = time.monotonic() + 120
+        while http.get(f"/v1/runs/{long_run['run_id']}").json()["current_step"] < 2:
+            assert time.monotonic() < deadline, "the long run did not advance"
+            time.sleep(0.2)
+        assert http.post(f"/v1/runs/{long_run['run_id']}/stop").status_code == 200
+        stopped = wait_state(http, long_run["run_id"], {"failed", "succeeded", "cancelled"})
+        assert stopped["state"] == "cancelled" and 2 <= stopped["current_step"] < 500
+        # A malformed spec is refused naming the field, and creates nothing.
+        before = len(http.get("/v1/runs").json()["runs"])
+        malformed = spec(str(checkpoint))
+        malformed["sampling"]["top_p"] = 1.5
+        refused = http.post("/v1/runs", json=malformed)
+        assert refused.status_code == 422 and "sampling.top_p" in refused.text
+        assert len(http.get("/v1/runs").json()["runs"]) == before
         prom = httpx.get(f"{stack['rest_url']}/metrics").text
         assert f'furlong_controller_policy_version{{run_id="{run["run_id"]}"}} 2.0' in prom
         host = httpx.get(f"{stack['dashboard_url']}/metrics").text
