@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -150,3 +151,50 @@ def test_run_starts_and_stops_its_own_stack(checkpoint, tmp_path):
     started = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
                and str(state_dir) in " ".join(p.info["cmdline"] or [])]
     assert all_gone([p.pid for p in started])
+
+
+def started_by(state_dir: Path, before: set[int]) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if p.pid not in before
+            and str(state_dir) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_failed_run_exits_nonzero_and_leaves_nothing(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(spec("no-such-checkpoint")))
+    state_dir = tmp_path / "state"
+    before = {p.pid for p in psutil.process_iter()}
+    result = subprocess.run([FURLONG, "run", str(config), "--out", str(tmp_path / "out"),
+                             "--state-dir", str(state_dir)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    unwrapped = "".join((result.stdout + result.stderr).split())  # rich wraps long lines
+    assert "rollout.ConfigureRun" in unwrapped and "no-such-checkpointdoesnotexist" in unwrapped
+    assert not (state_dir / "stack.json").exists()
+    assert all_gone(started_by(state_dir, before))
+
+
+def test_ctrl_c_cancels_the_run_and_stops_the_stack(checkpoint, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(spec(str(checkpoint), name="interrupted", steps=500)))
+    state_dir, out = tmp_path / "state", tmp_path / "out"
+    before = {p.pid for p in psutil.process_iter()}
+    proc = subprocess.Popen([FURLONG, "run", str(config), "--out", str(out), "--state-dir",
+                             str(state_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 180
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no step recorded"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    run = json.loads((out / "run.json").read_text())
+    assert run["state"] == "cancelled"
+    assert not (state_dir / "stack.json").exists()
+    assert all_gone(started_by(state_dir, before))
