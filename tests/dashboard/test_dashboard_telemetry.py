@@ -86,6 +86,7 @@ def test_collector_exports_every_value_under_its_name():
         "furlong_host_memory_total_bytes": 8000.0,
         'furlong_host_process_rss_bytes{pid="11",service="trainer"}': 1000.0,
         'furlong_host_process_rss_bytes{pid="12",service="redis-server"}': 2000.0,
+        'furlong_gpu_devices{vendor="none"}': 0.0,
     }
 
 

@@ -229,7 +229,8 @@ def _launch(config: StackConfig, state_dir: Path, info: StackInfo) -> StackInfo:
     info = _with(info, sp, rest_url=f"http://127.0.0.1:{port}")
     if "dashboard" in config.services:
         port = free_port()
-        argv = [py, "-m", "furlong.dashboard", "--host", "127.0.0.1", "--port", str(port)]
+        argv = [py, "-m", "furlong.dashboard", "--host", "127.0.0.1", "--port", str(port),
+                "--controller-url", info.rest_url, "--controller-token-file", info.token_file]
         for watched in info.processes:
             argv += ["--watch-pid", str(watched.pid)]
         sp = spawn("dashboard", argv, logs / "dashboard.log", port)

@@ -1,1 +1,1 @@
-"""The Furlong dashboard: host telemetry (CPU, memory, per-process RSS) exported for Prometheus."""
+"""The Furlong dashboard: GPU (NVML, AMD SMI) and host telemetry for Prometheus, and a web UI."""

@@ -75,3 +75,13 @@ class HostTelemetryProvider:
                 return ProcessSample(pid=proc.pid, service=service, rss_bytes=proc.memory_info().rss)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return None
+
+
+def service_of_pid(pid: int) -> str:
+    """The Furlong service a pid runs, else its executable name; "unknown" when it cannot be read."""
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            return service_from_cmdline(proc.cmdline()) or proc.name() or "unknown"
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return "unknown"

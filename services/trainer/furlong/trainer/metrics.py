@@ -15,3 +15,12 @@ RATIO_MEAN = Gauge("furlong_trainer_importance_ratio_mean", "Mean importance rat
 POLICY_VERSION = Gauge("furlong_trainer_policy_version", "Latest trained policy version", ["run_id"])
 PUBLISH_SECONDS = Histogram("furlong_trainer_publish_seconds", "Time to stage and announce a version",
                             buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 10))
+APPROX_KL = Gauge("furlong_trainer_approx_kl", "k3 estimate of KL(sampler || policy) of the latest step",
+                  ["run_id"])
+GRAD_NORM = Gauge("furlong_trainer_grad_norm", "Gradient norm (before clipping) of the latest step",
+                  ["run_id"])
+SAMPLE_STALENESS = Histogram("furlong_trainer_sample_staleness_versions",
+                             "Policy versions between a trained sample's sampler and the trainer",
+                             buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32))
+QUEUE_DEPTH = Gauge("furlong_trainer_queue_depth", "Sample groups in the run's stream not yet "
+                    "acknowledged by the trainer (undelivered + pending)", ["run_id"])

@@ -16,6 +16,7 @@ import torch
 
 from furlong.core.checkpoint import load_policy
 from furlong.core.errors import ConflictError, NotFoundError
+from furlong.core.samples import TRAINER_GROUP, stream_key
 from furlong.core.weights import WeightLayout
 from furlong.trainer import metrics
 from furlong.trainer.core.learner import Learner, LearnerConfig, StepStats
@@ -103,6 +104,7 @@ class TrainerService:
                 raise ValueError(f"timeout_s must be positive, got {timeout_s}")
             started = time.perf_counter()
             batch = run.reader.read(num_groups, timeout_s)
+            trainer_version = run.learner.version
             stats = run.learner.train_step(batch.groups)
             run.reader.ack(batch.entry_ids)
             run.last_step = step
@@ -110,15 +112,31 @@ class TrainerService:
         labels = {"run_id": run_id}
         metrics.STEPS.labels(**labels).inc()
         metrics.SAMPLES_CONSUMED.labels(**labels).inc(stats.num_samples)
-        if batch.num_rejected:
-            metrics.SAMPLES_REJECTED.labels(**labels).inc(batch.num_rejected)
+        metrics.SAMPLES_REJECTED.labels(**labels).inc(batch.num_rejected)  # 0 creates the series
         metrics.STEP_SECONDS.observe(seconds)
         metrics.LOSS.labels(**labels).set(stats.loss)
         metrics.REWARD_MEAN.labels(**labels).set(stats.reward_mean)
         metrics.CLIP_FRACTION.labels(**labels).set(stats.clip_fraction)
         metrics.RATIO_MEAN.labels(**labels).set(stats.ratio_mean)
         metrics.POLICY_VERSION.labels(**labels).set(run.learner.version)
+        metrics.APPROX_KL.labels(**labels).set(stats.approx_kl)
+        metrics.GRAD_NORM.labels(**labels).set(stats.grad_norm)
+        for group in batch.groups:
+            for sample in group.samples:
+                metrics.SAMPLE_STALENESS.observe(trainer_version - sample.policy_version)
+        self._observe_queue_depth(run_id)
         return stats, run.learner.version
+
+    def _observe_queue_depth(self, run_id: str) -> None:
+        try:
+            groups = self._redis.xinfo_groups(stream_key(run_id))
+        except redis.RedisError as exc:  # a metric must not fail the step
+            log.warning("run %s: cannot read stream backlog: %s", run_id, exc)
+            return
+        for info in groups:
+            if info["name"] in (TRAINER_GROUP, TRAINER_GROUP.encode()):
+                backlog = (info.get("lag") or 0) + info["pending"]
+                metrics.QUEUE_DEPTH.labels(run_id=run_id).set(backlog)
 
     def publish_weights(self, run_id: str, version: int) -> PublishResult:
         run = self._run(run_id)

@@ -1,0 +1,57 @@
+"""Chart series of one run, computed from the controller's step records. No I/O.
+
+A step record is the JSON object of `GET /v1/runs/{id}/metrics` (docs/rest-api.md). Every series is
+a list of `[step, value]`; a step whose record lacks a value leaves a gap instead of a made-up 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+Point = list[float]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def run_series(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """reward, loss, kl, mismatch (importance-ratio mean minus 1), staleness (versions between the
+    policy at step start and the one the samples were drawn with), throughput (generated tokens per
+    second), and the weight-sync timeline (each step's sync phase on the run's wall clock)."""
+    series: dict[str, list[Point]] = {k: [] for k in
+                                      ("reward", "loss", "kl", "mismatch", "staleness", "throughput")}
+    sync: list[dict[str, float]] = []
+    previous_version = 0.0
+    elapsed_s = 0.0
+    for record in sorted(steps, key=lambda r: r["step"]):
+        step = float(record["step"])
+        trainer = record.get("trainer_metrics") or {}
+        values = {
+            "reward": _number(record.get("reward_mean")),
+            "loss": _number(record.get("loss")),
+            "kl": _number(trainer.get("approx_kl")),
+            "mismatch": None if _number(trainer.get("ratio_mean")) is None
+            else trainer["ratio_mean"] - 1.0,
+        }
+        sampled = _number(record.get("sampled_policy_version"))
+        if sampled is not None:
+            values["staleness"] = previous_version - sampled
+        tokens, gen_s = _number(record.get("num_tokens")), _number(record.get("generate_seconds"))
+        if tokens is not None and gen_s:
+            values["throughput"] = tokens / gen_s
+        for name, value in values.items():
+            if value is not None:
+                series[name].append([step, value])
+        step_s = _number(record.get("step_seconds")) or 0.0
+        sync_s = _number(record.get("sync_seconds"))
+        if sync_s is not None:
+            sync.append({"step": step, "start_s": elapsed_s + step_s - sync_s, "seconds": sync_s})
+        elapsed_s += step_s
+        version = _number(record.get("policy_version"))
+        if version is not None:
+            previous_version = version
+    return {"series": series, "weight_sync": sync}
