@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MODEL_TYPE = "llama"
+ARCHITECTURE = "LlamaForCausalLM"
 
 
 def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -138,6 +139,9 @@ def save_policy(model: "transformers.PreTrainedModel", tokenizer: CharTokenizer,
     model_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in unique_state(model).items()}
     save_file(tensors, str(model_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    config.to_json_file(str(model_dir / CONFIG_FILE), use_diff=False)
+    config_dict = config.to_dict()  # every field, defaults included: nothing is left implicit
+    config_dict["architectures"] = [ARCHITECTURE]
+    config_dict["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    (model_dir / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     tokenizer.save(model_dir)
     log.info("saved policy to %s: %d tensors", model_dir, len(tensors))

@@ -81,9 +81,10 @@ def _print_stack(info: StackInfo) -> None:
         console.print(f"metrics   {info.dashboard_url}/metrics")
 
 
-def _start(state_dir: Path, ready_timeout_s: float) -> StackInfo:
+def _start(args: argparse.Namespace) -> StackInfo:
     with console.status("starting Redis and the Furlong services..."):
-        return start_stack(StackConfig(state_dir=state_dir, ready_timeout_s=ready_timeout_s))
+        return start_stack(StackConfig(state_dir=args.state_dir, ready_timeout_s=args.ready_timeout_s,
+                                       torch_threads=args.torch_threads))
 
 
 def _stop(state_dir: Path) -> None:
@@ -97,7 +98,7 @@ def _stop(state_dir: Path) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    info = _start(args.state_dir, args.ready_timeout_s)
+    info = _start(args)
     _print_stack(info)
     console.print(f"stop it with [bold]furlong down --state-dir {args.state_dir}[/]")
     return 0
@@ -124,7 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     owned = stack is None
     try:
         if owned:
-            stack = _start(args.state_dir, args.ready_timeout_s)
+            stack = _start(args)
             console.print(f"started a local stack in {args.state_dir} (stopped when the run ends)")
         else:
             console.print(f"using the running stack in {args.state_dir} ({stack.rest_url})")
@@ -199,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = with_state_dir(sub.add_parser("up", help="start the local stack and return"))
     up.add_argument("--ready-timeout-s", type=float, default=180.0)
+    up.add_argument("--torch-threads", type=int, default=1,
+                    help="torch threads of the trainer and rollout processes (default 1)")
     up.set_defaults(func=cmd_up)
     down = with_state_dir(sub.add_parser("down", help="stop what `furlong up` started"))
     down.add_argument("--timeout-s", type=float, default=15.0,
@@ -208,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", type=Path)
     run.add_argument("--out", type=Path, default=None, help="output dir (default runs/<name>)")
     run.add_argument("--ready-timeout-s", type=float, default=180.0)
+    run.add_argument("--torch-threads", type=int, default=1,
+                     help="torch threads of the trainer and rollout processes, if this starts them")
     run.add_argument("--poll-s", type=float, default=0.5)
     run.set_defaults(func=cmd_run)
     runs = with_state_dir(sub.add_parser("runs", help="list, show or stop runs"))

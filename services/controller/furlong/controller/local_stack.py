@@ -63,6 +63,9 @@ class StackConfig:
     python: str = sys.executable
     ready_timeout_s: float = 180.0
     stop_timeout_s: float = 15.0
+    # torch intra-op threads of trainer and rollout. The synchronous loop runs them one after the
+    # other, and for small models one thread each avoids oversubscribing the cores.
+    torch_threads: int = 1
 
     def __post_init__(self) -> None:
         unknown = set(self.services) - set(SERVICES)
@@ -80,6 +83,8 @@ class StackConfig:
             if (name in self.services) == (name in external):
                 raise ValueError(f"{name} must be either started or external, not "
                                  f"{'both' if name in external else 'neither'}")
+        if self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.ready_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError(f"timeouts must be positive, got ready_timeout_s={self.ready_timeout_s}, "
                              f"stop_timeout_s={self.stop_timeout_s}")
@@ -216,7 +221,8 @@ def _launch(config: StackConfig, state_dir: Path, info: StackInfo) -> StackInfo:
         argv = [py, "-m", f"furlong.{name}", "--host", "127.0.0.1", "--port", str(port),
                 "--metrics-port", str(metrics_port)]
         if name != "weight_broker":
-            argv += ["--redis-url", info.redis_url, "--broker", addresses["weight_broker"]]
+            argv += ["--redis-url", info.redis_url, "--broker", addresses["weight_broker"],
+                     "--num-threads", str(config.torch_threads)]
         sp = spawn(name, argv, logs / f"{name}.log", port, metrics_port)
         addresses[name] = f"127.0.0.1:{port}"
         info = _with(info, sp, addresses=dict(addresses))
