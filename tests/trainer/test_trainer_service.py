@@ -105,3 +105,25 @@ def test_out_of_order_step_and_stale_version_are_conflicts(loop):
         trainer.train_step("run-x", 1, 1, 1.0)
     with pytest.raises(ValueError, match="model_dir"):
         trainer.configure_run("run-d", str(model_dir / "missing"), LearnerConfig(learning_rate=1e-3), 3)
+
+
+def test_group_the_learner_cannot_train_on_is_rejected_not_blocking(loop, redis_url):
+    from furlong.core.samples import STREAM_FIELD, Sample, SampleGroup, stream_key
+    from furlong.core.sampling_mask import RolloutSamplingMask
+
+    model_dir, broker, rollout, trainer = loop
+    rollout.configure_run("run-e", str(model_dir), "addition_exact_match", num_engines=1, seed=0)
+    trainer.configure_run("run-e", str(model_dir), LearnerConfig(learning_rate=1e-3), total_steps=1)
+    vocab = CharTokenizer(AdditionTask.ALPHABET).vocab_size
+    bad = Sample(sample_id="bad/0", prompt_token_ids=[1, vocab + 5], response_token_ids=[3],
+                 response_logprobs=[-0.1], sampling_support=RolloutSamplingMask.from_lists([[3]], 64),
+                 reward=1.0, policy_version=0, finish_reason="eos")
+    client = redis.Redis.from_url(redis_url)
+    client.xadd(stream_key("run-e"), {STREAM_FIELD: SampleGroup("run-e", 1, "bad", [bad]).encode()})
+    prompts = [Prompt(p.prompt_id, p.text, p.answer) for p in get_task("addition").prompts(0, 1, 2)]
+    rollout.generate("run-e", 1, prompts, 4, SamplingConfig(max_new_tokens=4), 0, 30)
+    stats, _ = trainer.train_step("run-e", 1, num_groups=2, timeout_s=30)
+    assert stats.num_groups == 2 and stats.num_samples == 8
+    rejected = client.xrange("furlong:run:run-e:rejected")
+    assert len(rejected) == 1 and b"bad/0" in rejected[0][1][b"reason"]
+    assert client.xpending(stream_key("run-e"), "trainers")["pending"] == 0

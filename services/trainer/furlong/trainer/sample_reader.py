@@ -2,9 +2,9 @@
 
 Entries are acknowledged only by `ack()`, after the optimizer step that used them, so a trainer
 that crashes mid-step re-reads its pending entries on restart (same consumer name) instead of
-losing them. An entry that does not decode into a valid `SampleGroup` is moved to the run's
-rejected stream with the reason and acknowledged, so it is never trained on and never blocks the
-stream; every other entry is kept.
+losing them. An entry that does not decode into a valid `SampleGroup`, or that the trainer's
+validator refuses, is moved to the run's rejected stream with the reason and acknowledged, so it is
+never trained on and never blocks the stream; every other entry is kept.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import redis
 
@@ -32,8 +33,12 @@ class StreamBatch:
 
 
 class SampleReader:
-    def __init__(self, client: redis.Redis, run_id: str, consumer: str, group: str = TRAINER_GROUP):
+    def __init__(self, client: redis.Redis, run_id: str, consumer: str, group: str = TRAINER_GROUP,
+                 validate: Callable[[SampleGroup], None] | None = None):
+        """validate(group) raises ValueError for a group that decodes but must not be trained on
+        (ids outside the vocabulary, a version from the future...); such a group is rejected."""
         self._redis = client
+        self._validate = validate
         self._run_id = run_id
         self._key = stream_key(run_id)
         self._consumer = consumer
@@ -100,6 +105,8 @@ class SampleReader:
             group = SampleGroup.decode(data)
             if group.run_id != self._run_id:
                 raise ValueError(f"group belongs to run {group.run_id!r}, not {self._run_id!r}")
+            if self._validate is not None:
+                self._validate(group)
             return group
         except ValueError as exc:
             reason = f"entry {entry_id.decode()}: {exc}"

@@ -76,7 +76,8 @@ class TrainerService:
                                             f"{self._agent_prefix}-{run_id}")
         num_parameters = sum(t.numel() for t in state.values())
         run = _Run(run_id=run_id, learner=learner, publisher=publisher,
-                   reader=SampleReader(self._redis, run_id, self._consumer),
+                   reader=SampleReader(self._redis, run_id, self._consumer,
+                                       validate=learner.check_group),
                    total_steps=total_steps, num_parameters=num_parameters, lock=threading.Lock())
         with self._lock:
             if run_id in self._runs:

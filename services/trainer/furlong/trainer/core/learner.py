@@ -155,6 +155,10 @@ class Learner:
         self._pass_use_cache = "use_cache" in forward_params
         model.eval()
 
+    def check_group(self, group: SampleGroup) -> None:
+        """ValueError naming the sample when a group cannot be trained on by this learner."""
+        _validate([group], self.vocab_size, self.version)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's tensors to publish, detached and contiguous. They alias the live parameters
         (no copy), so the next train_step changes them in place."""
