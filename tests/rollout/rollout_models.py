@@ -56,7 +56,8 @@ def greedy_uncached(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: 
     return out
 
 
-def reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[set[int], dict[int, float]]:
+def reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+              min_p: float = 0.0) -> tuple[set[int], dict[int, float]]:
     """The support and the log-prob of each supported token, computed independently."""
     z = logits.astype(np.float64) / temperature
     order = np.argsort(-z, kind="stable")
@@ -68,6 +69,8 @@ def reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) 
     if top_p < 1.0:
         n = int(np.argmax(np.cumsum(p) >= top_p)) + 1 if np.cumsum(p)[-1] >= top_p else order.size
     kept = order[:n]
+    if min_p > 0.0:
+        kept = kept[np.exp(z[kept] - z[kept].max()) >= min_p]
     zk = z[kept]
     lse = zk.max() + np.log(np.exp(zk - zk.max()).sum())
     return set(kept.tolist()), {int(t): float(z[t] - lse) for t in kept}

@@ -32,3 +32,23 @@ def test_bad_values_are_named(change, needle):
     base = dict(redis_url="redis://127.0.0.1:6379/0", broker_address="127.0.0.1:1")
     with pytest.raises(ValueError, match=needle):
         RolloutServerConfig(**{**base, **change})
+
+
+def test_reward_and_support_flags():
+    config = RolloutServerConfig.from_args([
+        "--port", "0", "--metrics-port", "0", "--redis-url", "redis://127.0.0.1:1", "--broker",
+        "127.0.0.1:2", "--max-support-size", "64", "--user-reward", "mine=pkg.mod:fn",
+        "--user-reward", "two=pkg.other:g", "--reward-timeout-s", "5", "--reward-workers", "2"])
+    assert config.max_support_size == 64 and config.reward_timeout_s == 5.0 and config.reward_workers == 2
+    assert config.user_rewards == (("mine", "pkg.mod:fn"), ("two", "pkg.other:g"))
+    base = dict(redis_url="redis://127.0.0.1:6379/0", broker_address="127.0.0.1:1")
+    for change, needle in [(dict(max_support_size=-1), "max_support_size"),
+                           (dict(reward_timeout_s=0.0), "reward_timeout_s"),
+                           (dict(reward_workers=0), "reward_workers"),
+                           (dict(user_rewards=(("a", "nocolon"),)), "NAME=package.module:function"),
+                           (dict(user_rewards=(("a", "m:f"), ("a", "m:g"))), "repeat")]:
+        with pytest.raises(ValueError, match=needle):
+            RolloutServerConfig(**{**base, **change})
+    with pytest.raises(ValueError, match="--user-reward 'nameonly'"):
+        RolloutServerConfig.from_args(["--port", "0", "--metrics-port", "0", "--redis-url",
+                                       "redis://h:1", "--broker", "h:2", "--user-reward", "nameonly"])

@@ -181,7 +181,7 @@ def test_load_weights_waits_for_the_running_batch():
         entered.set()
         assert release.wait(30)
 
-    handle = engine.model.register_forward_pre_hook(hold, with_kwargs=True)
+    handle = engine.model.model.embed_tokens.register_forward_pre_hook(hold, with_kwargs=True)
     result: dict = {}
     gen_thread = threading.Thread(target=lambda: result.update(g=engine.generate(prompts(), GREEDY)))
     gen_thread.start()
@@ -214,7 +214,7 @@ def test_decode_throughput_uses_batched_steps():
     """Many rows cost about as many model calls as one row: steps are batched, not per row."""
     engine = Engine(tiny_model(18), tokenizer())
     calls = []
-    handle = engine.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    handle = engine.model.model.embed_tokens.register_forward_pre_hook(lambda m, a: calls.append(1))
     gens = engine.generate(prompts() * 40, SamplingConfig(top_k=1, max_new_tokens=8))
     handle.remove()
     assert len(gens) == 240

@@ -42,7 +42,7 @@ class Prompt(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("run_id", "step", "prompts", "samples_per_prompt", "sampling", "min_policy_version", "timeout_s")
+    __slots__ = ("run_id", "step", "prompts", "samples_per_prompt", "sampling", "min_policy_version", "timeout_s", "min_p", "max_refill_rounds")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,8 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    MAX_REFILL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
@@ -57,10 +59,12 @@ class GenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     min_policy_version: int
     timeout_s: float
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    min_p: float
+    max_refill_rounds: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., min_p: _Optional[float] = ..., max_refill_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("run_id", "step", "num_groups", "num_samples", "reward_mean", "policy_version", "num_tokens", "generate_seconds")
+    __slots__ = ("run_id", "step", "num_groups", "num_samples", "reward_mean", "policy_version", "num_tokens", "generate_seconds", "num_groups_dropped", "num_groups_refilled")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +73,8 @@ class GenerateResponse(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_REFILLED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     num_groups: int
@@ -77,7 +83,9 @@ class GenerateResponse(_message.Message):
     policy_version: int
     num_tokens: int
     generate_seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_samples: _Optional[int] = ..., reward_mean: _Optional[float] = ..., policy_version: _Optional[int] = ..., num_tokens: _Optional[int] = ..., generate_seconds: _Optional[float] = ...) -> None: ...
+    num_groups_dropped: int
+    num_groups_refilled: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_samples: _Optional[int] = ..., reward_mean: _Optional[float] = ..., policy_version: _Optional[int] = ..., num_tokens: _Optional[int] = ..., generate_seconds: _Optional[float] = ..., num_groups_dropped: _Optional[int] = ..., num_groups_refilled: _Optional[int] = ...) -> None: ...
 
 class EndRolloutRequest(_message.Message):
     __slots__ = ("run_id",)

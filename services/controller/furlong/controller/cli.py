@@ -27,7 +27,7 @@ from rich.table import Table
 
 from furlong.core.errors import FurlongError
 
-from furlong.controller import cli_models
+from furlong.controller import cli_generate, cli_models
 from furlong.controller.client import HttpControllerClient
 from furlong.controller.local_stack import (StackConfig, StackInfo, StackRunningError,
                                             StackStartError, load_stack, running_stack, start_stack,
@@ -226,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     runs_sub.add_parser("stop").add_argument("run_id")
     runs.set_defaults(func=cmd_runs)
     cli_models.add_commands(sub)
+    cli_generate.add_commands(sub)
     return parser
 
 

@@ -1,7 +1,9 @@
 """Run the rollout service:
 
     python -m furlong.rollout --host 127.0.0.1 --port P --metrics-port M --redis-url URL \
-        --broker HOST:PORT [--num-threads 2] [--max-batch-size 256] [--log-level INFO]
+        --broker HOST:PORT [--num-threads 2] [--max-batch-size 256] [--max-support-size 0]
+        [--user-reward NAME=MODULE:FN ...] [--reward-timeout-s 60] [--reward-workers 4]
+        [--log-level INFO]
 
 Serves furlong.v1.Rollout and grpc.health.v1 on host:port and Prometheus metrics on
 host:metrics-port; on SIGTERM or SIGINT ends every run (closing its weight receivers) and exits.
@@ -20,9 +22,11 @@ import torch
 from prometheus_client import REGISTRY, start_http_server
 
 from furlong.rollout.config import RolloutServerConfig
+from furlong.rollout.core.sampling import SupportBound
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.metrics import RolloutMetrics
 from furlong.rollout.receivers import broker_receiver_factory
+from furlong.rollout.rewards import resolve_user_reward, reward_registry
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import start_server
 from furlong.weight_broker.client import GrpcBrokerClient
@@ -41,8 +45,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     redis_client = redis.Redis.from_url(config.redis_url)
     broker = GrpcBrokerClient(config.broker_address)
+    metrics = RolloutMetrics(REGISTRY)
     service = RolloutService(redis_client, broker_receiver_factory(broker),
-                             max_batch_size=config.max_batch_size, observer=RolloutMetrics(REGISTRY))
+                             max_batch_size=config.max_batch_size, observer=metrics,
+                             support_bound=SupportBound(max_size=config.max_support_size),
+                             rewards=reward_registry({name: resolve_user_reward(reference)
+                                                      for name, reference in config.user_rewards}),
+                             reward_timeout_s=config.reward_timeout_s,
+                             reward_workers=config.reward_workers)
+    metrics.watch_engines(service.status)
     metrics_server, metrics_thread = start_http_server(config.metrics_port, addr=config.host,
                                                        registry=REGISTRY)
     server = start_server([RolloutServicer(service).add_to_server], [SERVICE_NAME], host=config.host,

@@ -25,7 +25,8 @@ class RolloutApi(Protocol):
     def configure_run(self, run_id: str, model_dir: str, reward: str, num_engines: int,
                       seed: int) -> RunInfo: ...
     def generate(self, run_id: str, step: int, prompts: Sequence[Prompt], samples_per_prompt: int,
-                 sampling: SamplingConfig, min_policy_version: int, timeout_s: float) -> GenerateResult: ...
+                 sampling: SamplingConfig, min_policy_version: int, timeout_s: float,
+                 max_refill_rounds: int = 0) -> GenerateResult: ...
     def status(self, run_id: str) -> RunStatus: ...
     def end_run(self, run_id: str) -> None: ...
     def close(self) -> None: ...
@@ -56,10 +57,12 @@ class RolloutClient:
         return run_info_from_proto(call(self._stub.ConfigureRun, req, self._configure_timeout_s))
 
     def generate(self, run_id: str, step: int, prompts: Sequence[Prompt], samples_per_prompt: int,
-                 sampling: SamplingConfig, min_policy_version: int, timeout_s: float) -> GenerateResult:
+                 sampling: SamplingConfig, min_policy_version: int, timeout_s: float,
+                 max_refill_rounds: int = 0) -> GenerateResult:
         req = pb.GenerateRequest(run_id=run_id, step=step, prompts=[prompt_to_proto(p) for p in prompts],
                                  samples_per_prompt=samples_per_prompt, sampling=sampling_to_proto(sampling),
-                                 min_policy_version=min_policy_version, timeout_s=timeout_s)
+                                 min_policy_version=min_policy_version, timeout_s=timeout_s,
+                                 min_p=sampling.min_p, max_refill_rounds=max_refill_rounds)
         deadline_s = max(float(timeout_s), 0.0) + self._generate_margin_s
         return result_from_proto(call(self._stub.Generate, req, deadline_s))
 
@@ -85,9 +88,10 @@ class InProcessRolloutClient:
         return self._service.configure_run(run_id, model_dir, reward, num_engines, seed)
 
     def generate(self, run_id: str, step: int, prompts: Sequence[Prompt], samples_per_prompt: int,
-                 sampling: SamplingConfig, min_policy_version: int, timeout_s: float) -> GenerateResult:
+                 sampling: SamplingConfig, min_policy_version: int, timeout_s: float,
+                 max_refill_rounds: int = 0) -> GenerateResult:
         return self._service.generate(run_id, step, prompts, samples_per_prompt, sampling,
-                                      min_policy_version, timeout_s)
+                                      min_policy_version, timeout_s, max_refill_rounds)
 
     def status(self, run_id: str) -> RunStatus:
         return self._service.status(run_id)

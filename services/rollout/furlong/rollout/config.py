@@ -16,6 +16,13 @@ def _check_port(name: str, port: int) -> None:
         raise ValueError(f"{name} {port} is not a TCP port (0-65535)")
 
 
+def _user_reward(value: str) -> tuple[str, str]:
+    name, sep, reference = value.partition("=")
+    if not sep:
+        raise ValueError(f"--user-reward {value!r} must be NAME=package.module:function")
+    return name, reference
+
+
 @dataclass(frozen=True)
 class RolloutServerConfig:
     redis_url: str
@@ -26,6 +33,10 @@ class RolloutServerConfig:
     num_threads: int = 2           # torch intra-op threads (trainer and rollout alternate on the cores)
     max_batch_size: int = 256      # rows per engine forward pass
     max_workers: int = 8           # concurrent gRPC calls
+    max_support_size: int = 0      # largest recorded sampling support; a larger one fails (0 = off)
+    user_rewards: tuple[tuple[str, str], ...] = ()  # (name, "package.module:function") pairs
+    reward_timeout_s: float = 60.0  # all rewards of one request must finish within this
+    reward_workers: int = 4         # threads scoring one request's samples
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -38,10 +49,21 @@ class RolloutServerConfig:
         host, sep, port = self.broker_address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
             raise ValueError(f"broker_address must be HOST:PORT, got {self.broker_address!r}")
-        for name, low in (("num_threads", 1), ("max_batch_size", 1), ("max_workers", 2)):
+        for name, low in (("num_threads", 1), ("max_batch_size", 1), ("max_workers", 2),
+                          ("max_support_size", 0)):
             value = getattr(self, name)
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
+        if not self.reward_timeout_s > 0:
+            raise ValueError(f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        if self.reward_workers < 1:
+            raise ValueError(f"reward_workers must be >= 1, got {self.reward_workers}")
+        names = [name for name, _ in self.user_rewards]
+        for name, reference in self.user_rewards:
+            if not name or ":" not in reference:
+                raise ValueError(f"user reward {name!r}={reference!r} must be NAME=package.module:function")
+        if len(set(names)) != len(names):
+            raise ValueError(f"user reward names repeat: {names}")
         if self.log_level not in _LOG_LEVELS:
             raise ValueError(f"log_level {self.log_level!r} not one of {_LOG_LEVELS}")
 
@@ -57,11 +79,21 @@ class RolloutServerConfig:
         parser.add_argument("--num-threads", type=int, default=cls.num_threads)
         parser.add_argument("--max-batch-size", type=int, default=cls.max_batch_size)
         parser.add_argument("--max-workers", type=int, default=cls.max_workers)
+        parser.add_argument("--max-support-size", type=int, default=cls.max_support_size,
+                            help="fail a request whose sampling support exceeds this (0 = off)")
+        parser.add_argument("--user-reward", action="append", default=[], metavar="NAME=MODULE:FN",
+                            help="register a reward callable fn(response_text, answer) -> float "
+                                 "under NAME (repeatable); resolved and checked at start-up")
+        parser.add_argument("--reward-timeout-s", type=float, default=cls.reward_timeout_s)
+        parser.add_argument("--reward-workers", type=int, default=cls.reward_workers)
         parser.add_argument("--log-level", default=cls.log_level, type=str.upper)
         args = parser.parse_args(argv)
         return cls(redis_url=args.redis_url, broker_address=args.broker, host=args.host,
                    port=args.port, metrics_port=args.metrics_port, num_threads=args.num_threads,
                    max_batch_size=args.max_batch_size, max_workers=args.max_workers,
+                   max_support_size=args.max_support_size,
+                   user_rewards=tuple(_user_reward(v) for v in args.user_reward),
+                   reward_timeout_s=args.reward_timeout_s, reward_workers=args.reward_workers,
                    log_level=args.log_level)
 
     @property

@@ -15,10 +15,11 @@ def sampling_to_proto(config: SamplingConfig) -> common_pb2.SamplingParams:
                                      seed=config.seed)
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingConfig:
+def sampling_from_proto(msg: common_pb2.SamplingParams, min_p: float = 0.0) -> SamplingConfig:
+    """The sampling config of `msg`; min_p travels beside it (GenerateRequest.min_p)."""
     try:
         return SamplingConfig(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
-                              max_new_tokens=msg.max_new_tokens, seed=msg.seed)
+                              max_new_tokens=msg.max_new_tokens, seed=msg.seed, min_p=min_p)
     except ValueError as exc:
         raise ValueError(f"sampling: {exc}") from None
 
@@ -44,14 +45,18 @@ def result_to_proto(result: GenerateResult) -> pb.GenerateResponse:
     return pb.GenerateResponse(run_id=result.run_id, step=result.step, num_groups=result.num_groups,
                                num_samples=result.num_samples, reward_mean=result.reward_mean,
                                policy_version=result.policy_version, num_tokens=result.num_tokens,
-                               generate_seconds=result.generate_seconds)
+                               generate_seconds=result.generate_seconds,
+                               num_groups_dropped=result.num_groups_dropped,
+                               num_groups_refilled=result.num_groups_refilled)
 
 
 def result_from_proto(msg: pb.GenerateResponse) -> GenerateResult:
     return GenerateResult(run_id=msg.run_id, step=msg.step, num_groups=msg.num_groups,
                           num_samples=msg.num_samples, reward_mean=msg.reward_mean,
                           policy_version=msg.policy_version, num_tokens=msg.num_tokens,
-                          generate_seconds=msg.generate_seconds)
+                          generate_seconds=msg.generate_seconds,
+                          num_groups_dropped=msg.num_groups_dropped,
+                          num_groups_refilled=msg.num_groups_refilled)
 
 
 def status_to_proto(status: RunStatus) -> pb.RolloutStatus:

@@ -3,13 +3,23 @@ observer of the rollout service that keeps them up to date."""
 
 from __future__ import annotations
 
+import threading
+from typing import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from furlong.rollout.core.types import RunStatus
 
 SAMPLES_TOTAL = "furlong_rollout_samples_total"
 TOKENS_TOTAL = "furlong_rollout_tokens_total"
 GENERATE_SECONDS = "furlong_rollout_generate_seconds"
 REWARD_MEAN = "furlong_rollout_reward_mean"
 POLICY_VERSION = "furlong_rollout_policy_version"
+ENGINE_HEALTHY = "furlong_rollout_engine_healthy"
+GROUPS_DROPPED_TOTAL = "furlong_rollout_groups_dropped_total"
+GROUPS_REFILLED_TOTAL = "furlong_rollout_groups_refilled_total"
 
 _GENERATE_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -19,6 +29,9 @@ class RolloutMetrics:
     default in the service, a private one in tests)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._lock = threading.Lock()
+        self._runs: set[str] = set()
         self.samples = Counter(SAMPLES_TOTAL, "Samples generated and written to the run's stream",
                                ["run_id"], registry=registry)
         self.tokens = Counter(TOKENS_TOTAL, "Response tokens generated", ["run_id"], registry=registry)
@@ -29,6 +42,11 @@ class RolloutMetrics:
                                  ["run_id"], registry=registry)
         self.policy_version = Gauge(POLICY_VERSION, "Policy version an engine serves", ["engine"],
                                     registry=registry)
+        self.groups_dropped = Counter(GROUPS_DROPPED_TOTAL, "Dynamic sampling: groups with zero "
+                                      "reward variance after every refill round, not written",
+                                      ["run_id"], registry=registry)
+        self.groups_refilled = Counter(GROUPS_REFILLED_TOTAL, "Dynamic sampling: zero-variance "
+                                       "groups drawn again", ["run_id"], registry=registry)
 
     def generated(self, run_id: str, num_samples: int, num_tokens: int, seconds: float,
                   reward_mean: float) -> None:
@@ -36,12 +54,31 @@ class RolloutMetrics:
         self.tokens.labels(run_id=run_id).inc(num_tokens)
         self.generate_seconds.observe(seconds)
         self.reward_mean.labels(run_id=run_id).set(reward_mean)
+        for counter in (self.groups_dropped, self.groups_refilled):
+            counter.labels(run_id=run_id)  # the series exists (at 0) before dynamic sampling acts
+
+    def groups_filtered(self, run_id: str, dropped: int, refilled: int) -> None:
+        self.groups_dropped.labels(run_id=run_id).inc(dropped)
+        self.groups_refilled.labels(run_id=run_id).inc(refilled)
 
     def version_applied(self, run_id: str, engine_id: str, version: int) -> None:
         self.policy_version.labels(engine=engine_id).set(version)
+        with self._lock:
+            self._runs.add(run_id)
+
+    def watch_engines(self, status_of: Callable[[str], RunStatus]) -> None:
+        """Export each engine's health, read from `status_of(run_id)` at scrape time."""
+        self._registry.register(_EngineHealthCollector(self, status_of))
+
+    def run_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._runs)
 
     def run_ended(self, run_id: str, engine_ids: list[str]) -> None:
-        for metric in (self.samples, self.tokens, self.reward_mean):
+        with self._lock:
+            self._runs.discard(run_id)
+        for metric in (self.samples, self.tokens, self.reward_mean, self.groups_dropped,
+                       self.groups_refilled):
             try:
                 metric.remove(run_id)
             except KeyError:
@@ -51,3 +88,24 @@ class RolloutMetrics:
                 self.policy_version.remove(engine_id)
             except KeyError:
                 pass
+
+
+class _EngineHealthCollector(Collector):
+    def __init__(self, metrics: RolloutMetrics, status_of: Callable[[str], RunStatus]) -> None:
+        self._metrics = metrics
+        self._status_of = status_of
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        healthy = GaugeMetricFamily(ENGINE_HEALTHY, "1 while the engine's last generation succeeded, "
+                                    "0 after it failed", labels=["run_id", "engine"])
+        for run_id in self._metrics.run_ids():
+            try:
+                status = self._status_of(run_id)
+            except Exception:  # the run ended between listing and reading: nothing to report
+                continue
+            for engine in status.engines:
+                healthy.add_metric([run_id, engine.engine_id], 1.0 if engine.healthy else 0.0)
+        yield healthy
+
+    def describe(self) -> list:
+        return []

@@ -38,8 +38,9 @@ class RolloutServicer(pb_grpc.RolloutServicer):
             run_id=request.run_id, step=request.step,
             prompts=[prompt_from_proto(p) for p in request.prompts],
             samples_per_prompt=request.samples_per_prompt,
-            sampling=sampling_from_proto(request.sampling),
-            min_policy_version=request.min_policy_version, timeout_s=request.timeout_s)
+            sampling=sampling_from_proto(request.sampling, request.min_p),
+            min_policy_version=request.min_policy_version, timeout_s=request.timeout_s,
+            max_refill_rounds=request.max_refill_rounds)
         return result_to_proto(result)
 
     @rpc_errors

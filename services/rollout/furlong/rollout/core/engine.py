@@ -1,11 +1,14 @@
-"""The built-in torch engine: batched sampling from a causal LM with a KV cache, and atomic switches
-between policy versions.
+"""The built-in torch engine: continuous batching over a preallocated slot KV cache, and atomic
+switches between policy versions.
 
-Prompts are left-padded into one batch; the attention mask hides the padding and position ids count
-from each prompt's own first token, so a padded row computes what the same prompt alone would. Each
-step samples one token per active row; rows that drew EOS leave the batch (their cache rows are
-dropped) and the decode stops when none is left or max_new_tokens is reached. A lock is held for a
-whole `generate` call and by `load_weights`, so a batch never sees two policy versions.
+A `generate` call queues its rows (one per prompt). Up to `max_batch_size` rows run at once, each
+in its own cache slot (see `llama_runner`). Between decode steps, finished rows (EOS or their
+max-new-tokens) leave and waiting rows join: they are prefilled together in one batch as soon as
+`prefill_min_rows` slots are free (or the batch is empty), then decode with the others.
+`batching="static"` admits new rows only when the whole batch has finished (the baseline that
+continuous batching is measured against). Every step samples one token per running row with
+`sample_step` and records it in a `DecodeTrace`. A lock is held for a whole `generate` call and by
+`load_weights`, so a batch never sees two policy versions.
 
 Knows nothing about text prompts, rewards, runs, Redis or transports; the tokenizer is only used for
 its special ids and to decode responses.
@@ -16,22 +19,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from furlong.core.sampling_mask import RolloutSamplingMask
-from furlong.rollout.core.sampler import sample_step
-from furlong.rollout.core.sampling import SamplingConfig
-from furlong.rollout.core.trace import DecodeTrace
+from furlong.rollout.core.sampler import UNBOUNDED, sample_step
+from furlong.rollout.core.sampling import SamplingConfig, SupportBound
+from furlong.rollout.core.llama_runner import LlamaRunner
+from furlong.rollout.core.trace import DecodeTrace, RowTrace
 from furlong.rollout.core.weights import match_state
 
 log = logging.getLogger(__name__)
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
+CONTINUOUS = "continuous"
+STATIC = "static"
 
 
 class TokenizerLike(Protocol):
@@ -51,13 +56,17 @@ class Generation:
     finish_reason: str                # "eos" (EOS is the last token) or "length"
     text: str
     policy_version: int
+    full_logprobs: list[float] = field(default_factory=list)  # under the full tempered softmax
+    truncated_positions: list[int] = field(default_factory=list)  # supports the bound cut
 
 
 class Engine:
     """One model replica. `generate` and `load_weights` are thread-safe and mutually exclusive."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: TokenizerLike, max_batch_size: int = 256,
-                 policy_version: int = 0, name: str = "engine") -> None:
+                 policy_version: int = 0, name: str = "engine",
+                 support_bound: SupportBound = UNBOUNDED, batching: str = CONTINUOUS,
+                 prefill_min_rows: int | None = None) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) \
                 or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
@@ -69,11 +78,25 @@ class Engine:
             if not 0 <= value < self.vocab_size:
                 raise ValueError(f"tokenizer {special} {value} outside the model vocabulary "
                                  f"[0, {self.vocab_size})")
+        if not isinstance(support_bound, SupportBound):
+            raise ValueError(f"support_bound must be a SupportBound, got {type(support_bound).__name__}")
+        if batching not in (CONTINUOUS, STATIC):
+            raise ValueError(f"batching must be {CONTINUOUS!r} or {STATIC!r}, got {batching!r}")
+        if prefill_min_rows is None:
+            prefill_min_rows = max(1, max_batch_size // 8)
+        if isinstance(prefill_min_rows, bool) or not isinstance(prefill_min_rows, int) \
+                or not 1 <= prefill_min_rows <= max_batch_size:
+            raise ValueError(f"prefill_min_rows must be an integer in [1, max_batch_size="
+                             f"{max_batch_size}], got {prefill_min_rows!r}")
         self.name = name
+        self.support_bound = support_bound
+        self.batching = batching
+        self.prefill_min_rows = prefill_min_rows
+        self._runner = LlamaRunner(model, max_batch_size)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions = int(model.config.max_position_embeddings)
         self._batch_lock = threading.Lock()
         self._version_changed = threading.Condition()
         self._policy_version = policy_version
@@ -110,80 +133,101 @@ class Engine:
         log.info("%s serves policy version %d (%d tensors copied in %.3f s)", self.name, version,
                  len(pairs), time.perf_counter() - started)
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]],
-                 config: SamplingConfig) -> list[Generation]:
-        """Sample one response per prompt. Same prompts, config (seed included) and weights give the
-        same tokens. Prompts beyond max_batch_size run as consecutive batches."""
-        prompts = self._validate_prompts(prompt_ids, config)
+    def generate(self, prompt_ids: Sequence[Sequence[int]], config: SamplingConfig,
+                 max_new_tokens: Sequence[int] | None = None,
+                 ignore_eos: bool = False) -> list[Generation]:
+        """Sample one response per prompt. `max_new_tokens` optionally gives each row its own limit
+        (default: config.max_new_tokens for all); `ignore_eos` runs every row to its limit (for
+        measurements). Same prompts, config (seed included), limits and weights give the same
+        tokens."""
+        prompts, limits = self._validate_prompts(prompt_ids, config, max_new_tokens)
         if not prompts:
             return []
         with self._batch_lock, torch.inference_mode():
             version = self._policy_version
-            generator = torch.Generator().manual_seed(config.seed)
-            out: list[Generation] = []
-            for start in range(0, len(prompts), self.max_batch_size):
-                batch = prompts[start:start + self.max_batch_size]
-                out.extend(self._generate_batch(batch, config, generator, version))
-            return out
+            device = next(self.model.parameters()).device
+            generator = torch.Generator(device=device).manual_seed(config.seed)
+            trace = DecodeTrace(len(prompts), self.vocab_size)
+            self._run_rows(prompts, torch.tensor(limits, device=device), config, generator, trace,
+                           None if ignore_eos else self.tokenizer.eos_id)
+            return [self._to_generation(row, version, ignore_eos) for row in trace.rows()]
 
-    def _validate_prompts(self, prompt_ids: Sequence[Sequence[int]],
-                          config: SamplingConfig) -> list[list[int]]:
+    def _validate_prompts(self, prompt_ids: Sequence[Sequence[int]], config: SamplingConfig,
+                          max_new_tokens: Sequence[int] | None) -> tuple[list[list[int]], list[int]]:
         if not isinstance(config, SamplingConfig):
             raise ValueError(f"config must be a SamplingConfig, got {type(config).__name__}")
         prompts = [list(p) for p in prompt_ids]
-        for i, p in enumerate(prompts):
+        if max_new_tokens is None:
+            limits = [config.max_new_tokens] * len(prompts)
+        else:
+            limits = list(max_new_tokens)
+            if len(limits) != len(prompts):
+                raise ValueError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts")
+            bad = [n for n in limits if isinstance(n, bool) or not isinstance(n, int) or n <= 0]
+            if bad:
+                raise ValueError(f"max_new_tokens entries must be integers > 0, got {bad[:5]}")
+        for i, (p, limit) in enumerate(zip(prompts, limits)):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
             bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int)
                    or not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
-            if self.max_positions is not None and len(p) + config.max_new_tokens > self.max_positions:
-                raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens "
-                                 f"{config.max_new_tokens} exceeds the model's "
-                                 f"max_position_embeddings {self.max_positions}")
-        return prompts
+            if len(p) + limit > self.max_positions:
+                raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens {limit} exceeds "
+                                 f"the model's max_position_embeddings {self.max_positions}")
+        return prompts, limits
 
-    def _generate_batch(self, prompts: list[list[int]], config: SamplingConfig,
-                        generator: torch.Generator, version: int) -> list[Generation]:
-        num_rows, width = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((num_rows, width), self.tokenizer.pad_id, dtype=torch.long)
-        attention = torch.zeros((num_rows, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            attention[i, width - len(p):] = 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        next_position = attention.sum(-1)
-        cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                            cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        active = torch.arange(num_rows)
-        trace = DecodeTrace(num_rows, self.vocab_size)
-        for step in range(config.max_new_tokens):
-            draw = sample_step(logits, config, generator)
-            trace.add(active, draw)
-            if step == config.max_new_tokens - 1:
-                break
-            going = draw.tokens != self.tokenizer.eos_id
-            tokens = draw.tokens
-            if not bool(going.all()):
-                if not bool(going.any()):
-                    break
-                keep = going.nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                attention, active = attention[keep], active[keep]
-                next_position, tokens = next_position[keep], tokens[keep]
-            attention = torch.cat([attention, attention.new_ones((attention.shape[0], 1))], dim=-1)
-            logits = self.model(input_ids=tokens[:, None], attention_mask=attention,
-                                position_ids=next_position[:, None], cache=cache,
-                                use_cache=True).logits[:, -1]
-            next_position = next_position + 1
-        return [self._to_generation(row.token_ids, row.logprobs, row.support, version)
-                for row in trace.rows()]
+    def _run_rows(self, prompts: list[list[int]], limits: torch.Tensor, config: SamplingConfig,
+                  generator: torch.Generator, trace: DecodeTrace, eos: int | None) -> None:
+        """The scheduler: admit, decode, retire until every row has finished. State is kept per
+        cache slot; a decode step runs slots [0, highest busy slot] (see LlamaRunner.decode)."""
+        device = limits.device
+        waiting = list(range(len(prompts)))
+        waiting.reverse()                                       # pop() takes the lowest row first
+        free = list(range(self.max_batch_size - 1, -1, -1))     # pop() takes the lowest slot first
+        slot_row = torch.full((self.max_batch_size,), -1, dtype=torch.long, device=device)
+        positions = torch.zeros_like(slot_row)
+        counts = torch.zeros_like(slot_row)
+        tokens = torch.zeros_like(slot_row)
+        while waiting or len(free) < self.max_batch_size:
+            room = min(len(free), len(waiting))
+            busy = self.max_batch_size - len(free)
+            if room and (busy == 0 or (self.batching == CONTINUOUS
+                                       and room >= min(self.prefill_min_rows, len(waiting)))):
+                new_rows = torch.tensor([waiting.pop() for _ in range(room)], device=device)
+                stepped = torch.tensor(sorted(free.pop() for _ in range(room)), device=device)
+                batch = [prompts[r] for r in new_rows.tolist()]
+                draw = sample_step(self._runner.prefill(stepped, batch), config, generator,
+                                   self.support_bound)
+                trace.add(new_rows, draw)
+                slot_row[stepped] = new_rows
+                positions[stepped] = torch.tensor([len(p) for p in batch], device=device)
+                counts[stepped] = 1
+            else:
+                busy_slots = (slot_row >= 0).nonzero().squeeze(-1)
+                high = int(busy_slots[-1]) + 1
+                logits = self._runner.decode(tokens[:high], positions[:high])
+                stepped = busy_slots
+                draw = sample_step(logits[stepped], config, generator, self.support_bound)
+                trace.add(slot_row[stepped], draw)
+                positions[stepped] += 1
+                counts[stepped] += 1
+            tokens[stepped] = draw.tokens
+            done = counts[stepped] >= limits[slot_row[stepped]]
+            if eos is not None:
+                done |= draw.tokens == eos
+            if bool(done.any()):
+                finished = stepped[done]
+                slot_row[finished] = -1
+                free.extend(finished.tolist())
+                free.sort(reverse=True)
 
-    def _to_generation(self, token_ids: list[int], logprobs: list[float],
-                       support: RolloutSamplingMask, version: int) -> Generation:
-        finish = FINISH_EOS if token_ids[-1] == self.tokenizer.eos_id else FINISH_LENGTH
-        return Generation(token_ids=token_ids, logprobs=logprobs, support=support,
+    def _to_generation(self, row: RowTrace, version: int, ignore_eos: bool) -> Generation:
+        eos = not ignore_eos and row.token_ids[-1] == self.tokenizer.eos_id
+        finish = FINISH_EOS if eos else FINISH_LENGTH
+        return Generation(token_ids=row.token_ids, logprobs=row.logprobs, support=row.support,
                           finish_reason=finish, policy_version=version,
-                          text=self.tokenizer.decode(token_ids, skip_special=True))
+                          text=self.tokenizer.decode(row.token_ids, skip_special=True),
+                          full_logprobs=row.full_logprobs,
+                          truncated_positions=row.truncated_positions)

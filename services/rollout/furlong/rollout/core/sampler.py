@@ -1,21 +1,31 @@
-"""Token sampling with temperature, top-k and top-p, returning what each draw could have been.
+"""Token sampling with temperature, top-k, top-p and min-p, returning what each draw could have been.
 
 For one decode step of a batch, `sample_step` draws a token per row and reports its log-prob under
-the distribution it was drawn from (softmax after temperature, renormalised over the kept set) and
-the kept set itself: exactly the token ids the sampler could have drawn. Order of filters: temperature,
-then top-k, then top-p over the top-k-renormalised distribution. Knows nothing about models, caches,
-tokenizers or prompts.
+the distribution it was drawn from (softmax after temperature, renormalised over the kept set), its
+log-prob under the full temperature-scaled distribution, and the kept set itself: exactly the token
+ids the sampler could have drawn.
+
+Order of filters: temperature, then top-k, then top-p over the top-k-renormalised distribution,
+then min-p (keep p >= min_p * p_max; the ratio to the most probable token does not depend on
+renormalisation), then the support bound (see `SupportBound`). Every filter keeps a prefix of the
+tokens sorted by probability, so the kept set is always a prefix. Knows nothing about models,
+caches, tokenizers or prompts.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
+from furlong.rollout.core.sampling import (MAX_SEED, OVERFLOW_ERROR, SamplingConfig, SupportBound,
+                                           SupportOverflowError)
 
-__all__ = ["MAX_SEED", "SamplingConfig", "StepDraw", "sample_step"]
+__all__ = ["MAX_SEED", "SamplingConfig", "StepDraw", "SupportBound", "SupportOverflowError",
+           "sample_step"]
+
+UNBOUNDED = SupportBound()
 
 
 @dataclass(frozen=True)
@@ -24,40 +34,64 @@ class StepDraw:
 
     `kept_ids[r, :kept_counts[r]]` is row r's support in descending probability; the rest of the row
     is padding. Both are None when nothing was filtered: the support is the whole vocabulary.
+    `full_logprobs` is None only for hand-built draws (then it reads as equal to `logprobs`);
+    `truncated[r]` says the support bound cut row r's support (None: nothing was cut).
     """
 
     tokens: torch.Tensor               # int64 (A,)
     logprobs: torch.Tensor             # float32 (A,)
     kept_ids: torch.Tensor | None      # int64 (A, K)
     kept_counts: torch.Tensor | None   # int64 (A,)
+    full_logprobs: torch.Tensor | None = None  # float32 (A,)
+    truncated: torch.Tensor | None = None      # bool (A,)
 
 
-def sample_step(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> StepDraw:
-    """Draw one token per row of `logits` (A, V). No Python loop over rows."""
+def sample_step(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator,
+                bound: SupportBound = UNBOUNDED) -> StepDraw:
+    """Draw one token per row of `logits` (A, V). No Python loop over rows. SupportOverflowError
+    when a support exceeds `bound` and the bound says to fail."""
     scaled = logits.float() / config.temperature
     vocab_size = scaled.shape[-1]
-    if not config.filters_vocab(vocab_size):
-        logp = torch.log_softmax(scaled, dim=-1)
-        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-        return StepDraw(tokens=tokens, logprobs=logp.gather(-1, tokens[:, None]).squeeze(-1),
-                        kept_ids=None, kept_counts=None)
+    full = torch.log_softmax(scaled, dim=-1)
+    if not config.filters_vocab(vocab_size) and not bound.bounds(vocab_size):
+        tokens = torch.multinomial(full.exp(), 1, generator=generator).squeeze(-1)
+        logprobs = full.gather(-1, tokens[:, None]).squeeze(-1)
+        return StepDraw(tokens=tokens, logprobs=logprobs, kept_ids=None, kept_counts=None,
+                        full_logprobs=logprobs)
     if 0 < config.top_k < vocab_size:
         values, ids = torch.topk(scaled, config.top_k, dim=-1, sorted=True)
     else:
         values, ids = torch.sort(scaled, dim=-1, descending=True)
+    keep = torch.ones_like(values, dtype=torch.bool)
     if config.top_p < 1.0:
-        cumulative = torch.cumsum(torch.softmax(values, dim=-1), dim=-1)
+        # float64: the boundary token is decided the same way a float64 reference decides it
+        # (float32 cumulative sums drift by ~1e-7 and flip near-boundary tokens over 10k draws).
+        cumulative = torch.cumsum(torch.softmax(values.double(), dim=-1), dim=-1)
         # Keep the shortest prefix whose mass reaches top_p: a token stays when the mass strictly
         # before it is below top_p (so the first token always stays and the kept set is a prefix).
         mass_before = torch.nn.functional.pad(cumulative[:, :-1], (1, 0), value=0.0)
-        keep = mass_before < config.top_p
-        values = values.masked_fill(~keep, float("-inf"))
-        counts = keep.sum(dim=-1)
-    else:
-        counts = torch.full((values.shape[0],), values.shape[1], dtype=torch.int64)
-    logp = torch.log_softmax(values, dim=-1)
-    picks = torch.multinomial(logp.exp(), 1, generator=generator)
+        keep &= mass_before < config.top_p
+    if config.min_p > 0.0:
+        keep &= (values - values[:, :1]) >= math.log(config.min_p)
+    counts = keep.sum(dim=-1)
+    truncated = None
+    if bound.bounds(vocab_size):
+        over = counts > bound.max_size
+        if bool(over.any()):
+            if bound.on_overflow == OVERFLOW_ERROR:
+                row = int(over.nonzero()[0, 0])
+                raise SupportOverflowError(
+                    f"sampling support of {int(counts[row])} token ids (batch row {row}) exceeds "
+                    f"max_support_size {bound.max_size}; raise the bound, filter harder (top_k, "
+                    f"top_p, min_p) or choose on_overflow='truncate'")
+            keep &= torch.arange(values.shape[1], device=values.device)[None, :] < bound.max_size
+            counts = counts.clamp(max=bound.max_size)
+            truncated = over
     width = int(counts.max())
-    return StepDraw(tokens=ids.gather(-1, picks).squeeze(-1),
-                    logprobs=logp.gather(-1, picks).squeeze(-1),
-                    kept_ids=ids[:, :width], kept_counts=counts)
+    values, ids, keep = values[:, :width], ids[:, :width], keep[:, :width]
+    logp = torch.log_softmax(values.masked_fill(~keep, float("-inf")), dim=-1)
+    picks = torch.multinomial(logp.exp(), 1, generator=generator)
+    tokens = ids.gather(-1, picks).squeeze(-1)
+    return StepDraw(tokens=tokens, logprobs=logp.gather(-1, picks).squeeze(-1), kept_ids=ids,
+                    kept_counts=counts, full_logprobs=full.gather(-1, tokens[:, None]).squeeze(-1),
+                    truncated=truncated)

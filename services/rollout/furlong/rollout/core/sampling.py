@@ -1,4 +1,5 @@
-"""How an engine draws tokens, as a validated value: temperature, top-k, top-p, length and seed.
+"""How an engine draws tokens, as a validated value: temperature, top-k, top-p, min-p, length and
+seed; and the bound on how large a recorded sampling support may be.
 
 Kept free of torch so that clients can build requests without importing it.
 """
@@ -17,6 +18,7 @@ class SamplingConfig:
     top_p: float = 1.0      # 1.0 = off
     max_new_tokens: int = 32
     seed: int = 0
+    min_p: float = 0.0      # 0.0 = off; keep tokens with p >= min_p * p_max
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -33,7 +35,44 @@ class SamplingConfig:
         s = self.seed
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED:
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {s!r}")
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
+            raise ValueError(f"min_p must be in [0, 1) (0 = off), got {m!r}")
 
     def filters_vocab(self, vocab_size: int) -> bool:
-        """True when top-k or top-p can remove tokens from a vocabulary of this size."""
-        return (0 < self.top_k < vocab_size) or self.top_p < 1.0
+        """True when top-k, top-p or min-p can remove tokens from a vocabulary of this size."""
+        return (0 < self.top_k < vocab_size) or self.top_p < 1.0 or self.min_p > 0.0
+
+
+OVERFLOW_ERROR = "error"
+OVERFLOW_TRUNCATE = "truncate"
+
+
+class SupportOverflowError(ValueError):
+    """A sampling support grew beyond the configured bound and the bound says to fail."""
+
+
+@dataclass(frozen=True)
+class SupportBound:
+    """At most `max_size` token ids per recorded support (0 = unbounded).
+
+    When a step's support is larger: `on_overflow="error"` fails the request with a
+    SupportOverflowError naming both sizes; `"truncate"` keeps only the `max_size` most probable ids,
+    samples from those (renormalised, so the support stays exactly what could be drawn) and flags
+    the token as truncated. Never silent either way.
+    """
+
+    max_size: int = 0
+    on_overflow: str = OVERFLOW_ERROR
+
+    def __post_init__(self) -> None:
+        n = self.max_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"max_support_size must be an integer >= 0 (0 = unbounded), got {n!r}")
+        if self.on_overflow not in (OVERFLOW_ERROR, OVERFLOW_TRUNCATE):
+            raise ValueError(f"on_overflow must be {OVERFLOW_ERROR!r} or {OVERFLOW_TRUNCATE!r}, "
+                             f"got {self.on_overflow!r}")
+
+    def bounds(self, vocab_size: int) -> bool:
+        """True when a support over this vocabulary can exceed the bound."""
+        return 0 < self.max_size < vocab_size

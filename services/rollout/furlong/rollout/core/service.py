@@ -3,9 +3,10 @@
 `configure_run` loads the run's checkpoint into `num_engines` engines (policy version 0) and starts
 one weight receiver per engine, which calls `Engine.load_weights` for every new version.
 `generate` waits until every engine serves at least `min_policy_version`, splits prompts x n rows
-evenly over the engines, scores every response with the run's reward, and appends one entry per
-prompt group to the run's Redis stream in a single transaction: either every group of a request is
-written or none is.
+evenly over the engines, scores every response with the run's reward (concurrently, under a
+deadline), optionally redraws zero-variance groups (dynamic sampling, see core.groups), and appends
+one entry per kept prompt group to the run's Redis stream in a single transaction: either every
+kept group of a request is written or none is.
 
 Engines of one run take their share of a request one after another, not concurrently: on a CPU host
 each already uses all torch threads, and two at once would only contend for the same cores.
@@ -34,11 +35,13 @@ from furlong.core.samples import STREAM_FIELD, Sample, SampleGroup, stream_key
 from furlong.rollout.core.checks import (MAX_ENGINES, MAX_SAMPLES_PER_PROMPT, check_id, check_int,
                                          check_prompts, check_timeout, split_evenly)
 from furlong.rollout.core.engine import Engine, Generation
-from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
+from furlong.rollout.core.sampling import MAX_SEED, OVERFLOW_ERROR, SamplingConfig, SupportBound
 from furlong.rollout.core.types import (EngineStatus, GenerateResult, NullObserver, Prompt,
                                         ReceiverFactory, RolloutObserver, RunInfo, RunStatus,
                                         WeightReceiverLike)
-from furlong.rollout.rewards import RewardFn, get_reward, score
+from furlong.rollout.core.groups import (DynamicSampling, GroupOutcome, constant_groups,
+                                         zero_variance)
+from furlong.rollout.rewards import RewardFn, get_reward, reward_registry, score_all
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +54,10 @@ def _default_loader(model_dir: str) -> tuple[Any, Any]:
     return load_policy(model_dir)
 
 
-def engine_seed(run_seed: int, request_seed: int, share: int) -> int:
-    """The sampling seed of share `share` of a request (a 63-bit integer)."""
-    words = np.random.SeedSequence([run_seed, request_seed, share]).generate_state(2, dtype=np.uint32)
+def engine_seed(run_seed: int, request_seed: int, share: int, round_: int = 0) -> int:
+    """The sampling seed of share `share` of a request in refill round `round_` (63 bits)."""
+    entropy = [run_seed, request_seed, share] + ([round_] if round_ else [])
+    words = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint32)
     return ((int(words[0]) << 32) | int(words[1])) & MAX_SEED
 
 
@@ -83,19 +87,32 @@ class _Run:
 
 class RolloutService:
     """Thread-safe. `receiver_factory=None` runs engines without weight updates (they serve the
-    checkpoint, version 0, for the whole run). `rewards` replaces the built-in reward registry."""
+    checkpoint, version 0, for the whole run). `rewards` replaces the built-in reward registry
+    (signatures checked here); rewards of a request run on up to `reward_workers` threads and must
+    all finish within `reward_timeout_s`.
+    `support_bound` caps every recorded sampling support; it must fail (on_overflow="error"), since
+    the stream's Sample format has no truncated flag and a cut support must never pass silently."""
 
     def __init__(self, redis_client: Any, receiver_factory: ReceiverFactory | None, *,
                  policy_loader: PolicyLoader = _default_loader, max_batch_size: int = 256,
                  observer: RolloutObserver | None = None,
-                 rewards: Mapping[str, RewardFn] | None = None) -> None:
+                 rewards: Mapping[str, RewardFn] | None = None,
+                 support_bound: SupportBound = SupportBound(), reward_timeout_s: float = 60.0,
+                 reward_workers: int = 4) -> None:
         check_int("max_batch_size", max_batch_size, 1)
+        self._reward_timeout_s = check_timeout("reward_timeout_s", reward_timeout_s)
+        self._reward_workers = check_int("reward_workers", reward_workers, 1, 256)
+        if not isinstance(support_bound, SupportBound) or support_bound.on_overflow != OVERFLOW_ERROR:
+            raise ValueError(f"support_bound must be a SupportBound with on_overflow="
+                             f"{OVERFLOW_ERROR!r} (samples cannot carry a truncated flag), "
+                             f"got {support_bound!r}")
+        self._support_bound = support_bound
         self._redis = redis_client
         self._receiver_factory = receiver_factory
         self._loader = policy_loader
         self._max_batch_size = max_batch_size
         self._observer = observer or NullObserver()
-        self._rewards = rewards
+        self._rewards = None if rewards is None else reward_registry(rewards, include_builtin=False)
         self._lock = threading.Lock()            # guards _runs
         self._configure_lock = threading.Lock()  # one configure_run at a time
         self._runs: dict[str, _Run] = {}
@@ -135,7 +152,8 @@ class RolloutService:
             replica = model if i == 0 else copy.deepcopy(model)
             engine_id = f"{run_id}-engine-{i}"
             run.slots.append(_EngineSlot(engine_id=engine_id, engine=Engine(
-                replica, tokenizer, self._max_batch_size, name=engine_id)))
+                replica, tokenizer, self._max_batch_size, name=engine_id,
+                support_bound=self._support_bound)))
         for slot in run.slots:
             self._observer.version_applied(run_id, slot.engine_id, slot.engine.policy_version)
         if self._receiver_factory is None:
@@ -165,9 +183,12 @@ class RolloutService:
         return run
 
     def generate(self, run_id: str, step: int, prompts: Sequence[Prompt], samples_per_prompt: int,
-                 sampling: SamplingConfig, min_policy_version: int, timeout_s: float) -> GenerateResult:
+                 sampling: SamplingConfig, min_policy_version: int, timeout_s: float,
+                 max_refill_rounds: int = 0) -> GenerateResult:
         """Generate prompts x samples_per_prompt samples and append their groups to the run's stream.
-        TimeoutError when an engine does not reach min_policy_version within timeout_s."""
+        TimeoutError when an engine does not reach min_policy_version within timeout_s.
+        `max_refill_rounds` > 0 turns on dynamic sampling (see core.groups): zero-variance groups
+        are drawn again up to that many times, and dropped (not written) if still constant."""
         check_id("run_id", run_id)
         run = self._get(run_id)
         check_int("step", step, 0)
@@ -177,35 +198,84 @@ class RolloutService:
             raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         check_int("min_policy_version", min_policy_version, 0)
         check_timeout("timeout_s", timeout_s)
+        dynamic = DynamicSampling(max_refill_rounds)
+        dynamic.check_group_size(samples_per_prompt)
         prompt_ids = [self._encode(run, p) for p in prompts]
+        self._check_context(run, prompts, prompt_ids, sampling.max_new_tokens)
         started = time.perf_counter()
         self._wait_for_version(run, min_policy_version, timeout_s)
-        rows = [(p, i) for p in range(len(prompts)) for i in range(samples_per_prompt)]
-        generations = self._generate_rows(run, [prompt_ids[p] for p, _ in rows], sampling)
-        samples = [self._sample(run, prompts[p], i, prompt_ids[p], g)
-                   for (p, i), g in zip(rows, generations)]
+        everything = list(range(len(prompts)))
+        by_prompt, num_tokens = self._draw_groups(run, prompts, prompt_ids, everything,
+                                                  samples_per_prompt, sampling, 0)
+        pending = constant_groups([[s.reward for s in g] for g in by_prompt]) if dynamic.enabled else []
+        refills = 0
+        for round_ in range(1, dynamic.max_refill_rounds + 1):
+            if not pending:
+                break
+            refills += len(pending)
+            redrawn, tokens = self._draw_groups(run, prompts, prompt_ids, pending, samples_per_prompt,
+                                                sampling, round_)
+            num_tokens += tokens
+            for p, samples in zip(pending, redrawn):
+                by_prompt[p] = samples
+            pending = [p for p in pending if zero_variance([s.reward for s in by_prompt[p]])]
+        outcome = GroupOutcome(kept=[p for p in everything if p not in set(pending)],
+                               dropped=pending, refills=refills)
         groups = [SampleGroup(run_id=run_id, step=step, prompt_id=prompts[p].prompt_id,
-                              samples=samples[p * samples_per_prompt:(p + 1) * samples_per_prompt])
-                  for p in range(len(prompts))]
+                              samples=by_prompt[p]) for p in outcome.kept]
         with self._lock:
             ended = self._runs.get(run_id) is not run
         if ended:
             raise NotFoundError(f"run {run_id!r} ended while generating; nothing was written")
-        self._write(run_id, groups)
+        if groups:
+            self._write(run_id, groups)
         seconds = time.perf_counter() - started
-        num_tokens = sum(len(g.token_ids) for g in generations)
-        reward_mean = float(np.mean([s.reward for s in samples]))
+        samples = [s for g in groups for s in g.samples]
+        reward_mean = float(np.mean([s.reward for s in samples])) if samples else 0.0
         self._observer.generated(run_id, len(samples), num_tokens, seconds, reward_mean)
+        if dynamic.enabled:
+            self._observer.groups_filtered(run_id, len(outcome.dropped), outcome.refills)
+        served = [s.policy_version for s in samples] or [min(s.engine.policy_version for s in run.slots)]
         return GenerateResult(run_id=run_id, step=step, num_groups=len(groups),
                               num_samples=len(samples), reward_mean=reward_mean,
-                              policy_version=min(g.policy_version for g in generations),
-                              num_tokens=num_tokens, generate_seconds=seconds)
+                              policy_version=min(served), num_tokens=num_tokens,
+                              generate_seconds=seconds, num_groups_dropped=len(outcome.dropped),
+                              num_groups_refilled=outcome.refills)
+
+    def _draw_groups(self, run: _Run, prompts: list[Prompt], prompt_ids: list[list[int]],
+                     which: list[int], samples_per_prompt: int, sampling: SamplingConfig,
+                     round_: int) -> tuple[list[list[Sample]], int]:
+        """Samples (rewards scored) for the prompts `which`, one group each; and tokens generated."""
+        rows = [(p, i) for p in which for i in range(samples_per_prompt)]
+        generations = self._generate_rows(run, [prompt_ids[p] for p, _ in rows], sampling, round_)
+        rewards = score_all(run.reward_name, run.reward_fn, [
+            (g.text, prompts[p].answer, f"prompt {prompts[p].prompt_id!r} sample "
+                                        f"'{prompts[p].prompt_id}/{i}'")
+            for (p, i), g in zip(rows, generations)], self._reward_timeout_s, self._reward_workers)
+        samples = [self._sample(prompts[p], i, prompt_ids[p], g, r)
+                   for (p, i), g, r in zip(rows, generations, rewards)]
+        groups = [samples[k * samples_per_prompt:(k + 1) * samples_per_prompt]
+                  for k in range(len(which))]
+        return groups, sum(len(g.token_ids) for g in generations)
 
     def _encode(self, run: _Run, prompt: Prompt) -> list[int]:
         try:
             return run.tokenizer.encode(prompt.text, add_bos=True)
         except ValueError as exc:
             raise ValueError(f"prompt {prompt.prompt_id!r}: {exc}") from None
+
+    @staticmethod
+    def _check_context(run: _Run, prompts: list[Prompt], prompt_ids: list[list[int]],
+                       max_new_tokens: int) -> None:
+        """Refuse, before any engine is touched, a prompt that cannot fit the model's context."""
+        limit = run.slots[0].engine.max_positions
+        if limit is None:
+            return
+        for prompt, ids in zip(prompts, prompt_ids):
+            if len(ids) + max_new_tokens > limit:
+                raise ValueError(f"prompt {prompt.prompt_id!r} ({len(ids)} tokens) + max_new_tokens "
+                                 f"{max_new_tokens} exceeds the model's context "
+                                 f"(max_position_embeddings {limit})")
 
     def _wait_for_version(self, run: _Run, min_version: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -216,11 +286,12 @@ class RolloutService:
                                    f"{min_version} within {timeout_s}s (serving {versions})")
 
     def _generate_rows(self, run: _Run, row_prompt_ids: list[list[int]],
-                       sampling: SamplingConfig) -> list[Generation]:
+                       sampling: SamplingConfig, round_: int = 0) -> list[Generation]:
         out: list[Generation] = []
         for share, (start, end) in enumerate(split_evenly(len(row_prompt_ids), len(run.slots))):
             slot = run.slots[share]
-            config = dataclasses.replace(sampling, seed=engine_seed(run.seed, sampling.seed, share))
+            seed = engine_seed(run.seed, sampling.seed, share, round_)
+            config = dataclasses.replace(sampling, seed=seed)
             try:
                 out.extend(slot.engine.generate(row_prompt_ids[start:end], config))
             except ValueError:
@@ -232,11 +303,9 @@ class RolloutService:
         return out
 
     @staticmethod
-    def _sample(run: _Run, prompt: Prompt, index: int, prompt_ids: list[int],
-                g: Generation) -> Sample:
+    def _sample(prompt: Prompt, index: int, prompt_ids: list[int], g: Generation,
+                reward: float) -> Sample:
         sample_id = f"{prompt.prompt_id}/{index}"
-        reward = score(run.reward_name, run.reward_fn, g.text, prompt.answer,
-                       f"prompt {prompt.prompt_id!r} sample {sample_id!r}")
         return Sample(sample_id=sample_id, prompt_token_ids=list(prompt_ids),
                       response_token_ids=g.token_ids, response_logprobs=g.logprobs,
                       sampling_support=g.support, reward=reward, policy_version=g.policy_version,

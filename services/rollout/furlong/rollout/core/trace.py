@@ -23,6 +23,8 @@ class RowTrace:
     token_ids: list[int]
     logprobs: list[float]
     support: RolloutSamplingMask
+    full_logprobs: list[float]
+    truncated_positions: list[int]     # decode positions whose support the bound cut
 
 
 class DecodeTrace:
@@ -38,8 +40,11 @@ class DecodeTrace:
         """Record one step: `rows[i]` is the original row index of the draw's i-th entry."""
         if self._draws and (draw.kept_ids is None) != (self._draws[0].kept_ids is None):
             raise ValueError("a decode mixes filtered and unfiltered steps")
-        self._rows.append(rows)
-        self._draws.append(draw)
+        # Kept on the CPU: the per-row assembly at the end slices numpy arrays.
+        self._rows.append(rows.cpu())
+        self._draws.append(StepDraw(*(None if t is None else t.cpu() for t in (
+            draw.tokens, draw.logprobs, draw.kept_ids, draw.kept_counts, draw.full_logprobs,
+            draw.truncated))))
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +60,10 @@ class DecodeTrace:
         order = torch.argsort(rows * num_steps + steps)
         tokens = torch.cat([d.tokens for d in self._draws])[order].tolist()
         logprobs = torch.cat([d.logprobs for d in self._draws])[order].tolist()
+        full_logprobs = torch.cat([d.logprobs if d.full_logprobs is None else d.full_logprobs
+                                   for d in self._draws])[order].tolist()
+        truncated = torch.cat([torch.zeros_like(d.tokens, dtype=torch.bool) if d.truncated is None
+                               else d.truncated for d in self._draws])[order]
         lengths = torch.bincount(rows, minlength=self.num_rows).tolist()
         if any(n == 0 for n in lengths):
             raise ValueError(f"rows without any token: {[i for i, n in enumerate(lengths) if n == 0]}")
@@ -64,8 +73,11 @@ class DecodeTrace:
             supports = self._filtered_supports(order, lengths)
         out, start = [], 0
         for n, support in zip(lengths, supports):
+            cut = truncated[start:start + n].nonzero().squeeze(-1).tolist() if bool(
+                truncated[start:start + n].any()) else []
             out.append(RowTrace(token_ids=tokens[start:start + n], logprobs=logprobs[start:start + n],
-                                support=support))
+                                support=support, full_logprobs=full_logprobs[start:start + n],
+                                truncated_positions=cut))
             start += n
         return out
 

@@ -36,8 +36,10 @@ class GenerateResult:
     num_samples: int
     reward_mean: float
     policy_version: int       # the oldest version any sample of the request was drawn with
-    num_tokens: int           # generated tokens
+    num_tokens: int           # generated tokens (refill rounds included)
     generate_seconds: float
+    num_groups_dropped: int = 0   # dynamic sampling: constant after every refill round
+    num_groups_refilled: int = 0  # dynamic sampling: groups drawn again, summed over rounds
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class RolloutObserver(Protocol):
 
     def version_applied(self, run_id: str, engine_id: str, version: int) -> None: ...
 
+    def groups_filtered(self, run_id: str, dropped: int, refilled: int) -> None: ...
+
     def run_ended(self, run_id: str, engine_ids: list[str]) -> None: ...
 
 
@@ -85,6 +89,9 @@ class NullObserver:
         pass
 
     def version_applied(self, run_id: str, engine_id: str, version: int) -> None:
+        pass
+
+    def groups_filtered(self, run_id: str, dropped: int, refilled: int) -> None:
         pass
 
     def run_ended(self, run_id: str, engine_ids: list[str]) -> None:

@@ -1,0 +1,53 @@
+"""Groups and filters: which prompt groups a request keeps, as pure decisions over rewards.
+
+Dynamic sampling (DAPO): a group whose rewards are all equal carries no learning signal under
+group-normalised advantages, so it is dropped and its prompt drawn again, up to `max_refill_rounds`
+times; a group still constant after the last round is dropped for good. Both are counted. Knows
+nothing about engines, Redis or transports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from furlong.rollout.core.checks import check_int
+
+MAX_REFILL_ROUNDS = 16
+
+
+@dataclass(frozen=True)
+class DynamicSampling:
+    """max_refill_rounds = 0 keeps every group (off)."""
+
+    max_refill_rounds: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("max_refill_rounds", self.max_refill_rounds, 0, MAX_REFILL_ROUNDS)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_refill_rounds > 0
+
+    def check_group_size(self, samples_per_prompt: int) -> None:
+        if self.enabled and samples_per_prompt < 2:
+            raise ValueError(f"dynamic sampling (max_refill_rounds {self.max_refill_rounds}) needs "
+                             f"samples_per_prompt >= 2, got {samples_per_prompt}: a group of one "
+                             f"always has zero reward variance")
+
+
+def zero_variance(rewards: Sequence[float]) -> bool:
+    """True when every reward of the group is the same value."""
+    return len(set(rewards)) <= 1
+
+
+def constant_groups(rewards_by_group: Sequence[Sequence[float]]) -> list[int]:
+    """Indices of the groups with zero reward variance."""
+    return [i for i, rewards in enumerate(rewards_by_group) if zero_variance(rewards)]
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    kept: list[int]          # group indices written, in request order
+    dropped: list[int]       # constant after every round
+    refills: int             # groups drawn again (summed over rounds)

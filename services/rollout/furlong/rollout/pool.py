@@ -1,0 +1,311 @@
+"""An engine pool: N built-in engines as separate processes (`furlong.rollout.engine_server`),
+driven through the SGLang adapter, with least-loaded routing, restarts and retries.
+
+- **Routing**: a request's rows are cut into chunks of `chunk_rows`; each chunk goes to the healthy
+  engine with the fewest chunks in flight. A chunk's seed is derived from the request seed and the
+  chunk's index, so a retried chunk draws what it would have drawn on the first engine.
+- **Failures**: an engine that cannot be reached (connection refused, reset, 5xx, a dead process) is
+  marked unhealthy and restarted in the background; its in-flight chunks are retried on other
+  engines, up to `max_attempts` engines per chunk. A monitor thread polls every process every
+  `health_interval_s`. A restarted engine is re-synced to the pool's current policy version (it
+  loads the current weights directory) before it takes work again.
+- **Ledger**: with a `Ledger`, every sample is recorded pending → in flight on an engine → done, and
+  a result for a sample already done is refused (counted in `duplicates_refused`), so no sample is
+  lost or delivered twice.
+- **Weights**: `update_weights(version, model_dir)` pauses, loads and resumes every healthy engine
+  and becomes the version restarted engines load.
+
+A bad request (HTTP 400) is a ValueError and is not retried. Knows nothing about runs, rewards or
+the sample stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from furlong.core.errors import UnavailableError
+from furlong.core.redis_server import free_port
+from furlong.rollout.core.engine import Generation
+from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
+from furlong.rollout.core.types import EngineStatus
+from furlong.rollout.ledger import Ledger
+from furlong.rollout.sglang import SGLangEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    num_engines: int
+    max_batch_size: int = 64          # per engine process
+    num_threads: int = 1              # torch threads per engine process
+    chunk_rows: int = 8               # rows per routed chunk
+    max_attempts: int = 3             # engines a chunk may be tried on
+    startup_timeout_s: float = 120.0
+    health_interval_s: float = 0.5
+    request_timeout_s: float = 300.0  # one HTTP call to an engine
+
+    def __post_init__(self) -> None:
+        for name in ("num_engines", "max_batch_size", "num_threads", "chunk_rows", "max_attempts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("startup_timeout_s", "health_interval_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+def chunk_seed(request_seed: int, chunk: int) -> int:
+    words = np.random.SeedSequence([request_seed, chunk]).generate_state(2, dtype=np.uint32)
+    return ((int(words[0]) << 32) | int(words[1])) & MAX_SEED
+
+
+class _EngineProcess:
+    def __init__(self, engine_id: str, log_path: Path) -> None:
+        self.engine_id = engine_id
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.adapter: SGLangEngine | None = None
+        self.healthy = False
+        self.restarting = False
+        self.in_flight = 0
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+class EnginePool:
+    """Thread-safe. `start()` launches the processes; `close()` stops them."""
+
+    def __init__(self, model_dir: str, tokenizer: Any, vocab_size: int, config: PoolConfig,
+                 log_dir: Path, ledger: Ledger | None = None, name: str = "pool") -> None:
+        self._model_dir = model_dir
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self.config = config
+        self._ledger = ledger
+        self._version = 0
+        self._weights_dir = model_dir
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._engines = [_EngineProcess(f"{name}-engine-{i}", log_dir / f"{name}-engine-{i}.log")
+                         for i in range(config.num_engines)]
+        self._monitor = threading.Thread(target=self._watch, name=f"{name}-monitor", daemon=True)
+        self.duplicates_refused = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for e in self._engines:
+            self._spawn(e)
+        for e in self._engines:
+            self._wait_ready(e)
+            with self._cond:
+                e.healthy = True
+                self._cond.notify_all()
+        self._monitor.start()
+
+    def _spawn(self, e: _EngineProcess) -> None:
+        port = free_port()
+        cmd = [sys.executable, "-m", "furlong.rollout.engine_server", "--model-dir", self._model_dir,
+               "--host", "127.0.0.1", "--port", str(port), "--max-batch-size",
+               str(self.config.max_batch_size), "--num-threads", str(self.config.num_threads)]
+        with open(e.log_path, "ab") as out:
+            e.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        e.adapter = SGLangEngine(f"http://127.0.0.1:{port}", self._tokenizer, self._vocab_size,
+                                 timeout_s=self.config.request_timeout_s, name=e.engine_id)
+        log.info("%s started as pid %d on port %d", e.engine_id, e.proc.pid, port)
+
+    def _wait_ready(self, e: _EngineProcess) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while not e.adapter.healthy():
+            if not e.alive():
+                raise UnavailableError(f"{e.engine_id} exited with {e.proc.returncode} while starting "
+                                       f"(log {e.log_path})")
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"{e.engine_id} not healthy within "
+                                       f"{self.config.startup_timeout_s}s (log {e.log_path})")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._monitor.is_alive():
+            self._monitor.join(10)
+        for e in self._engines:
+            e.stop()
+
+    # -- health and restarts ---------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.config.health_interval_s):
+            for e in self._engines:
+                if e.healthy and not e.alive():
+                    self._mark_dead(e, f"process exited with {e.proc.returncode}")
+
+    def _mark_dead(self, e: _EngineProcess, why: str) -> None:
+        with self._cond:
+            if e.restarting or self._stop.is_set():
+                return
+            e.healthy, e.restarting = False, True
+        log.warning("%s is down (%s); restarting", e.engine_id, why)
+        threading.Thread(target=self._restart, args=(e,), name=f"restart-{e.engine_id}",
+                         daemon=True).start()
+
+    def _restart(self, e: _EngineProcess) -> None:
+        try:
+            if e.proc is not None and e.proc.poll() is None:
+                e.proc.kill()
+                e.proc.wait(10)
+            self._spawn(e)
+            self._wait_ready(e)
+            while True:                        # catch up with updates made while restarting
+                with self._cond:
+                    version, weights = self._version, self._weights_dir
+                if e.adapter.policy_version >= version:
+                    break
+                e.adapter.update_weights_from_disk(version, weights)
+            with self._cond:
+                e.healthy, e.restarting = True, False
+                e.restarts += 1
+                self._cond.notify_all()
+            log.info("%s restarted (pid %d), serving version %d", e.engine_id, e.proc.pid,
+                     e.adapter.policy_version)
+        except Exception:  # noqa: BLE001 - a failed restart is retried by the next failure check
+            log.exception("%s restart failed", e.engine_id)
+            with self._cond:
+                e.restarting = False
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def _acquire(self, exclude: set[str]) -> _EngineProcess:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        with self._cond:
+            while True:
+                ready = [e for e in self._engines if e.healthy and e.engine_id not in exclude]
+                if not ready:   # everyone was tried: allow a restarted engine again
+                    ready = [e for e in self._engines if e.healthy]
+                if ready:
+                    chosen = min(ready, key=lambda e: e.in_flight)
+                    chosen.in_flight += 1
+                    return chosen
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise UnavailableError(f"no healthy engine within {self.config.startup_timeout_s}s")
+                self._cond.wait(min(left, 0.5))
+
+    def _release(self, e: _EngineProcess) -> None:
+        with self._cond:
+            e.in_flight -= 1
+
+    def generate(self, request_id: str, rows: Sequence[tuple[str, list[int]]],
+                 config: SamplingConfig) -> dict[str, Generation]:
+        """One generation per (sample id, prompt ids) row, keyed by sample id."""
+        ids = [sample_id for sample_id, _ in rows]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request {request_id}: sample ids repeat")
+        if self._ledger is not None:
+            self._ledger.open(request_id, ids)
+        size = self.config.chunk_rows
+        chunks = [list(rows[i:i + size]) for i in range(0, len(rows), size)]
+        out: dict[str, Generation] = {}
+        with ThreadPoolExecutor(max_workers=max(1, min(len(chunks), 2 * len(self._engines)))) as ex:
+            futures = [ex.submit(self._run_chunk, request_id, i, c, config)
+                       for i, c in enumerate(chunks)]
+            for f in futures:
+                out.update(f.result())
+        return out
+
+    def _run_chunk(self, request_id: str, index: int, chunk: list[tuple[str, list[int]]],
+                   config: SamplingConfig) -> dict[str, Generation]:
+        chunk_config = dataclasses.replace(config, seed=chunk_seed(config.seed, index))
+        tried: set[str] = set()
+        errors: list[str] = []
+        for _ in range(self.config.max_attempts):
+            e = self._acquire(tried)
+            tried.add(e.engine_id)
+            try:
+                if self._ledger is not None:
+                    self._ledger.dispatch(request_id, [s for s, _ in chunk], e.engine_id)
+                gens = e.adapter.generate([p for _, p in chunk], chunk_config)
+            except UnavailableError as exc:
+                errors.append(f"{e.engine_id}: {exc}")
+                self._mark_dead(e, str(exc))
+                continue
+            finally:
+                self._release(e)
+            return self._deliver(request_id, chunk, gens)
+        raise UnavailableError(f"request {request_id} chunk {index} failed on "
+                               f"{self.config.max_attempts} engines: {errors}")
+
+    def _deliver(self, request_id: str, chunk, gens: list[Generation]) -> dict[str, Generation]:
+        out = {}
+        for (sample_id, _), g in zip(chunk, gens):
+            if self._ledger is None or self._ledger.finish(request_id, sample_id):
+                out[sample_id] = g
+            else:
+                with self._cond:
+                    self.duplicates_refused += 1
+        return out
+
+    # -- weights and status ----------------------------------------------------------------------
+
+    def update_weights(self, version: int, model_dir: str) -> None:
+        """Every healthy engine loads `model_dir` as `version`; restarted engines load it too."""
+        with self._cond:
+            if version < self._version:
+                raise ValueError(f"policy version {version} is older than the pool's {self._version}")
+            self._version, self._weights_dir = version, model_dir
+            engines = [e for e in self._engines if e.healthy]
+        for e in engines:
+            try:
+                e.adapter.update_weights_from_disk(version, model_dir)
+            except UnavailableError as exc:
+                self._mark_dead(e, str(exc))   # the restart loads this version
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def status(self) -> list[EngineStatus]:
+        with self._cond:
+            return [EngineStatus(engine_id=e.engine_id, healthy=e.healthy,
+                                 policy_version=e.adapter.policy_version if e.adapter else 0)
+                    for e in self._engines]
+
+    def pids(self) -> dict[str, int | None]:
+        return {e.engine_id: e.pid for e in self._engines}
+
+    def restarts(self) -> dict[str, int]:
+        return {e.engine_id: e.restarts for e in self._engines}
+
+    def adapter(self, engine_id: str) -> SGLangEngine:
+        for e in self._engines:
+            if e.engine_id == engine_id:
+                return e.adapter
+        raise ValueError(f"no engine {engine_id!r} in this pool")

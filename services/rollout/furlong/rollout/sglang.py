@@ -1,0 +1,203 @@
+"""The SGLang adapter: one SGLang HTTP server used as a rollout engine.
+
+It speaks SGLang's HTTP API with token ids only (servers run with `--skip-tokenizer-init`):
+
+- `POST /generate` with `input_ids` (a batch), `sampling_params` (temperature, top_k, top_p, min_p,
+  max_new_tokens, sampling_seed, ignore_eos), `return_logprob: true` and
+  `return_sampling_mask: true`; each result carries `output_ids` and, in `meta_info`,
+  `output_token_logprobs` ([log-prob, token id, _] per token, under the sampling distribution),
+  `output_sampling_mask` ({"token_ids", "offsets"}: the CSR support of every token) and
+  `finish_reason` ({"type": "length"} or {"type": "stop", "matched": id or string}).
+- `GET /health_generate`; `POST /pause_generation`, `/continue_generation`, `/flush_cache`;
+  `POST /update_weights_from_disk` (`model_path`, `weight_version`) and `/update_weight_version`.
+
+Every response is checked before it becomes a `Generation` (lengths agree, each token lies in its
+support, log-probs are finite and <= 0); anything else is an error naming the request row, never a
+guess; response text is decoded here with the given tokenizer. HTTP 400 becomes ValueError (a bad request; the server is fine); unreachable servers and
+other failures become UnavailableError. Knows nothing about runs, rewards or Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import urllib.error
+import urllib.request
+from typing import Any, Sequence
+
+import numpy as np
+
+from furlong.core.errors import UnavailableError
+from furlong.core.sampling_mask import RolloutSamplingMask
+from furlong.rollout.core.engine import FINISH_EOS, FINISH_LENGTH, Generation, TokenizerLike
+from furlong.rollout.core.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+FINISH_STOP = "stop"
+
+
+class SGLangEngine:
+    """Thread-safe: every call is one HTTP request. `policy_version` is the version of the last
+    successful weight update through this adapter (the server's `weight_version` string is its
+    decimal form)."""
+
+    def __init__(self, base_url: str, tokenizer: TokenizerLike, vocab_size: int,
+                 timeout_s: float = 120.0, policy_version: int = 0, name: str = "sglang") -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+        eos_id = tokenizer.eos_id
+        if vocab_size <= 0 or not 0 <= eos_id < vocab_size:
+            raise ValueError(f"need vocab_size > 0 and the tokenizer's eos_id in [0, vocab_size), "
+                             f"got {vocab_size}, {eos_id}")
+        self.tokenizer = tokenizer
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.base_url = base_url.rstrip("/")
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.name = name
+        self._timeout_s = timeout_s
+        self._version_changed = threading.Condition()
+        self._policy_version = policy_version
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
+        with self._version_changed:
+            return self._version_changed.wait_for(lambda: self._policy_version >= min_version,
+                                                  timeout_s)
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self._timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            if exc.code == 400:
+                raise ValueError(f"{self.name} {path}: {detail}") from None
+            raise UnavailableError(f"{self.name} {path}: HTTP {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise UnavailableError(f"{self.name} {path}: cannot reach {self.base_url}: {exc}") from None
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw.decode(errors="replace")
+
+    def healthy(self) -> bool:
+        """True when the server generates a token (`/health_generate`)."""
+        try:
+            self._request("GET", "/health_generate")
+        except (UnavailableError, ValueError):
+            return False
+        return True
+
+    def pause(self) -> None:
+        self._request("POST", "/pause_generation", {})
+
+    def resume(self) -> None:
+        self._request("POST", "/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self._request("POST", "/flush_cache", {})
+
+    def update_weights_from_disk(self, version: int, model_path: str) -> None:
+        """Load `model_path` on the server as policy `version` (paused around the load, cache
+        flushed); ValueError for an older version or a load the server refuses."""
+        self._check_newer(version)
+        self.pause()
+        try:
+            reply = self._request("POST", "/update_weights_from_disk",
+                                  {"model_path": model_path, "weight_version": str(version)})
+            self._check_success("/update_weights_from_disk", reply)
+            self.flush_cache()
+        finally:
+            self.resume()
+        self._set_version(version)
+
+    def update_weight_version(self, version: int) -> None:
+        """Label the weights the server already holds as `version`."""
+        self._check_newer(version)
+        reply = self._request("POST", "/update_weight_version", {"new_version": str(version)})
+        self._check_success("/update_weight_version", reply)
+        self._set_version(version)
+
+    def _check_newer(self, version: int) -> None:
+        if isinstance(version, bool) or not isinstance(version, int) or version < self._policy_version:
+            raise ValueError(f"{self.name}: policy version {version!r} is older than the served "
+                             f"version {self._policy_version}")
+
+    def _check_success(self, path: str, reply: Any) -> None:
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            raise ValueError(f"{self.name} {path} refused: {reply!r}")
+
+    def _set_version(self, version: int) -> None:
+        with self._version_changed:
+            self._policy_version = version
+            self._version_changed.notify_all()
+        log.info("%s serves policy version %d", self.name, version)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], config: SamplingConfig,
+                 ignore_eos: bool = False) -> list[Generation]:
+        """One response per prompt, drawn by the server; same contract as `Engine.generate`."""
+        prompts = [list(p) for p in prompt_ids]
+        if not prompts:
+            return []
+        version = self._policy_version
+        body = {"input_ids": prompts, "return_logprob": True, "return_sampling_mask": True,
+                "sampling_params": {"temperature": config.temperature, "top_k": config.top_k or -1,
+                                    "top_p": config.top_p, "min_p": config.min_p,
+                                    "max_new_tokens": config.max_new_tokens,
+                                    "sampling_seed": config.seed, "ignore_eos": ignore_eos}}
+        reply = self._request("POST", "/generate", body)
+        if not isinstance(reply, list) or len(reply) != len(prompts):
+            raise UnavailableError(f"{self.name} /generate returned {type(reply).__name__} "
+                                   f"{'of length ' + str(len(reply)) if isinstance(reply, list) else ''}"
+                                   f" for {len(prompts)} prompts")
+        return [self._generation(i, item, version) for i, item in enumerate(reply)]
+
+    def _generation(self, row: int, item: Any, version: int) -> Generation:
+        where = f"{self.name} /generate row {row}"
+        try:
+            ids = [int(t) for t in item["output_ids"]]
+            meta = item["meta_info"]
+            logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
+            lp_ids = [int(entry[1]) for entry in meta["output_token_logprobs"]]
+            mask = meta["output_sampling_mask"]
+            support = RolloutSamplingMask(token_ids=np.asarray(mask["token_ids"], dtype=np.int32),
+                                          offsets=np.asarray(mask["offsets"], dtype=np.int64),
+                                          vocab_size=self.vocab_size)
+            finish = meta["finish_reason"]
+        except (KeyError, TypeError, IndexError) as exc:
+            raise UnavailableError(f"{where}: response is missing {exc}") from None
+        except ValueError as exc:
+            raise UnavailableError(f"{where}: bad sampling mask: {exc}") from None
+        if not ids or lp_ids != ids or support.num_rows != len(ids):
+            raise UnavailableError(f"{where}: {len(ids)} tokens, log-probs for {lp_ids[:8]}..., "
+                                   f"{support.num_rows} support rows do not agree")
+        for pos, (tok, lp) in enumerate(zip(ids, logprobs)):
+            if not (math.isfinite(lp) and lp <= 0.0) or not support.contains(pos, tok):
+                raise UnavailableError(f"{where}: token {tok} at {pos} (log-prob {lp}) is not a "
+                                       f"finite draw from its support")
+        return Generation(token_ids=ids, logprobs=logprobs, support=support,
+                          finish_reason=self._finish(finish, ids, where),
+                          text=self.tokenizer.decode(ids, skip_special=True),
+                          policy_version=version)
+
+    def _finish(self, finish: Any, ids: list[int], where: str) -> str:
+        kind = finish.get("type") if isinstance(finish, dict) else None
+        if kind == "length":
+            return FINISH_LENGTH
+        if kind == "stop":
+            return FINISH_EOS if finish.get("matched") == self.eos_id and ids[-1] == self.eos_id \
+                else FINISH_STOP
+        raise UnavailableError(f"{where}: unknown finish_reason {finish!r}")

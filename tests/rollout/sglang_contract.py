@@ -1,0 +1,90 @@
+"""Contract checks of the SGLang adapter, shared by the fake-server tests (CPU) and the GPU script
+against a real SGLang server. Each takes a connected `SGLangEngine` and asserts on values."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from furlong.core.errors import UnavailableError
+from furlong.rollout.core.sampling import SamplingConfig
+from furlong.rollout.sglang import SGLangEngine
+
+PROMPTS = [[1, 4, 5, 13, 6, 14], [1, 7, 13, 8, 14], [1, 12, 12, 13, 3, 14]]
+
+
+def check_generate_records_exact_draws(engine: SGLangEngine) -> list:
+    config = SamplingConfig(temperature=0.9, top_k=6, top_p=0.9, max_new_tokens=8, seed=7)
+    gens = engine.generate(PROMPTS * 2, config)
+    assert len(gens) == 6
+    for g in gens:
+        assert 1 <= len(g.token_ids) <= 8 and len(g.logprobs) == g.support.num_rows == len(g.token_ids)
+        for pos, tok in enumerate(g.token_ids):
+            row = g.support.row(pos)
+            assert tok in row and 1 <= row.size <= 6
+            assert g.logprobs[pos] <= 0.0
+        assert g.finish_reason in ("eos", "length", "stop")
+        assert g.policy_version == engine.policy_version
+    again = engine.generate(PROMPTS * 2, config)
+    assert [g.token_ids for g in again] == [g.token_ids for g in gens]       # sampling_seed holds
+    return gens
+
+
+def check_greedy_is_singleton(engine: SGLangEngine) -> list[list[int]]:
+    gens = engine.generate(PROMPTS, SamplingConfig(top_k=1, max_new_tokens=6))
+    for g in gens:
+        assert g.support.to_lists() == [[t] for t in g.token_ids]
+        assert all(abs(lp) < 1e-6 for lp in g.logprobs)
+    return [g.token_ids for g in gens]
+
+
+def check_ignore_eos_runs_to_the_limit(engine: SGLangEngine) -> None:
+    gens = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=5, seed=1), ignore_eos=True)
+    assert [len(g.token_ids) for g in gens] == [5, 5, 5]
+    assert {g.finish_reason for g in gens} == {"length"}
+
+
+def check_bad_request_is_a_value_error(engine: SGLangEngine) -> None:
+    with pytest.raises(ValueError, match="/generate"):
+        engine.generate([[1, engine.vocab_size + 5]], SamplingConfig(max_new_tokens=2))
+    assert engine.healthy()
+    assert len(engine.generate(PROMPTS[:1], SamplingConfig(max_new_tokens=2))) == 1
+
+
+def check_pause_holds_generation_until_resumed(engine: SGLangEngine) -> None:
+    engine.pause()
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (engine.generate(PROMPTS[:1], SamplingConfig(max_new_tokens=2)),
+                                              done.set()))
+    worker.start()
+    try:
+        assert not done.wait(0.5)
+    finally:
+        engine.resume()
+    assert done.wait(60)
+    worker.join(10)
+
+
+def check_weight_update_from_disk(engine: SGLangEngine, new_model_dir: str,
+                                  greedy_before: list[list[int]]) -> None:
+    version = engine.policy_version + 1
+    engine.update_weights_from_disk(version, new_model_dir)
+    assert engine.policy_version == version and engine.wait_for_version(version, 0.0)
+    after = engine.generate(PROMPTS, SamplingConfig(top_k=1, max_new_tokens=6))
+    assert {g.policy_version for g in after} == {version}
+    assert [g.token_ids for g in after] != greedy_before
+    with pytest.raises(ValueError, match="older than the served version"):
+        engine.update_weights_from_disk(version - 1, new_model_dir)
+    engine.update_weight_version(version + 1)
+    assert engine.policy_version == version + 1
+
+
+def check_unreachable_server(tokenizer, vocab_size: int) -> None:
+    dead = SGLangEngine("http://127.0.0.1:9", tokenizer, vocab_size, timeout_s=2.0)
+    assert not dead.healthy()
+    started = time.monotonic()
+    with pytest.raises(UnavailableError, match="cannot reach http://127.0.0.1:9"):
+        dead.generate(PROMPTS, SamplingConfig())
+    assert time.monotonic() - started < 10

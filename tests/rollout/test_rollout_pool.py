@@ -1,0 +1,108 @@
+"""The engine pool: engines as separate processes, least-loaded routing, and kill -9 of an engine
+during a request (acceptance 3): the request completes, the ledger shows every sample done exactly
+once, and the engine comes back serving the pool's current policy version."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import redis
+
+from furlong.core.errors import UnavailableError
+from furlong.rollout.core.sampling import SamplingConfig
+from furlong.rollout.ledger import DONE, Ledger, ledger_key
+from furlong.rollout.pool import EnginePool, PoolConfig
+from rollout_models import tokenizer, write_checkpoint
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def test_kill_9_during_a_request_loses_and_duplicates_nothing(redis_url, tmp_path):
+    v0 = str(write_checkpoint(tmp_path / "v0", seed=61))
+    v1 = str(write_checkpoint(tmp_path / "v1", seed=62))
+    red = redis.Redis.from_url(redis_url)
+    ledger = Ledger(red)
+    tok = tokenizer()
+    pool = EnginePool(v0, tok, tok.vocab_size, PoolConfig(num_engines=2, chunk_rows=2, max_batch_size=4),
+                      log_dir=tmp_path / "logs", ledger=ledger)
+    try:
+        pool.start()
+        pool.update_weights(1, v1)
+        assert [s.policy_version for s in pool.status()] == [1, 1]
+        rows = [(f"p{i}/{j}", tok.encode(f"{i}+{j}=")) for i in range(12) for j in range(4)]
+        config = SamplingConfig(temperature=1.0, top_k=8, max_new_tokens=40, seed=9)
+        outcome: dict = {}
+        worker = threading.Thread(target=lambda: outcome.update(r=pool.generate("req-1", rows, config)))
+        worker.start()
+        victim = "pool-engine-0"
+        wait_for(lambda: f"flight:{victim}".encode() in red.hvals(ledger_key("req-1")), 60,
+                 "a chunk in flight on the victim")
+        os.kill(pool.pids()[victim], signal.SIGKILL)
+        worker.join(180)
+        assert not worker.is_alive()
+
+        result = outcome["r"]
+        assert sorted(result) == sorted(s for s, _ in rows)          # none lost
+        states = ledger.states("req-1")
+        assert set(states.values()) == {DONE} and len(states) == len(rows)
+        assert ledger.unfinished("req-1") == []
+        assert pool.duplicates_refused == 0
+        for sample_id, g in result.items():
+            assert g.policy_version == 1
+            assert all(g.support.contains(i, t) for i, t in enumerate(g.token_ids))
+
+        wait_for(lambda: pool.restarts()[victim] == 1 and all(s.healthy for s in pool.status()), 120,
+                 "the killed engine to be back")
+        assert {s.engine_id: s.policy_version for s in pool.status()} == {victim: 1, "pool-engine-1": 1}
+        greedy = SamplingConfig(top_k=1, max_new_tokens=6)
+        prompts = [p for _, p in rows[:6]]
+        back = pool.adapter(victim).generate(prompts, greedy)
+        other = pool.adapter("pool-engine-1").generate(prompts, greedy)
+        assert [g.token_ids for g in back] == [g.token_ids for g in other]   # same weights (v1)
+
+        again = pool.generate("req-2", rows[:8], config)
+        assert sorted(again) == sorted(s for s, _ in rows[:8])
+        with pytest.raises(ValueError, match="sample ids repeat"):
+            pool.generate("req-3", rows[:2] * 2, config)
+    finally:
+        pool.close()
+        red.close()
+
+
+def test_ledger_refuses_a_second_result(redis_url):
+    red = redis.Redis.from_url(redis_url)
+    ledger = Ledger(red)
+    ledger.open("r", ["a", "b"])
+    ledger.dispatch("r", ["a"], "e0")
+    assert ledger.states("r") == {"a": "flight:e0", "b": "pending"}
+    assert ledger.finish("r", "a") is True
+    assert ledger.finish("r", "a") is False
+    assert ledger.unfinished("r") == ["b"]
+    ledger.open("r", ["a", "b"])                                 # reopening keeps states
+    assert ledger.states("r")["a"] == DONE
+    red.close()
+    dead = Ledger(redis.Redis(host="127.0.0.1", port=9, socket_connect_timeout=0.5))
+    with pytest.raises(UnavailableError, match="ledger: cannot"):
+        dead.open("r", ["a"])
+
+
+@pytest.mark.unit
+def test_pool_config_validation():
+    with pytest.raises(ValueError, match="num_engines must be an integer >= 1, got 0"):
+        PoolConfig(num_engines=0)
+    with pytest.raises(ValueError, match="health_interval_s must be > 0"):
+        PoolConfig(num_engines=1, health_interval_s=0)

@@ -1,0 +1,81 @@
+"""The SGLang adapter contract against a real SGLang server (needs a CUDA GPU and the `sglang`
+package; skipped otherwise). Run it with
+
+    pytest tests/rollout/test_rollout_sglang_gpu.py -m gpu -q
+
+It writes a tiny Llama checkpoint (Hugging Face layout: config.json + model.safetensors), launches
+`python -m sglang.launch_server --model-path DIR --skip-tokenizer-init` on 127.0.0.1, waits for
+/health_generate, and runs the same checks as the fake-server tests (sglang_contract.py). The
+server must return `meta_info.output_sampling_mask` for `return_sampling_mask: true` requests;
+a server without it fails `check_generate_records_exact_draws` with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+import sglang_contract as contract
+from furlong.core.redis_server import free_port
+from furlong.rollout.sglang import SGLangEngine
+from rollout_models import tokenizer, write_checkpoint
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                                 reason="needs the sglang package")]
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+@pytest.fixture
+def sglang_server(tmp_path):
+    model_dir = write_checkpoint(tmp_path / "v0", seed=51)
+    port = free_port()
+    log_path = tmp_path / "sglang.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
+             "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
+             "--mem-fraction-static", "0.2", "--random-seed", "0"],
+            stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"sglang exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health_generate", timeout=5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"sglang not healthy within {STARTUP_TIMEOUT_S}s")
+                time.sleep(1.0)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_contract_against_real_sglang(sglang_server, tmp_path):
+    tok = tokenizer()
+    engine = SGLangEngine(sglang_server, tok, tok.vocab_size, timeout_s=120.0)
+    assert engine.healthy()
+    contract.check_generate_records_exact_draws(engine)
+    greedy = contract.check_greedy_is_singleton(engine)
+    contract.check_ignore_eos_runs_to_the_limit(engine)
+    contract.check_bad_request_is_a_value_error(engine)
+    contract.check_pause_holds_generation_until_resumed(engine)
+    contract.check_weight_update_from_disk(engine, str(write_checkpoint(tmp_path / "v1", seed=52)), greedy)
+    contract.check_unreachable_server(tok, tok.vocab_size)
