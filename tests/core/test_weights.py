@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 
 import pytest
 import torch
+import xxhash
 
 from furlong.core.weights import (
-    CHECKSUM_ALGORITHM, Manifest, TensorSlot, WeightLayout, checksum, dtype_from_name, dtype_name)
+    CHECKSUM_ALGORITHM, BucketPlan, Manifest, TensorSlot, WeightLayout, checksum, combine_checksums,
+    dtype_from_name, dtype_name, plan_buckets, round_checksums, stage_round)
 
 pytestmark = pytest.mark.unit
 
@@ -83,11 +84,12 @@ def test_buffer_checks():
         layout.views(torch.zeros(300, dtype=torch.float32))
 
 
-def test_checksum_is_blake2b_128_of_the_prefix():
+def test_checksum_is_xxh3_128_of_the_range():
     buffer = torch.arange(200, dtype=torch.uint8)
-    expected = hashlib.blake2b(bytes(range(100)), digest_size=16).hexdigest()
-    assert CHECKSUM_ALGORITHM == "blake2b-128"
+    expected = xxhash.xxh3_128(bytes(range(100))).hexdigest()
+    assert CHECKSUM_ALGORITHM == "xxh3-128"
     assert checksum(buffer, 100) == expected
+    assert checksum(buffer, 50, offset_bytes=10) == xxhash.xxh3_128(bytes(range(10, 60))).hexdigest()
     buffer[150] = 0   # beyond the prefix: same digest
     assert checksum(buffer, 100) == expected
     buffer[5] += 1
@@ -132,3 +134,85 @@ def test_manifest_validation_and_equality():
         Manifest(-1, layout, digest)
     with pytest.raises(ValueError, match="checksum 'abc'"):
         Manifest(1, layout, "abc")
+
+
+# -- bucket plan -----------------------------------------------------------------------------------
+
+def _sized(*sizes: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(sum(sizes))
+    return {f"t{i}": torch.randn(n, generator=gen).to(dtype) for i, n in enumerate(sizes)}
+
+
+def test_plan_keeps_order_and_fills_rounds_up_to_the_bucket():
+    layout = WeightLayout.from_state_dict(_sized(16, 16, 16, 16, 16))   # 64 bytes each, packed
+    plan = plan_buckets(layout, bucket_size_bytes=128)
+    assert [r.names for r in plan.rounds] == [("t0", "t1"), ("t2", "t3"), ("t4",)]
+    assert [(r.offset_bytes, r.size_bytes) for r in plan.rounds] == [(0, 128), (128, 128), (256, 64)]
+    assert plan.bucket_size_bytes == 128
+    assert [n for r in plan.rounds for n in r.names] == [s.name for s in layout.slots]
+
+
+def test_plan_fits_the_whole_model_in_one_round_and_shrinks_the_bucket_to_it():
+    layout = WeightLayout.from_state_dict(_sized(3, 5, 7))
+    plan = plan_buckets(layout, bucket_size_bytes=1 << 20)
+    assert len(plan.rounds) == 1 and plan.rounds[0].names == ("t0", "t1", "t2")
+    assert plan.bucket_size_bytes == layout.total_bytes == plan.rounds[0].size_bytes
+
+
+def test_a_tensor_larger_than_the_bucket_grows_it_once_and_gets_its_own_round():
+    layout = WeightLayout.from_state_dict(_sized(4, 100, 4))   # 16, 400, 16 bytes
+    plan = plan_buckets(layout, bucket_size_bytes=64)
+    assert [r.names for r in plan.rounds] == [("t0",), ("t1",), ("t2",)]
+    assert plan.bucket_size_bytes == 400
+    assert all(r.size_bytes > 0 for r in plan.rounds)   # no empty round
+
+
+def test_every_tensor_is_aligned_for_its_dtype_inside_the_bucket():
+    sd = {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.zeros(5, dtype=torch.float64),
+          "c": torch.zeros(7, dtype=torch.bfloat16), "d": torch.zeros(9, dtype=torch.int32)}
+    layout = WeightLayout.from_state_dict(sd, alignment_bytes=8)
+    for bucket in (8, 40, 64, 1000):
+        plan = plan_buckets(layout, bucket)
+        for rnd in plan.rounds:
+            assert rnd.size_bytes <= plan.bucket_size_bytes
+            for name in rnd.names:
+                slot = layout.slot(name)
+                assert (slot.offset_bytes - rnd.offset_bytes) % slot.dtype.itemsize == 0
+                assert rnd.offset_bytes <= slot.offset_bytes and slot.end_bytes <= rnd.end_bytes
+    with pytest.raises(ValueError, match="bucket_size_bytes 0"):
+        plan_buckets(layout, 0)
+
+
+def test_staged_rounds_hash_to_the_precomputed_checksums_and_rebuild_the_tensors():
+    sd = _state_dict()
+    layout = WeightLayout.from_state_dict(sd)
+    plan = plan_buckets(layout, bucket_size_bytes=100)
+    assert len(plan.rounds) > 1
+    digests = round_checksums(layout, plan, sd)
+    bucket = torch.full((plan.bucket_size_bytes,), 0xAB, dtype=torch.uint8)   # stale bytes
+    received = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    for rnd, digest in zip(plan.rounds, digests):
+        stage_round(layout, rnd, sd, bucket)
+        assert checksum(bucket, rnd.size_bytes) == digest
+        received[rnd.offset_bytes:rnd.end_bytes].copy_(bucket[:rnd.size_bytes])
+    for name, tensor in layout.views(received).items():
+        assert torch.equal(tensor.view(torch.uint8), sd[name].view(torch.uint8)), name
+    whole = checksum(received, layout.total_bytes)
+    single = Manifest(1, layout, whole)
+    assert single.rounds[0].checksum == whole and single.rounds[0].size_bytes == layout.total_bytes
+
+
+def test_manifest_with_rounds_checks_its_checksums():
+    sd = _state_dict()
+    layout = WeightLayout.from_state_dict(sd)
+    plan = plan_buckets(layout, 100)
+    digests = round_checksums(layout, plan, sd)
+    manifest = Manifest(2, layout, combine_checksums(digests), plan.with_checksums(digests))
+    assert [r.checksum for r in manifest.rounds] == list(digests)
+    with pytest.raises(ValueError, match="is not the combination"):
+        Manifest(2, layout, "0" * 32, plan.with_checksums(digests))
+    with pytest.raises(ValueError, match="round 0 has no checksum"):
+        Manifest(2, layout, "0" * 32, plan)
+    partial = BucketPlan(plan.bucket_size_bytes, plan.with_checksums(digests).rounds[:1])
+    with pytest.raises(ValueError, match="rounds hold tensors"):
+        Manifest(2, layout, partial.rounds[0].checksum, partial)

@@ -1,10 +1,12 @@
 """A rollout engine stand-in for the transfer tests, run as its own process:
 
     python receiver_process.py --broker HOST:PORT --run-id R --engine-id E --out DIR
+        [--pull-delay-s S]
 
 It receives versions with a WeightReceiver over gRPC and NIXL; its apply() copies the tensors and
-saves them to DIR/E-v<version>.pt (atomically) so the test can compare them bit for bit. It stops,
-unregistering the engine, on SIGTERM.
+saves them to DIR/E-v<version>.pt (atomically) so the test can compare them bit for bit. With
+--pull-delay-s it reads over shared memory and every read of a round first touches DIR/E-pulling and then waits S seconds (a slow
+link, so a test can kill something mid-pull). It stops, unregistering the engine, on SIGTERM.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
 from furlong.weight_broker.client import GrpcBrokerClient
+from furlong.weight_broker.config import TransferConfig
+from furlong.weight_broker.lanes import connect_lane
 from furlong.weight_broker.receiver import WeightReceiver
 
 
@@ -29,6 +34,7 @@ def main() -> int:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--engine-id", required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--pull-delay-s", type=float, default=0.0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"{args.engine_id} %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
@@ -41,8 +47,27 @@ def main() -> int:
         torch.save(copied, partial)
         os.replace(partial, final)
 
+    config = TransferConfig(rpc_retry_s=0.2)
+    connect = None
+    if args.pull_delay_s:
+        def connect(source):
+            return SlowLane(connect_lane(source, ("shm",), None, 1 << 20))
+
+    class SlowLane:
+        def __init__(self, lane) -> None:
+            self._lane, self.name = lane, lane.name
+
+        def read(self, src_offset_bytes, dst, timeout_s):
+            (args.out / f"{args.engine_id}-pulling").touch()
+            time.sleep(args.pull_delay_s)
+            return self._lane.read(src_offset_bytes, dst, timeout_s)
+
+        def close(self) -> None:
+            self._lane.close()
+
     client = GrpcBrokerClient(args.broker)
-    receiver = WeightReceiver(client, args.run_id, args.engine_id, apply)
+    receiver = WeightReceiver(client, args.run_id, args.engine_id, apply, config=config,
+                              connect=connect)
     receiver.start()
     while not stop.wait(0.2):
         pass

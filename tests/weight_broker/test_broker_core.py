@@ -76,7 +76,7 @@ def test_wait_committed_wakes_when_commit_happens_in_another_thread():
     acker.join()
 
 
-def test_failed_ack_is_resent_twice_then_the_version_fails():
+def test_failed_ack_is_resent_twice_then_the_engine_is_fenced_and_the_rest_commit():
     core = BrokerCore(max_ack_attempts=3)
     core.register_engine(RUN, "e1")
     core.register_engine(RUN, "e2")
@@ -88,18 +88,31 @@ def test_failed_ack_is_resent_twice_then_the_version_fails():
         core.ack_version(RUN, "e1", 1, False, error="checksum mismatch")
         assert drain(sub) == [(EventKind.PUBLISHED, 1)]    # re-sent
     core.ack_version(RUN, "e1", 1, False, error="checksum mismatch")
-    assert drain(sub) == []
-    with pytest.raises(ConflictError, match="engine e1 failed version 1 after 3 attempts: "
-                                            "checksum mismatch"):
-        core.wait_committed(RUN, 1, 1.0)
-    assert core.get_version(RUN).committed_version == -1
-    with pytest.raises(ConflictError, match="already failed"):
-        core.ack_version(RUN, "e2", 1, True)
-    # A failed version is over: the next one may begin, and it can commit.
+    assert drain(sub) == [(EventKind.FENCED, 1)] and sub.ended
+    status = core.wait_committed(RUN, 1, 1.0)
+    assert status.committed_version == 1
+    assert status.engine_ids == ("e2",) and status.fenced_engine_ids == ("e1",)
+    with pytest.raises(NotFoundError, match="engine e1 is not registered"):
+        core.ack_version(RUN, "e1", 1, True)
+    # The fenced engine registers again and takes the next version with the others.
+    core.register_engine(RUN, "e1")
     assert core.begin_version(RUN, manifest(2), SOURCE) == ["e1", "e2"]
     core.ack_version(RUN, "e1", 2, True)
     core.ack_version(RUN, "e2", 2, True)
     assert core.wait_committed(RUN, 2, 0.0).committed_version == 2
+
+
+def test_when_every_engine_is_fenced_the_version_fails():
+    core = BrokerCore(max_ack_attempts=2)
+    core.register_engine(RUN, "e1")
+    core.begin_version(RUN, manifest(1), SOURCE)
+    core.ack_version(RUN, "e1", 1, False, error="bad layout")
+    core.ack_version(RUN, "e1", 1, False, error="bad layout")
+    with pytest.raises(ConflictError, match="every engine was fenced: engine e1 failed version 1 "
+                                            "after 2 attempts: bad layout"):
+        core.wait_committed(RUN, 1, 1.0)
+    assert core.get_version(RUN).committed_version == -1
+    assert core.begin_version(RUN, manifest(2), SOURCE) == []   # a failed version is over
 
 
 def test_unregister_during_a_version_lets_it_commit():
@@ -189,7 +202,7 @@ def test_stale_and_unknown_acks_and_unknown_runs():
         core.subscribe(RUN, "ghost")
     with pytest.raises(ValueError, match="empty engine_id"):
         core.register_engine(RUN, "")
-    with pytest.raises(ValueError, match="smaller than version 9"):
+    with pytest.raises(ValueError, match="8 bytes is smaller than the 80 bytes version 9 stages"):
         core.begin_version(RUN, manifest(9), WeightSourceInfo("t", b"m", 0x1000, 8))
 
 
@@ -225,20 +238,22 @@ def test_metrics_observer_follows_the_state_machine():
     core = BrokerCore(max_ack_attempts=1, observer=BrokerMetrics(registry))
     core.register_engine(RUN, "e1")
     core.begin_version(RUN, manifest(1), SOURCE)
-    core.ack_version(RUN, "e1", 1, True, transfer_seconds=0.25, transfer_bytes=80)
+    core.ack_version(RUN, "e1", 1, True, transfer_seconds=0.25, transfer_bytes=80, lane="shm")
     core.begin_version(RUN, manifest(2), SOURCE)
     core.ack_version(RUN, "e1", 2, False, error="bad")
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, labels)
 
-    assert value("furlong_broker_transfer_bytes_total", lane="nixl") == 80
-    assert value("furlong_broker_transfer_seconds_total", lane="nixl") == 0.25
+    assert value("furlong_broker_transfer_bytes_total", lane="shm") == 80
+    assert value("furlong_broker_transfer_seconds_total", lane="shm") == 0.25
+    assert value("furlong_broker_transfer_bytes_total", lane="nixl") is None   # the lane is as told
+    assert value("furlong_broker_engines_fenced_total", run_id=RUN) == 1
     assert value("furlong_broker_committed_version", run_id=RUN) == 1
     assert value("furlong_broker_versions_committed_total", run_id=RUN) == 1
     assert value("furlong_broker_versions_failed_total", run_id=RUN) == 1
     assert value("furlong_broker_acks_total", result="error") == 1
-    assert value("furlong_broker_registered_engines", run_id=RUN) == 1
+    assert value("furlong_broker_registered_engines", run_id=RUN) == 0   # fenced out
     assert value("furlong_broker_commit_latency_seconds_count") == 1
     core.end_run(RUN)
     assert value("furlong_broker_committed_version", run_id=RUN) is None

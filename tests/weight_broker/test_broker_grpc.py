@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from furlong.core.errors import ConflictError, NotFoundError
-from furlong.core.weights import Manifest, WeightLayout
+from furlong.core.weights import (
+    Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums)
 from furlong.rpc import check_health, start_server
 from furlong.v1 import common_pb2, weight_broker_pb2 as pb
 from furlong.weight_broker.client import GrpcBrokerClient, InProcessBrokerClient
 from furlong.weight_broker.config import BrokerConfig, TransferConfig
-from furlong.weight_broker.core import BrokerCore, EventKind, WeightSourceInfo
+from furlong.weight_broker.core import BrokerCore, EventKind, VersionEventInfo, WeightSourceInfo
 from furlong.weight_broker.server import (
     SERVICE_NAME, WeightBrokerServicer, event_from_proto, event_to_proto, manifest_from_proto,
     manifest_to_proto)
@@ -84,7 +85,7 @@ def test_errors_arrive_as_domain_exceptions(broker):
         client.begin_version(RUN, manifest(2), SOURCE)
     with pytest.raises(NotFoundError, match="run other is not known"):
         client.get_version("other")
-    with pytest.raises(ValueError, match="smaller than version 3"):
+    with pytest.raises(ValueError, match="4 bytes is smaller than the 84 bytes version 3 stages"):
         client.begin_version(RUN, manifest(3), WeightSourceInfo("t", b"m", 0x1000, 4))
     client.register_engine(RUN, "e1")
     client.begin_version(RUN, manifest(3), SOURCE)
@@ -173,10 +174,23 @@ def test_grpc_client_close_cancels_watches_and_health_serves():
 @pytest.mark.unit
 def test_manifest_and_event_conversions_round_trip():
     msg = manifest_to_proto(manifest(7))
-    assert msg.checksum_algorithm == "blake2b-128"
+    assert msg.checksum_algorithm == "xxh3-128"
     assert [(t.name, t.dtype, list(t.shape)) for t in msg.tensors] == [("w", "bfloat16", [3, 2]),
                                                                       ("b", "int32", [5])]
     assert manifest_from_proto(msg) == manifest(7)
+    state = {"w": torch.ones(3, 2, dtype=torch.bfloat16), "b": torch.arange(5, dtype=torch.int32)}
+    plan = plan_buckets(LAYOUT, 16)
+    digests = round_checksums(LAYOUT, plan, state)
+    rounds = Manifest(8, LAYOUT, combine_checksums(digests), plan.with_checksums(digests))
+    assert len(rounds.rounds) == 2 and manifest_from_proto(manifest_to_proto(rounds)) == rounds
+    source = WeightSourceInfo("t", b"", 0, 8, shm_name="furlong-x", stream_address="127.0.0.1:1",
+                              holds_all_rounds=True)
+    ready = VersionEventInfo(RUN, EventKind.ROUND_READY, 8, round=1)
+    assert event_from_proto(event_to_proto(ready)) == ready
+    fenced = VersionEventInfo(RUN, EventKind.FENCED, 8, reason="too slow")
+    assert event_from_proto(event_to_proto(fenced)) == fenced
+    published = VersionEventInfo(RUN, EventKind.PUBLISHED, 8, rounds, source)
+    assert event_from_proto(event_to_proto(published)) == published
     event = event_from_proto(event_to_proto(
         event_from_proto(pb.VersionEvent(run_id=RUN, kind=pb.VersionEvent.COMMITTED, version=7))))
     assert (event.kind, event.version, event.manifest, event.source) == (EventKind.COMMITTED, 7,
@@ -187,6 +201,8 @@ def test_manifest_and_event_conversions_round_trip():
         event_from_proto(pb.VersionEvent(run_id=RUN, version=1))
     with pytest.raises(ValueError, match="memory_kind 'HBM'"):
         WeightSourceInfo("t", b"m", 0x1000, 8, "HBM")
+    with pytest.raises(ValueError, match="no lane"):
+        WeightSourceInfo("t", b"", 0, 8)
 
 
 @pytest.mark.unit
@@ -205,3 +221,7 @@ def test_config_validation_and_arguments():
         TransferConfig(transfer_timeout_s=0)
     with pytest.raises(ValueError, match="backends"):
         TransferConfig(backends=())
+    with pytest.raises(ValueError, match="lanes \\('nixl', 'carrier-pigeon'\\)"):
+        TransferConfig(lanes=("nixl", "carrier-pigeon"))
+    with pytest.raises(ValueError, match="bucket_size_bytes 0"):
+        TransferConfig(bucket_size_bytes=0)

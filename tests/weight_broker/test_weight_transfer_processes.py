@@ -106,14 +106,19 @@ def test_publish_to_two_engine_processes_over_nixl(broker_process, tmp_path):
             assert_received(tmp_path, version, policy(seed))
 
         # A manifest whose checksum does not match the bytes: every engine re-pulls, refuses, and
-        # after the re-sends the version fails naming the engine and the mismatch.
+        # after the re-sends it is fenced; with every engine fenced the version fails, naming the
+        # engines and the mismatch.
         client.begin_version(RUN, Manifest(3, layout, "0" * 32), publisher.source)
-        with pytest.raises(ConflictError, match=r"engine engine-[ab] failed version 3 after 3 "
-                                                r"attempts: IntegrityError: checksum mismatch"):
+        client.stage_round(RUN, 3, 0)
+        with pytest.raises(ConflictError, match=r"every engine was fenced: engine engine-a failed "
+                                                r"version 3 after 3 attempts: round 0: "
+                                                r"IntegrityError: checksum mismatch"):
             client.wait_committed(RUN, 3, 30.0)
         assert not (tmp_path / "engine-a-v3.pt").exists()
+        assert client.get_version(RUN).fenced_engine_ids == ENGINES
 
-        # The publisher goes on after the failed version.
+        # Fenced engines register again; the publisher goes on after the failed version.
+        wait_until(lambda: _engines(client) == ENGINES, 30.0, "fenced engines to come back")
         publisher.publish(4, policy(4))
         assert client.wait_committed(RUN, 4, 30.0).committed_version == 4
         assert_received(tmp_path, 4, policy(4))

@@ -35,31 +35,55 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class WeightSource(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "base_address", "size_bytes", "memory_kind", "device_id")
+    __slots__ = ("agent_name", "agent_metadata", "base_address", "size_bytes", "memory_kind", "device_id", "shm_name", "stream_address", "holds_all_rounds")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_ALL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     base_address: int
     size_bytes: int
     memory_kind: str
     device_id: int
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+    shm_name: str
+    stream_address: str
+    holds_all_rounds: bool
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., stream_address: _Optional[str] = ..., holds_all_rounds: _Optional[bool] = ...) -> None: ...
+
+class BucketRound(_message.Message):
+    __slots__ = ("index", "offset_bytes", "size_bytes", "names", "checksum")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    offset_bytes: int
+    size_bytes: int
+    names: _containers.RepeatedScalarFieldContainer[str]
+    checksum: str
+    def __init__(self, index: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "checksum_algorithm", "checksum")
+    __slots__ = ("version", "tensors", "total_bytes", "checksum_algorithm", "checksum", "bucket_size_bytes", "rounds")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     total_bytes: int
     checksum_algorithm: str
     checksum: str
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[str] = ..., checksum: _Optional[str] = ...) -> None: ...
+    bucket_size_bytes: int
+    rounds: _containers.RepeatedCompositeFieldContainer[BucketRound]
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[str] = ..., checksum: _Optional[str] = ..., bucket_size_bytes: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[BucketRound, _Mapping]]] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from furlong.v1 import common_pb2 as furlong_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66urlong/v1/weight_broker.proto\x12\nfurlong.v1\x1a\x17\x66urlong/v1/common.proto\":\n\x15RegisterEngineRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\"C\n\x16RegisterEngineResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x19\n\x11\x63ommitted_version\x18\x02 \x01(\x03\"<\n\x17UnregisterEngineRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\"*\n\x18UnregisterEngineResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"}\n\x13\x42\x65ginVersionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12,\n\x08manifest\x18\x02 \x01(\x0b\x32\x1a.furlong.v1.WeightManifest\x12(\n\x06source\x18\x03 \x01(\x0b\x32\x18.furlong.v1.WeightSource\"K\n\x14\x42\x65ginVersionResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nengine_ids\x18\x03 \x03(\t\"9\n\x14WatchVersionsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\"\xf0\x01\n\x0cVersionEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12+\n\x04kind\x18\x02 \x01(\x0e\x32\x1d.furlong.v1.VersionEvent.Kind\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12,\n\x08manifest\x18\x04 \x01(\x0b\x32\x1a.furlong.v1.WeightManifest\x12(\n\x06source\x18\x05 \x01(\x0b\x32\x18.furlong.v1.WeightSource\":\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\r\n\tPUBLISHED\x10\x01\x12\r\n\tCOMMITTED\x10\x02\"\x94\x01\n\x11\x41\x63kVersionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x18\n\x10transfer_seconds\x18\x06 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x04\"?\n\x12\x41\x63kVersionResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x19\n\x11\x63ommitted_version\x18\x02 \x01(\x03\"J\n\x14WaitCommittedRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"#\n\x11GetVersionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x82\x01\n\rVersionStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\x12\x19\n\x11\x63ommitted_version\x18\x03 \x01(\x03\x12\x12\n\nengine_ids\x18\x04 \x03(\t\x12\x1a\n\x12pending_engine_ids\x18\x05 \x03(\t\"%\n\x13\x45ndRunBrokerRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"&\n\x14\x45ndRunBrokerResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t2\x98\x05\n\x0cWeightBroker\x12W\n\x0eRegisterEngine\x12!.furlong.v1.RegisterEngineRequest\x1a\".furlong.v1.RegisterEngineResponse\x12]\n\x10UnregisterEngine\x12#.furlong.v1.UnregisterEngineRequest\x1a$.furlong.v1.UnregisterEngineResponse\x12Q\n\x0c\x42\x65ginVersion\x12\x1f.furlong.v1.BeginVersionRequest\x1a .furlong.v1.BeginVersionResponse\x12M\n\rWatchVersions\x12 .furlong.v1.WatchVersionsRequest\x1a\x18.furlong.v1.VersionEvent0\x01\x12K\n\nAckVersion\x12\x1d.furlong.v1.AckVersionRequest\x1a\x1e.furlong.v1.AckVersionResponse\x12L\n\rWaitCommitted\x12 .furlong.v1.WaitCommittedRequest\x1a\x19.furlong.v1.VersionStatus\x12\x46\n\nGetVersion\x12\x1d.furlong.v1.GetVersionRequest\x1a\x19.furlong.v1.VersionStatus\x12K\n\x06\x45ndRun\x12\x1f.furlong.v1.EndRunBrokerRequest\x1a .furlong.v1.EndRunBrokerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66urlong/v1/weight_broker.proto\x12\nfurlong.v1\x1a\x17\x66urlong/v1/common.proto\":\n\x15RegisterEngineRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\"C\n\x16RegisterEngineResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x19\n\x11\x63ommitted_version\x18\x02 \x01(\x03\"<\n\x17UnregisterEngineRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\"*\n\x18UnregisterEngineResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"}\n\x13\x42\x65ginVersionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12,\n\x08manifest\x18\x02 \x01(\x0b\x32\x1a.furlong.v1.WeightManifest\x12(\n\x06source\x18\x03 \x01(\x0b\x32\x18.furlong.v1.WeightSource\"K\n\x14\x42\x65ginVersionResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nengine_ids\x18\x03 \x03(\t\"C\n\x11StageRoundRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05round\x18\x03 \x01(\r\"8\n\x12StageRoundResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nengine_ids\x18\x02 \x03(\t\"U\n\x10WaitRoundRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05round\x18\x03 \x01(\r\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\">\n\x11WaitRoundResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x19\n\x11\x66\x65nced_engine_ids\x18\x02 \x03(\t\"\xaf\x01\n\x0f\x41\x63kRoundRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\r\n\x05round\x18\x04 \x01(\r\x12\n\n\x02ok\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x08 \x01(\x04\x12\x0c\n\x04lane\x18\t \x01(\t\"\"\n\x10\x41\x63kRoundResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"9\n\x14WatchVersionsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\"\xac\x02\n\x0cVersionEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12+\n\x04kind\x18\x02 \x01(\x0e\x32\x1d.furlong.v1.VersionEvent.Kind\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12,\n\x08manifest\x18\x04 \x01(\x0b\x32\x1a.furlong.v1.WeightManifest\x12(\n\x06source\x18\x05 \x01(\x0b\x32\x18.furlong.v1.WeightSource\x12\r\n\x05round\x18\x06 \x01(\r\x12\x0e\n\x06reason\x18\x07 \x01(\t\"W\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\r\n\tPUBLISHED\x10\x01\x12\r\n\tCOMMITTED\x10\x02\x12\x0f\n\x0bROUND_READY\x10\x03\x12\n\n\x06\x46\x45NCED\x10\x04\"\xa2\x01\n\x11\x41\x63kVersionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x18\n\x10transfer_seconds\x18\x06 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x04\x12\x0c\n\x04lane\x18\x08 \x01(\t\"?\n\x12\x41\x63kVersionResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x19\n\x11\x63ommitted_version\x18\x02 \x01(\x03\"J\n\x14WaitCommittedRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"#\n\x11GetVersionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x9d\x01\n\rVersionStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\x12\x19\n\x11\x63ommitted_version\x18\x03 \x01(\x03\x12\x12\n\nengine_ids\x18\x04 \x03(\t\x12\x1a\n\x12pending_engine_ids\x18\x05 \x03(\t\x12\x19\n\x11\x66\x65nced_engine_ids\x18\x06 \x03(\t\"%\n\x13\x45ndRunBrokerRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"&\n\x14\x45ndRunBrokerResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"Q\n\x10ReadRangeRequest\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"0\n\nRangeChunk\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\xf6\x06\n\x0cWeightBroker\x12W\n\x0eRegisterEngine\x12!.furlong.v1.RegisterEngineRequest\x1a\".furlong.v1.RegisterEngineResponse\x12]\n\x10UnregisterEngine\x12#.furlong.v1.UnregisterEngineRequest\x1a$.furlong.v1.UnregisterEngineResponse\x12Q\n\x0c\x42\x65ginVersion\x12\x1f.furlong.v1.BeginVersionRequest\x1a .furlong.v1.BeginVersionResponse\x12K\n\nStageRound\x12\x1d.furlong.v1.StageRoundRequest\x1a\x1e.furlong.v1.StageRoundResponse\x12H\n\tWaitRound\x12\x1c.furlong.v1.WaitRoundRequest\x1a\x1d.furlong.v1.WaitRoundResponse\x12\x45\n\x08\x41\x63kRound\x12\x1b.furlong.v1.AckRoundRequest\x1a\x1c.furlong.v1.AckRoundResponse\x12M\n\rWatchVersions\x12 .furlong.v1.WatchVersionsRequest\x1a\x18.furlong.v1.VersionEvent0\x01\x12K\n\nAckVersion\x12\x1d.furlong.v1.AckVersionRequest\x1a\x1e.furlong.v1.AckVersionResponse\x12L\n\rWaitCommitted\x12 .furlong.v1.WaitCommittedRequest\x1a\x19.furlong.v1.VersionStatus\x12\x46\n\nGetVersion\x12\x1d.furlong.v1.GetVersionRequest\x1a\x19.furlong.v1.VersionStatus\x12K\n\x06\x45ndRun\x12\x1f.furlong.v1.EndRunBrokerRequest\x1a .furlong.v1.EndRunBrokerResponse2S\n\x0cWeightStream\x12\x43\n\tReadRange\x12\x1c.furlong.v1.ReadRangeRequest\x1a\x16.furlong.v1.RangeChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,26 +44,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BEGINVERSIONREQUEST']._serialized_end=431
   _globals['_BEGINVERSIONRESPONSE']._serialized_start=433
   _globals['_BEGINVERSIONRESPONSE']._serialized_end=508
-  _globals['_WATCHVERSIONSREQUEST']._serialized_start=510
-  _globals['_WATCHVERSIONSREQUEST']._serialized_end=567
-  _globals['_VERSIONEVENT']._serialized_start=570
-  _globals['_VERSIONEVENT']._serialized_end=810
-  _globals['_VERSIONEVENT_KIND']._serialized_start=752
-  _globals['_VERSIONEVENT_KIND']._serialized_end=810
-  _globals['_ACKVERSIONREQUEST']._serialized_start=813
-  _globals['_ACKVERSIONREQUEST']._serialized_end=961
-  _globals['_ACKVERSIONRESPONSE']._serialized_start=963
-  _globals['_ACKVERSIONRESPONSE']._serialized_end=1026
-  _globals['_WAITCOMMITTEDREQUEST']._serialized_start=1028
-  _globals['_WAITCOMMITTEDREQUEST']._serialized_end=1102
-  _globals['_GETVERSIONREQUEST']._serialized_start=1104
-  _globals['_GETVERSIONREQUEST']._serialized_end=1139
-  _globals['_VERSIONSTATUS']._serialized_start=1142
-  _globals['_VERSIONSTATUS']._serialized_end=1272
-  _globals['_ENDRUNBROKERREQUEST']._serialized_start=1274
-  _globals['_ENDRUNBROKERREQUEST']._serialized_end=1311
-  _globals['_ENDRUNBROKERRESPONSE']._serialized_start=1313
-  _globals['_ENDRUNBROKERRESPONSE']._serialized_end=1351
-  _globals['_WEIGHTBROKER']._serialized_start=1354
-  _globals['_WEIGHTBROKER']._serialized_end=2018
+  _globals['_STAGEROUNDREQUEST']._serialized_start=510
+  _globals['_STAGEROUNDREQUEST']._serialized_end=577
+  _globals['_STAGEROUNDRESPONSE']._serialized_start=579
+  _globals['_STAGEROUNDRESPONSE']._serialized_end=635
+  _globals['_WAITROUNDREQUEST']._serialized_start=637
+  _globals['_WAITROUNDREQUEST']._serialized_end=722
+  _globals['_WAITROUNDRESPONSE']._serialized_start=724
+  _globals['_WAITROUNDRESPONSE']._serialized_end=786
+  _globals['_ACKROUNDREQUEST']._serialized_start=789
+  _globals['_ACKROUNDREQUEST']._serialized_end=964
+  _globals['_ACKROUNDRESPONSE']._serialized_start=966
+  _globals['_ACKROUNDRESPONSE']._serialized_end=1000
+  _globals['_WATCHVERSIONSREQUEST']._serialized_start=1002
+  _globals['_WATCHVERSIONSREQUEST']._serialized_end=1059
+  _globals['_VERSIONEVENT']._serialized_start=1062
+  _globals['_VERSIONEVENT']._serialized_end=1362
+  _globals['_VERSIONEVENT_KIND']._serialized_start=1275
+  _globals['_VERSIONEVENT_KIND']._serialized_end=1362
+  _globals['_ACKVERSIONREQUEST']._serialized_start=1365
+  _globals['_ACKVERSIONREQUEST']._serialized_end=1527
+  _globals['_ACKVERSIONRESPONSE']._serialized_start=1529
+  _globals['_ACKVERSIONRESPONSE']._serialized_end=1592
+  _globals['_WAITCOMMITTEDREQUEST']._serialized_start=1594
+  _globals['_WAITCOMMITTEDREQUEST']._serialized_end=1668
+  _globals['_GETVERSIONREQUEST']._serialized_start=1670
+  _globals['_GETVERSIONREQUEST']._serialized_end=1705
+  _globals['_VERSIONSTATUS']._serialized_start=1708
+  _globals['_VERSIONSTATUS']._serialized_end=1865
+  _globals['_ENDRUNBROKERREQUEST']._serialized_start=1867
+  _globals['_ENDRUNBROKERREQUEST']._serialized_end=1904
+  _globals['_ENDRUNBROKERRESPONSE']._serialized_start=1906
+  _globals['_ENDRUNBROKERRESPONSE']._serialized_end=1944
+  _globals['_READRANGEREQUEST']._serialized_start=1946
+  _globals['_READRANGEREQUEST']._serialized_end=2027
+  _globals['_RANGECHUNK']._serialized_start=2029
+  _globals['_RANGECHUNK']._serialized_end=2077
+  _globals['_WEIGHTBROKER']._serialized_start=2080
+  _globals['_WEIGHTBROKER']._serialized_end=2966
+  _globals['_WEIGHTSTREAM']._serialized_start=2968
+  _globals['_WEIGHTSTREAM']._serialized_end=3051
 # @@protoc_insertion_point(module_scope)

@@ -58,6 +58,72 @@ class BeginVersionResponse(_message.Message):
     engine_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class StageRoundRequest(_message.Message):
+    __slots__ = ("run_id", "version", "round")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    round: int
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+
+class StageRoundResponse(_message.Message):
+    __slots__ = ("run_id", "engine_ids")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WaitRoundRequest(_message.Message):
+    __slots__ = ("run_id", "version", "round", "timeout_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    round: int
+    timeout_s: float
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WaitRoundResponse(_message.Message):
+    __slots__ = ("run_id", "fenced_engine_ids")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCED_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    fenced_engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., fenced_engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AckRoundRequest(_message.Message):
+    __slots__ = ("run_id", "engine_id", "version", "round", "ok", "error", "transfer_seconds", "transfer_bytes", "lane")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    engine_id: str
+    version: int
+    round: int
+    ok: bool
+    error: str
+    transfer_seconds: float
+    transfer_bytes: int
+    lane: str
+    def __init__(self, run_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., lane: _Optional[str] = ...) -> None: ...
+
+class AckRoundResponse(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
 class WatchVersionsRequest(_message.Message):
     __slots__ = ("run_id", "engine_id")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -67,29 +133,37 @@ class WatchVersionsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class VersionEvent(_message.Message):
-    __slots__ = ("run_id", "kind", "version", "manifest", "source")
+    __slots__ = ("run_id", "kind", "version", "manifest", "source", "round", "reason")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[VersionEvent.Kind]
         PUBLISHED: _ClassVar[VersionEvent.Kind]
         COMMITTED: _ClassVar[VersionEvent.Kind]
+        ROUND_READY: _ClassVar[VersionEvent.Kind]
+        FENCED: _ClassVar[VersionEvent.Kind]
     KIND_UNSPECIFIED: VersionEvent.Kind
     PUBLISHED: VersionEvent.Kind
     COMMITTED: VersionEvent.Kind
+    ROUND_READY: VersionEvent.Kind
+    FENCED: VersionEvent.Kind
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     kind: VersionEvent.Kind
     version: int
     manifest: _common_pb2.WeightManifest
     source: _common_pb2.WeightSource
-    def __init__(self, run_id: _Optional[str] = ..., kind: _Optional[_Union[VersionEvent.Kind, str]] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., source: _Optional[_Union[_common_pb2.WeightSource, _Mapping]] = ...) -> None: ...
+    round: int
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., kind: _Optional[_Union[VersionEvent.Kind, str]] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[_common_pb2.WeightManifest, _Mapping]] = ..., source: _Optional[_Union[_common_pb2.WeightSource, _Mapping]] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AckVersionRequest(_message.Message):
-    __slots__ = ("run_id", "engine_id", "version", "ok", "error", "transfer_seconds", "transfer_bytes")
+    __slots__ = ("run_id", "engine_id", "version", "ok", "error", "transfer_seconds", "transfer_bytes", "lane")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +171,7 @@ class AckVersionRequest(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     engine_id: str
     version: int
@@ -104,7 +179,8 @@ class AckVersionRequest(_message.Message):
     error: str
     transfer_seconds: float
     transfer_bytes: int
-    def __init__(self, run_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ...) -> None: ...
+    lane: str
+    def __init__(self, run_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., lane: _Optional[str] = ...) -> None: ...
 
 class AckVersionResponse(_message.Message):
     __slots__ = ("run_id", "committed_version")
@@ -131,18 +207,20 @@ class GetVersionRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class VersionStatus(_message.Message):
-    __slots__ = ("run_id", "latest_version", "committed_version", "engine_ids", "pending_engine_ids")
+    __slots__ = ("run_id", "latest_version", "committed_version", "engine_ids", "pending_engine_ids", "fenced_engine_ids")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     PENDING_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    FENCED_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     latest_version: int
     committed_version: int
     engine_ids: _containers.RepeatedScalarFieldContainer[str]
     pending_engine_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., latest_version: _Optional[int] = ..., committed_version: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., pending_engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    fenced_engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., latest_version: _Optional[int] = ..., committed_version: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., pending_engine_ids: _Optional[_Iterable[str]] = ..., fenced_engine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EndRunBrokerRequest(_message.Message):
     __slots__ = ("run_id",)
@@ -155,3 +233,21 @@ class EndRunBrokerResponse(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ReadRangeRequest(_message.Message):
+    __slots__ = ("offset_bytes", "size_bytes", "chunk_bytes")
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    offset_bytes: int
+    size_bytes: int
+    chunk_bytes: int
+    def __init__(self, offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class RangeChunk(_message.Message):
+    __slots__ = ("offset_bytes", "data")
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset_bytes: int
+    data: bytes
+    def __init__(self, offset_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -49,6 +49,21 @@ class WeightBrokerStub:
                 request_serializer=furlong_dot_v1_dot_weight__broker__pb2.BeginVersionRequest.SerializeToString,
                 response_deserializer=furlong_dot_v1_dot_weight__broker__pb2.BeginVersionResponse.FromString,
                 _registered_method=True)
+        self.StageRound = channel.unary_unary(
+                '/furlong.v1.WeightBroker/StageRound',
+                request_serializer=furlong_dot_v1_dot_weight__broker__pb2.StageRoundRequest.SerializeToString,
+                response_deserializer=furlong_dot_v1_dot_weight__broker__pb2.StageRoundResponse.FromString,
+                _registered_method=True)
+        self.WaitRound = channel.unary_unary(
+                '/furlong.v1.WeightBroker/WaitRound',
+                request_serializer=furlong_dot_v1_dot_weight__broker__pb2.WaitRoundRequest.SerializeToString,
+                response_deserializer=furlong_dot_v1_dot_weight__broker__pb2.WaitRoundResponse.FromString,
+                _registered_method=True)
+        self.AckRound = channel.unary_unary(
+                '/furlong.v1.WeightBroker/AckRound',
+                request_serializer=furlong_dot_v1_dot_weight__broker__pb2.AckRoundRequest.SerializeToString,
+                response_deserializer=furlong_dot_v1_dot_weight__broker__pb2.AckRoundResponse.FromString,
+                _registered_method=True)
         self.WatchVersions = channel.unary_stream(
                 '/furlong.v1.WeightBroker/WatchVersions',
                 request_serializer=furlong_dot_v1_dot_weight__broker__pb2.WatchVersionsRequest.SerializeToString,
@@ -92,6 +107,24 @@ class WeightBrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def BeginVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageRound(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitRound(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckRound(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,6 +177,21 @@ def add_WeightBrokerServicer_to_server(servicer, server):
                     servicer.BeginVersion,
                     request_deserializer=furlong_dot_v1_dot_weight__broker__pb2.BeginVersionRequest.FromString,
                     response_serializer=furlong_dot_v1_dot_weight__broker__pb2.BeginVersionResponse.SerializeToString,
+            ),
+            'StageRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageRound,
+                    request_deserializer=furlong_dot_v1_dot_weight__broker__pb2.StageRoundRequest.FromString,
+                    response_serializer=furlong_dot_v1_dot_weight__broker__pb2.StageRoundResponse.SerializeToString,
+            ),
+            'WaitRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitRound,
+                    request_deserializer=furlong_dot_v1_dot_weight__broker__pb2.WaitRoundRequest.FromString,
+                    response_serializer=furlong_dot_v1_dot_weight__broker__pb2.WaitRoundResponse.SerializeToString,
+            ),
+            'AckRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckRound,
+                    request_deserializer=furlong_dot_v1_dot_weight__broker__pb2.AckRoundRequest.FromString,
+                    response_serializer=furlong_dot_v1_dot_weight__broker__pb2.AckRoundResponse.SerializeToString,
             ),
             'WatchVersions': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchVersions,
@@ -252,6 +300,87 @@ class WeightBroker:
             '/furlong.v1.WeightBroker/BeginVersion',
             furlong_dot_v1_dot_weight__broker__pb2.BeginVersionRequest.SerializeToString,
             furlong_dot_v1_dot_weight__broker__pb2.BeginVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furlong.v1.WeightBroker/StageRound',
+            furlong_dot_v1_dot_weight__broker__pb2.StageRoundRequest.SerializeToString,
+            furlong_dot_v1_dot_weight__broker__pb2.StageRoundResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furlong.v1.WeightBroker/WaitRound',
+            furlong_dot_v1_dot_weight__broker__pb2.WaitRoundRequest.SerializeToString,
+            furlong_dot_v1_dot_weight__broker__pb2.WaitRoundResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furlong.v1.WeightBroker/AckRound',
+            furlong_dot_v1_dot_weight__broker__pb2.AckRoundRequest.SerializeToString,
+            furlong_dot_v1_dot_weight__broker__pb2.AckRoundResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -387,6 +516,78 @@ class WeightBroker:
             '/furlong.v1.WeightBroker/EndRun',
             furlong_dot_v1_dot_weight__broker__pb2.EndRunBrokerRequest.SerializeToString,
             furlong_dot_v1_dot_weight__broker__pb2.EndRunBrokerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class WeightStreamStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ReadRange = channel.unary_stream(
+                '/furlong.v1.WeightStream/ReadRange',
+                request_serializer=furlong_dot_v1_dot_weight__broker__pb2.ReadRangeRequest.SerializeToString,
+                response_deserializer=furlong_dot_v1_dot_weight__broker__pb2.RangeChunk.FromString,
+                _registered_method=True)
+
+
+class WeightStreamServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def ReadRange(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WeightStreamServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ReadRange': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadRange,
+                    request_deserializer=furlong_dot_v1_dot_weight__broker__pb2.ReadRangeRequest.FromString,
+                    response_serializer=furlong_dot_v1_dot_weight__broker__pb2.RangeChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'furlong.v1.WeightStream', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('furlong.v1.WeightStream', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WeightStream:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def ReadRange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/furlong.v1.WeightStream/ReadRange',
+            furlong_dot_v1_dot_weight__broker__pb2.ReadRangeRequest.SerializeToString,
+            furlong_dot_v1_dot_weight__broker__pb2.RangeChunk.FromString,
             options,
             channel_credentials,
             insecure,

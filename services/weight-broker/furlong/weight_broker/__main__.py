@@ -1,14 +1,17 @@
 """Run the weight broker service:
 
     python -m furlong.weight_broker --host 127.0.0.1 --port P --metrics-port M [--log-level INFO]
+        [--max-ack-attempts N] [--ack-timeout-s S] [--relay-run RUN ...]
 
 Serves furlong.v1.WeightBroker and grpc.health.v1 on host:port and Prometheus metrics on
-host:metrics-port; stops cleanly on SIGTERM or SIGINT.
+host:metrics-port; relays the runs named by --relay-run (see furlong.weight_broker.relay); stops
+cleanly on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -17,9 +20,11 @@ from typing import Sequence
 from prometheus_client import REGISTRY, start_http_server
 
 from furlong.rpc import start_server
+from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.config import BrokerConfig
 from furlong.weight_broker.core import BrokerCore
 from furlong.weight_broker.metrics import BrokerMetrics
+from furlong.weight_broker.relay import WeightRelay
 from furlong.weight_broker.server import SERVICE_NAME, WeightBrokerServicer
 
 log = logging.getLogger("furlong.weight_broker")
@@ -34,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, lambda received, frame: stop.set())
 
     core = BrokerCore(max_ack_attempts=config.max_ack_attempts,
-                      observer=BrokerMetrics(REGISTRY))
+                      observer=BrokerMetrics(REGISTRY), ack_timeout_s=config.ack_timeout_s)
     servicer = WeightBrokerServicer(core)
     metrics_server, metrics_thread = start_http_server(config.metrics_port, addr=config.host,
                                                        registry=REGISTRY)
@@ -42,10 +47,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                           port=config.port, max_workers=config.max_workers)
     log.info("weight broker serving on %s:%d, metrics on %s:%d", config.host, server.port,
              config.host, metrics_server.server_port)
+    relay_client = InProcessBrokerClient(core)
+    relays = []
+    for run_id in config.relay_runs:
+        relay = WeightRelay(relay_client, run_id, f"broker-relay-{run_id}-{os.getpid()}")
+        relay.start()
+        relays.append(relay)
 
     while not stop.wait(0.5):
         pass
     log.info("weight broker stopping")
+    for relay in relays:
+        relay.close()
+    relay_client.close()
     core.shutdown()          # end watch streams so that their handler threads return
     server.stop(grace_s=2.0)
     metrics_server.shutdown()

@@ -34,9 +34,15 @@ class BrokerClient(Protocol):
     def register_engine(self, run_id: str, engine_id: str) -> int: ...
     def unregister_engine(self, run_id: str, engine_id: str) -> None: ...
     def begin_version(self, run_id: str, manifest: Manifest, source: WeightSourceInfo) -> list[str]: ...
+    def stage_round(self, run_id: str, version: int, index: int) -> list[str]: ...
+    def wait_round(self, run_id: str, version: int, index: int, timeout_s: float) -> list[str]: ...
+    def ack_round(self, run_id: str, engine_id: str, version: int, index: int, ok: bool,
+                  error: str = "", transfer_seconds: float = 0.0, transfer_bytes: int = 0,
+                  lane: str = "") -> None: ...
     def watch_versions(self, run_id: str, engine_id: str) -> "VersionWatch": ...
     def ack_version(self, run_id: str, engine_id: str, version: int, ok: bool, error: str = "",
-                    transfer_seconds: float = 0.0, transfer_bytes: int = 0) -> int: ...
+                    transfer_seconds: float = 0.0, transfer_bytes: int = 0,
+                    lane: str = "") -> int: ...
     def wait_committed(self, run_id: str, version: int, timeout_s: float) -> VersionStatusInfo: ...
     def get_version(self, run_id: str) -> VersionStatusInfo: ...
     def end_run(self, run_id: str) -> None: ...
@@ -107,6 +113,22 @@ class GrpcBrokerClient:
                                      source=source_to_proto(source))
         return list(call(self._stub.BeginVersion, req, self._timeout_s).engine_ids)
 
+    def stage_round(self, run_id: str, version: int, index: int) -> list[str]:
+        req = pb.StageRoundRequest(run_id=run_id, version=version, round=index)
+        return list(call(self._stub.StageRound, req, self._timeout_s).engine_ids)
+
+    def wait_round(self, run_id: str, version: int, index: int, timeout_s: float) -> list[str]:
+        req = pb.WaitRoundRequest(run_id=run_id, version=version, round=index, timeout_s=timeout_s)
+        return list(call(self._stub.WaitRound, req, timeout_s + _WAIT_MARGIN_S).fenced_engine_ids)
+
+    def ack_round(self, run_id: str, engine_id: str, version: int, index: int, ok: bool,
+                  error: str = "", transfer_seconds: float = 0.0, transfer_bytes: int = 0,
+                  lane: str = "") -> None:
+        req = pb.AckRoundRequest(run_id=run_id, engine_id=engine_id, version=version, round=index,
+                                 ok=ok, error=error, transfer_seconds=transfer_seconds,
+                                 transfer_bytes=transfer_bytes, lane=lane)
+        call(self._stub.AckRound, req, self._timeout_s)
+
     def watch_versions(self, run_id: str, engine_id: str) -> VersionWatch:
         rendezvous = self._stub.WatchVersions(
             pb.WatchVersionsRequest(run_id=run_id, engine_id=engine_id))
@@ -120,10 +142,10 @@ class GrpcBrokerClient:
             self._watches.discard(watch)
 
     def ack_version(self, run_id: str, engine_id: str, version: int, ok: bool, error: str = "",
-                    transfer_seconds: float = 0.0, transfer_bytes: int = 0) -> int:
+                    transfer_seconds: float = 0.0, transfer_bytes: int = 0, lane: str = "") -> int:
         req = pb.AckVersionRequest(run_id=run_id, engine_id=engine_id, version=version, ok=ok,
                                    error=error, transfer_seconds=transfer_seconds,
-                                   transfer_bytes=transfer_bytes)
+                                   transfer_bytes=transfer_bytes, lane=lane)
         return call(self._stub.AckVersion, req, self._timeout_s).committed_version
 
     def wait_committed(self, run_id: str, version: int, timeout_s: float) -> VersionStatusInfo:
@@ -184,6 +206,18 @@ class InProcessBrokerClient:
     def begin_version(self, run_id: str, manifest: Manifest, source: WeightSourceInfo) -> list[str]:
         return self._core.begin_version(run_id, manifest, source)
 
+    def stage_round(self, run_id: str, version: int, index: int) -> list[str]:
+        return self._core.stage_round(run_id, version, index)
+
+    def wait_round(self, run_id: str, version: int, index: int, timeout_s: float) -> list[str]:
+        return self._core.wait_round(run_id, version, index, timeout_s)
+
+    def ack_round(self, run_id: str, engine_id: str, version: int, index: int, ok: bool,
+                  error: str = "", transfer_seconds: float = 0.0, transfer_bytes: int = 0,
+                  lane: str = "") -> None:
+        self._core.ack_round(run_id, engine_id, version, index, ok, error, transfer_seconds,
+                             transfer_bytes, lane)
+
     def watch_versions(self, run_id: str, engine_id: str) -> VersionWatch:
         watch = _SubscriptionWatch(self._core.subscribe(run_id, engine_id))
         with self._lock:
@@ -191,9 +225,9 @@ class InProcessBrokerClient:
         return watch
 
     def ack_version(self, run_id: str, engine_id: str, version: int, ok: bool, error: str = "",
-                    transfer_seconds: float = 0.0, transfer_bytes: int = 0) -> int:
+                    transfer_seconds: float = 0.0, transfer_bytes: int = 0, lane: str = "") -> int:
         return self._core.ack_version(run_id, engine_id, version, ok, error, transfer_seconds,
-                                      transfer_bytes)
+                                      transfer_bytes, lane)
 
     def wait_committed(self, run_id: str, version: int, timeout_s: float) -> VersionStatusInfo:
         return self._core.wait_committed(run_id, version, timeout_s)

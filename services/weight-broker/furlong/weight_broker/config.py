@@ -23,12 +23,20 @@ class BrokerConfig:
     port: int = 0                 # 0 picks a free port
     metrics_port: int = 0         # Prometheus /metrics; 0 picks a free port
     max_workers: int = 64         # each watch stream and WaitCommitted call holds one while open
-    max_ack_attempts: int = 3     # a version fails after this many ok=False acks from one engine
+    max_ack_attempts: int = 3     # an engine is fenced after this many ok=False acks of a version
+    ack_timeout_s: float = 60.0   # an engine that has not acknowledged the current stage is fenced
+    relay_runs: tuple[str, ...] = ()   # runs this process relays (trainers publish to <run>~upstream)
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("empty host")
+        if not (math.isfinite(self.ack_timeout_s) and self.ack_timeout_s > 0):
+            raise ValueError(f"ack_timeout_s {self.ack_timeout_s} is not a finite number > 0")
+        if any(not run or run.endswith("~upstream") for run in self.relay_runs) or len(
+                set(self.relay_runs)) != len(self.relay_runs):
+            raise ValueError(f"relay_runs {self.relay_runs!r} must be distinct run ids not ending "
+                             f"in '~upstream'")
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
         if self.max_workers < 2:
@@ -47,11 +55,16 @@ class BrokerConfig:
         parser.add_argument("--metrics-port", type=int, required=True)
         parser.add_argument("--max-workers", type=int, default=cls.max_workers)
         parser.add_argument("--max-ack-attempts", type=int, default=cls.max_ack_attempts)
+        parser.add_argument("--ack-timeout-s", type=float, default=cls.ack_timeout_s)
+        parser.add_argument("--relay-run", action="append", default=[], dest="relay_runs",
+                            help="hold run RUN's latest version here (repeatable); its trainer "
+                                 "publishes to RUN~upstream")
         parser.add_argument("--log-level", default=cls.log_level, type=str.upper)
         args = parser.parse_args(argv)
         try:
             return cls(host=args.host, port=args.port, metrics_port=args.metrics_port,
                        max_workers=args.max_workers, max_ack_attempts=args.max_ack_attempts,
+                       ack_timeout_s=args.ack_timeout_s, relay_runs=tuple(args.relay_runs),
                        log_level=args.log_level)
         except ValueError as exc:
             parser.error(str(exc))   # exits with status 2 and the message
@@ -63,16 +76,35 @@ class BrokerConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """How a publisher or receiver drives NIXL."""
+    """How a publisher stages versions and how a receiver pulls them.
+
+    lanes: for a publisher, the lanes its bucket is offered on; for a receiver, the lanes it tries,
+    in order (see furlong.weight_broker.lanes). bucket_size_bytes bounds the publisher's staging
+    memory: a larger model goes in rounds (a larger single tensor grows the bucket to its size)."""
 
     backends: tuple[str, ...] = ("UCX",)
-    transfer_timeout_s: float = 60.0   # one READ of a whole version
+    lanes: tuple[str, ...] = ("nixl", "shm", "grpc")
+    bucket_size_bytes: int = 256 << 20
+    transfer_timeout_s: float = 60.0   # one read of one round
+    round_timeout_s: float = 60.0      # publisher: engines that have not pulled a round by then are fenced
     rpc_retry_s: float = 1.0           # pause before re-registering after the broker went away
+    stream_chunk_bytes: int = 1 << 20  # grpc lane chunk size
+    stream_workers: int = 4            # publisher: WeightStream threads (one per engine it feeds)
 
     def __post_init__(self) -> None:
         if not self.backends or any(not b for b in self.backends):
             raise ValueError(f"backends {self.backends!r} must name at least one NIXL backend")
-        for name in ("transfer_timeout_s", "rpc_retry_s"):
+        known = ("nixl", "shm", "grpc")
+        if not self.lanes or any(lane not in known for lane in self.lanes) or len(
+                set(self.lanes)) != len(self.lanes):
+            raise ValueError(f"lanes {self.lanes!r} must be distinct names from {known}")
+        for name in ("transfer_timeout_s", "round_timeout_s", "rpc_retry_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} {value} is not a finite number > 0")
+        if self.bucket_size_bytes < 1:
+            raise ValueError(f"bucket_size_bytes {self.bucket_size_bytes} < 1")
+        if not 1 <= self.stream_chunk_bytes <= 4 << 20:
+            raise ValueError(f"stream_chunk_bytes {self.stream_chunk_bytes} not in [1, 4 MiB]")
+        if self.stream_workers < 1:
+            raise ValueError(f"stream_workers {self.stream_workers} < 1")

@@ -54,24 +54,26 @@ class NixlEndpoint:
         self._registrations.append((buffer, descs))
 
     def read(self, source: WeightSourceInfo, dst: torch.Tensor, num_bytes: int,
-             timeout_s: float) -> float:
-        """Copy num_bytes from the start of source's region into dst (registered here) with a NIXL
-        READ. Returns the seconds the transfer took; UnavailableError if NIXL refuses or fails it,
-        TimeoutError after timeout_s."""
-        if num_bytes > source.size_bytes or num_bytes > dst.numel() * dst.element_size():
-            raise ValueError(f"read of {num_bytes} bytes exceeds the source region "
-                             f"({source.size_bytes} bytes) or the destination buffer")
+             timeout_s: float, src_offset_bytes: int = 0) -> float:
+        """Copy num_bytes from source's region at src_offset_bytes into the start of dst (a view
+        into a buffer registered here) with a NIXL READ. Returns the seconds the transfer took;
+        UnavailableError if NIXL refuses or fails it, TimeoutError after timeout_s."""
+        if (src_offset_bytes < 0 or src_offset_bytes + num_bytes > source.size_bytes
+                or num_bytes > dst.numel() * dst.element_size()):
+            raise ValueError(f"read of {num_bytes} bytes at offset {src_offset_bytes} exceeds the "
+                             f"source region ({source.size_bytes} bytes) or the destination buffer")
         peer = self._peer(source)
         local = self._agent.get_xfer_descs(dst.view(torch.uint8)[:num_bytes])
-        remote = self._agent.get_xfer_descs([(source.base_address, num_bytes, source.device_id)],
-                                            source.memory_kind)
+        remote = self._agent.get_xfer_descs(
+            [(source.base_address + src_offset_bytes, num_bytes, source.device_id)],
+            source.memory_kind)
         started = time.perf_counter()
         try:
             handle = self._agent.initialize_xfer("READ", local, remote, peer)
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own binding error types
             raise UnavailableError(f"NIXL agent {self.agent_name}: cannot set up a READ of "
                                    f"{num_bytes} bytes from {source.agent_name} at "
-                                   f"{source.base_address:#x}: {exc!r}") from exc
+                                   f"{source.base_address + src_offset_bytes:#x}: {exc!r}") from exc
         try:
             self._wait(handle, source, num_bytes, started + timeout_s)
         finally:

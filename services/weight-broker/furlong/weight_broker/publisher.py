@@ -1,6 +1,9 @@
-"""Trainer side of weight transfer: stage a policy version in one NIXL-registered host buffer and
-announce it to the broker. Engines then read the buffer directly; the broker never sees the bytes.
+"""Trainer side of weight transfer: stage a policy version, round by round, in one fixed-size staging
+bucket and announce each round to the broker. Engines read the bucket directly (NIXL, shared memory
+or the gRPC stream); the broker never sees the bytes.
 
+Memory: the bucket (sized by the bucket plan, allocated and registered once) is the only copy of
+weights the publisher makes; checksums are hashed straight from the state dict.
 Knows nothing about models or optimizers: it takes a state dict that matches its layout.
 """
 
@@ -14,12 +17,13 @@ from typing import Mapping
 
 import torch
 
-from furlong.core.errors import ConflictError
-from furlong.core.weights import Manifest, WeightLayout, checksum
+from furlong.core.errors import ConflictError, NotFoundError
+from furlong.core.weights import (
+    Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums, stage_round)
+from furlong.weight_broker.bucket import StagingBucket
 from furlong.weight_broker.client import BrokerClient
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.core import WeightSourceInfo
-from furlong.weight_broker.nixl_transport import NixlEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +32,18 @@ log = logging.getLogger(__name__)
 class PublishResult:
     version: int
     num_bytes: int
-    stage_seconds: float   # packing the state dict plus computing its checksum
+    stage_seconds: float          # hashing, packing and handing every round to the engines
+    num_rounds: int = 1
+    fenced_engine_ids: tuple[str, ...] = ()   # engines fenced out while rounds were pulled
 
 
 class WeightPublisher:
-    """Owns one NIXL agent and one registered host buffer (allocated and registered once, in
-    __init__, sized by the layout; never resized). Thread-safe: publishes are serialized.
+    """Owns one staging bucket (allocated and registered once, in __init__, sized by the bucket
+    plan; never resized). Thread-safe: publishes are serialized.
 
-    The buffer is rewritten only after the previously published version committed or failed, so an
-    engine never reads a half-overwritten version that the broker still expects it to take."""
+    The bucket is rewritten only after every engine still required pulled the round in it (or was
+    fenced), and a new version begins only after the previous one committed or failed, so an engine
+    never reads half-overwritten bytes the broker still expects it to take."""
 
     def __init__(self, broker: BrokerClient, run_id: str, layout: WeightLayout, agent_name: str,
                  *, config: TransferConfig = TransferConfig()) -> None:
@@ -45,22 +52,16 @@ class WeightPublisher:
         self._broker = broker
         self._run_id = run_id
         self._layout = layout
-        self._endpoint = NixlEndpoint(agent_name, config.backends)
-        try:
-            self._buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
-            self._endpoint.register(self._buffer)
-            self._source = WeightSourceInfo(
-                agent_name=agent_name, agent_metadata=self._endpoint.metadata,
-                base_address=self._buffer.data_ptr(), size_bytes=layout.total_bytes,
-                memory_kind="DRAM", device_id=0)
-        except BaseException:
-            self._endpoint.close()
-            raise
+        self._config = config
+        self._plan = plan_buckets(layout, config.bucket_size_bytes)
+        self._bucket = StagingBucket(agent_name, self._plan.bucket_size_bytes, config.lanes,
+                                     backends=config.backends, stream_workers=config.stream_workers)
         self._lock = threading.Lock()
         self._last_version: int | None = None
         self._closed = False
-        log.info("run %s: publisher %s registered a %d-byte buffer for %d tensors", run_id,
-                 agent_name, layout.total_bytes, len(layout.slots))
+        log.info("run %s: publisher %s staged %d tensors (%d bytes) through a %d-byte bucket in %d "
+                 "rounds", run_id, agent_name, len(layout.slots), layout.total_bytes,
+                 self._plan.bucket_size_bytes, len(self._plan.rounds))
 
     @property
     def layout(self) -> WeightLayout:
@@ -68,8 +69,12 @@ class WeightPublisher:
 
     @property
     def source(self) -> WeightSourceInfo:
-        """Where engines read this publisher's versions from."""
-        return self._source
+        """Where engines read this publisher's rounds from."""
+        return self._bucket.source
+
+    @property
+    def bucket_size_bytes(self) -> int:
+        return self._plan.bucket_size_bytes
 
     @property
     def last_version(self) -> int | None:
@@ -78,15 +83,19 @@ class WeightPublisher:
 
     def publish(self, version: int, state_dict: Mapping[str, torch.Tensor],
                 commit_timeout_s: float = 120.0) -> PublishResult:
-        """Stage `version` and begin it at the broker; returns without waiting for its commit.
+        """Stage `version` round by round and return once its last round is staged, without waiting
+        for its commit (engines may still be pulling the last round).
 
         First waits up to commit_timeout_s for the previously published version to commit or fail
-        (TimeoutError if it does neither: the buffer is still being read). ValueError if state_dict
-        does not match the layout, ConflictError if version is not newer than the last one."""
+        (TimeoutError if it does neither). Between rounds, waits for the engines to pull the staged
+        one; engines slower than config.round_timeout_s are fenced by the broker. ValueError if
+        state_dict does not match the layout, ConflictError if version is not newer than the last
+        one. A version that fails while being staged (every engine fenced) stops staging; the
+        broker reports the failure to whoever waits for its commit."""
         self._layout.check(state_dict)
         with self._lock:
             if self._closed:
-                raise ConflictError(f"run {self._run_id}: publisher {self._source.agent_name} is "
+                raise ConflictError(f"run {self._run_id}: publisher {self.source.agent_name} is "
                                     f"closed")
             previous = self._last_version
             if previous is not None and version <= previous:
@@ -95,33 +104,65 @@ class WeightPublisher:
             if previous is not None:
                 self._wait_previous(previous, commit_timeout_s)
             started = time.perf_counter()
-            self._layout.pack(state_dict, self._buffer)
-            digest = checksum(self._buffer, self._layout.total_bytes)
-            stage_seconds = time.perf_counter() - started
-            manifest = Manifest(version=version, layout=self._layout, checksum=digest)
-            engines = self._broker.begin_version(self._run_id, manifest, self._source)
+            digests = round_checksums(self._layout, self._plan, state_dict)
+            manifest = Manifest(version, self._layout, combine_checksums(digests),
+                                self._plan.with_checksums(digests))
+            engines = self._broker.begin_version(self._run_id, manifest, self.source)
+            fenced = self._stage_rounds(manifest, state_dict)
+            # Only a fully staged version counts: after a broker restart mid-publish (an
+            # UnavailableError above), the same version can be published again.
             self._last_version = version
-        log.info("run %s: version %d staged in %.3f s (%d bytes), engines to acknowledge: %s",
-                 self._run_id, version, stage_seconds, self._layout.total_bytes, engines)
+            stage_seconds = time.perf_counter() - started
+        log.info("run %s: version %d staged in %.3f s (%d bytes, %d rounds), engines: %s, fenced: "
+                 "%s", self._run_id, version, stage_seconds, self._layout.total_bytes,
+                 len(manifest.rounds), engines, fenced)
         return PublishResult(version=version, num_bytes=self._layout.total_bytes,
-                             stage_seconds=stage_seconds)
+                             stage_seconds=stage_seconds, num_rounds=len(manifest.rounds),
+                             fenced_engine_ids=tuple(fenced))
+
+    def _stage_rounds(self, manifest: Manifest, state_dict: Mapping[str, torch.Tensor]) -> list[str]:
+        fenced: list[str] = []
+        bucket = self._bucket.tensor
+        assert bucket is not None
+        for rnd in manifest.rounds:
+            try:
+                if rnd.index > 0:
+                    fenced = self._broker.wait_round(self._run_id, manifest.version, rnd.index - 1,
+                                                     self._config.round_timeout_s)
+                stage_round(self._layout, rnd, state_dict, bucket)
+                self._broker.stage_round(self._run_id, manifest.version, rnd.index)
+            except ConflictError as exc:
+                # The version failed (every engine fenced): nobody reads further rounds. The
+                # failure is the broker's to report (wait_committed); the trainer carries on.
+                log.error("run %s: version %d failed while staging round %d: %s", self._run_id,
+                          manifest.version, rnd.index, exc)
+                break
+        return fenced
 
     def _wait_previous(self, previous: int, timeout_s: float) -> None:
         try:
+            if self._broker.get_version(self._run_id).latest_version < previous:
+                # The broker restarted and forgot it: nobody is reading it any more.
+                log.warning("run %s: the broker does not know version %d; not waiting for it",
+                            self._run_id, previous)
+                return
             self._broker.wait_committed(self._run_id, previous, timeout_s)
+        except NotFoundError:
+            log.warning("run %s: the broker does not know the run; not waiting for version %d",
+                        self._run_id, previous)
         except ConflictError as exc:
             # A failed version is over: nobody will read its bytes again, so they may be replaced.
             log.warning("run %s: previous version %d failed (%s); staging the next one",
                         self._run_id, previous, exc)
 
     def close(self) -> None:
-        """Deregister the buffer and drop the agent; idempotent. Engines still reading fail their
-        transfer and report it."""
+        """Stop serving and free the bucket; idempotent. Engines still reading fail their transfer
+        and report it."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._endpoint.close()
+            self._bucket.close()
 
     def __enter__(self) -> "WeightPublisher":
         return self

@@ -1,9 +1,11 @@
-"""Engine side of weight transfer: watch the broker for new versions, pull each one over NIXL into a
-registered receive buffer, verify its checksum, hand it to the engine and acknowledge it.
+"""Engine side of weight transfer: watch the broker for new versions, pull each staged round into a
+receive buffer over the best lane that reaches the publisher, verify every round's checksum, hand
+the complete version to the engine and acknowledge it.
 
 Knows nothing about models: `apply(version, tensors)` is the engine's business (copy the tensors into
-the model between batches). The tensors are views into the receive buffer and are overwritten by the
-next version, so apply must copy them before it returns.
+the model between batches). It is called only once every round of the version arrived and verified,
+so an engine never sees a torn version. The tensors are views into the receive buffer and are
+overwritten by the next version, so apply must copy them before it returns.
 """
 
 from __future__ import annotations
@@ -11,21 +13,24 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError, UnavailableError
-from furlong.core.weights import Manifest, WeightLayout, checksum
+from furlong.core.weights import BucketRound, Manifest, WeightLayout, checksum
 from furlong.weight_broker.client import BrokerClient, VersionWatch
 from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.core import NO_VERSION, EventKind, VersionEventInfo
+from furlong.weight_broker.core import NO_VERSION, EventKind, VersionEventInfo, WeightSourceInfo
+from furlong.weight_broker.lanes import LANE_NIXL, Lane, connect_lane
 from furlong.weight_broker.nixl_transport import NixlEndpoint
 
 log = logging.getLogger(__name__)
 
 ApplyFn = Callable[[int, Mapping[str, torch.Tensor]], None]
-_PULLS_PER_VERSION = 2   # a checksum mismatch is re-pulled once before the version is refused
+ConnectFn = Callable[[WeightSourceInfo], Lane]
+_PULLS_PER_ROUND = 2   # a checksum mismatch is re-pulled once before the round is refused
 
 
 def layout_mismatch(expected: WeightLayout, got: WeightLayout) -> str:
@@ -40,18 +45,34 @@ def layout_mismatch(expected: WeightLayout, got: WeightLayout) -> str:
     return f"{len(got.slots)} tensors != {len(expected.slots)}"
 
 
-class WeightReceiver:
-    """Watches versions for (run_id, engine_id) on a background thread; for each PUBLISHED version:
-    pull over NIXL into its own registered buffer (allocated once on the first version, sized by the
-    manifest; a later manifest with a different layout is acked ok=False), verify the checksum
-    (mismatch: re-pull once, then ack ok=False with the reason), call apply(version, tensors) with
-    views into the verified buffer, then ack ok=True with the transfer bytes and seconds.
+@dataclass
+class _Incoming:
+    """The version being received: which rounds arrived and verified, and what it cost."""
 
-    If the broker becomes unreachable or drops the engine, the thread re-registers and watches again
-    every `config.rpc_retry_s`; it stops for good when the run has ended."""
+    manifest: Manifest
+    source: WeightSourceInfo
+    lane: Lane
+    verified: set[int] = field(default_factory=set)
+    seconds: float = 0.0
+    num_bytes: int = 0
+
+
+class WeightReceiver:
+    """Watches versions for (run_id, engine_id) on a background thread. For each PUBLISHED version
+    it gets its receive buffer ready (allocated, and registered with NIXL, once on the first
+    version; a later manifest with a different layout is acked ok=False) and a lane to the source;
+    for each ROUND_READY it pulls the round's bytes to their offsets in the buffer, verifies them
+    (mismatch: re-pull once, then ack the round ok=False so the broker re-sends it) and acks the
+    round; after the last round it calls apply(version, views) and acks the version with the lane,
+    bytes and seconds of the transfer.
+
+    If the broker becomes unreachable, drops or fences the engine, the thread re-registers and
+    watches again every `config.rpc_retry_s`; it stops for good when the run has ended.
+    `connect` picks the lane for a source (default: `connect_lane` over config.lanes)."""
 
     def __init__(self, broker: BrokerClient, run_id: str, engine_id: str, apply: ApplyFn,
-                 agent_name: str | None = None, *, config: TransferConfig = TransferConfig()) -> None:
+                 agent_name: str | None = None, *, config: TransferConfig = TransferConfig(),
+                 connect: ConnectFn | None = None) -> None:
         if not run_id or not engine_id:
             raise ValueError(f"run_id {run_id!r} and engine_id {engine_id!r} must not be empty")
         self._broker = broker
@@ -59,10 +80,16 @@ class WeightReceiver:
         self._engine_id = engine_id
         self._apply = apply
         self._config = config
-        self._endpoint = NixlEndpoint(agent_name or f"{engine_id}-{uuid.uuid4().hex[:12]}",
-                                      config.backends)
+        self._endpoint: NixlEndpoint | None = None
+        if LANE_NIXL in config.lanes:
+            self._endpoint = NixlEndpoint(agent_name or f"{engine_id}-{uuid.uuid4().hex[:12]}",
+                                          config.backends)
+        self._connect = connect or (lambda source: connect_lane(
+            source, config.lanes, self._endpoint, config.stream_chunk_bytes))
+        self._lanes: dict[WeightSourceInfo, Lane] = {}
         self._buffer: torch.Tensor | None = None
         self._layout: WeightLayout | None = None
+        self._incoming: _Incoming | None = None
         self._lock = threading.Lock()
         self._version = NO_VERSION
         self._applied_checksum = ""
@@ -129,62 +156,131 @@ class WeightReceiver:
     def _handle(self, event: VersionEventInfo) -> None:
         if event.kind is EventKind.COMMITTED:
             log.debug("run %s: version %d committed", self._run_id, event.version)
-            return
-        assert event.manifest is not None and event.source is not None
-        with self._lock:
-            already = (event.version == self._version
-                       and event.manifest.checksum == self._applied_checksum)
-        transfer_seconds, transfer_bytes = 0.0, 0
-        try:
-            if not already:
-                transfer_seconds, transfer_bytes = self._receive(event)
-        except Exception as exc:  # noqa: BLE001 - every failure is reported to the broker
-            log.warning("run %s: engine %s could not take version %d: %s", self._run_id,
-                        self._engine_id, event.version, exc)
-            self._ack(event.version, False, f"{type(exc).__name__}: {exc}", 0.0, 0)
-            return
-        self._ack(event.version, True, "", transfer_seconds, transfer_bytes)
+        elif event.kind is EventKind.FENCED:
+            log.error("run %s: engine %s fenced out of version %d: %s", self._run_id,
+                      self._engine_id, event.version, event.reason)
+            self._incoming = None
+        elif event.kind is EventKind.PUBLISHED:
+            self._begin(event)
+        else:
+            self._pull_round(event.version, event.round)
 
-    def _ack(self, version: int, ok: bool, error: str, seconds: float, num_bytes: int) -> None:
+    def _begin(self, event: VersionEventInfo) -> None:
+        manifest, source = event.manifest, event.source
+        assert manifest is not None and source is not None
+        self._incoming = None
+        with self._lock:
+            already = (manifest.version == self._version
+                       and manifest.checksum == self._applied_checksum)
+        if already:   # re-sent after our acknowledgement was lost
+            self._ack_version(manifest.version, True, "", 0.0, 0, "")
+            return
+        try:
+            buffer = self._buffer_for(manifest)
+            assert buffer is not None
+            self._incoming = _Incoming(manifest, source, self._lane_for(source))
+        except Exception as exc:  # noqa: BLE001 - every failure is reported to the broker
+            self._refuse(manifest.version, exc)
+
+    def _pull_round(self, version: int, index: int) -> None:
+        incoming = self._incoming
+        if incoming is None or incoming.manifest.version != version:
+            log.warning("run %s: engine %s: round %d of version %d is not for the version being "
+                        "received; ignored", self._run_id, self._engine_id, index, version)
+            return
+        rnd = incoming.manifest.rounds[index]
+        try:
+            seconds = self._pull_verified(incoming, rnd)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported to the broker
+            log.warning("run %s: engine %s: round %d of version %d: %s", self._run_id,
+                        self._engine_id, index, version, exc)
+            self._ack_round(version, index, False, f"{type(exc).__name__}: {exc}", 0.0, 0,
+                            incoming.lane.name)
+            return
+        incoming.verified.add(index)
+        self._ack_round(version, index, True, "", seconds, rnd.size_bytes, incoming.lane.name)
+        if len(incoming.verified) == len(incoming.manifest.rounds):
+            self._finish(incoming)
+
+    def _pull_verified(self, incoming: _Incoming, rnd: BucketRound) -> float:
+        assert self._buffer is not None
+        dst = self._buffer[rnd.offset_bytes:rnd.end_bytes]
+        src_offset = rnd.offset_bytes if incoming.source.holds_all_rounds else 0
+        seconds = 0.0
+        digest = ""
+        for pull in range(1, _PULLS_PER_ROUND + 1):
+            took = incoming.lane.read(src_offset, dst, self._config.transfer_timeout_s)
+            seconds += took
+            incoming.seconds += took
+            incoming.num_bytes += rnd.size_bytes
+            digest = checksum(self._buffer, rnd.size_bytes, rnd.offset_bytes)
+            if digest == rnd.checksum:
+                return seconds
+            log.warning("run %s: engine %s: version %d round %d checksum mismatch on pull %d over "
+                        "%s (expected %s, got %s)", self._run_id, self._engine_id,
+                        incoming.manifest.version, rnd.index, pull, incoming.lane.name,
+                        rnd.checksum, digest)
+        raise IntegrityError(f"checksum mismatch for version {incoming.manifest.version} round "
+                             f"{rnd.index} read from {incoming.source.agent_name} over "
+                             f"{incoming.lane.name}: expected {rnd.checksum}, got {digest} after "
+                             f"{_PULLS_PER_ROUND} pulls")
+
+    def _finish(self, incoming: _Incoming) -> None:
+        manifest = incoming.manifest
+        self._incoming = None
+        assert self._buffer is not None
+        try:
+            self._apply(manifest.version, manifest.layout.views(self._buffer))
+        except Exception as exc:  # noqa: BLE001 - every failure is reported to the broker
+            self._refuse(manifest.version, exc)
+            return
+        with self._lock:
+            self._version = manifest.version
+            self._applied_checksum = manifest.checksum
+        log.info("run %s: engine %s applied version %d (%d bytes over %s in %.4f s)", self._run_id,
+                 self._engine_id, manifest.version, incoming.num_bytes, incoming.lane.name,
+                 incoming.seconds)
+        self._ack_version(manifest.version, True, "", incoming.seconds, incoming.num_bytes,
+                          incoming.lane.name)
+
+    def _refuse(self, version: int, exc: Exception) -> None:
+        log.warning("run %s: engine %s could not take version %d: %s", self._run_id,
+                    self._engine_id, version, exc)
+        self._ack_version(version, False, f"{type(exc).__name__}: {exc}", 0.0, 0, "")
+
+    def _ack_version(self, version: int, ok: bool, error: str, seconds: float, num_bytes: int,
+                     lane: str) -> None:
         try:
             self._broker.ack_version(self._run_id, self._engine_id, version, ok, error, seconds,
-                                     num_bytes)
+                                     num_bytes, lane)
         except (ConflictError, NotFoundError) as exc:
             # The broker moved on (version failed, engine dropped): a later event sets things right.
             log.warning("run %s: engine %s: acknowledgement of version %d refused: %s",
                         self._run_id, self._engine_id, version, exc)
 
-    def _receive(self, event: VersionEventInfo) -> tuple[float, int]:
-        manifest, source = event.manifest, event.source
-        assert manifest is not None and source is not None
-        buffer = self._buffer_for(manifest)
-        num_bytes = manifest.total_bytes
-        seconds = 0.0
-        digest = ""
-        for pull in range(1, _PULLS_PER_VERSION + 1):
-            seconds += self._endpoint.read(source, buffer, num_bytes, self._config.transfer_timeout_s)
-            digest = checksum(buffer, num_bytes)
-            if digest == manifest.checksum:
-                break
-            log.warning("run %s: engine %s: version %d checksum mismatch on pull %d (expected %s, "
-                        "got %s)", self._run_id, self._engine_id, manifest.version, pull,
-                        manifest.checksum, digest)
-        else:
-            raise IntegrityError(f"checksum mismatch for version {manifest.version} read from "
-                                 f"{source.agent_name}: expected {manifest.checksum}, got {digest} "
-                                 f"after {_PULLS_PER_VERSION} pulls")
-        self._apply(manifest.version, manifest.layout.views(buffer))
-        with self._lock:
-            self._version = manifest.version
-            self._applied_checksum = manifest.checksum
-        log.info("run %s: engine %s applied version %d (%d bytes in %.4f s)", self._run_id,
-                 self._engine_id, manifest.version, num_bytes, seconds)
-        return seconds, num_bytes * pull
+    def _ack_round(self, version: int, index: int, ok: bool, error: str, seconds: float,
+                   num_bytes: int, lane: str) -> None:
+        try:
+            self._broker.ack_round(self._run_id, self._engine_id, version, index, ok, error,
+                                   seconds, num_bytes, lane)
+        except (ConflictError, NotFoundError) as exc:
+            log.warning("run %s: engine %s: acknowledgement of version %d round %d refused: %s",
+                        self._run_id, self._engine_id, version, index, exc)
+
+    def _lane_for(self, source: WeightSourceInfo) -> Lane:
+        lane = self._lanes.get(source)
+        if lane is None:
+            for old in self._lanes.values():   # a new publisher (restart, relay): drop the old lane
+                old.close()
+            self._lanes = {source: self._connect(source)}
+            lane = self._lanes[source]
+        return lane
 
     def _buffer_for(self, manifest: Manifest) -> torch.Tensor:
         if self._buffer is None:
             buffer = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
-            self._endpoint.register(buffer)
+            if self._endpoint is not None:
+                self._endpoint.register(buffer)
             self._buffer, self._layout = buffer, manifest.layout
             return buffer
         assert self._layout is not None
@@ -195,7 +291,8 @@ class WeightReceiver:
         return self._buffer
 
     def close(self) -> None:
-        """Unregister the engine, stop the thread and deregister the NIXL buffer; idempotent."""
+        """Unregister the engine, stop the thread, close lanes and deregister the NIXL buffer;
+        idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -214,4 +311,8 @@ class WeightReceiver:
                 log.error("run %s: engine %s: receiver thread did not stop; keeping its NIXL "
                           "buffer registered", self._run_id, self._engine_id)
                 return
-        self._endpoint.close()
+        for lane in self._lanes.values():
+            lane.close()
+        self._lanes.clear()
+        if self._endpoint is not None:
+            self._endpoint.close()

@@ -10,7 +10,8 @@ from typing import Iterator
 import grpc
 
 from furlong.core.weights import (
-    CHECKSUM_ALGORITHM, Manifest, TensorSlot, WeightLayout, dtype_from_name, dtype_name)
+    CHECKSUM_ALGORITHM, BucketPlan, BucketRound, Manifest, TensorSlot, WeightLayout, dtype_from_name,
+    dtype_name)
 from furlong.rpc import rpc_errors
 from furlong.v1 import common_pb2, weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
 from furlong.weight_broker.core import (
@@ -21,7 +22,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightBroker"].full_name  # "furlong.v1.WeightBroker"
 
 _KIND_TO_PROTO = {EventKind.PUBLISHED: pb.VersionEvent.PUBLISHED,
-                  EventKind.COMMITTED: pb.VersionEvent.COMMITTED}
+                  EventKind.COMMITTED: pb.VersionEvent.COMMITTED,
+                  EventKind.ROUND_READY: pb.VersionEvent.ROUND_READY,
+                  EventKind.FENCED: pb.VersionEvent.FENCED}
 _KIND_FROM_PROTO = {v: k for k, v in _KIND_TO_PROTO.items()}
 
 
@@ -36,6 +39,11 @@ def manifest_to_proto(manifest: Manifest) -> common_pb2.WeightManifest:
         total_bytes=manifest.total_bytes,
         checksum_algorithm=CHECKSUM_ALGORITHM,
         checksum=manifest.checksum,
+        bucket_size_bytes=manifest.plan.bucket_size_bytes,
+        rounds=[common_pb2.BucketRound(index=r.index, offset_bytes=r.offset_bytes,
+                                       size_bytes=r.size_bytes, names=list(r.names),
+                                       checksum=r.checksum)
+                for r in manifest.rounds],
     )
 
 
@@ -47,26 +55,33 @@ def manifest_from_proto(msg: common_pb2.WeightManifest) -> Manifest:
                              offset_bytes=t.offset_bytes, size_bytes=t.size_bytes)
                   for t in msg.tensors)
     layout = WeightLayout(slots=slots, total_bytes=msg.total_bytes)
-    return Manifest(version=msg.version, layout=layout, checksum=msg.checksum)
+    plan = None
+    if msg.rounds:
+        plan = BucketPlan(msg.bucket_size_bytes, tuple(
+            BucketRound(index=r.index, offset_bytes=r.offset_bytes, size_bytes=r.size_bytes,
+                        names=tuple(r.names), checksum=r.checksum) for r in msg.rounds))
+    return Manifest(version=msg.version, layout=layout, checksum=msg.checksum, plan=plan)
 
 
 def source_to_proto(source: WeightSourceInfo) -> common_pb2.WeightSource:
     return common_pb2.WeightSource(
         agent_name=source.agent_name, agent_metadata=source.agent_metadata,
         base_address=source.base_address, size_bytes=source.size_bytes,
-        memory_kind=source.memory_kind, device_id=source.device_id)
+        memory_kind=source.memory_kind, device_id=source.device_id, shm_name=source.shm_name,
+        stream_address=source.stream_address, holds_all_rounds=source.holds_all_rounds)
 
 
 def source_from_proto(msg: common_pb2.WeightSource) -> WeightSourceInfo:
     return WeightSourceInfo(
         agent_name=msg.agent_name, agent_metadata=msg.agent_metadata,
         base_address=msg.base_address, size_bytes=msg.size_bytes,
-        memory_kind=msg.memory_kind, device_id=msg.device_id)
+        memory_kind=msg.memory_kind, device_id=msg.device_id, shm_name=msg.shm_name,
+        stream_address=msg.stream_address, holds_all_rounds=msg.holds_all_rounds)
 
 
 def event_to_proto(event: VersionEventInfo) -> pb.VersionEvent:
     msg = pb.VersionEvent(run_id=event.run_id, kind=_KIND_TO_PROTO[event.kind],
-                          version=event.version)
+                          version=event.version, round=event.round, reason=event.reason)
     if event.manifest is not None:
         msg.manifest.CopyFrom(manifest_to_proto(event.manifest))
     if event.source is not None:
@@ -81,21 +96,24 @@ def event_from_proto(msg: pb.VersionEvent) -> VersionEventInfo:
     return VersionEventInfo(
         run_id=msg.run_id, kind=kind, version=msg.version,
         manifest=manifest_from_proto(msg.manifest) if msg.HasField("manifest") else None,
-        source=source_from_proto(msg.source) if msg.HasField("source") else None)
+        source=source_from_proto(msg.source) if msg.HasField("source") else None,
+        round=msg.round, reason=msg.reason)
 
 
 def status_to_proto(status: VersionStatusInfo) -> pb.VersionStatus:
     return pb.VersionStatus(run_id=status.run_id, latest_version=status.latest_version,
                             committed_version=status.committed_version,
                             engine_ids=list(status.engine_ids),
-                            pending_engine_ids=list(status.pending_engine_ids))
+                            pending_engine_ids=list(status.pending_engine_ids),
+                            fenced_engine_ids=list(status.fenced_engine_ids))
 
 
 def status_from_proto(msg: pb.VersionStatus) -> VersionStatusInfo:
     return VersionStatusInfo(run_id=msg.run_id, latest_version=msg.latest_version,
                              committed_version=msg.committed_version,
                              engine_ids=tuple(msg.engine_ids),
-                             pending_engine_ids=tuple(msg.pending_engine_ids))
+                             pending_engine_ids=tuple(msg.pending_engine_ids),
+                             fenced_engine_ids=tuple(msg.fenced_engine_ids))
 
 
 # -- service ----------------------------------------------------------------------------------------
@@ -131,6 +149,24 @@ class WeightBrokerServicer(pb_grpc.WeightBrokerServicer):
                                        engine_ids=engines)
 
     @rpc_errors
+    def StageRound(self, request, context):
+        engines = self._core.stage_round(request.run_id, request.version, request.round)
+        return pb.StageRoundResponse(run_id=request.run_id, engine_ids=engines)
+
+    @rpc_errors
+    def WaitRound(self, request, context):
+        fenced = self._core.wait_round(request.run_id, request.version, request.round,
+                                       request.timeout_s)
+        return pb.WaitRoundResponse(run_id=request.run_id, fenced_engine_ids=fenced)
+
+    @rpc_errors
+    def AckRound(self, request, context):
+        self._core.ack_round(request.run_id, request.engine_id, request.version, request.round,
+                             request.ok, request.error, request.transfer_seconds,
+                             request.transfer_bytes, request.lane)
+        return pb.AckRoundResponse(run_id=request.run_id)
+
+    @rpc_errors
     def WatchVersions(self, request, context):
         # Subscribe before returning the stream so that an unknown engine is a status, not a hang.
         sub = self._core.subscribe(request.run_id, request.engine_id)
@@ -152,7 +188,7 @@ class WeightBrokerServicer(pb_grpc.WeightBrokerServicer):
     def AckVersion(self, request, context):
         committed = self._core.ack_version(
             request.run_id, request.engine_id, request.version, request.ok, request.error,
-            request.transfer_seconds, request.transfer_bytes)
+            request.transfer_seconds, request.transfer_bytes, request.lane)
         return pb.AckVersionResponse(run_id=request.run_id, committed_version=committed)
 
     @rpc_errors

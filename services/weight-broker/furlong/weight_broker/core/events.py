@@ -15,7 +15,10 @@ NO_VERSION = -1
 
 @dataclass(frozen=True)
 class WeightSourceInfo:
-    """A NIXL agent and the registered memory region it serves a version from (WeightSource)."""
+    """Where a version's staging bucket can be read (WeightSource): a NIXL agent and the memory
+    region it registered, and optionally the same bucket as a POSIX shared-memory object and behind a
+    WeightStream gRPC server. agent_metadata empty means "no NIXL lane". holds_all_rounds: the region
+    holds the whole layout at logical offsets (a relay), not one round at offset 0."""
 
     agent_name: str
     agent_metadata: bytes
@@ -23,13 +26,17 @@ class WeightSourceInfo:
     size_bytes: int
     memory_kind: str = "DRAM"
     device_id: int = 0
+    shm_name: str = ""
+    stream_address: str = ""
+    holds_all_rounds: bool = False
 
     def __post_init__(self) -> None:
         if not self.agent_name:
             raise ValueError("weight source with an empty agent_name")
-        if not self.agent_metadata:
-            raise ValueError(f"weight source {self.agent_name!r}: empty agent_metadata")
-        if self.base_address <= 0:
+        if not (self.agent_metadata or self.shm_name or self.stream_address):
+            raise ValueError(f"weight source {self.agent_name!r}: no lane (NIXL metadata, shared "
+                             f"memory or stream address)")
+        if self.agent_metadata and self.base_address <= 0:
             raise ValueError(f"weight source {self.agent_name!r}: base_address "
                              f"{self.base_address} is not a valid address")
         if self.size_bytes <= 0:
@@ -42,8 +49,10 @@ class WeightSourceInfo:
 
 
 class EventKind(enum.Enum):
-    PUBLISHED = "published"   # pull this version, verify it, switch to it, acknowledge it
-    COMMITTED = "committed"   # every registered engine serves this version
+    PUBLISHED = "published"       # a new version: get ready to pull its rounds
+    ROUND_READY = "round_ready"   # round `round` of the version is staged: pull, verify, ack it
+    COMMITTED = "committed"       # every registered engine serves this version
+    FENCED = "fenced"             # this engine was fenced out of the version; the stream ends
 
 
 @dataclass(frozen=True)
@@ -55,15 +64,20 @@ class VersionEventInfo:
     version: int
     manifest: Manifest | None = None
     source: WeightSourceInfo | None = None
+    round: int = 0
+    reason: str = ""
 
     def __post_init__(self) -> None:
         has_payload = self.manifest is not None and self.source is not None
         if self.kind is EventKind.PUBLISHED and not has_payload:
             raise ValueError(f"run {self.run_id}: PUBLISHED event for version {self.version} "
                              f"without manifest and source")
-        if self.kind is EventKind.COMMITTED and (self.manifest is not None or self.source is not None):
-            raise ValueError(f"run {self.run_id}: COMMITTED event for version {self.version} "
-                             f"carries a manifest or source")
+        if self.kind is not EventKind.PUBLISHED and (self.manifest is not None
+                                                     or self.source is not None):
+            raise ValueError(f"run {self.run_id}: {self.kind.name} event for version "
+                             f"{self.version} carries a manifest or source")
+        if self.round < 0:
+            raise ValueError(f"run {self.run_id}: event round {self.round} < 0")
         if self.manifest is not None and self.manifest.version != self.version:
             raise ValueError(f"run {self.run_id}: event version {self.version} != manifest version "
                              f"{self.manifest.version}")
@@ -78,3 +92,4 @@ class VersionStatusInfo:
     committed_version: int
     engine_ids: tuple[str, ...]
     pending_engine_ids: tuple[str, ...]   # registered engines that have not acknowledged latest
+    fenced_engine_ids: tuple[str, ...] = ()   # engines fenced out of latest

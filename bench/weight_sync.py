@@ -1,0 +1,365 @@
+"""How fast does a new policy version get from the trainer to the engines?
+
+    python bench/weight_sync.py [--quick] [--json] [--size-mib N] [--bucket-mib N] [--reps N]
+
+One trainer process (this one: a WeightPublisher) and two engine processes (WeightReceivers that
+copy every version into their own parameter tensors), with the weight broker as a third process.
+bf16 parameters, 1 GiB by default (--quick: 32 MiB, same code paths). Measured in the same run, on
+the same data, after a warm-up, as medians over --reps repetitions:
+
+- memcpy_gbps: torch copy_ of the whole state, host to host, in this process.
+- raw_nixl_seconds: one raw NIXL READ of the whole state from this process into an engine process.
+- nixl_gbps / shm_gbps: per-engine pull rate of the broker pipeline over that lane (bytes and
+  seconds the engines acknowledged, so both engines pulling at once share the machine).
+- switch_seconds_<mode>: publish start -> both engines serving v+1 (the broker committed it, which
+  it does only after every engine verified and applied it). Modes: direct (engines pull from the
+  trainer's bucket) and relay (the broker pulls from the trainer, engines from the broker).
+- trainer_free_seconds_<mode>: publish start -> the trainer's bucket may be reused (direct: the
+  version committed; relay: the relay took it).
+- naive_seconds: torch.save -> bytes -> gRPC stream -> torch.load into ONE engine process.
+- publish_rss_delta_bytes: peak growth of this process's RSS while publishing, against the bucket.
+
+Prints one JSON object as its last line, like every bench/ script; never fails on a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from furlong.core.redis_server import free_port
+from furlong.core.weights import WeightLayout
+from furlong.rpc import check_health, start_server
+from furlong.weight_broker.bucket import STREAM_SERVICE_NAME, WeightStreamServicer
+from furlong.weight_broker.client import GrpcBrokerClient
+from furlong.weight_broker.config import TransferConfig
+from furlong.weight_broker.core import WeightSourceInfo
+from furlong.weight_broker.nixl_transport import NixlEndpoint
+from furlong.weight_broker.publisher import WeightPublisher
+from furlong.weight_broker.relay import upstream_run_id
+
+MIB = 1 << 20
+ENGINES = ("engine-0", "engine-1")
+log = logging.getLogger("bench.weight_sync")
+
+
+# -- child roles -------------------------------------------------------------------------------------
+
+def engine_main(args) -> int:
+    """A rollout engine stand-in: parameters in its own tensors, a WeightReceiver that copies each
+    verified version into them."""
+    from furlong.weight_broker.receiver import WeightReceiver
+    model: dict[str, torch.Tensor] = {}
+
+    def apply(version, tensors) -> None:
+        for name, tensor in tensors.items():
+            if name not in model:
+                model[name] = torch.empty_like(tensor)
+            model[name].copy_(tensor)
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    client = GrpcBrokerClient(args.broker)
+    receiver = WeightReceiver(client, args.run_id, args.engine_id, apply,
+                              config=TransferConfig(lanes=tuple(args.lanes.split(","))))
+    receiver.start()
+    while not stop.wait(0.2):
+        pass
+    receiver.close()
+    client.close()
+    return 0
+
+
+def raw_main(args) -> int:
+    """Raw NIXL READs of the whole region described in --meta into a registered buffer."""
+    meta = json.loads(Path(args.meta).read_text())
+    source = WeightSourceInfo(meta["agent"], bytes.fromhex(meta["metadata"]), meta["address"],
+                              meta["size"])
+    endpoint = NixlEndpoint(f"raw-reader-{os.getpid()}")
+    dst = torch.zeros(meta["size"], dtype=torch.uint8)
+    endpoint.register(dst)
+    times = [endpoint.read(source, dst, meta["size"], 120.0) for _ in range(args.reps + 1)]
+    endpoint.close()
+    Path(args.out).write_text(json.dumps(times[1:]))
+    return 0
+
+
+def naive_main(args) -> int:
+    """Stream torch.save bytes over gRPC and torch.load them, --reps times after a warm-up."""
+    import numpy as np
+    from furlong.rpc import channel
+    from furlong.v1 import weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
+    stub = pb_grpc.WeightStreamStub(channel(args.address))
+    times = []
+    for _ in range(args.reps + 1):
+        started = time.perf_counter()
+        data = bytearray(args.size)
+        view = np.frombuffer(data, dtype=np.uint8)
+        for chunk in stub.ReadRange(pb.ReadRangeRequest(offset_bytes=0, size_bytes=args.size,
+                                                        chunk_bytes=MIB), timeout=300):
+            view[chunk.offset_bytes:chunk.offset_bytes + len(chunk.data)] = np.frombuffer(
+                chunk.data, dtype=np.uint8)
+        state = torch.load(io.BytesIO(data), weights_only=True)
+        assert state
+        times.append(time.perf_counter() - started)
+    Path(args.out).write_text(json.dumps(times[1:]))
+    return 0
+
+
+# -- trainer side ------------------------------------------------------------------------------------
+
+def make_state(size_bytes: int) -> dict[str, torch.Tensor]:
+    per = 32 * MIB if size_bytes >= 512 * MIB else 2 * MIB
+    cols = 1024 if per == 2 * MIB else 4096
+    gen = torch.Generator().manual_seed(0)
+    return {f"layers.{i}.weight": torch.randn(per // 2 // cols, cols, generator=gen).to(torch.bfloat16)
+            for i in range(size_bytes // per)}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    def __init__(self) -> None:
+        self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def child(role: str, *extra: str, log_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, "--role", role, *extra],
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached in {timeout_s} s")
+        time.sleep(0.05)
+
+
+def metric(metrics_port: int, series: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def measure_memcpy(state, reps: int) -> float:
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    dst = {k: torch.empty_like(v) for k, v in state.items()}
+    times = []
+    for _ in range(reps + 1):
+        started = time.perf_counter()
+        for k, v in state.items():
+            dst[k].copy_(v)
+        times.append(time.perf_counter() - started)
+    return total / statistics.median(times[1:]) / 1e9
+
+
+def measure_raw(size: int, reps: int, tmp: Path) -> float:
+    endpoint = NixlEndpoint(f"raw-source-{os.getpid()}")
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8)
+    endpoint.register(src)
+    meta = tmp / "raw.json"
+    meta.write_text(json.dumps({"agent": endpoint.agent_name, "metadata": endpoint.metadata.hex(),
+                                "address": src.data_ptr(), "size": size}))
+    proc = child("raw", "--meta", str(meta), "--reps", str(reps), "--out", str(tmp / "raw.out"),
+                 log_path=tmp / "raw.log")
+    proc.wait(600)
+    endpoint.close()
+    return statistics.median(json.loads((tmp / "raw.out").read_text()))
+
+
+def measure_naive(state, reps: int, tmp: Path) -> float:
+    save_times = []
+    blob = b""
+    for _ in range(reps + 1):
+        started = time.perf_counter()
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        blob = buf.getvalue()
+        save_times.append(time.perf_counter() - started)
+    data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    server = start_server([WeightStreamServicer(data).add_to_server], [STREAM_SERVICE_NAME],
+                          max_workers=4)
+    proc = child("naive", "--address", f"127.0.0.1:{server.port}", "--size", str(len(blob)),
+                 "--reps", str(reps), "--out", str(tmp / "naive.out"), log_path=tmp / "naive.log")
+    proc.wait(900)
+    server.stop(0.5)
+    return statistics.median(save_times[1:]) + statistics.median(
+        json.loads((tmp / "naive.out").read_text()))
+
+
+def measure_lane(lane: str, mode: str, state, args, broker: str, metrics_port: int,
+                 tmp: Path) -> dict:
+    run_id = f"bench-{lane}-{mode}"
+    publish_run = upstream_run_id(run_id) if mode == "relay" else run_id
+    engines = [child("engine", "--broker", broker, "--run-id", run_id, "--engine-id", e,
+                     "--lanes", lane, log_path=tmp / f"{run_id}-{e}.log") for e in ENGINES]
+    client = GrpcBrokerClient(broker)
+    publisher = None
+    try:
+        wait_for(lambda: _engines(client, run_id) == ENGINES, 120.0, "engines registered")
+        rss_before = rss_bytes()
+        config = TransferConfig(bucket_size_bytes=args.bucket_mib * MIB, lanes=(lane,),
+                                round_timeout_s=300.0, transfer_timeout_s=300.0)
+        publisher = WeightPublisher(client, publish_run, WeightLayout.from_state_dict(state),
+                                    f"bench-trainer-{run_id}", config=config)
+        bytes0 = seconds0 = 0.0
+        switch, free = [], []
+        with PeakRss() as peak:
+            for version in range(1, args.reps + 2):
+                if version == 2:   # version 1 warmed up connections and buffers
+                    bytes0 = metric(metrics_port, f'furlong_broker_transfer_bytes_total{{lane="{lane}"}}')
+                    seconds0 = metric(metrics_port,
+                                      f'furlong_broker_transfer_seconds_total{{lane="{lane}"}}')
+                started = time.perf_counter()
+                publisher.publish(version, state, commit_timeout_s=300.0)
+                client.wait_committed(publish_run, version, 300.0)
+                free.append(time.perf_counter() - started)   # the trainer may move on
+                client.wait_committed(run_id, version, 300.0)
+                switch.append(time.perf_counter() - started)
+        moved = metric(metrics_port, f'furlong_broker_transfer_bytes_total{{lane="{lane}"}}') - bytes0
+        spent = metric(metrics_port, f'furlong_broker_transfer_seconds_total{{lane="{lane}"}}') - seconds0
+        return {"switch_seconds": statistics.median(switch[1:]),
+                "trainer_free_seconds": statistics.median(free[1:]),
+                "per_engine_gbps": moved / spent / 1e9 if spent else 0.0,
+                "rss_delta_bytes": peak.peak - rss_before,
+                "bucket_bytes": publisher.bucket_size_bytes}
+    finally:
+        if publisher is not None:
+            publisher.close()
+        for proc in engines:
+            proc.send_signal(signal.SIGTERM)
+        for proc in engines:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        client.end_run(run_id)
+        client.close()
+
+
+def _engines(client: GrpcBrokerClient, run_id: str) -> tuple[str, ...]:
+    try:
+        return client.get_version(run_id).engine_ids
+    except Exception:  # noqa: BLE001 - the run exists once the first engine registers
+        return ()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument("--size-mib", type=int, default=None)
+    parser.add_argument("--bucket-mib", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--role", default="main")
+    parser.add_argument("--broker"), parser.add_argument("--run-id"), parser.add_argument("--engine-id")
+    parser.add_argument("--lanes"), parser.add_argument("--meta"), parser.add_argument("--out")
+    parser.add_argument("--address"), parser.add_argument("--size", type=int)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    if args.role != "main":
+        return {"engine": engine_main, "raw": raw_main, "naive": naive_main}[args.role](args)
+    args.size_mib = args.size_mib or (32 if args.quick else 1024)
+    args.bucket_mib = args.bucket_mib or (8 if args.quick else 256)
+    args.reps = args.reps or (2 if args.quick else 3)
+    size = args.size_mib * MIB
+    state = make_state(size)
+    with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmpdir:
+        tmp = Path(tmpdir)
+        port, metrics_port = free_port(), free_port()
+        broker_proc = subprocess.Popen(
+            [sys.executable, "-m", "furlong.weight_broker", "--port", str(port), "--metrics-port",
+             str(metrics_port), "--log-level", "WARNING", "--relay-run", "bench-nixl-relay"],
+            stdout=open(tmp / "broker.log", "w"), stderr=subprocess.STDOUT)
+        broker = f"127.0.0.1:{port}"
+        try:
+            wait_for(lambda: check_health(broker), 60.0, "broker serving")
+            memcpy_gbps = measure_memcpy(state, args.reps)
+            raw_s = measure_raw(size, args.reps, tmp)
+            lanes = {lane: measure_lane(lane, "direct", state, args, broker, metrics_port, tmp)
+                     for lane in ("nixl", "shm")}
+            relay = measure_lane("nixl", "relay", state, args, broker, metrics_port, tmp)
+            naive_s = measure_naive(state, args.reps, tmp)
+        finally:
+            broker_proc.send_signal(signal.SIGTERM)
+            broker_proc.wait(30)
+    direct = lanes["nixl"]
+    result = {
+        "bench": "weight_sync",
+        "machine": {"cpus": os.cpu_count(), "gpu": None},
+        "params": {"size_bytes": size, "engines": len(ENGINES), "dtype": "bfloat16",
+                   "bucket_bytes": direct["bucket_bytes"], "reps": args.reps},
+        "metrics": {
+            "memcpy_gbps": round(memcpy_gbps, 3),
+            "raw_nixl_seconds": round(raw_s, 4),
+            "raw_nixl_gbps": round(size / raw_s / 1e9, 3),
+            "nixl_gbps": round(lanes["nixl"]["per_engine_gbps"], 3),
+            "shm_gbps": round(lanes["shm"]["per_engine_gbps"], 3),
+            "switch_seconds_direct": round(direct["switch_seconds"], 4),
+            "switch_seconds_direct_shm": round(lanes["shm"]["switch_seconds"], 4),
+            "switch_seconds_relay": round(relay["switch_seconds"], 4),
+            "trainer_free_seconds_direct": round(direct["trainer_free_seconds"], 4),
+            "trainer_free_seconds_relay": round(relay["trainer_free_seconds"], 4),
+            "naive_seconds": round(naive_s, 4),
+            "publish_rss_delta_bytes": direct["rss_delta_bytes"],
+        },
+        "ratios": {
+            "nixl_vs_memcpy": round(lanes["nixl"]["per_engine_gbps"] / memcpy_gbps, 3),
+            "shm_vs_memcpy": round(lanes["shm"]["per_engine_gbps"] / memcpy_gbps, 3),
+            "raw_vs_switch": round(raw_s / direct["switch_seconds"], 3),
+            "raw_vs_switch_relay": round(raw_s / relay["switch_seconds"], 3),
+            "vs_naive": round(naive_s / direct["switch_seconds"], 3),
+            "vs_naive_relay": round(naive_s / relay["switch_seconds"], 3),
+            "publish_mem_vs_bucket": round(direct["rss_delta_bytes"] / direct["bucket_bytes"], 3),
+        },
+        "notes": ("bf16 state, one trainer process -> two engine processes, broker as a process; "
+                  "medians of reps after one warm-up. nixl/shm_gbps: per-engine rate from the "
+                  "engines' acknowledged bytes and seconds while both pull at once. switch: publish "
+                  "start -> broker commit (both engines verified and applied v+1). raw: one NIXL READ "
+                  "of the whole state into one engine process. naive: torch.save + gRPC stream + "
+                  "torch.load into one engine. publish_mem_vs_bucket: peak RSS growth of the "
+                  "trainer while publishing / bucket bytes (lower is better)."),
+    }
+    if not args.json:
+        for key, value in {**result["metrics"], **result["ratios"]}.items():
+            print(f"{key:28s} {value}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

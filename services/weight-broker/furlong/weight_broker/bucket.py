@@ -1,0 +1,121 @@
+"""The source side of weight transfer: one fixed-size host staging bucket, allocated once and made
+reachable over the configured lanes for its whole life (registered with a NIXL agent, backed by a
+POSIX shared-memory object, served by a WeightStream gRPC server). It is never resized while
+registered: the size comes from the bucket plan, which already grew it to the largest tensor.
+
+Knows nothing about versions or the broker; the publisher (and the relay) decide what is in it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from furlong.rpc import rpc_errors, start_server
+from furlong.v1 import weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
+from furlong.weight_broker.core import WeightSourceInfo
+from furlong.weight_broker.lanes import LANE_GRPC, LANE_NIXL, LANE_SHM, LANES
+from furlong.weight_broker.nixl_transport import NixlEndpoint
+from furlong.weight_broker.shm import SharedBuffer
+
+log = logging.getLogger(__name__)
+
+STREAM_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightStream"].full_name
+_DEFAULT_CHUNK_BYTES = 1 << 20
+_MAX_CHUNK_BYTES = 4 << 20    # well below furlong.rpc's 64 MiB message limit; bounds per-read copies
+
+
+class WeightStreamServicer(pb_grpc.WeightStreamServicer):
+    """Serves byte ranges of one host buffer. Readers get whatever the buffer holds while they read;
+    the broker's round protocol guarantees it is not rewritten while a round is being pulled."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def add_to_server(self, server) -> None:
+        pb_grpc.add_WeightStreamServicer_to_server(self, server)
+
+    @rpc_errors
+    def ReadRange(self, request, context):
+        size = self._buffer.numel()
+        if request.offset_bytes + request.size_bytes > size:
+            raise ValueError(f"range [{request.offset_bytes}, "
+                             f"{request.offset_bytes + request.size_bytes}) is outside the "
+                             f"{size}-byte bucket")
+        chunk = request.chunk_bytes or _DEFAULT_CHUNK_BYTES
+        if chunk > _MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes {chunk} > {_MAX_CHUNK_BYTES}")
+        return self._chunks(request.offset_bytes, request.size_bytes, chunk)
+
+    def _chunks(self, offset: int, size: int, chunk: int):
+        end = offset + size
+        while offset < end:
+            n = min(chunk, end - offset)
+            yield pb.RangeChunk(offset_bytes=offset,
+                                data=self._buffer[offset:offset + n].numpy().tobytes())
+            offset += n
+
+
+class StagingBucket:
+    """`tensor` is the bucket (1-D uint8, size_bytes); `source` says how peers reach it.
+    stream_workers sizes the WeightStream server's thread pool (one per engine it feeds), so reads
+    keep being answered while the owner waits on the broker."""
+
+    def __init__(self, agent_name: str, size_bytes: int, lanes: Sequence[str] = LANES, *,
+                 backends: Sequence[str] = ("UCX",), host: str = "127.0.0.1",
+                 stream_workers: int = 4, holds_all_rounds: bool = False) -> None:
+        unknown = [lane for lane in lanes if lane not in LANES]
+        if unknown or not lanes:
+            raise ValueError(f"lanes {list(lanes)} must be a non-empty subset of {LANES}")
+        if size_bytes < 1:
+            raise ValueError(f"bucket size_bytes {size_bytes} < 1")
+        self.size_bytes = size_bytes
+        self._shm: SharedBuffer | None = None
+        self._endpoint: NixlEndpoint | None = None
+        self._server = None
+        try:
+            if LANE_SHM in lanes:
+                self._shm = SharedBuffer.create(agent_name, size_bytes)
+                self.tensor = self._shm.tensor
+            else:
+                self.tensor = torch.zeros(size_bytes, dtype=torch.uint8)
+            metadata, address = b"", 0
+            if LANE_NIXL in lanes:
+                self._endpoint = NixlEndpoint(agent_name, backends)
+                self._endpoint.register(self.tensor)
+                metadata, address = self._endpoint.metadata, self.tensor.data_ptr()
+            stream_address = ""
+            if LANE_GRPC in lanes:
+                servicer = WeightStreamServicer(self.tensor)
+                self._server = start_server([servicer.add_to_server], [STREAM_SERVICE_NAME],
+                                            host=host, port=0, max_workers=max(2, stream_workers))
+                stream_address = f"{host}:{self._server.port}"
+            self.source = WeightSourceInfo(
+                agent_name=agent_name, agent_metadata=metadata, base_address=address,
+                size_bytes=size_bytes, memory_kind="DRAM", device_id=0,
+                shm_name=self._shm.name if self._shm is not None else "",
+                stream_address=stream_address, holds_all_rounds=holds_all_rounds)
+        except BaseException:
+            self.close()
+            raise
+        log.info("bucket %s: %d bytes over lanes %s", agent_name, size_bytes, list(lanes))
+
+    @property
+    def endpoint(self) -> NixlEndpoint | None:
+        """The NIXL agent the bucket is registered with (None without the nixl lane)."""
+        return self._endpoint
+
+    def close(self) -> None:
+        """Stop serving, deregister and free the bucket; idempotent. Readers in flight fail."""
+        if self._server is not None:
+            self._server.stop(grace_s=0.5)
+            self._server = None
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None
+        self.tensor = None
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None

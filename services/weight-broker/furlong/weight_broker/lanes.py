@@ -1,0 +1,162 @@
+"""The engine side of the three transports ("lanes") behind one interface: read a byte range of a
+publisher's staging bucket into a local host buffer.
+
+- `nixl`: a one-sided NIXL (UCX) READ into a buffer registered with the engine's agent.
+- `shm`: the bucket is a POSIX shared-memory object on this host; map it and copy.
+- `grpc`: stream the range from the publisher's WeightStream server (slowest; works anywhere).
+
+`connect_lane` picks the first lane of a preference list that can reach a source and logs the
+choice and why the others could not. Knows nothing about versions, rounds or checksums.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol, Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from furlong.core.errors import UnavailableError
+from furlong.rpc import channel, error_from_rpc
+from furlong.v1 import weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
+from furlong.weight_broker.core import WeightSourceInfo
+from furlong.weight_broker.nixl_transport import NixlEndpoint
+from furlong.weight_broker.shm import SharedBuffer
+
+log = logging.getLogger(__name__)
+
+LANE_NIXL = "nixl"
+LANE_SHM = "shm"
+LANE_GRPC = "grpc"
+LANES = (LANE_NIXL, LANE_SHM, LANE_GRPC)
+
+
+class Lane(Protocol):
+    """Reads from one source. Used from one thread at a time; close() is idempotent."""
+
+    name: str
+
+    def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
+        """Fill all of dst (a contiguous 1-D uint8 host tensor) with the source's bytes starting at
+        src_offset_bytes; returns the seconds it took. UnavailableError when the lane fails,
+        TimeoutError after timeout_s."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class NixlLane:
+    """NIXL READs into buffers registered with `endpoint` (owned by the caller)."""
+
+    name = LANE_NIXL
+
+    def __init__(self, endpoint: NixlEndpoint, source: WeightSourceInfo) -> None:
+        if not source.agent_metadata:
+            raise UnavailableError(f"source {source.agent_name} offers no NIXL agent")
+        self._endpoint = endpoint
+        self._source = source
+
+    def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
+        return self._endpoint.read(self._source, dst, dst.numel(), timeout_s, src_offset_bytes)
+
+    def close(self) -> None:
+        pass   # the endpoint outlives the lane; peers are reused across versions
+
+
+class ShmLane:
+    """Copies out of the source's shared-memory bucket (same host only)."""
+
+    name = LANE_SHM
+
+    def __init__(self, source: WeightSourceInfo) -> None:
+        if not source.shm_name:
+            raise UnavailableError(f"source {source.agent_name} offers no shared memory")
+        try:
+            self._shm = SharedBuffer.open(source.shm_name, source.size_bytes)
+        except (FileNotFoundError, PermissionError, ValueError) as exc:
+            raise UnavailableError(f"shared memory {source.shm_name} of {source.agent_name} is "
+                                   f"not reachable here: {exc}") from exc
+
+    def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
+        src = self._shm.tensor
+        if src is None:
+            raise UnavailableError(f"shared memory {self._shm.name} is closed")
+        if src_offset_bytes < 0 or src_offset_bytes + dst.numel() > src.numel():
+            raise ValueError(f"read of {dst.numel()} bytes at {src_offset_bytes} exceeds the "
+                             f"{src.numel()}-byte shared buffer {self._shm.name}")
+        started = time.perf_counter()
+        dst.copy_(src[src_offset_bytes:src_offset_bytes + dst.numel()])
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self._shm.close()
+
+
+class GrpcStreamLane:
+    """Streams ranges from the source's WeightStream server in chunks."""
+
+    name = LANE_GRPC
+
+    def __init__(self, source: WeightSourceInfo, chunk_bytes: int) -> None:
+        if not source.stream_address:
+            raise UnavailableError(f"source {source.agent_name} offers no weight stream")
+        self._address = source.stream_address
+        self._chunk_bytes = chunk_bytes
+        self._channel = channel(source.stream_address)
+        self._stub = pb_grpc.WeightStreamStub(self._channel)
+
+    def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
+        started = time.perf_counter()
+        req = pb.ReadRangeRequest(offset_bytes=src_offset_bytes, size_bytes=dst.numel(),
+                                  chunk_bytes=self._chunk_bytes)
+        filled = 0
+        try:
+            for chunk in self._stub.ReadRange(req, timeout=timeout_s):
+                at = chunk.offset_bytes - src_offset_bytes
+                if at != filled or filled + len(chunk.data) > dst.numel():
+                    raise UnavailableError(f"weight stream {self._address} sent {len(chunk.data)} "
+                                           f"bytes at {chunk.offset_bytes}, expected offset "
+                                           f"{src_offset_bytes + filled}")
+                dst[at:at + len(chunk.data)].numpy()[:] = np.frombuffer(chunk.data, dtype=np.uint8)
+                filled += len(chunk.data)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        if filled != dst.numel():
+            raise UnavailableError(f"weight stream {self._address} ended after {filled} of "
+                                   f"{dst.numel()} bytes")
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def connect_lane(source: WeightSourceInfo, preference: Sequence[str], endpoint: NixlEndpoint | None,
+                 chunk_bytes: int) -> Lane:
+    """The first lane in preference order that reaches source. UnavailableError naming every
+    lane's reason when none does."""
+    reasons = []
+    for name in preference:
+        try:
+            if name == LANE_NIXL:
+                if endpoint is None:
+                    raise UnavailableError("no NIXL agent on this side")
+                lane: Lane = NixlLane(endpoint, source)
+            elif name == LANE_SHM:
+                lane = ShmLane(source)
+            elif name == LANE_GRPC:
+                lane = GrpcStreamLane(source, chunk_bytes)
+            else:
+                raise ValueError(f"unknown lane {name!r}; known: {LANES}")
+        except UnavailableError as exc:
+            reasons.append(f"{name}: {exc}")
+            continue
+        if reasons:
+            log.warning("source %s: using lane %s because %s", source.agent_name, name,
+                        "; ".join(reasons))
+        else:
+            log.info("source %s: using lane %s", source.agent_name, name)
+        return lane
+    raise UnavailableError(f"no lane reaches source {source.agent_name}: {'; '.join(reasons)}")

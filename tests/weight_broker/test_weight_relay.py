@@ -1,0 +1,84 @@
+"""Relay mode in one process: the trainer publishes to <run>~upstream, the relay takes each version
+as an engine and serves it on <run> from its own bucket, so the trainer is free once the relay has
+it and an engine that joins later catches up from the relay alone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from furlong.core.weights import WeightLayout
+from furlong.weight_broker.client import InProcessBrokerClient
+from furlong.weight_broker.config import TransferConfig
+from furlong.weight_broker.core import BrokerCore
+from furlong.weight_broker.publisher import WeightPublisher
+from furlong.weight_broker.receiver import WeightReceiver
+from furlong.weight_broker.relay import WeightRelay, upstream_run_id
+
+pytestmark = pytest.mark.integration
+
+RUN = "run-relay"
+
+
+def policy(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(64, 8, generator=gen), "b": torch.randn(48, 8, generator=gen).half(),
+            "c": torch.randn(100, generator=gen).to(torch.bfloat16)}
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.applied: dict[int, dict[str, torch.Tensor]] = {}
+
+    def apply(self, version, tensors) -> None:
+        self.applied[version] = {k: v.clone() for k, v in tensors.items()}
+
+
+def wait_until(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        time.sleep(0.01)
+
+
+def test_the_relay_frees_the_trainer_and_serves_late_engines():
+    client = InProcessBrokerClient(BrokerCore())
+    relay = WeightRelay(client, RUN, "relay-test")
+    relay.start()
+    early = Engine()
+    first = WeightReceiver(client, RUN, "early", early.apply)
+    first.start()
+    trainer = WeightPublisher(client, upstream_run_id(RUN), WeightLayout.from_state_dict(policy(0)),
+                              "trainer-relayed", config=TransferConfig(bucket_size_bytes=1024))
+    late_receiver = None
+    try:
+        for version in (1, 2):
+            trainer.publish(version, policy(version))
+            assert client.wait_committed(upstream_run_id(RUN), version, 20.0).engine_ids == ("relay",)
+            assert client.wait_committed(RUN, version, 20.0).committed_version == version
+            for name, tensor in policy(version).items():
+                assert torch.equal(early.applied[version][name], tensor), (version, name)
+        trainer.close()   # the trainer is gone; the relay still serves version 2
+        late = Engine()
+        late_receiver = WeightReceiver(client, RUN, "late", late.apply)
+        late_receiver.start()
+        wait_until(lambda: 2 in late.applied)
+        for name, tensor in policy(2).items():
+            assert torch.equal(late.applied[2][name], tensor), name
+        assert relay.served_version == 2
+    finally:
+        if late_receiver is not None:
+            late_receiver.close()
+        first.close()
+        trainer.close()
+        relay.close()
+        client.close()
+
+
+@pytest.mark.unit
+def test_upstream_run_ids():
+    assert upstream_run_id("r1") == "r1~upstream"
+    with pytest.raises(ValueError, match="cannot be relayed"):
+        upstream_run_id("r1~upstream")
