@@ -20,6 +20,7 @@ from furlong.v1 import weight_broker_pb2, weight_broker_pb2_grpc
 from furlong.controller.clients import (BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE,
                                         GenerateResult, GenerationPrompt, TrainResult,
                                         VersionStatus)
+from furlong.controller.engines import EngineInfo
 from furlong.controller.run_spec import AlgorithmSpec, SamplingSpec
 
 
@@ -149,6 +150,20 @@ class FakePrompts:
         self.reward_name(task)
         return [GenerationPrompt(prompt_id=f"s{seed}-t{step}-{i}", text=f"{i}+{step}=",
                                  answer=str(i + step)) for i in range(count)]
+
+
+class FakeEngines:
+    """Engine status as rollout would report it: the engines of every configured run."""
+
+    def __init__(self, rollout: FakeRollout, per_run: int = 2) -> None:
+        self._rollout = rollout
+        self._per_run = per_run
+
+    def engines(self, run_id: str, timeout_s: float) -> list[EngineInfo]:
+        if run_id not in self._rollout.configured:
+            raise NotFoundError(f"rollout: unknown run {run_id!r}")
+        return [EngineInfo(engine_id=f"{run_id}-engine-{i}", policy_version=0, healthy=True)
+                for i in range(self._per_run)]
 
 
 @dataclass

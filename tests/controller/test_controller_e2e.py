@@ -17,6 +17,9 @@ import psutil
 import pytest
 import yaml
 
+from furlong import rpc
+from furlong.v1 import trainer_pb2, trainer_pb2_grpc
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 FURLONG = str(Path(sys.executable).parent / "furlong")
@@ -107,6 +110,9 @@ def test_up_rest_down(checkpoint, tmp_path):
         while http.get(f"/v1/runs/{long_run['run_id']}").json()["current_step"] < 2:
             assert time.monotonic() < deadline, "the long run did not advance"
             time.sleep(0.2)
+        engines = http.get("/v1/engines").json()  # rollout's GetStatus over authenticated gRPC
+        assert engines["run_id"] == long_run["run_id"] and len(engines["engines"]) == 1
+        assert engines["engines"][0]["healthy"] is True
         assert http.post(f"/v1/runs/{long_run['run_id']}/stop").status_code == 200
         stopped = wait_state(http, long_run["run_id"], {"failed", "succeeded", "cancelled"})
         assert stopped["state"] == "cancelled" and 2 <= stopped["current_step"] < 500
@@ -122,12 +128,46 @@ def test_up_rest_down(checkpoint, tmp_path):
         host = httpx.get(f"{stack['dashboard_url']}/metrics").text
         trainer_pid = next(p["pid"] for p in stack["processes"] if p["name"] == "trainer")
         assert f'furlong_host_process_rss_bytes{{pid="{trainer_pid}",service="trainer"}}' in host
+        check_roles_events_and_service_auth(stack, state_dir, run["run_id"], str(checkpoint))
     finally:
         down = subprocess.run([FURLONG, "down", "--state-dir", str(state_dir)], capture_output=True,
                               text=True, timeout=120)
     assert down.returncode == 0, down.stderr
     assert all_gone(pids)
     assert not (state_dir / "stack.json").exists()
+    secrets_ = [(state_dir / name).read_text().strip()
+                for name in ("token", "viewer-token", "internal-token")]
+    logs = list(state_dir.rglob("*.log"))
+    assert {p.name for p in logs} >= {"controller.log", "trainer.log", "rollout.log",
+                                      "weight_broker.log", "dashboard.log", "redis.log"}
+    for path in logs:
+        text = path.read_text(errors="replace")
+        assert not any(secret in text for secret in secrets_), f"a token is in {path}"
+
+
+def check_roles_events_and_service_auth(stack: dict, state_dir: Path, run_id: str,
+                                        model: str) -> None:
+    viewer = {"Authorization": f"Bearer {(state_dir / 'viewer-token').read_text().strip()}"}
+    rest = stack["rest_url"]
+    assert httpx.get(f"{rest}/v1/runs/{run_id}", headers=viewer).json()["state"] == "succeeded"
+    assert httpx.post(f"{rest}/v1/runs", json=spec(model), headers=viewer).status_code == 403
+    with httpx.stream("GET", f"{rest}/v1/runs/{run_id}/events", headers=viewer, timeout=30) as resp:
+        data = [json.loads(line[len("data: "):]) for line in resp.iter_lines()
+                if line.startswith("data: ")]
+    assert [d["state"] for d in data if d["type"] != "step"][-1] == "succeeded"
+    assert [d["current_step"] for d in data if d["type"] == "step"] == ["1", "2"]
+    internal = (state_dir / "internal-token").read_text().strip()
+    for token, refused in ((None, True), ("not-the-internal-token-0123", True), (internal, False)):
+        ch = rpc.channel(stack["addresses"]["trainer"], auth_token=token)
+        try:
+            rpc.call(trainer_pb2_grpc.TrainerStub(ch).EndRun,
+                     trainer_pb2.EndRunRequest(run_id="no-such-run"), 10)
+            outcome = None
+        except Exception as exc:  # noqa: BLE001 - the kind of error is what is checked
+            outcome = exc
+        finally:
+            ch.close()
+        assert isinstance(outcome, PermissionError) == refused, (token is None, outcome)
 
 
 def test_run_starts_and_stops_its_own_stack(checkpoint, tmp_path):

@@ -15,7 +15,10 @@ FULL = {
     "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 8},
     "algorithm": {"name": "grpo", "learning_rate": 0.0003, "clip_eps": 0.2, "weight_decay": 0.0,
                   "max_grad_norm": 1.0, "epochs_per_batch": 1, "micro_batch_size": 64,
-                  "adam_beta1": 0.9, "adam_beta2": 0.999},
+                  "adam_beta1": 0.9, "adam_beta2": 0.999, "clip_eps_high": 0.0, "loss_aggregation": "",
+                  "kl_coef": 0.0, "kl_estimator": "k3", "kl_mode": "loss", "entropy_coef": 0.0,
+                  "off_policy": "none", "is_low": 0.0, "is_high": 2.0, "gamma": 1.0, "gae_lambda": 1.0,
+                  "value_coef": 0.5, "value_clip": 0.2},
     "rollout": {"num_engines": 1},
 }
 

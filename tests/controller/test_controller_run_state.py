@@ -15,7 +15,8 @@ S = RunState
 LEGAL = {
     (S.PENDING, S.STARTING), (S.PENDING, S.CANCELLED), (S.PENDING, S.FAILED),
     (S.STARTING, S.RUNNING), (S.STARTING, S.STOPPING), (S.STARTING, S.FAILED),
-    (S.RUNNING, S.STOPPING), (S.RUNNING, S.FAILED),
+    (S.RUNNING, S.PAUSED), (S.RUNNING, S.STOPPING), (S.RUNNING, S.FAILED),
+    (S.PAUSED, S.RUNNING), (S.PAUSED, S.STOPPING), (S.PAUSED, S.FAILED),
     (S.STOPPING, S.SUCCEEDED), (S.STOPPING, S.FAILED), (S.STOPPING, S.CANCELLED),
 }
 
@@ -70,5 +71,5 @@ def test_run_dict_round_trip():
 
 @pytest.mark.unit
 def test_unknown_state_is_rejected():
-    with pytest.raises(ValueError, match="'paused'"):
-        RunState.parse("paused")
+    with pytest.raises(ValueError, match="'sleeping'"):
+        RunState.parse("sleeping")

@@ -80,7 +80,7 @@ class Prometheus:
             assert self.proc.poll() is None, "prometheus exited"
             try:
                 up = self.query("up")
-            except httpx.TransportError:
+            except (httpx.TransportError, ValueError):  # not listening yet, or 503 while starting
                 return False
             return len(up) == self.num_targets and all(r["value"][1] == "1" for r in up)
         wait_until(all_up, timeout_s, "every target scraped and up")

@@ -99,3 +99,9 @@ def test_routes_over_http(served):
     assert httpx.get(f"{served}/api/runs/nope/series").status_code == 404
     assert httpx.get(f"{served}/api/telemetry").json() == {"lanes": {"cpu": [[10.0, 0.25]]}}
     assert "furlong_host_memory_total_bytes 8000.0" in httpx.get(f"{served}/metrics").text
+
+
+@pytest.mark.unit
+def test_mismatch_prefers_the_direct_logprob_difference():
+    steps = [record(1, 1, 0, trainer_metrics={"ratio_mean": 1.5, "logprob_abs_diff": 0.03})]
+    assert run_series(steps)["series"]["mismatch"] == [[1, 0.03]]

@@ -127,3 +127,32 @@ def test_group_the_learner_cannot_train_on_is_rejected_not_blocking(loop, redis_
     rejected = client.xrange("furlong:run:run-e:rejected")
     assert len(rejected) == 1 and b"bad/0" in rejected[0][1][b"reason"]
     assert client.xpending(stream_key("run-e"), "trainers")["pending"] == 0
+
+
+def test_checkpointed_run_resumes_after_a_trainer_restart(tmp_path, redis_url):
+    model_dir = write_checkpoint(tmp_path / "ckpt")
+    broker = InProcessBrokerClient(BrokerCore())
+    client = redis.Redis.from_url(redis_url)
+    rollout = RolloutService(client, broker_receiver_factory(broker))
+    root = tmp_path / "train-ckpt"
+    try:
+        rollout.configure_run("run-r", str(model_dir), "addition_exact_match", num_engines=1, seed=0)
+        prompts = [Prompt(p.prompt_id, p.text, p.answer) for p in get_task("addition").prompts(0, 1, 2)]
+        rollout.generate("run-r", 1, prompts, 4, SamplingConfig(max_new_tokens=4), 0, 30)
+        first = TrainerService(client, broker, consumer_name="trainer-0", checkpoint_root=root)
+        first.configure_run("run-r", str(model_dir), LearnerConfig(learning_rate=1e-2), total_steps=3)
+        _, version = first.train_step("run-r", 1, 2, 30)
+        trained = {k: v.clone() for k, v in first._run("run-r").learner.state_dict().items()}
+        first.close()
+        assert (root / "run-r" / "manifest.json").is_file()
+        second = TrainerService(client, broker, consumer_name="trainer-0", checkpoint_root=root)
+        resumed_version, _ = second.configure_run("run-r", str(model_dir), LearnerConfig(learning_rate=1e-2), 3)
+        assert resumed_version == version == 1
+        for name, tensor in second._run("run-r").learner.state_dict().items():
+            assert torch.equal(tensor, trained[name]), name
+        with pytest.raises(ConflictError, match="step 1 requested, expected 2"):
+            second.train_step("run-r", 1, 2, 1.0)
+        second.close()
+    finally:
+        rollout.close()
+        broker.close()

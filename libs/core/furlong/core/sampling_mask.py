@@ -2,15 +2,26 @@
 could have drawn (after temperature, top-k and top-p), stored as CSR.
 
 `token_ids` holds all supports concatenated (int32); row i is token_ids[offsets[i]:offsets[i+1]].
-Knows nothing about models, samplers or transports.
+Invariants, checked at construction: offsets start at 0, end at len(token_ids) and strictly
+increase (no row is empty); every id lies in [0, vocab_size). A contiguous row range (`rows`,
+`truncate`) is a view sharing the parent's `token_ids`, not a copy.
+
+Binary codec (`encode`/`decode`), little-endian: magic b"FSM1", uint32 vocab_size, uint64 num_rows,
+uint64 nnz, then each row's length minus one as uint32 (rows are never empty, so the common
+full-vocabulary row costs 4 bytes plus its ids), then nnz int32 ids. Knows nothing about models,
+samplers or transports.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+
+_MAGIC = b"FSM1"
+_HEADER = struct.Struct("<4sIQQ")
 
 
 @dataclass(frozen=True, eq=False)
@@ -21,10 +32,12 @@ class RolloutSamplingMask:
 
     def __post_init__(self) -> None:
         ids, offs = self.token_ids, self.offsets
-        if ids.dtype != np.int32 or ids.ndim != 1:
-            raise ValueError(f"token_ids must be a 1-D int32 array, got {ids.dtype} with shape {ids.shape}")
-        if offs.dtype != np.int64 or offs.ndim != 1 or offs.size < 1:
-            raise ValueError(f"offsets must be a non-empty 1-D int64 array, got {offs.dtype} {offs.shape}")
+        if not isinstance(ids, np.ndarray) or ids.dtype != np.int32 or ids.ndim != 1:
+            raise ValueError(f"token_ids must be a 1-D int32 array, got {getattr(ids, 'dtype', type(ids))} "
+                             f"with shape {getattr(ids, 'shape', None)}")
+        if not isinstance(offs, np.ndarray) or offs.dtype != np.int64 or offs.ndim != 1 or offs.size < 1:
+            raise ValueError(f"offsets must be a non-empty 1-D int64 array, got "
+                             f"{getattr(offs, 'dtype', type(offs))} {getattr(offs, 'shape', None)}")
         if offs[0] != 0:
             raise ValueError(f"offsets must start at 0, got {int(offs[0])}")
         if offs[-1] != ids.size:
@@ -32,8 +45,9 @@ class RolloutSamplingMask:
         if offs.size > 1 and np.any(np.diff(offs) <= 0):
             row = int(np.argmax(np.diff(offs) <= 0))
             raise ValueError(f"offsets must be strictly increasing (row {row} is empty or negative)")
-        if self.vocab_size <= 0:
-            raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, (int, np.integer)) \
+                or self.vocab_size <= 0:
+            raise ValueError(f"vocab_size must be a positive integer, got {self.vocab_size!r}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
             raise ValueError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
@@ -46,9 +60,24 @@ class RolloutSamplingMask:
 
     __hash__ = None  # mutable arrays inside
 
+    def __len__(self) -> int:
+        return self.num_rows
+
     @property
     def num_rows(self) -> int:
         return int(self.offsets.size - 1)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.token_ids.size)
+
+    def row_lengths(self) -> np.ndarray:
+        """Support size of every row (int64, shape (rows,))."""
+        return np.diff(self.offsets)
+
+    def is_full(self) -> bool:
+        """True when every row is the whole vocabulary (an unrestricted sampler)."""
+        return self.nnz == self.num_rows * self.vocab_size
 
     def row(self, i: int) -> np.ndarray:
         if not 0 <= i < self.num_rows:
@@ -58,13 +87,69 @@ class RolloutSamplingMask:
     def contains(self, row: int, token_id: int) -> bool:
         return bool(np.any(self.row(row) == token_id))
 
+    def rows(self, start: int, stop: int) -> "RolloutSamplingMask":
+        """Rows [start, stop) as a mask whose token_ids is a view of this one's (no copy)."""
+        if not 0 <= start < stop <= self.num_rows:
+            raise IndexError(f"row range [{start}, {stop}) is not a non-empty range inside [0, {self.num_rows}]")
+        lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+        return RolloutSamplingMask(token_ids=self.token_ids[lo:hi],
+                                   offsets=self.offsets[start:stop + 1] - lo, vocab_size=self.vocab_size)
+
+    def truncate(self, num_rows: int) -> "RolloutSamplingMask":
+        """The first num_rows rows (a view), e.g. for a response cut at a stop string."""
+        return self.rows(0, num_rows)
+
+    def select(self, indices: Sequence[int] | np.ndarray) -> "RolloutSamplingMask":
+        """Arbitrary rows, in the given order (a copy)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.ndim != 1 or idx.size == 0:
+            raise IndexError(f"indices must be a non-empty 1-D sequence, got shape {idx.shape}")
+        if idx.min() < 0 or idx.max() >= self.num_rows:
+            raise IndexError(f"row index {int(idx[(idx < 0) | (idx >= self.num_rows)][0])} outside "
+                             f"[0, {self.num_rows})")
+        lengths = self.row_lengths()[idx]
+        offsets = np.zeros(idx.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        starts = self.offsets[idx]
+        gather = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
+        return RolloutSamplingMask(token_ids=self.token_ids[gather], offsets=offsets,
+                                   vocab_size=self.vocab_size)
+
+    @classmethod
+    def concatenate(cls, masks: Sequence["RolloutSamplingMask"]) -> "RolloutSamplingMask":
+        """Rows of all masks in order (multi-turn samples); all must share one vocab_size."""
+        if not masks:
+            raise ValueError("concatenate needs at least one mask")
+        vocab = masks[0].vocab_size
+        for i, m in enumerate(masks):
+            if not isinstance(m, RolloutSamplingMask):
+                raise ValueError(f"mask {i} is a {type(m).__name__}, not a RolloutSamplingMask")
+            if m.vocab_size != vocab:
+                raise ValueError(f"mask {i} has vocab_size {m.vocab_size}, mask 0 has {vocab}")
+        shifts = np.cumsum([0] + [m.nnz for m in masks[:-1]], dtype=np.int64)
+        offsets = np.concatenate([masks[0].offsets[:1]]
+                                 + [m.offsets[1:] + s for m, s in zip(masks, shifts)])
+        return cls(token_ids=np.concatenate([m.token_ids for m in masks]), offsets=offsets, vocab_size=vocab)
+
+    @classmethod
+    def full(cls, num_rows: int, vocab_size: int) -> "RolloutSamplingMask":
+        """Every row is the whole vocabulary (what an unrestricted sampler records)."""
+        if num_rows < 1:
+            raise ValueError(f"num_rows must be >= 1, got {num_rows}")
+        ids = np.tile(np.arange(vocab_size, dtype=np.int32), num_rows)
+        return cls(token_ids=ids, offsets=np.arange(num_rows + 1, dtype=np.int64) * vocab_size,
+                   vocab_size=vocab_size)
+
     @classmethod
     def from_lists(cls, rows: Sequence[Sequence[int]], vocab_size: int) -> "RolloutSamplingMask":
         lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        flat = np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(offsets[-1]))
-        return cls(token_ids=flat, offsets=offsets, vocab_size=vocab_size)
+        flat = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(offsets[-1]))
+        if flat.size and (flat.min() < 0 or flat.max() >= vocab_size):
+            bad = int(flat[(flat < 0) | (flat >= vocab_size)][0])
+            raise ValueError(f"token id {bad} outside the vocabulary [0, {vocab_size})")
+        return cls(token_ids=flat.astype(np.int32), offsets=offsets, vocab_size=vocab_size)
 
     def to_lists(self) -> list[list[int]]:
         return [self.row(i).tolist() for i in range(self.num_rows)]
@@ -81,3 +166,26 @@ class RolloutSamplingMask:
                        vocab_size=int(d["vocab_size"]))
         except KeyError as exc:
             raise ValueError(f"sampling mask is missing field {exc.args[0]!r}") from None
+
+    def encode(self) -> bytes:
+        """The compact binary form (see the module docstring)."""
+        lengths = (self.row_lengths() - 1).astype("<u4")
+        return b"".join((_HEADER.pack(_MAGIC, int(self.vocab_size), self.num_rows, self.nnz),
+                         lengths.tobytes(), self.token_ids.astype("<i4").tobytes()))
+
+    @classmethod
+    def decode(cls, data: bytes) -> "RolloutSamplingMask":
+        """Inverse of `encode`; ValueError on a truncated, oversized or malformed buffer."""
+        if len(data) < _HEADER.size:
+            raise ValueError(f"sampling mask buffer of {len(data)} bytes is shorter than its header")
+        magic, vocab, rows, nnz = _HEADER.unpack_from(data)
+        if magic != _MAGIC:
+            raise ValueError(f"sampling mask buffer has magic {magic!r}, expected {_MAGIC!r}")
+        expected = _HEADER.size + 4 * rows + 4 * nnz
+        if len(data) != expected:
+            raise ValueError(f"sampling mask buffer has {len(data)} bytes, header says {expected}")
+        lengths = np.frombuffer(data, dtype="<u4", count=rows, offset=_HEADER.size).astype(np.int64) + 1
+        offsets = np.zeros(rows + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        ids = np.frombuffer(data, dtype="<i4", count=nnz, offset=_HEADER.size + 4 * rows).astype(np.int32)
+        return cls(token_ids=ids, offsets=offsets, vocab_size=int(vocab))

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66urlong/v1/trainer.proto\x12\nfurlong.v1\"\xd1\x01\n\x0f\x41lgorithmConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x10\n\x08\x63lip_eps\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x05 \x01(\x01\x12\x18\n\x10\x65pochs_per_batch\x18\x06 \x01(\x05\x12\x18\n\x10micro_batch_size\x18\x07 \x01(\x05\x12\x12\n\nadam_beta1\x18\x08 \x01(\x01\x12\x12\n\nadam_beta2\x18\t \x01(\x01\"\xa9\x01\n\x13\x43onfigureRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12.\n\talgorithm\x18\x03 \x01(\x0b\x32\x1b.furlong.v1.AlgorithmConfig\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x05\x12\x1c\n\x14sampling_temperature\x18\x06 \x01(\x01\"V\n\x14\x43onfigureRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x03 \x01(\x04\"W\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\x83\x02\n\x11TrainStepResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x05\x12\x12\n\nnum_groups\x18\x06 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x07 \x01(\x01\x12;\n\x07metrics\x18\x08 \x03(\x0b\x32*.furlong.v1.TrainStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"8\n\x15PublishWeightsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"c\n\x16PublishWeightsResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x15\n\rstage_seconds\x18\x04 \x01(\x01\"\x1f\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\" \n\x0e\x45ndRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t2\xc0\x02\n\x07Trainer\x12Q\n\x0c\x43onfigureRun\x12\x1f.furlong.v1.ConfigureRunRequest\x1a .furlong.v1.ConfigureRunResponse\x12H\n\tTrainStep\x12\x1c.furlong.v1.TrainStepRequest\x1a\x1d.furlong.v1.TrainStepResponse\x12W\n\x0ePublishWeights\x12!.furlong.v1.PublishWeightsRequest\x1a\".furlong.v1.PublishWeightsResponse\x12?\n\x06\x45ndRun\x12\x19.furlong.v1.EndRunRequest\x1a\x1a.furlong.v1.EndRunResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66urlong/v1/trainer.proto\x12\nfurlong.v1\"\xac\x04\n\x0f\x41lgorithmConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x10\n\x08\x63lip_eps\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x05 \x01(\x01\x12\x18\n\x10\x65pochs_per_batch\x18\x06 \x01(\x05\x12\x18\n\x10micro_batch_size\x18\x07 \x01(\x05\x12\x12\n\nadam_beta1\x18\x08 \x01(\x01\x12\x12\n\nadam_beta2\x18\t \x01(\x01\x12\x15\n\rclip_eps_high\x18\n \x01(\x01\x12\x18\n\x10loss_aggregation\x18\x0b \x01(\t\x12\x0f\n\x07kl_coef\x18\x0c \x01(\x01\x12\x14\n\x0ckl_estimator\x18\r \x01(\t\x12\x0f\n\x07kl_mode\x18\x0e \x01(\t\x12\x14\n\x0c\x65ntropy_coef\x18\x0f \x01(\x01\x12\x12\n\noff_policy\x18\x10 \x01(\t\x12\x0e\n\x06is_low\x18\x11 \x01(\x01\x12\x14\n\x07is_high\x18\x12 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05gamma\x18\x13 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\ngae_lambda\x18\x14 \x01(\x01H\x02\x88\x01\x01\x12\x17\n\nvalue_coef\x18\x15 \x01(\x01H\x03\x88\x01\x01\x12\x17\n\nvalue_clip\x18\x16 \x01(\x01H\x04\x88\x01\x01\x42\n\n\x08_is_highB\x08\n\x06_gammaB\r\n\x0b_gae_lambdaB\r\n\x0b_value_coefB\r\n\x0b_value_clip\"\xa9\x01\n\x13\x43onfigureRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12.\n\talgorithm\x18\x03 \x01(\x0b\x32\x1b.furlong.v1.AlgorithmConfig\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x05\x12\x1c\n\x14sampling_temperature\x18\x06 \x01(\x01\"V\n\x14\x43onfigureRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x03 \x01(\x04\"W\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\x83\x02\n\x11TrainStepResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x05\x12\x12\n\nnum_groups\x18\x06 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x07 \x01(\x01\x12;\n\x07metrics\x18\x08 \x03(\x0b\x32*.furlong.v1.TrainStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"8\n\x15PublishWeightsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"c\n\x16PublishWeightsResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x15\n\rstage_seconds\x18\x04 \x01(\x01\"\x1f\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\" \n\x0e\x45ndRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t2\xc0\x02\n\x07Trainer\x12Q\n\x0c\x43onfigureRun\x12\x1f.furlong.v1.ConfigureRunRequest\x1a .furlong.v1.ConfigureRunResponse\x12H\n\tTrainStep\x12\x1c.furlong.v1.TrainStepRequest\x1a\x1d.furlong.v1.TrainStepResponse\x12W\n\x0ePublishWeights\x12!.furlong.v1.PublishWeightsRequest\x1a\".furlong.v1.PublishWeightsResponse\x12?\n\x06\x45ndRun\x12\x19.furlong.v1.EndRunRequest\x1a\x1a.furlong.v1.EndRunResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_ALGORITHMCONFIG']._serialized_start=41
-  _globals['_ALGORITHMCONFIG']._serialized_end=250
-  _globals['_CONFIGURERUNREQUEST']._serialized_start=253
-  _globals['_CONFIGURERUNREQUEST']._serialized_end=422
-  _globals['_CONFIGURERUNRESPONSE']._serialized_start=424
-  _globals['_CONFIGURERUNRESPONSE']._serialized_end=510
-  _globals['_TRAINSTEPREQUEST']._serialized_start=512
-  _globals['_TRAINSTEPREQUEST']._serialized_end=599
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=602
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=861
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=815
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=861
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=863
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=919
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=921
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=1020
-  _globals['_ENDRUNREQUEST']._serialized_start=1022
-  _globals['_ENDRUNREQUEST']._serialized_end=1053
-  _globals['_ENDRUNRESPONSE']._serialized_start=1055
-  _globals['_ENDRUNRESPONSE']._serialized_end=1087
-  _globals['_TRAINER']._serialized_start=1090
-  _globals['_TRAINER']._serialized_end=1410
+  _globals['_ALGORITHMCONFIG']._serialized_end=597
+  _globals['_CONFIGURERUNREQUEST']._serialized_start=600
+  _globals['_CONFIGURERUNREQUEST']._serialized_end=769
+  _globals['_CONFIGURERUNRESPONSE']._serialized_start=771
+  _globals['_CONFIGURERUNRESPONSE']._serialized_end=857
+  _globals['_TRAINSTEPREQUEST']._serialized_start=859
+  _globals['_TRAINSTEPREQUEST']._serialized_end=946
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=949
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=1208
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=1162
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=1208
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1210
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=1266
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1268
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=1367
+  _globals['_ENDRUNREQUEST']._serialized_start=1369
+  _globals['_ENDRUNREQUEST']._serialized_end=1400
+  _globals['_ENDRUNRESPONSE']._serialized_start=1402
+  _globals['_ENDRUNRESPONSE']._serialized_end=1434
+  _globals['_TRAINER']._serialized_start=1437
+  _globals['_TRAINER']._serialized_end=1757
 # @@protoc_insertion_point(module_scope)

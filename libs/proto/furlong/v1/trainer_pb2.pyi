@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AlgorithmConfig(_message.Message):
-    __slots__ = ("name", "learning_rate", "clip_eps", "weight_decay", "max_grad_norm", "epochs_per_batch", "micro_batch_size", "adam_beta1", "adam_beta2")
+    __slots__ = ("name", "learning_rate", "clip_eps", "weight_decay", "max_grad_norm", "epochs_per_batch", "micro_batch_size", "adam_beta1", "adam_beta2", "clip_eps_high", "loss_aggregation", "kl_coef", "kl_estimator", "kl_mode", "entropy_coef", "off_policy", "is_low", "is_high", "gamma", "gae_lambda", "value_coef", "value_clip")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     CLIP_EPS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,19 @@ class AlgorithmConfig(_message.Message):
     MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     ADAM_BETA1_FIELD_NUMBER: _ClassVar[int]
     ADAM_BETA2_FIELD_NUMBER: _ClassVar[int]
+    CLIP_EPS_HIGH_FIELD_NUMBER: _ClassVar[int]
+    LOSS_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    KL_COEF_FIELD_NUMBER: _ClassVar[int]
+    KL_ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
+    KL_MODE_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
+    OFF_POLICY_FIELD_NUMBER: _ClassVar[int]
+    IS_LOW_FIELD_NUMBER: _ClassVar[int]
+    IS_HIGH_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    GAE_LAMBDA_FIELD_NUMBER: _ClassVar[int]
+    VALUE_COEF_FIELD_NUMBER: _ClassVar[int]
+    VALUE_CLIP_FIELD_NUMBER: _ClassVar[int]
     name: str
     learning_rate: float
     clip_eps: float
@@ -26,7 +39,20 @@ class AlgorithmConfig(_message.Message):
     micro_batch_size: int
     adam_beta1: float
     adam_beta2: float
-    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., clip_eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., epochs_per_batch: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., adam_beta1: _Optional[float] = ..., adam_beta2: _Optional[float] = ...) -> None: ...
+    clip_eps_high: float
+    loss_aggregation: str
+    kl_coef: float
+    kl_estimator: str
+    kl_mode: str
+    entropy_coef: float
+    off_policy: str
+    is_low: float
+    is_high: float
+    gamma: float
+    gae_lambda: float
+    value_coef: float
+    value_clip: float
+    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., clip_eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., epochs_per_batch: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., adam_beta1: _Optional[float] = ..., adam_beta2: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., loss_aggregation: _Optional[str] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., kl_mode: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., off_policy: _Optional[str] = ..., is_low: _Optional[float] = ..., is_high: _Optional[float] = ..., gamma: _Optional[float] = ..., gae_lambda: _Optional[float] = ..., value_coef: _Optional[float] = ..., value_clip: _Optional[float] = ...) -> None: ...
 
 class ConfigureRunRequest(_message.Message):
     __slots__ = ("run_id", "model_dir", "algorithm", "seed", "total_steps", "sampling_temperature")

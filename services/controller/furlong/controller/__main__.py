@@ -1,6 +1,7 @@
 """`python -m furlong.controller`: the controller process (REST API + run executor).
 
-Reads the bearer token from --token-file, connects to Redis and the three gRPC services, recovers
+Reads the admin bearer token from --token-file (or the environment variable named by --token-env)
+and an optional viewer token likewise, the shared gRPC token from --auth-token-file, connects to Redis and the three gRPC services, recovers
 runs a previous process left behind, and serves until SIGINT/SIGTERM; then asks the active run to
 stop and waits for its teardown.
 """
@@ -9,15 +10,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 from furlong import rpc
 from furlong.core.errors import FurlongError
 
+from furlong.controller.auth import ApiTokens
 from furlong.controller.clients import (BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE,
                                         GrpcBrokerClient, GrpcRolloutClient, GrpcTrainerClient)
 from furlong.controller.config import ControllerConfig
+from furlong.controller.engines import GrpcEngineStatus
 from furlong.controller.prompt_source import TaskPromptSource
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
@@ -33,20 +37,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trainer", required=True, help="host:port of the trainer")
     p.add_argument("--rollout", required=True, help="host:port of the rollout service")
     p.add_argument("--broker", required=True, help="host:port of the weight broker")
-    p.add_argument("--token-file", required=True, type=Path,
-                   help="file holding the bearer token /v1 requests must present")
+    p.add_argument("--token-file", type=Path, default=None,
+                   help="file holding the admin bearer token (reads and changes runs)")
+    p.add_argument("--token-env", default=None, metavar="VAR",
+                   help="environment variable holding the admin token (instead of --token-file)")
+    p.add_argument("--viewer-token-file", type=Path, default=None,
+                   help="file holding a viewer bearer token (may only read)")
+    p.add_argument("--viewer-token-env", default=None, metavar="VAR",
+                   help="environment variable holding the viewer token")
+    p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins",
+                   help="allow browser requests from this origin (repeatable); CORS is off without")
+    p.add_argument("--auth-token-file", default="",
+                   help="file with the shared token every gRPC call to the services carries")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
 
+def _secret(file_flag: str, path: Path | None, env_flag: str, var: str | None,
+            required: bool) -> str:
+    """A token from a file or an environment variable (exactly one when required)."""
+    if path is not None and var is not None:
+        raise ValueError(f"give {file_flag} or {env_flag}, not both")
+    if path is not None:
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read {file_flag} {path}: {exc.strerror}") from None
+    if var is not None:
+        if not os.environ.get(var):
+            raise ValueError(f"{env_flag}: environment variable {var} is not set or empty")
+        return os.environ[var].strip()
+    if required:
+        raise ValueError(f"one of {file_flag} or {env_flag} is required")
+    return ""
+
+
 def load_config(args: argparse.Namespace) -> ControllerConfig:
-    try:
-        token = args.token_file.read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read --token-file {args.token_file}: {exc}") from None
+    token = _secret("--token-file", args.token_file, "--token-env", args.token_env, True)
+    viewer = _secret("--viewer-token-file", args.viewer_token_file, "--viewer-token-env",
+                     args.viewer_token_env, False)
     return ControllerConfig(host=args.host, port=args.port, redis_url=args.redis_url,
                             trainer=args.trainer, rollout=args.rollout, broker=args.broker,
-                            token=token)
+                            token=token, viewer_token=viewer,
+                            cors_origins=tuple(args.cors_origins),
+                            auth_token_file=args.auth_token_file)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,10 +93,18 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 2
     log.info("starting with %r", config)
+    try:
+        rpc.use_auth_token(rpc.read_auth_token_file(config.auth_token_file or None))
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    tokens = ApiTokens(admin=(config.token,),
+                       viewer=(config.viewer_token,) if config.viewer_token else ())
     store = RunStore.from_url(config.redis_url)
     trainer = GrpcTrainerClient(config.trainer)
     rollout = GrpcRolloutClient(config.rollout)
     broker = GrpcBrokerClient(config.broker)
+    engines = GrpcEngineStatus(config.rollout)
 
     def readiness() -> dict[str, bool]:
         return {
@@ -74,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         controller = build_controller(store, trainer, rollout, broker, TaskPromptSource(),
-                                      config.token, readiness, config.timeouts)
+                                      tokens, readiness, config.timeouts,
+                                      cors_origins=config.cors_origins, engines=engines)
     except FurlongError as exc:
         log.error("cannot start: %s", exc)
         return 1
@@ -84,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         server.serve()
     finally:
         controller.close()
-        for client in (trainer, rollout, broker):
+        for client in (trainer, rollout, broker, engines):
             client.close()
         store.close()
     return 0

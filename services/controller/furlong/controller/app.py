@@ -1,116 +1,259 @@
 """The controller's REST API (FastAPI): a thin layer over `RunService`.
 
-Routes under `/v1` require `Authorization: Bearer <token>` (compared in constant time; the token is
-never logged). `/healthz`, `/readyz` and `/metrics` are open, for probes and Prometheus. Domain
-errors map to status codes in one place: SpecError/ValueError 422 (body names the field),
-NotFoundError 404, ConflictError 409, UnavailableError 503.
+Routes under `/v1` require `Authorization: Bearer <token>`: reads need a viewer or admin token,
+changes an admin token (401 without a valid token, 403 for a viewer token on a change). Tokens are
+compared in constant time and never logged. `/healthz`, `/readyz`, `/metrics` and `/openapi.json`
+are open. Every error is `application/problem+json` (see `problems`); request bodies are limited
+in size; CORS is off unless origins are configured.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
+from furlong.core.errors import NotFoundError, UnavailableError
 
+from furlong.controller import api_models as m
+from furlong.controller.auth import ApiTokens, Role
+from furlong.controller.core.run_state import TERMINAL_STATES
+from furlong.controller.engines import EngineStatusSource
 from furlong.controller.metrics import CONTENT_TYPE, ControllerMetrics
+from furlong.controller.problems import (DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware,
+                                         install_problem_handlers)
 from furlong.controller.run_spec import SpecError
 from furlong.controller.runs import RunService
 
 log = logging.getLogger(__name__)
 
 Readiness = Callable[[], dict[str, bool]]
+MAX_PAGE = 1000
+EVENT_POLL_S = 0.2
+ENGINE_STATUS_TIMEOUT_S = 5.0
+EVENT_BATCH = 100
+KEEPALIVE_S = 15.0
+_TERMINAL = {s.value for s in TERMINAL_STATES}
+_IDEMPOTENCY_KEY_MAX = 255
 
 
-def _bearer_check(token: str) -> Callable[..., None]:
-    expected = token.encode()
+def _role_check(tokens: ApiTokens, needed: Role) -> Callable[..., Role]:
+    bearer = HTTPBearer(auto_error=False)
 
-    def require_token(authorization: str | None = Header(default=None)) -> None:
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+    def require(credentials: Optional[HTTPAuthorizationCredentials] = Depends(bearer)) -> Role:
+        role = tokens.role_for(credentials.credentials) if credentials is not None else None
+        if role is None:
             raise HTTPException(status_code=401, detail="missing or invalid bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})
+        if not role.allows(needed):
+            raise HTTPException(status_code=403, detail=f"a {role.value} token cannot do this; "
+                                f"it needs an {needed.value} token")
+        return role
 
-    return require_token
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    def handler(status: int, body: Callable[[Exception], Any]):
-        async def handle(request: Request, exc: Exception) -> JSONResponse:
-            return JSONResponse(status_code=status, content={"detail": body(exc)})
-        return handle
-
-    app.add_exception_handler(SpecError, handler(422, lambda e: {"field": e.field, "message": str(e)}))
-    app.add_exception_handler(NotFoundError, handler(404, str))
-    app.add_exception_handler(ConflictError, handler(409, str))
-    app.add_exception_handler(UnavailableError, handler(503, str))
-    app.add_exception_handler(ValueError, handler(422, lambda e: {"field": None, "message": str(e)}))
+    return require
 
 
-def _runs_router(service: RunService, token: str) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_check(token))])
+def _check_idempotency_key(key: str | None) -> str | None:
+    if key is None:
+        return None
+    if not 1 <= len(key) <= _IDEMPOTENCY_KEY_MAX or not key.isascii() or not key.isprintable():
+        raise SpecError("Idempotency-Key", f"must be 1..{_IDEMPOTENCY_KEY_MAX} printable ASCII "
+                        f"characters, got {len(key)} characters")
+    return key
 
-    @router.post("/runs", status_code=201)
-    async def create_run(request: Request) -> dict[str, Any]:
+
+def _read_routes(router: APIRouter, service: RunService) -> None:
+    @router.get("/runs", response_model=m.RunPage, responses=m.problem_responses(401, 422, 503))
+    def list_runs(state: Optional[str] = Query(default=None),
+                  limit: int = Query(default=100, ge=1, le=MAX_PAGE),
+                  cursor: Optional[str] = Query(default=None, max_length=512)) -> dict[str, Any]:
+        """Runs, newest first, one page at a time; pass `next_cursor` as `cursor` for the next."""
         try:
-            data = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SpecError("body", f"not valid JSON: {exc}") from None
-        run = await run_in_threadpool(service.create_run, data)
-        return run.to_dict()
-
-    @router.get("/runs")
-    def list_runs(state: str | None = Query(default=None)) -> dict[str, Any]:
-        try:
-            runs = service.list_runs(state)
+            runs, next_cursor = service.list_page(state, limit, cursor)
         except ValueError as exc:
-            raise SpecError("state", str(exc)) from None
-        return {"runs": [r.to_dict() for r in runs]}
+            raise SpecError("cursor" if "cursor" in str(exc) else "state", str(exc)) from None
+        return {"runs": [r.to_dict() for r in runs], "next_cursor": next_cursor}
 
-    @router.get("/runs/{run_id}")
+    @router.get("/runs/{run_id}", response_model=m.RunModel,
+                responses=m.problem_responses(401, 404, 503))
     def get_run(run_id: str) -> dict[str, Any]:
         return service.get_run(run_id).to_dict()
 
-    @router.post("/runs/{run_id}/stop")
-    def stop_run(run_id: str) -> dict[str, Any]:
-        return service.stop_run(run_id).to_dict()
-
-    @router.get("/runs/{run_id}/metrics")
+    @router.get("/runs/{run_id}/metrics", response_model=m.StepsPage,
+                responses=m.problem_responses(401, 404, 422, 503))
     def run_metrics(run_id: str, since: int = Query(default=0, ge=0)) -> dict[str, Any]:
         steps = service.step_metrics(run_id, since)
         return {"run_id": run_id, "since": since, "steps": [s.to_dict() for s in steps]}
 
-    return router
+    @router.get("/runs/{run_id}/events", response_class=StreamingResponse,
+                responses={200: {"description": "Server-Sent Events: one per change of the run; "
+                                 "the stream ends after the event of a final state",
+                                 "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                           **m.problem_responses(401, 404, 503)})
+    async def run_events(request: Request, run_id: str,
+                         last_event_id: Optional[str] = Header(default=None, max_length=64)
+                         ) -> StreamingResponse:
+        """Replays the run's events after `Last-Event-ID` (all when absent), then follows it."""
+        after = last_event_id or "0-0"
+        if not _valid_stream_id(after):
+            raise SpecError("Last-Event-ID", f"must be a stream id like 1700000000000-0, got "
+                            f"{after[:64]!r}")
+        first = await run_in_threadpool(service.events, run_id, after, EVENT_BATCH)
+        return StreamingResponse(_event_stream(request, service, run_id, after, first),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def create_app(service: RunService, token: str, readiness: Readiness,
-               metrics: ControllerMetrics) -> FastAPI:
-    """The REST application. readiness returns named checks (True = ok) for `/readyz`."""
-    if not token:
-        raise ValueError("token must be non-empty")
+def _engine_routes(router: APIRouter, engines: EngineStatusSource | None,
+                   active_run: Callable[[], str | None]) -> None:
+    @router.get("/engines", response_model=m.EnginesPage,
+                responses=m.problem_responses(401, 404, 409, 503))
+    def list_engines(run_id: Optional[str] = Query(default=None, max_length=128)) -> dict[str, Any]:
+        """Engines of run_id (default: the run being executed; none when idle), as rollout
+        reports them."""
+        if engines is None:
+            raise UnavailableError("engine status is not configured on this controller")
+        target = run_id or active_run()
+        if target is None:
+            return {"run_id": None, "engines": []}
+        found = engines.engines(target, ENGINE_STATUS_TIMEOUT_S)
+        return {"run_id": target, "engines": [e.to_dict() for e in found]}
+
+
+def _valid_stream_id(value: str) -> bool:
+    ms, sep, seq = value.partition("-")
+    return value.isascii() and ms.isdigit() and sep == "-" and seq.isdigit() and len(value) <= 40
+
+
+async def _event_stream(request: Request, service: RunService, run_id: str, after: str,
+                        first: list[tuple[str, dict]]):
+    events, idle_s = first, 0.0
+    while True:
+        for event_id, fields in events:
+            after = event_id
+            yield f"id: {event_id}\nevent: {fields.get('type', 'message')}\n" \
+                  f"data: {json.dumps(fields, sort_keys=True)}\n\n"
+            if fields.get("state") in _TERMINAL:
+                return
+        if events:
+            idle_s = 0.0
+        elif idle_s >= KEEPALIVE_S:
+            idle_s = 0.0
+            yield ": keep-alive\n\n"
+        if await request.is_disconnected():
+            return
+        if len(events) < EVENT_BATCH:  # caught up: wait for more; else keep replaying
+            await asyncio.sleep(EVENT_POLL_S)
+            idle_s += EVENT_POLL_S
+        try:
+            events = await run_in_threadpool(service.events, run_id, after, EVENT_BATCH)
+        except NotFoundError:
+            return  # the run was deleted while followed
+
+
+def _change_routes(router: APIRouter, service: RunService) -> None:
+    run_responses = m.problem_responses(401, 403, 404, 409, 503)
+
+    @router.post("/runs", status_code=201, response_model=m.RunModel,
+                 responses={200: {"model": m.RunModel, "description": "replayed: the run this "
+                                  "Idempotency-Key created"},
+                            **m.problem_responses(401, 403, 409, 413, 422, 503)},
+                 openapi_extra={"requestBody": {"required": True, "content": {
+                     "application/json": {"schema": m.spec_schema()}}}})
+    async def create_run(request: Request, idempotency_key: Optional[str] = Header(default=None)
+                         ) -> Any:
+        key = _check_idempotency_key(idempotency_key)
+        try:
+            data = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SpecError("body", f"not valid JSON: {exc}") from None
+        run, replayed = await run_in_threadpool(service.create_run_idempotent, data, key)
+        if replayed:
+            return JSONResponse(status_code=200, content=run.to_dict(),
+                                headers={"Idempotent-Replayed": "true"})
+        return run.to_dict()
+
+    @router.post("/runs/{run_id}/stop", response_model=m.RunModel, responses=run_responses)
+    def stop_run(run_id: str) -> dict[str, Any]:
+        return service.stop_run(run_id).to_dict()
+
+    @router.post("/runs/{run_id}/pause", response_model=m.RunModel, responses=run_responses)
+    def pause_run(run_id: str) -> dict[str, Any]:
+        """The run pauses before its next step (state `paused`); idempotent."""
+        return service.pause_run(run_id).to_dict()
+
+    @router.post("/runs/{run_id}/resume", response_model=m.RunModel, responses=run_responses)
+    def resume_run(run_id: str) -> dict[str, Any]:
+        return service.resume_run(run_id).to_dict()
+
+    @router.post("/runs/{run_id}/checkpoint", response_model=m.RunModel, responses=run_responses)
+    def checkpoint_run(run_id: str) -> dict[str, Any]:
+        """Not available yet: 409 for every existing run (the trainer has no checkpoint call)."""
+        return service.checkpoint_run(run_id).to_dict()
+
+    @router.delete("/runs/{run_id}", status_code=204, response_class=Response,
+                   responses=run_responses)
+    def delete_run(run_id: str) -> Response:
+        service.delete_run(run_id)
+        return Response(status_code=204)
+
+
+def create_app(service: RunService, tokens: ApiTokens | str, readiness: Readiness,
+               metrics: ControllerMetrics, cors_origins: tuple[str, ...] = (),
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               engines: EngineStatusSource | None = None,
+               active_run: Callable[[], str | None] = lambda: None) -> FastAPI:
+    """The REST application. tokens: the role tokens (a plain string is the one admin token);
+    readiness returns named checks (True = ok) for `/readyz`; engines and active_run serve
+    `/v1/engines` (503 without engines)."""
+    if isinstance(tokens, str):
+        tokens = ApiTokens(admin=(tokens,))
     app = FastAPI(title="Furlong controller", version="1", docs_url=None, redoc_url=None)
-    _install_error_handlers(app)
-    app.include_router(_runs_router(service, token))
+    install_problem_handlers(app)
+    reader = APIRouter(prefix="/v1", dependencies=[Depends(_role_check(tokens, Role.VIEWER))])
+    _read_routes(reader, service)
+    _engine_routes(reader, engines, active_run)
+    writer = APIRouter(prefix="/v1", dependencies=[Depends(_role_check(tokens, Role.ADMIN))])
+    _change_routes(writer, service)
+    app.include_router(reader)
+    app.include_router(writer)
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=m.Health)
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", response_model=m.Readiness, responses={503: {"model": m.Readiness}})
     def readyz() -> JSONResponse:
         checks = readiness()
         ready = all(checks.values())
         return JSONResponse(status_code=200 if ready else 503,
                             content={"ready": ready, "checks": checks})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}})
     def prometheus_metrics() -> Response:
         return Response(content=metrics.exposition(), media_type=CONTENT_TYPE)
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = m.finish_openapi(get_openapi(
+                title=app.title, version=app.version, routes=app.routes,
+                description="Furlong controller REST API; errors are RFC 9457 problem+json."))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins),
+                           allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type", "Idempotency-Key",
+                                          "Last-Event-ID"])
     return app

@@ -2,7 +2,7 @@
 
 Both return the JSON shapes of `docs/rest-api.md` (plain dicts) and raise the same domain errors:
 SpecError (422 naming a field), ValueError (other 422), NotFoundError (404), ConflictError (409),
-UnavailableError (503 or the controller cannot be reached), PermissionError (401).
+UnavailableError (503 or the controller cannot be reached), PermissionError (401, 403).
 """
 
 from __future__ import annotations
@@ -36,22 +36,23 @@ class ControllerClient(Protocol):
 
 
 def _raise_for(response: httpx.Response) -> None:
+    """Raise the domain error an RFC 9457 problem answer stands for."""
     if response.status_code < 400:
         return
     try:
-        detail = response.json().get("detail")
-    except ValueError:
-        detail = response.text
-    if response.status_code == 401:
+        body = response.json()
+        detail, field = body.get("detail"), body.get("field")
+    except (ValueError, AttributeError):
+        detail, field = response.text, None
+    if response.status_code in (401, 403):
         raise PermissionError(f"controller rejected the token: {detail}")
     if response.status_code == 404:
         raise NotFoundError(str(detail))
     if response.status_code == 409:
         raise ConflictError(str(detail))
     if response.status_code == 422:
-        if isinstance(detail, dict) and detail.get("field"):
-            field, message = str(detail["field"]), str(detail.get("message", ""))
-            raise SpecError(field, message.removeprefix(f"{field}: "))
+        if field:
+            raise SpecError(str(field), str(detail).removeprefix(f"{field}: "))
         raise ValueError(str(detail))
     if response.status_code == 503:
         raise UnavailableError(str(detail))
@@ -76,8 +77,14 @@ class HttpControllerClient:
         return self._request("POST", "/v1/runs", json=dict(spec))
 
     def list_runs(self, state: str | None = None) -> list[dict[str, Any]]:
-        params = {"state": state} if state else None
-        return self._request("GET", "/v1/runs", params=params)["runs"]
+        runs: list[dict[str, Any]] = []
+        params: dict[str, Any] = {"limit": 1000, **({"state": state} if state else {})}
+        while True:
+            page = self._request("GET", "/v1/runs", params=params)
+            runs += page["runs"]
+            if not page.get("next_cursor"):
+                return runs
+            params["cursor"] = page["next_cursor"]
 
     def get_run(self, run_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/runs/{run_id}")

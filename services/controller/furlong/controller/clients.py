@@ -119,7 +119,12 @@ class GrpcTrainerClient:
             name=algorithm.name, learning_rate=algorithm.learning_rate, clip_eps=algorithm.clip_eps,
             weight_decay=algorithm.weight_decay, max_grad_norm=algorithm.max_grad_norm,
             epochs_per_batch=algorithm.epochs_per_batch, micro_batch_size=algorithm.micro_batch_size,
-            adam_beta1=algorithm.adam_beta1, adam_beta2=algorithm.adam_beta2)
+            adam_beta1=algorithm.adam_beta1, adam_beta2=algorithm.adam_beta2,
+            clip_eps_high=algorithm.clip_eps_high, loss_aggregation=algorithm.loss_aggregation,
+            kl_coef=algorithm.kl_coef, kl_estimator=algorithm.kl_estimator, kl_mode=algorithm.kl_mode,
+            entropy_coef=algorithm.entropy_coef, off_policy=algorithm.off_policy, is_low=algorithm.is_low,
+            is_high=algorithm.is_high, gamma=algorithm.gamma, gae_lambda=algorithm.gae_lambda,
+            value_coef=algorithm.value_coef, value_clip=algorithm.value_clip)
         request = trainer_pb2.ConfigureRunRequest(run_id=run_id, model_dir=model_dir, algorithm=algo,
                                                   seed=seed, total_steps=total_steps,
                                                   sampling_temperature=sampling_temperature)

@@ -6,6 +6,9 @@
     teardown:  rollout.EndRun, trainer.EndRun, broker.EndRun          (stopping)
     then succeeded, cancelled (a stop request was seen between phases) or failed (the first error,
     named by its phase, is the run's reason).
+    pause:     a pause request seen before a step moves the run to `paused`; the driver polls the
+               store every `DriverTimeouts.pause_poll_s` until the request is cleared (-> running,
+               the step goes on) or a stop is requested (-> stopping -> cancelled).
 
 Every call has a deadline from `DriverTimeouts`. The driver is the only writer of a started run's
 state; a stop request only sets `stop_requested`, which the driver checks between phases. Knows
@@ -110,6 +113,26 @@ class RunDriver:
         if self._store.get(run_id).stop_requested:
             raise _Stopped(where)
 
+    def _between_steps(self, run_id: str, where: str) -> None:
+        run = self._store.get(run_id)
+        if run.stop_requested:
+            raise _Stopped(f"before {where}")
+        if not run.pause_requested:
+            return
+        self._store.transition(run_id, RunState.PAUSED, expected=RunState.RUNNING)
+        self._metrics.entered(RunState.PAUSED.value)
+        log.info("run %s paused before %s", run_id, where)
+        while True:
+            time.sleep(self._timeouts.pause_poll_s)
+            run = self._store.get(run_id)
+            if run.stop_requested:
+                raise _Stopped(f"while paused before {where}")
+            if not run.pause_requested:
+                break
+        self._store.transition(run_id, RunState.RUNNING, expected=RunState.PAUSED)
+        self._metrics.entered(RunState.RUNNING.value)
+        log.info("run %s resumed before %s", run_id, where)
+
     def _configure(self, run: Run, configured: list[str]) -> int:
         spec, t = run.spec, self._timeouts
         reward = self._call("task", self._prompts.reward_name, spec.task)
@@ -132,7 +155,7 @@ class RunDriver:
     def _step(self, run: Run, step: int, version: int) -> int:
         spec, t, rid = run.spec, self._timeouts, run.run_id
         where = f"step {step}"
-        self._check_stop(rid, f"before {where}")
+        self._between_steps(rid, where)
         started = self._clock()
         prompts = self._call(f"{where} prompts", self._prompts.prompts, spec.task, spec.seed, step,
                              spec.prompts_per_step)

@@ -7,6 +7,10 @@ logging to `STATE_DIR/logs/<service>.log`. It waits until every one is healthy (
 started and raises `StackStartError` with the log tail. The stack is described by
 `STATE_DIR/stack.json` (written as processes start, so `stop_stack` can clean up even after an
 interrupted start). `stop_stack` stops exactly those processes, controller first and Redis last.
+
+Three fresh tokens per start, each in a 0600 file of the state dir: `token` (the REST admin token,
+for the CLI), `viewer-token` (read-only, for the dashboard) and `internal-token` (the shared gRPC
+token every service requires of its callers, passed with `--auth-token-file`).
 """
 
 from __future__ import annotations
@@ -101,6 +105,8 @@ class StackInfo:
     started_at: float
     ready: bool = False
     dashboard_url: str = ""
+    viewer_token_file: str = ""
+    internal_token_file: str = ""
 
     def token(self) -> str:
         return Path(self.token_file).read_text().strip()
@@ -109,6 +115,8 @@ class StackInfo:
         return {"state_dir": self.state_dir, "rest_url": self.rest_url, "token_file": self.token_file,
                 "redis_url": self.redis_url, "addresses": self.addresses, "ready": self.ready,
                 "dashboard_url": self.dashboard_url, "started_at": self.started_at,
+                "viewer_token_file": self.viewer_token_file,
+                "internal_token_file": self.internal_token_file,
                 "processes": [p.to_dict() for p in self.processes]}
 
     @classmethod
@@ -117,6 +125,8 @@ class StackInfo:
                    token_file=data["token_file"], redis_url=data["redis_url"],
                    addresses=dict(data["addresses"]), ready=bool(data.get("ready")),
                    dashboard_url=data.get("dashboard_url", ""), started_at=data["started_at"],
+                   viewer_token_file=data.get("viewer_token_file", ""),
+                   internal_token_file=data.get("internal_token_file", ""),
                    processes=tuple(ServiceProcess.from_dict(p) for p in data["processes"]))
 
 
@@ -146,11 +156,11 @@ def _write(info: StackInfo) -> None:
     os.replace(tmp, path)
 
 
-def _write_token(state_dir: Path) -> Path:
-    path = state_dir / "token"
+def _write_token(state_dir: Path, name: str = "token") -> Path:
+    path = state_dir / name
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+        f.write(secrets.token_hex(32) + "\n")  # hex: never starts with "-", safe as a CLI argument
     return path
 
 
@@ -177,7 +187,9 @@ def start_stack(config: StackConfig) -> StackInfo:
     stack_file(state_dir).unlink(missing_ok=True)
     info = StackInfo(state_dir=str(state_dir), rest_url="", token_file=str(_write_token(state_dir)),
                      redis_url="", addresses=dict(config.external), processes=(),
-                     started_at=time.time())
+                     started_at=time.time(),
+                     viewer_token_file=str(_write_token(state_dir, "viewer-token")),
+                     internal_token_file=str(_write_token(state_dir, "internal-token")))
     try:
         info = _launch(config, state_dir, info)
         info = _wait_healthy(config, info)
@@ -219,7 +231,7 @@ def _launch(config: StackConfig, state_dir: Path, info: StackInfo) -> StackInfo:
             continue
         port, metrics_port = free_port(), free_port()
         argv = [py, "-m", f"furlong.{name}", "--host", "127.0.0.1", "--port", str(port),
-                "--metrics-port", str(metrics_port)]
+                "--metrics-port", str(metrics_port), "--auth-token-file", info.internal_token_file]
         if name != "weight_broker":
             argv += ["--redis-url", info.redis_url, "--broker", addresses["weight_broker"],
                      "--num-threads", str(config.torch_threads)]
@@ -230,13 +242,15 @@ def _launch(config: StackConfig, state_dir: Path, info: StackInfo) -> StackInfo:
     argv = [py, "-m", "furlong.controller", "--host", "127.0.0.1", "--port", str(port),
             "--redis-url", info.redis_url, "--trainer", addresses["trainer"],
             "--rollout", addresses["rollout"], "--broker", addresses["weight_broker"],
-            "--token-file", info.token_file]
+            "--token-file", info.token_file, "--viewer-token-file", info.viewer_token_file,
+            "--auth-token-file", info.internal_token_file]
     sp = spawn("controller", argv, logs / "controller.log", port)
     info = _with(info, sp, rest_url=f"http://127.0.0.1:{port}")
     if "dashboard" in config.services:
         port = free_port()
         argv = [py, "-m", "furlong.dashboard", "--host", "127.0.0.1", "--port", str(port),
-                "--controller-url", info.rest_url, "--controller-token-file", info.token_file]
+                "--controller-url", info.rest_url, "--controller-token-file",
+                info.viewer_token_file]
         for watched in info.processes:
             argv += ["--watch-pid", str(watched.pid)]
         sp = spawn("dashboard", argv, logs / "dashboard.log", port)

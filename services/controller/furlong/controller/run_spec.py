@@ -15,7 +15,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-ALGORITHMS = ("grpo",)
+ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp", "ppo")
+LOSS_AGGREGATIONS = ("", "token_mean", "seq_mean_token_mean", "seq_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_MODES = ("loss", "reward")
+OFF_POLICY = ("none", "tis", "mis")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
@@ -84,10 +88,26 @@ class AlgorithmSpec:
     micro_batch_size: int = 64
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
+    clip_eps_high: float = 0.0    # upper clip (DAPO clip-higher); 0 = clip_eps
+    loss_aggregation: str = ""    # "" = the algorithm's own (see docs/trainer.md)
+    kl_coef: float = 0.0          # KL to the frozen initial policy; 0 = no reference model
+    kl_estimator: str = "k3"
+    kl_mode: str = "loss"         # or "reward" (a per-token penalty subtracted from the reward)
+    entropy_coef: float = 0.0
+    off_policy: str = "none"      # "tis" (truncate weights at is_high) or "mis" (mask outside [is_low, is_high])
+    is_low: float = 0.0
+    is_high: float = 2.0
+    gamma: float = 1.0            # ppo
+    gae_lambda: float = 1.0       # ppo
+    value_coef: float = 0.5       # ppo
+    value_clip: float = 0.2       # ppo; 0 = no value clipping
 
     def __post_init__(self) -> None:
-        if self.name not in ALGORITHMS:
-            raise SpecError("name", f"must be one of {list(ALGORITHMS)}, got {self.name!r}")
+        for name, allowed in (("name", ALGORITHMS), ("loss_aggregation", LOSS_AGGREGATIONS),
+                              ("kl_estimator", KL_ESTIMATORS), ("kl_mode", KL_MODES),
+                              ("off_policy", OFF_POLICY)):
+            if getattr(self, name) not in allowed:
+                raise SpecError(name, f"must be one of {list(allowed)}, got {getattr(self, name)!r}")
         _check_float("learning_rate", self.learning_rate, 0.0, math.inf, low_open=True, high_open=True)
         _check_float("clip_eps", self.clip_eps, 0.0, math.inf, low_open=True, high_open=True)
         _check_float("weight_decay", self.weight_decay, 0.0, math.inf, high_open=True)
@@ -96,6 +116,11 @@ class AlgorithmSpec:
         _check_int("micro_batch_size", self.micro_batch_size, 1)
         _check_float("adam_beta1", self.adam_beta1, 0.0, 1.0, high_open=True)
         _check_float("adam_beta2", self.adam_beta2, 0.0, 1.0, high_open=True)
+        for name in ("clip_eps_high", "kl_coef", "entropy_coef", "is_low", "value_coef", "value_clip"):
+            _check_float(name, getattr(self, name), 0.0, math.inf, high_open=True)
+        _check_float("is_high", self.is_high, self.is_low, math.inf, low_open=True, high_open=True)
+        _check_float("gamma", self.gamma, 0.0, 1.0)
+        _check_float("gae_lambda", self.gae_lambda, 0.0, 1.0)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@
 Keys (all under `furlong:runs:`):
   furlong:runs:{run_id}          the run record, JSON (`Run.to_dict()`)
   furlong:runs:{run_id}:metrics  list of per-step records, JSON, in step order
+  furlong:runs:{run_id}:events   stream of the run's events (creation, state changes, steps,
+                                 stop/pause requests), appended in the same transaction as the change
   furlong:runs:_index            sorted set of run ids scored by creation time
+  furlong:runs:_idem:{key}       JSON {fingerprint, run_id} of a POST with an Idempotency-Key (24 h)
 
 Every change of a run is a compare-and-set (WATCH/MULTI), so a stop request and the run's driver
 cannot overwrite each other, and every state change goes through the transition table. Redis
@@ -12,7 +15,10 @@ connection failures are raised as UnavailableError. Knows nothing about the serv
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
+import hashlib
 import json
 import logging
 import secrets
@@ -32,6 +38,9 @@ log = logging.getLogger(__name__)
 
 PREFIX = "furlong:runs:"
 INDEX_KEY = PREFIX + "_index"
+IDEMPOTENCY_TTL_S = 24 * 3600
+EVENTS_MAXLEN = 10_000
+_PAGE_SCAN = 200
 
 
 def run_key(run_id: str) -> str:
@@ -40,6 +49,47 @@ def run_key(run_id: str) -> str:
 
 def metrics_key(run_id: str) -> str:
     return f"{PREFIX}{run_id}:metrics"
+
+
+def events_key(run_id: str) -> str:
+    return f"{PREFIX}{run_id}:events"
+
+
+def idempotency_key(key: str) -> str:
+    return f"{PREFIX}_idem:{hashlib.sha256(key.encode()).hexdigest()}"
+
+
+def encode_cursor(score: float, run_id: str) -> str:
+    return base64.urlsafe_b64encode(json.dumps([score, run_id]).encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[float, str]:
+    """(score, run_id) of the last run of the previous page; ValueError for a malformed cursor."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        score, run_id = json.loads(raw)
+        if isinstance(score, bool) or not isinstance(score, (int, float)) \
+                or not isinstance(run_id, str):
+            raise TypeError
+        return float(score), run_id
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
+        raise ValueError(f"malformed cursor {cursor[:64]!r}") from None
+
+
+def run_event(before: Run | None, after: Run) -> dict[str, str]:
+    """The event recorded for a change of a run (flat strings, as a stream entry holds them)."""
+    if before is None:
+        kind = "created"
+    elif before.state != after.state:
+        kind = "state"
+    elif before.current_step != after.current_step:
+        kind = "step"
+    else:
+        kind = "request"
+    return {"type": kind, "state": after.state.value, "reason": after.reason,
+            "current_step": str(after.current_step), "policy_version": str(after.policy_version),
+            "stop_requested": str(int(after.stop_requested)),
+            "pause_requested": str(int(after.pause_requested)), "time": repr(after.updated_at)}
 
 
 class RunStore:
@@ -63,26 +113,53 @@ class RunStore:
             return False
 
     def create(self, spec: RunSpec) -> Run:
+        return self.create_idempotent(spec, None, "")[0]
+
+    def create_idempotent(self, spec: RunSpec, key: str | None,
+                          fingerprint: str) -> tuple[Run, bool]:
+        """Create a pending run; with an idempotency key, a repeat with the same fingerprint returns
+        the run the key created (and True), a different fingerprint is a ConflictError."""
         now = self._clock()
+        idem = idempotency_key(key) if key is not None else None
         with self._errors(), self._redis.pipeline() as pipe:
             for _ in range(8):
                 run = Run(run_id=f"{spec.name}-{secrets.token_hex(4)}", spec=spec,
                           state=RunState.PENDING, created_at=now, updated_at=now)
-                key = run_key(run.run_id)
+                rkey = run_key(run.run_id)
                 try:
-                    pipe.watch(key)
-                    if pipe.exists(key):
+                    pipe.watch(rkey, *([idem] if idem else []))
+                    if idem is not None:
+                        previous = pipe.get(idem)
+                        if previous is not None:
+                            pipe.unwatch()
+                            return self._replay(json.loads(previous), fingerprint), True
+                    if pipe.exists(rkey):
                         pipe.unwatch()
                         continue
                     pipe.multi()
-                    pipe.set(key, json.dumps(run.to_dict()))
+                    pipe.set(rkey, json.dumps(run.to_dict()))
                     pipe.zadd(INDEX_KEY, {run.run_id: now})
+                    pipe.xadd(events_key(run.run_id), run_event(None, run),
+                              maxlen=EVENTS_MAXLEN, approximate=True)
+                    if idem is not None:
+                        pipe.set(idem, json.dumps({"fingerprint": fingerprint,
+                                                   "run_id": run.run_id}), ex=IDEMPOTENCY_TTL_S)
                     pipe.execute()
                 except redis.WatchError:
                     continue
                 log.info("created run %s (%s, %d steps)", run.run_id, spec.task, spec.steps)
-                return run
+                return run, False
         raise ConflictError(f"could not allocate a unique id for run name {spec.name!r}")
+
+    def _replay(self, previous: dict, fingerprint: str) -> Run:
+        if previous["fingerprint"] != fingerprint:
+            raise ConflictError("Idempotency-Key was already used with a different request body "
+                                f"(it created run {previous['run_id']})")
+        try:
+            return self.get(previous["run_id"])
+        except NotFoundError:
+            raise ConflictError(f"Idempotency-Key created run {previous['run_id']}, which has "
+                                "since been deleted") from None
 
     def get(self, run_id: str) -> Run:
         with self._errors():
@@ -98,6 +175,66 @@ class RunStore:
             raws = self._redis.mget([run_key(i) for i in ids]) if ids else []
         runs = [Run.from_dict(json.loads(raw)) for raw in raws if raw is not None]
         return [r for r in runs if state is None or r.state == state]
+
+    def list_page(self, state: RunState | None, limit: int,
+                  cursor: str | None = None) -> tuple[list[Run], str | None]:
+        """Up to limit runs, newest first, after cursor (from the previous page), optionally only
+        those in state; and the cursor of the next page (None on the last page)."""
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        after = decode_cursor(cursor) if cursor else None
+        page: list[Run] = []
+        offset = 0
+        with self._errors():
+            while True:
+                high = "+inf" if after is None else after[0]
+                batch = self._redis.zrevrangebyscore(INDEX_KEY, high, "-inf", start=offset,
+                                                     num=_PAGE_SCAN, withscores=True)
+                offset += len(batch)
+                last_batch = len(batch) < _PAGE_SCAN
+                if after is not None:  # same score: ids sort in reverse; keep those past the cursor
+                    batch = [(i, sc) for i, sc in batch if sc < after[0] or i < after[1]]
+                raws = self._redis.mget([run_key(i) for i, _ in batch]) if batch else []
+                for (run_id, score), raw in zip(batch, raws):
+                    if raw is None:
+                        continue
+                    run = Run.from_dict(json.loads(raw))
+                    if state is None or run.state == state:
+                        page.append(run)
+                        if len(page) == limit:
+                            return page, encode_cursor(score, run_id)
+                if last_batch:
+                    return page, None
+
+    def delete(self, run_id: str) -> None:
+        """Remove a finished run with its metrics and events; ConflictError for an unfinished one."""
+        key = run_key(run_id)
+        with self._errors(), self._redis.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    raw = pipe.get(key)
+                    if raw is None:
+                        raise NotFoundError(f"run {run_id!r} not found")
+                    run = Run.from_dict(json.loads(raw))
+                    if not run.state.terminal:
+                        raise ConflictError(f"run {run_id} is {run.state.value}; only finished runs "
+                                            "can be deleted (stop it first)")
+                    pipe.multi()
+                    pipe.delete(key, metrics_key(run_id), events_key(run_id))
+                    pipe.zrem(INDEX_KEY, run_id)
+                    pipe.execute()
+                    log.info("deleted run %s", run_id)
+                    return
+                except redis.WatchError:
+                    continue
+
+    def events(self, run_id: str, after: str = "0-0", count: int = 100) -> list[tuple[str, dict]]:
+        """Up to count events recorded after stream id after, oldest first: (id, fields)."""
+        with self._errors():
+            entries = self._redis.xrange(events_key(run_id), f"({after}" if after != "0-0" else "-",
+                                         "+", count=count)
+        return [(entry_id, dict(fields)) for entry_id, fields in entries]
 
     def transition(self, run_id: str, target: RunState, reason: str | None = None,
                    expected: RunState | None = None) -> Run:
@@ -125,6 +262,38 @@ class RunStore:
 
         run = self._update(run_id, change)
         log.info("stop requested for run %s (now %s)", run_id, run.state.value)
+        return run
+
+    def request_pause(self, run_id: str) -> Run:
+        """Flag a starting or running run for its driver to pause before its next step. Idempotent
+        for a run already paused or asked to; ConflictError in any other state."""
+
+        def change(run: Run) -> Run:
+            if run.state not in (RunState.STARTING, RunState.RUNNING, RunState.PAUSED) \
+                    or run.stop_requested:
+                raise ConflictError(f"run {run_id} is {run.state.value}"
+                                    f"{' and stopping' if run.stop_requested else ''}; only a "
+                                    "starting or running run can be paused")
+            if run.pause_requested:
+                return run
+            return replace(run, pause_requested=True, updated_at=self._clock())
+
+        run = self._update(run_id, change)
+        log.info("pause requested for run %s (now %s)", run_id, run.state.value)
+        return run
+
+    def request_resume(self, run_id: str) -> Run:
+        """Clear a pause request; the driver then leaves `paused`. ConflictError unless the run is
+        paused or asked to pause."""
+
+        def change(run: Run) -> Run:
+            if not run.pause_requested or run.state.terminal:
+                raise ConflictError(f"run {run_id} is {run.state.value} and not paused; nothing "
+                                    "to resume")
+            return replace(run, pause_requested=False, updated_at=self._clock())
+
+        run = self._update(run_id, change)
+        log.info("resume requested for run %s (now %s)", run_id, run.state.value)
         return run
 
     def record_step(self, run_id: str, record: StepRecord) -> Run:
@@ -163,9 +332,15 @@ class RunStore:
                     raw = pipe.get(key)
                     if raw is None:
                         raise NotFoundError(f"run {run_id!r} not found")
-                    run = change(Run.from_dict(json.loads(raw)))
+                    before = Run.from_dict(json.loads(raw))
+                    run = change(before)
+                    if run == before:
+                        pipe.unwatch()
+                        return run
                     pipe.multi()
                     pipe.set(key, json.dumps(run.to_dict()))
+                    pipe.xadd(events_key(run_id), run_event(before, run), maxlen=EVENTS_MAXLEN,
+                              approximate=True)
                     if push is not None:
                         pipe.rpush(*push)
                     pipe.execute()

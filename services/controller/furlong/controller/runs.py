@@ -6,7 +6,11 @@ so a bad spec creates nothing. Knows nothing about HTTP.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Protocol
+
+from furlong.core.errors import ConflictError
 
 from furlong.controller.core.run_state import Run, RunState
 from furlong.controller.core.step_record import StepRecord
@@ -29,21 +33,61 @@ class RunService:
         self._prompts = prompts
         self._metrics = metrics
 
-    def create_run(self, data: Any) -> Run:
+    def create_run(self, data: Any, idempotency_key: str | None = None) -> Run:
         """Validate a spec dict, store the run as pending and queue it. SpecError names the bad
         field; nothing is stored then."""
+        return self.create_run_idempotent(data, idempotency_key)[0]
+
+    def create_run_idempotent(self, data: Any, idempotency_key: str | None) -> tuple[Run, bool]:
+        """create_run; with an idempotency key, the same key and body again return the run it
+        created (and True: replayed), the same key with another body is a ConflictError."""
         spec = parse_run_spec(data)
         try:
             self._prompts.reward_name(spec.task)
         except ValueError as exc:
             raise SpecError("task", str(exc)) from None
-        run = self._store.create(spec)
-        self._metrics.entered(RunState.PENDING.value)
-        self._submitter.submit(run.run_id)
-        return run
+        fingerprint = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":"))
+                                     .encode()).hexdigest()
+        run, replayed = self._store.create_idempotent(spec, idempotency_key, fingerprint)
+        if not replayed:
+            self._metrics.entered(RunState.PENDING.value)
+            self._submitter.submit(run.run_id)
+        return run, replayed
 
     def list_runs(self, state: str | None = None) -> list[Run]:
         return self._store.list_runs(RunState.parse(state) if state else None)
+
+    def list_page(self, state: str | None, limit: int,
+                  cursor: str | None) -> tuple[list[Run], str | None]:
+        """One page of runs, newest first, and the next page's cursor (None at the end)."""
+        return self._store.list_page(RunState.parse(state) if state else None, limit, cursor)
+
+    def pause_run(self, run_id: str) -> Run:
+        """Ask a started run to pause before its next step (idempotent)."""
+        return self._store.request_pause(run_id)
+
+    def resume_run(self, run_id: str) -> Run:
+        """Clear a pause request; the run continues with its next step."""
+        return self._store.request_resume(run_id)
+
+    def checkpoint_run(self, run_id: str) -> Run:
+        """Always a ConflictError for an existing run: the trainer's gRPC API has no checkpoint
+        call yet, so an on-demand checkpoint cannot be taken (NotFoundError for an unknown run)."""
+        run = self._store.get(run_id)
+        raise ConflictError(f"run {run.run_id}: on-demand checkpoints are not available: the "
+                            "trainer's gRPC API (furlong.v1.Trainer) has no checkpoint call")
+
+    def delete_run(self, run_id: str) -> None:
+        """Remove a finished run, its metrics and events; ConflictError for an unfinished one."""
+        self._store.delete(run_id)
+
+    def events(self, run_id: str, after: str = "0-0", count: int = 100) -> list[tuple[str, dict]]:
+        """Up to count events of a run after stream id after; NotFoundError for an unknown run
+        with none."""
+        events = self._store.events(run_id, after, count)
+        if not events:
+            self._store.get(run_id)
+        return events
 
     def get_run(self, run_id: str) -> Run:
         return self._store.get(run_id)

@@ -19,9 +19,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from furlong.controller.app import Readiness, create_app
+from furlong.controller.auth import ApiTokens
 from furlong.controller.clients import BrokerClient, RolloutClient, TrainerClient
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.driver import RunDriver
+from furlong.controller.engines import EngineStatusSource
 from furlong.controller.executor import RunExecutor
 from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.prompt_source import PromptSource
@@ -45,15 +47,19 @@ class Controller:
 
 
 def build_controller(store: RunStore, trainer: TrainerClient, rollout: RolloutClient,
-                     broker: BrokerClient, prompts: PromptSource, token: str, readiness: Readiness,
-                     timeouts: DriverTimeouts = DriverTimeouts(),
-                     metrics: ControllerMetrics | None = None) -> Controller:
-    """A controller whose executor is started and has recovered the runs already in the store."""
+                     broker: BrokerClient, prompts: PromptSource, token: str | ApiTokens,
+                     readiness: Readiness, timeouts: DriverTimeouts = DriverTimeouts(),
+                     metrics: ControllerMetrics | None = None,
+                     cors_origins: tuple[str, ...] = (),
+                     engines: EngineStatusSource | None = None) -> Controller:
+    """A controller whose executor is started and has recovered the runs already in the store.
+    token: the role tokens of the REST API (a plain string is the one admin token)."""
     metrics = metrics or ControllerMetrics()
     driver = RunDriver(store, trainer, rollout, broker, prompts, timeouts, metrics)
     executor = RunExecutor(store, driver)
     service = RunService(store, executor, prompts, metrics)
-    app = create_app(service, token, readiness, metrics)
+    app = create_app(service, token, readiness, metrics, cors_origins, engines=engines,
+                     active_run=lambda: executor.active_run)
     executor.recover()
     executor.start()
     return Controller(app=app, service=service, executor=executor, store=store, metrics=metrics)

@@ -28,6 +28,7 @@ from furlong.rollout.metrics import RolloutMetrics
 from furlong.rollout.receivers import broker_receiver_factory
 from furlong.rollout.rewards import resolve_user_reward, reward_registry
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
+from furlong import rpc
 from furlong.rpc import start_server
 from furlong.weight_broker.client import GrpcBrokerClient
 
@@ -39,6 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=config.logging_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(config.num_threads)
+    try:
+        rpc.use_auth_token(rpc.read_auth_token_file(config.auth_token_file or None))
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda received, frame: stop.set())

@@ -38,6 +38,7 @@ class RolloutServerConfig:
     reward_timeout_s: float = 60.0  # all rewards of one request must finish within this
     reward_workers: int = 4         # threads scoring one request's samples
     log_level: str = "INFO"
+    auth_token_file: str = ""       # "" = gRPC unauthenticated; else the shared service token's file
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -87,6 +88,8 @@ class RolloutServerConfig:
         parser.add_argument("--reward-timeout-s", type=float, default=cls.reward_timeout_s)
         parser.add_argument("--reward-workers", type=int, default=cls.reward_workers)
         parser.add_argument("--log-level", default=cls.log_level, type=str.upper)
+        parser.add_argument("--auth-token-file", default="",
+                            help="file with the shared token every gRPC call (in and out) must carry")
         args = parser.parse_args(argv)
         return cls(redis_url=args.redis_url, broker_address=args.broker, host=args.host,
                    port=args.port, metrics_port=args.metrics_port, num_threads=args.num_threads,
@@ -94,7 +97,7 @@ class RolloutServerConfig:
                    max_support_size=args.max_support_size,
                    user_rewards=tuple(_user_reward(v) for v in args.user_reward),
                    reward_timeout_s=args.reward_timeout_s, reward_workers=args.reward_workers,
-                   log_level=args.log_level)
+                   log_level=args.log_level, auth_token_file=args.auth_token_file)
 
     @property
     def logging_level(self) -> int:

@@ -11,6 +11,7 @@ import prometheus_client
 import redis
 import torch
 
+from furlong import rpc
 from furlong.rpc import start_server
 from furlong.trainer.config import TrainerServiceConfig
 from furlong.trainer.server import SERVICE_NAME, register
@@ -29,6 +30,10 @@ def parse_args(argv: list[str] | None = None) -> TrainerServiceConfig:
     p.add_argument("--broker", required=True, help="weight broker HOST:PORT")
     p.add_argument("--consumer-name", default="trainer-0")
     p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--checkpoint-dir", default="",
+                   help="write a training checkpoint per step under DIR/<run_id> and resume from it")
+    p.add_argument("--auth-token-file", default="",
+                   help="file with the shared token every gRPC call (in and out) must carry")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -36,7 +41,9 @@ def parse_args(argv: list[str] | None = None) -> TrainerServiceConfig:
     try:
         return TrainerServiceConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                                     redis_url=args.redis_url, broker_address=args.broker,
-                                    consumer_name=args.consumer_name, num_threads=args.num_threads)
+                                    consumer_name=args.consumer_name, num_threads=args.num_threads,
+                                    checkpoint_dir=args.checkpoint_dir,
+                                    auth_token_file=args.auth_token_file)
     except ValueError as exc:
         p.error(str(exc))
 
@@ -44,9 +51,11 @@ def parse_args(argv: list[str] | None = None) -> TrainerServiceConfig:
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     torch.set_num_threads(config.num_threads)
+    rpc.use_auth_token(rpc.read_auth_token_file(config.auth_token_file or None))
     redis_client = redis.Redis.from_url(config.redis_url)
     broker = GrpcBrokerClient(config.broker_address)
-    service = TrainerService(redis_client, broker, config.consumer_name)
+    service = TrainerService(redis_client, broker, config.consumer_name,
+                             checkpoint_root=config.checkpoint_dir or None)
     server = start_server([register(service)], [SERVICE_NAME], host=config.host, port=config.port)
     if config.metrics_port:
         prometheus_client.start_http_server(config.metrics_port, addr=config.host)

@@ -14,6 +14,8 @@ class TrainerServiceConfig:
     broker_address: str = "127.0.0.1:50051"
     consumer_name: str = "trainer-0"  # stable across restarts so pending samples are replayed
     num_threads: int = 2
+    checkpoint_dir: str = ""          # "" = no training checkpoints; else one directory per run under it
+    auth_token_file: str = ""         # "" = gRPC unauthenticated; else the shared service token's file
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

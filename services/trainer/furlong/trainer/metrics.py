@@ -22,5 +22,10 @@ GRAD_NORM = Gauge("furlong_trainer_grad_norm", "Gradient norm (before clipping) 
 SAMPLE_STALENESS = Histogram("furlong_trainer_sample_staleness_versions",
                              "Policy versions between a trained sample's sampler and the trainer",
                              buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32))
+LOGPROB_ABS_DIFF = Gauge("furlong_trainer_logprob_abs_diff",
+                         "Mean |logp_train - logp_rollout| per trained token of the latest step",
+                         ["run_id"])
+ENTROPY = Gauge("furlong_trainer_entropy", "Mean per-token policy entropy (nats) of the latest step",
+                ["run_id"])
 QUEUE_DEPTH = Gauge("furlong_trainer_queue_depth", "Sample groups in the run's stream not yet "
                     "acknowledged by the trainer (undelivered + pending)", ["run_id"])

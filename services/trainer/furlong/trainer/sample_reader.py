@@ -9,6 +9,7 @@ never trained on and never blocks the stream; every other entry is kept.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -16,9 +17,27 @@ from typing import Callable
 
 import redis
 
-from furlong.core.samples import STREAM_FIELD, TRAINER_GROUP, SampleGroup, stream_key
+from furlong.core.samples import STREAM_FIELD, TRAINER_GROUP, Sample, SampleGroup, stream_key
 
 log = logging.getLogger(__name__)
+
+
+def _name_the_sample(exc: ValueError, data: bytes | None) -> str:
+    """The error, prefixed with the sample that caused it when the message does not name one
+    (e.g. a sampling mask whose offsets are misaligned knows nothing of its sample)."""
+    message = str(exc)
+    if data is None or message.startswith("sample "):
+        return message
+    try:
+        samples = json.loads(data).get("samples", [])
+        for raw in samples:
+            try:
+                Sample.from_dict(raw)
+            except (ValueError, TypeError, AttributeError):
+                return f"sample {raw.get('sample_id', '?')!r}: {message}"
+    except (ValueError, AttributeError, TypeError):
+        pass
+    return message
 
 
 def rejected_key(run_id: str) -> str:
@@ -109,7 +128,7 @@ class SampleReader:
                 self._validate(group)
             return group
         except ValueError as exc:
-            reason = f"entry {entry_id.decode()}: {exc}"
+            reason = f"entry {entry_id.decode()}: {_name_the_sample(exc, fields.get(STREAM_FIELD))}"
             log.error("rejecting sample group: %s", reason)
             pipe = self._redis.pipeline()
             pipe.xadd(rejected_key(self._run_id), {b"entry_id": entry_id, b"reason": reason.encode(),

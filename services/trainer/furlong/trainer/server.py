@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from furlong.rpc import rpc_errors
 from furlong.trainer.core.learner import LearnerConfig
+from furlong.trainer.core.objectives import ALGORITHMS
 from furlong.trainer.service import TrainerService
 from furlong.v1 import trainer_pb2, trainer_pb2_grpc
 
 SERVICE_NAME = "furlong.v1.Trainer"
-SUPPORTED_ALGORITHMS = ("grpo",)
+SUPPORTED_ALGORITHMS = ALGORITHMS
+_OPTIONAL = ("is_high", "gamma", "gae_lambda", "value_coef", "value_clip")  # unset = LearnerConfig default
 
 
 def learner_config(request: trainer_pb2.ConfigureRunRequest) -> LearnerConfig:
@@ -21,6 +23,10 @@ def learner_config(request: trainer_pb2.ConfigureRunRequest) -> LearnerConfig:
         max_grad_norm=algo.max_grad_norm, epochs_per_batch=algo.epochs_per_batch,
         micro_batch_size=algo.micro_batch_size, adam_beta1=algo.adam_beta1,
         adam_beta2=algo.adam_beta2, temperature=request.sampling_temperature, seed=request.seed,
+        algorithm=algo.name, clip_eps_high=algo.clip_eps_high, loss_aggregation=algo.loss_aggregation,
+        kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator or "k3", kl_mode=algo.kl_mode or "loss",
+        entropy_coef=algo.entropy_coef, off_policy=algo.off_policy or "none", is_low=algo.is_low,
+        **{name: getattr(algo, name) for name in _OPTIONAL if algo.HasField(name)},
     )
 
 

@@ -1,5 +1,9 @@
 """The trainer service's domain object: one `Learner` and one `WeightPublisher` per configured run,
 fed from the run's Redis stream. No gRPC here; `server.py` is the transport.
+
+With a `checkpoint_root`, every step is written as a training checkpoint (`train_checkpoint`) to
+`<root>/<run_id>` before its stream entries are acknowledged, and `configure_run` resumes a run
+from its checkpoint when one exists (policy, optimizer, RNG, step and version).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from furlong.core.weights import WeightLayout
 from furlong.trainer import metrics
 from furlong.trainer.core.learner import Learner, LearnerConfig, StepStats
 from furlong.trainer.sample_reader import SampleReader
+from furlong.trainer.train_checkpoint import MANIFEST, load_training_checkpoint, save_training_checkpoint
 from furlong.weight_broker.client import BrokerClient
 from furlong.weight_broker.publisher import PublishResult, WeightPublisher
 
@@ -45,8 +50,10 @@ class TrainerService:
 
     def __init__(self, redis_client: redis.Redis, broker: BrokerClient, consumer_name: str,
                  agent_name_prefix: str = "trainer",
-                 publisher_factory: Callable[..., WeightPublisher] = WeightPublisher):
+                 publisher_factory: Callable[..., WeightPublisher] = WeightPublisher,
+                 checkpoint_root: str | Path | None = None):
         self._redis = redis_client
+        self._checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self._broker = broker
         self._consumer = consumer_name
         self._agent_prefix = agent_name_prefix
@@ -70,6 +77,12 @@ class TrainerService:
         torch.manual_seed(config.seed)
         model, _ = load_policy(path)
         learner = Learner(model, config)
+        last_step = 0
+        resume = self._checkpoint_dir(run_id)
+        if resume is not None and (resume / MANIFEST).is_file():
+            info = load_training_checkpoint(learner, resume)
+            last_step = info.step
+            log.info("run %s: resumed from %s at step %d, version %d", run_id, resume, info.step, info.version)
         state = learner.state_dict()
         layout = WeightLayout.from_state_dict(state)
         publisher = self._publisher_factory(self._broker, run_id, layout,
@@ -78,7 +91,8 @@ class TrainerService:
         run = _Run(run_id=run_id, learner=learner, publisher=publisher,
                    reader=SampleReader(self._redis, run_id, self._consumer,
                                        validate=learner.check_group),
-                   total_steps=total_steps, num_parameters=num_parameters, lock=threading.Lock())
+                   total_steps=total_steps, num_parameters=num_parameters, lock=threading.Lock(),
+                   last_step=last_step)
         with self._lock:
             if run_id in self._runs:
                 publisher.close()
@@ -87,6 +101,9 @@ class TrainerService:
         log.info("run %s: %d parameters from %s, %d bytes per version", run_id, num_parameters,
                  model_dir, layout.total_bytes)
         return learner.version, num_parameters
+
+    def _checkpoint_dir(self, run_id: str) -> Path | None:
+        return None if self._checkpoint_root is None else self._checkpoint_root / run_id
 
     def _run(self, run_id: str) -> _Run:
         with self._lock:
@@ -107,6 +124,11 @@ class TrainerService:
             batch = run.reader.read(num_groups, timeout_s)
             trainer_version = run.learner.version
             stats = run.learner.train_step(batch.groups)
+            checkpoint = self._checkpoint_dir(run_id)
+            if checkpoint is not None:  # durable before the samples are acknowledged
+                save_training_checkpoint(run.learner, checkpoint, step,
+                                         {"step": step, "entry_ids": [e.decode() if isinstance(e, bytes)
+                                                                      else str(e) for e in batch.entry_ids]})
             run.reader.ack(batch.entry_ids)
             run.last_step = step
             seconds = time.perf_counter() - started
@@ -122,6 +144,8 @@ class TrainerService:
         metrics.POLICY_VERSION.labels(**labels).set(run.learner.version)
         metrics.APPROX_KL.labels(**labels).set(stats.approx_kl)
         metrics.GRAD_NORM.labels(**labels).set(stats.grad_norm)
+        metrics.LOGPROB_ABS_DIFF.labels(**labels).set(stats.logprob_abs_diff)
+        metrics.ENTROPY.labels(**labels).set(stats.entropy)
         for group in batch.groups:
             for sample in group.samples:
                 metrics.SAMPLE_STALENESS.observe(trainer_version - sample.policy_version)

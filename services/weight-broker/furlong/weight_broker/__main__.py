@@ -19,6 +19,7 @@ from typing import Sequence
 
 from prometheus_client import REGISTRY, start_http_server
 
+from furlong import rpc
 from furlong.rpc import start_server
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.config import BrokerConfig
@@ -34,6 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = BrokerConfig.from_args(argv)
     logging.basicConfig(level=config.logging_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        rpc.use_auth_token(rpc.read_auth_token_file(config.auth_token_file or None))
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda received, frame: stop.set())

@@ -27,6 +27,7 @@ class BrokerConfig:
     ack_timeout_s: float = 60.0   # an engine that has not acknowledged the current stage is fenced
     relay_runs: tuple[str, ...] = ()   # runs this process relays (trainers publish to <run>~upstream)
     log_level: str = "INFO"
+    auth_token_file: str = ""     # "" = gRPC unauthenticated; else the shared service token's file
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -60,12 +61,14 @@ class BrokerConfig:
                             help="hold run RUN's latest version here (repeatable); its trainer "
                                  "publishes to RUN~upstream")
         parser.add_argument("--log-level", default=cls.log_level, type=str.upper)
+        parser.add_argument("--auth-token-file", default="",
+                            help="file with the shared token every gRPC call must carry")
         args = parser.parse_args(argv)
         try:
             return cls(host=args.host, port=args.port, metrics_port=args.metrics_port,
                        max_workers=args.max_workers, max_ack_attempts=args.max_ack_attempts,
                        ack_timeout_s=args.ack_timeout_s, relay_runs=tuple(args.relay_runs),
-                       log_level=args.log_level)
+                       log_level=args.log_level, auth_token_file=args.auth_token_file)
         except ValueError as exc:
             parser.error(str(exc))   # exits with status 2 and the message
 

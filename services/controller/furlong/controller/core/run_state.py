@@ -2,13 +2,15 @@
 
     pending  -> starting | cancelled (stopped while pending) | failed
     starting -> running | stopping (stopped while configuring) | failed
-    running  -> stopping | failed
+    running  -> paused | stopping | failed
+    paused   -> running | stopping | failed
     stopping -> succeeded | failed | cancelled
 
 `stopping` is the teardown phase (EndRun on every service), entered both after the last step and
 after a stop request; the terminal state says why the run ended. A stop request on a started run is
-recorded as `stop_requested` and acted on by the run's driver between phases. `-> failed` from
-pending, starting or running is for runs a restarted controller finds orphaned. Knows nothing about
+recorded as `stop_requested`, a pause request as `pause_requested`; the run's driver acts on both
+between phases (it enters `paused` before the next step and leaves it when the request is
+cleared). `-> failed` from pending, starting, running or paused is for runs a restarted controller finds orphaned. Knows nothing about
 Redis or HTTP.
 """
 
@@ -27,6 +29,7 @@ class RunState(str, enum.Enum):
     PENDING = "pending"
     STARTING = "starting"
     RUNNING = "running"
+    PAUSED = "paused"
     STOPPING = "stopping"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -45,12 +48,14 @@ class RunState(str, enum.Enum):
 
 
 TERMINAL_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED})
-ACTIVE_STATES = frozenset({RunState.STARTING, RunState.RUNNING, RunState.STOPPING})
+ACTIVE_STATES = frozenset({RunState.STARTING, RunState.RUNNING, RunState.PAUSED,
+                           RunState.STOPPING})
 
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     RunState.PENDING: frozenset({RunState.STARTING, RunState.CANCELLED, RunState.FAILED}),
     RunState.STARTING: frozenset({RunState.RUNNING, RunState.STOPPING, RunState.FAILED}),
-    RunState.RUNNING: frozenset({RunState.STOPPING, RunState.FAILED}),
+    RunState.RUNNING: frozenset({RunState.PAUSED, RunState.STOPPING, RunState.FAILED}),
+    RunState.PAUSED: frozenset({RunState.RUNNING, RunState.STOPPING, RunState.FAILED}),
     RunState.STOPPING: frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED}),
     RunState.SUCCEEDED: frozenset(),
     RunState.FAILED: frozenset(),
@@ -82,6 +87,7 @@ class Run:
     current_step: int = 0
     policy_version: int = 0
     stop_requested: bool = False
+    pause_requested: bool = False
 
     def transitioned(self, target: RunState, now: float, reason: str | None = None) -> "Run":
         """This run moved to target at time now; raises ConflictError for an illegal move."""
@@ -100,6 +106,7 @@ class Run:
             "started_at": self.started_at, "finished_at": self.finished_at,
             "current_step": self.current_step, "total_steps": self.spec.steps,
             "policy_version": self.policy_version, "stop_requested": self.stop_requested,
+            "pause_requested": self.pause_requested,
             "spec": self.spec.to_dict(),
         }
 
@@ -113,4 +120,5 @@ class Run:
             current_step=int(data.get("current_step", 0)),
             policy_version=int(data.get("policy_version", 0)),
             stop_requested=bool(data.get("stop_requested", False)),
+            pause_requested=bool(data.get("pause_requested", False)),
         )

@@ -18,8 +18,17 @@ def _number(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+def _mismatch(trainer: Mapping[str, Any]) -> float | None:
+    direct = _number(trainer.get("logprob_abs_diff"))
+    if direct is not None:
+        return direct
+    ratio = _number(trainer.get("ratio_mean"))
+    return None if ratio is None else ratio - 1.0
+
+
 def run_series(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """reward, loss, kl, mismatch (importance-ratio mean minus 1), staleness (versions between the
+    """reward, loss, kl, mismatch (mean |logp_train - logp_rollout| per token, or the importance-ratio
+    mean minus 1 for records from trainers that do not report it), staleness (versions between the
     policy at step start and the one the samples were drawn with), throughput (generated tokens per
     second), and the weight-sync timeline (each step's sync phase on the run's wall clock)."""
     series: dict[str, list[Point]] = {k: [] for k in
@@ -34,8 +43,7 @@ def run_series(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "reward": _number(record.get("reward_mean")),
             "loss": _number(record.get("loss")),
             "kl": _number(trainer.get("approx_kl")),
-            "mismatch": None if _number(trainer.get("ratio_mean")) is None
-            else trainer["ratio_mean"] - 1.0,
+            "mismatch": _mismatch(trainer),
         }
         sampled = _number(record.get("sampled_policy_version"))
         if sampled is not None:

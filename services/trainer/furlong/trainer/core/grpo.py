@@ -1,5 +1,7 @@
-"""GRPO's pieces as pure torch functions: group-normalised advantages, per-token log-probs under the
-sampling distribution, and the PPO clipped surrogate with token-level aggregation.
+"""GRPO's pieces as plain padded (batch, T) torch functions: group-normalised advantages, dense
+per-token log-probs under the sampling distribution, and the PPO clipped surrogate with token-level
+aggregation. They are the reference forms of what the learner computes on flat response tokens with
+`furlong.trainer.logprobs.log_probs_with_support` and `objectives`.
 
 Knows nothing about models, batches, samples or optimizers; shapes are documented per function.
 """
@@ -8,29 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from furlong.trainer.core.objectives import group_advantages
 
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(r - group mean) / (group population std + eps) for `rewards` of shape (groups, n).
-
-    A group whose rewards are all equal gets advantage 0 for every sample.
-    """
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must have shape (groups, n), got {tuple(rewards.shape)}")
-    if rewards.numel() == 0:
-        raise ValueError(f"rewards must be non-empty, got shape {tuple(rewards.shape)}")
-    if not rewards.is_floating_point():
-        raise ValueError(f"rewards must be floating point, got {rewards.dtype}")
-    if not torch.isfinite(rewards).all():
-        raise ValueError("rewards must all be finite")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    mean = rewards.mean(dim=1, keepdim=True)
-    centered = rewards - mean
-    std = centered.pow(2).mean(dim=1, keepdim=True).sqrt()
-    adv = centered / (std + eps)
-    # Exactly zero for constant groups, whatever eps is (eps = 0 would otherwise give 0/0).
-    constant = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(constant, torch.zeros_like(adv), adv)
+__all__ = ["clipped_policy_loss", "group_advantages", "token_logprobs"]
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,

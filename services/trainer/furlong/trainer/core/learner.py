@@ -1,24 +1,30 @@
-"""The learner: owns the policy model and its AdamW optimizer and turns one batch of sample groups
-into one optimizer step per epoch (GRPO advantages, PPO clipped objective, token-level mean).
+"""The learner: owns the policy model (plus, when the objective needs them, a frozen reference
+model and a value model) and its AdamW optimizer, and turns one batch of sample groups into one
+optimizer step per epoch with the configured objective (see `objectives`).
 
-Knows nothing of Redis, gRPC, checkpoints or publishing: it takes `SampleGroup`s and returns
+Knows nothing of Redis, gRPC, checkpoint files or publishing: it takes `SampleGroup`s and returns
 `StepStats`. The old log-probs are the rollout's sampling log-probs, so no extra forward pass runs
-before training; samples whose advantage is exactly zero add nothing to the gradient and are not
-forwarded at all (they still count in the token-level denominator).
+before training; with an off-policy correction (TIS/MIS) the trainer's own pre-step log-probs are
+taken from the first epoch's forward pass. Samples whose advantage is exactly zero add nothing to
+the gradient of an advantage-only objective and are then not forwarded at all (they still count in
+the aggregation denominators). Log-probs are taken over each token's sampling support.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
+import torch.distributed as dist
 
-from furlong.core.samples import Sample, SampleGroup
-from furlong.trainer.core.grpo import clipped_policy_loss, group_advantages, token_logprobs
+from furlong.core.samples import SampleGroup
+from furlong.trainer.core.batch import MicroBatch, build_micro_batch, split_per_row
+from furlong.trainer.core.objectives import ObjectiveConfig
+from furlong.trainer.core.scoring import Scorer
+from furlong.trainer.core.step import StepMath, plan_rows
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,21 @@ class LearnerConfig:
     adam_beta2: float = 0.999
     temperature: float = 1.0         # the sampler's temperature; log-probs are taken under it
     seed: int = 0
+    # The objective (see objectives.ObjectiveConfig for each field's meaning).
+    algorithm: str = "grpo"
+    clip_eps_high: float = 0.0
+    loss_aggregation: str = ""
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_mode: str = "loss"
+    entropy_coef: float = 0.0
+    off_policy: str = "none"
+    is_low: float = 0.0
+    is_high: float = 2.0
+    gamma: float = 1.0
+    gae_lambda: float = 1.0
+    value_coef: float = 0.5
+    value_clip: float = 0.2
 
     def __post_init__(self) -> None:
         _check_number("learning_rate", self.learning_rate, 0.0, low_open=True)
@@ -62,6 +83,12 @@ class LearnerConfig:
         _check_number("adam_beta2", self.adam_beta2, 0.0, 1.0)
         _check_number("temperature", self.temperature, 0.0, low_open=True)
         _check_int("seed", self.seed, 0)
+        self.objective  # validates the objective fields
+
+    @property
+    def objective(self) -> ObjectiveConfig:
+        names = {f.name for f in fields(ObjectiveConfig)}
+        return ObjectiveConfig(**{k: v for k, v in asdict(self).items() if k in names})
 
 
 @dataclass(frozen=True)
@@ -75,23 +102,22 @@ class StepStats:
     ratio_mean: float
     grad_norm: float             # before clipping; mean over epochs
     step_seconds: float
-    approx_kl: float = 0.0       # k3 estimate of KL(sampler || policy) over trained tokens
-    num_trained_samples: int = 0  # samples with a non-zero advantage (the only ones forwarded)
+    approx_kl: float = 0.0       # k3 estimate of KL(rollout || policy) over trained tokens
+    num_trained_samples: int = 0  # samples forwarded (with a non-zero advantage unless all matter)
+    ratio_std: float = 0.0       # spread of the importance ratio over trained tokens
+    logprob_abs_diff: float = 0.0  # mean |logp_train - logp_rollout|
+    entropy: float = 0.0         # mean policy entropy (full vocabulary) over trained tokens
+    kl_ref: float = 0.0          # mean KL(policy || reference) estimate (when a reference is used)
+    is_weight_mean: float = 1.0  # mean off-policy (TIS/MIS) weight
+    is_masked_fraction: float = 0.0  # share of tokens MIS dropped
+    value_loss: float = 0.0      # PPO only
 
     def as_metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}
 
 
-@dataclass(frozen=True)
-class _Row:
-    """One trainable sequence: prompt + response, its sampler log-probs and its advantage."""
-
-    sample: Sample
-    advantage: float
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.sample.prompt_token_ids + self.sample.response_token_ids
+_WEIGHTED = ("clip_fraction", "ratio_mean", "ratio_std", "approx_kl", "logprob_abs_diff", "entropy",
+             "kl_ref", "is_weight_mean", "is_masked_fraction")
 
 
 def _validate(groups: list[SampleGroup], vocab_size: int | None, version: int) -> None:
@@ -125,91 +151,108 @@ def _validate(groups: list[SampleGroup], vocab_size: int | None, version: int) -
                                      f"vocabulary [0, {vocab_size})")
 
 
-def _advantages(groups: list[SampleGroup]) -> list[list[float]]:
-    # Per group, so that groups of different sizes are each normalised on their own.
-    return [group_advantages(torch.tensor([g.rewards], dtype=torch.float64))[0].tolist() for g in groups]
-
-
 class Learner:
     """Owns the policy model and its AdamW optimizer; one call = one RL step. Knows nothing of Redis or gRPC.
 
     Not thread-safe: one train_step at a time. The forward runs in eval() mode (no dropout), so the
-    policy's log-probs are comparable with the sampler's.
+    policy's log-probs are comparable with the sampler's. With kl_coef > 0 a frozen copy of the
+    initial policy is the reference; with algorithm "ppo" a `ValueModel` is trained alongside.
     """
 
-    def __init__(self, model: torch.nn.Module, config: LearnerConfig, *, version: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, config: LearnerConfig, *, version: int = 0,
+                 data_parallel_group: object | None = None) -> None:
+        """`data_parallel_group` (a torch.distributed group): every rank passes the same batch to
+        `train_step`, forwards every world-th row and gradients are summed over the group before
+        each optimizer step — the update equals the single-process one (up to summation order)."""
         _check_int("version", version, 0)
+        self._dp_group = data_parallel_group
         self.model = model
         self.config = config
+        self.objective = config.objective
         self.version = version
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters")
-        self._params = params
-        self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
+        self.scorer = Scorer(model, config.temperature, self.objective)
+        self._params = params + self.scorer.trainable_extra_parameters()
+        self.optimizer = torch.optim.AdamW(self._params, lr=config.learning_rate,
+                                           weight_decay=config.weight_decay,
                                            betas=(config.adam_beta1, config.adam_beta2))
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         self.vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
-        forward_params = inspect.signature(model.forward).parameters
-        self._can_trim_logits = "logits_to_keep" in forward_params
-        self._pass_use_cache = "use_cache" in forward_params
+        self._math = StepMath(self.objective)
         model.eval()
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        return self.scorer.reference
+
+    @property
+    def critic(self) -> torch.nn.Module | None:
+        return self.scorer.critic
 
     def check_group(self, group: SampleGroup) -> None:
         """ValueError naming the sample when a group cannot be trained on by this learner."""
         _validate([group], self.vocab_size, self.version)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's tensors to publish, detached and contiguous. They alias the live parameters
+        """The policy's tensors to publish, detached and contiguous. They alias the live parameters
         (no copy), so the next train_step changes them in place."""
         return {name: t.detach().contiguous() for name, t in self.model.state_dict().items()}
 
     def train_step(self, groups: list[SampleGroup]) -> StepStats:
         started = time.perf_counter()
         _validate(groups, self.vocab_size, self.version)
-        advantages = _advantages(groups)
         samples = [s for g in groups for s in g.samples]
-        num_tokens = sum(len(s.response_token_ids) for s in samples)
-        rows = [_Row(s, a) for g, adv in zip(groups, advantages) for s, a in zip(g.samples, adv) if a != 0.0]
+        size = self.config.micro_batch_size
+        rows, denominators = plan_rows(groups, self.objective, self.scorer, size)
         # Longest first, so each micro-batch pads as little as possible.
         rows.sort(key=lambda r: len(r.token_ids), reverse=True)
-        size = self.config.micro_batch_size
-        micro_batches = [rows[i:i + size] for i in range(0, len(rows), size)]
-
-        totals = {"loss": 0.0, "grad_norm": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0}
-        if micro_batches:
+        num_rows = len(rows)
+        if self._dp_group is not None:
+            rows = rows[dist.get_rank(self._dp_group)::dist.get_world_size(self._dp_group)]
+        micro_batches = [build_micro_batch(rows[i:i + size]) for i in range(0, len(rows), size)]
+        totals = dict.fromkeys(("loss", "grad_norm", "value_loss") + _WEIGHTED, 0.0)
+        if num_rows:
             for epoch in range(self.config.epochs_per_batch):
-                epoch_stats = self._epoch(micro_batches, num_tokens, epoch)
+                epoch_stats = self._epoch(micro_batches, denominators, epoch)
                 for key in totals:
                     totals[key] += epoch_stats[key] / self.config.epochs_per_batch
         else:
             # No sample carries a learning signal: leave the policy (and Adam's moments) untouched.
-            totals["ratio_mean"] = 1.0
+            totals.update(ratio_mean=1.0, is_weight_mean=1.0)
             log.info("step at version %d: every group has equal rewards; no optimizer step", self.version)
         self.version += 1
         stats = StepStats(
-            loss=totals["loss"], reward_mean=sum(s.reward for s in samples) / len(samples),
-            num_samples=len(samples), num_groups=len(groups), num_tokens=num_tokens,
-            clip_fraction=totals["clip_fraction"], ratio_mean=totals["ratio_mean"],
-            grad_norm=totals["grad_norm"], step_seconds=time.perf_counter() - started,
-            approx_kl=totals["approx_kl"], num_trained_samples=len(rows))
+            reward_mean=sum(s.reward for s in samples) / len(samples), num_samples=len(samples),
+            num_groups=len(groups), num_tokens=sum(len(s.response_token_ids) for s in samples),
+            step_seconds=time.perf_counter() - started, num_trained_samples=num_rows, **totals)
         log.debug("version %d: %s", self.version, stats)
         return stats
 
-    def _epoch(self, micro_batches: list[list[_Row]], num_tokens: int, epoch: int) -> dict[str, float]:
+    def _epoch(self, micro_batches: list[MicroBatch], denominators, epoch: int) -> dict[str, float]:
         """Accumulate the gradient of the whole batch over its micro-batches, then step once."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, trained_tokens = 0.0, 0.0
-        weighted = {"clip_fraction": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0}
+        loss_sum, value_loss_sum, trained_tokens = 0.0, 0.0, 0
+        weighted = dict.fromkeys(_WEIGHTED, 0.0)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed * 1_000_003 + self.version * 1_009 + epoch)
-            for rows in micro_batches:
-                loss, stats = self._micro_batch_loss(rows, num_tokens)
-                loss.backward()
+            for mb in micro_batches:
+                logp, entropy = self.scorer.policy_logprobs(mb)
+                if epoch == 0 and self.objective.off_policy != "none":
+                    for row, old in zip(mb.rows, split_per_row(logp.detach(), mb)):
+                        row.old_logprobs = old
+                values = self.scorer.values(mb) if self.scorer.critic is not None else None
+                loss, value_loss, stats = self._math.loss(mb, logp, entropy, values, denominators)
+                (loss + value_loss).backward()
                 loss_sum += loss.item()
-                trained_tokens += stats["num_tokens"]
+                value_loss_sum += value_loss.item()
+                trained_tokens += mb.num_tokens
                 for key in weighted:
-                    weighted[key] += stats[key] * stats["num_tokens"]
+                    weighted[key] += stats[key] * mb.num_tokens
+        if self._dp_group is not None:
+            loss_sum, value_loss_sum, trained_tokens = self._all_reduce_gradients_and_stats(
+                weighted, loss_sum, value_loss_sum, trained_tokens)
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
         if not math.isfinite(grad_norm):
@@ -217,47 +260,25 @@ class Learner:
             raise FloatingPointError(f"gradient norm is {grad_norm} at version {self.version}; step skipped")
         self.optimizer.step()
         out = {key: value / trained_tokens for key, value in weighted.items()}
-        out.update(loss=loss_sum, grad_norm=grad_norm)
+        out.update(loss=loss_sum, grad_norm=grad_norm, value_loss=value_loss_sum)
         return out
 
-    def _micro_batch_loss(self, rows: list[_Row], num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
-        # The last token is never an input: position t's logits predict token t + 1.
-        lengths = [len(r.token_ids) - 1 for r in rows]
-        width = max(lengths)
-        first = min(len(r.sample.prompt_token_ids) for r in rows) - 1  # first predicting position
-        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-        attention = torch.zeros(len(rows), width, dtype=torch.long)
-        targets = torch.zeros(len(rows), width, dtype=torch.long)
-        old = torch.zeros(len(rows), width, dtype=torch.float32)
-        mask = torch.zeros(len(rows), width, dtype=torch.bool)
-        support = None
-        for i, (row, length) in enumerate(zip(rows, lengths)):
-            ids = torch.tensor(row.token_ids, dtype=torch.long)
-            p, r = len(row.sample.prompt_token_ids), len(row.sample.response_token_ids)
-            input_ids[i, :length] = ids[:-1]
-            attention[i, :length] = 1
-            targets[i, :length] = ids[1:]
-            old[i, p - 1:p - 1 + r] = torch.tensor(row.sample.response_logprobs, dtype=torch.float32)
-            mask[i, p - 1:p - 1 + r] = True
-            rows_support = row.sample.sampling_support
-            if support is None and int(rows_support.offsets[-1]) != r * rows_support.vocab_size:
-                support = torch.ones(len(rows), width, rows_support.vocab_size, dtype=torch.bool)
-        if support is not None:
-            for i, row in enumerate(rows):
-                p = len(row.sample.prompt_token_ids)
-                for j, allowed in enumerate(row.sample.sampling_support.to_lists()):
-                    support[i, p - 1 + j].zero_()
-                    support[i, p - 1 + j, allowed] = True
-        kwargs: dict = {"input_ids": input_ids, "attention_mask": attention}
-        if self._pass_use_cache:
-            kwargs["use_cache"] = False
-        if self._can_trim_logits:
-            kwargs["logits_to_keep"] = width - first  # prompt positions before `first` need no logits
-        logits = self.model(**kwargs).logits
-        keep = logits.shape[1]
-        sl = slice(width - keep, width)
-        logprobs = token_logprobs(logits, targets[:, sl], self.config.temperature,
-                                  None if support is None else support[:, sl])
-        adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-        return clipped_policy_loss(logprobs, old[:, sl], adv, mask[:, sl], self.config.clip_eps,
-                                   num_tokens=num_tokens)
+    def _all_reduce_gradients_and_stats(self, weighted: dict[str, float], loss_sum: float,
+                                        value_loss_sum: float, trained_tokens: int) -> tuple[float, float, int]:
+        """Sum gradients (each rank's loss is its share of the batch loss) and statistics over the group."""
+        for p in self._params:
+            if p.grad is None:  # a rank without rows, or a parameter its rows did not reach
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in self._params])
+        dist.all_reduce(flat, group=self._dp_group)
+        offset = 0
+        for p in self._params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        keys = list(weighted)
+        totals = torch.tensor([weighted[k] for k in keys] + [loss_sum, value_loss_sum, float(trained_tokens)],
+                              dtype=torch.float64)
+        dist.all_reduce(totals, group=self._dp_group)
+        for i, key in enumerate(keys):
+            weighted[key] = float(totals[i])
+        return float(totals[-3]), float(totals[-2]), int(totals[-1])

@@ -1,0 +1,134 @@
+"""Schemas of the REST API's bodies, for validation of responses and the served OpenAPI document.
+
+The run spec's JSON schema is derived from the `run_spec` dataclasses (field names, JSON types,
+required fields, no unknown fields); ranges are checked by `parse_run_spec` and answered with 422.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+from furlong.controller.core.run_state import RunState
+from furlong.controller import run_spec as _spec
+
+_JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
+
+
+def spec_schema(cls: type = _spec.RunSpec) -> dict[str, Any]:
+    """JSON schema of a spec dataclass, recursively."""
+    properties: dict[str, Any] = {}
+    required = []
+    for f in dataclasses.fields(cls):
+        type_name = f.type if isinstance(f.type, str) else f.type.__name__
+        nested = getattr(_spec, type_name, None)
+        if type_name in _JSON_TYPES:
+            properties[f.name] = {"type": _JSON_TYPES[type_name]}
+        elif dataclasses.is_dataclass(nested):
+            properties[f.name] = spec_schema(nested)
+        else:
+            properties[f.name] = {}
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            required.append(f.name)
+    schema: dict[str, Any] = {"type": "object", "properties": properties,
+                              "additionalProperties": False}
+    if required:
+        schema["required"] = required
+    return schema
+
+
+class RunModel(BaseModel):
+    run_id: str
+    name: str
+    state: RunState
+    reason: str
+    created_at: float
+    updated_at: float
+    started_at: Optional[float]
+    finished_at: Optional[float]
+    current_step: int
+    total_steps: int
+    policy_version: int
+    stop_requested: bool
+    pause_requested: bool
+    spec: dict[str, Any]
+
+
+class RunPage(BaseModel):
+    runs: list[RunModel]
+    next_cursor: Optional[str]
+
+
+class StepsPage(BaseModel):
+    run_id: str
+    since: int
+    steps: list[dict[str, Any]]
+
+
+class Engine(BaseModel):
+    engine_id: str
+    policy_version: int
+    healthy: bool
+
+
+class EnginesPage(BaseModel):
+    run_id: Optional[str]
+    engines: list[Engine]
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details; `field` names a bad value, `errors` lists a malformed request's."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    title: str
+    status: int
+    detail: str
+    instance: str
+    field: Optional[str] = None
+    errors: Optional[list[dict[str, Any]]] = None
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Readiness(BaseModel):
+    ready: bool
+    checks: dict[str, bool]
+
+
+def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for problem+json answers with these status codes."""
+    ref = {"schema": {"$ref": "#/components/schemas/Problem"}}
+    return {code: {"model": Problem, "content": {"application/problem+json": ref}}
+            for code in codes}
+
+
+_PROBLEM_CONTENT = {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
+
+
+def finish_openapi(document: dict[str, Any]) -> dict[str, Any]:
+    """Make every error answer of the document problem+json (FastAPI documents its own 422 body)
+    and list the errors any `/v1` operation can get: 401 and 422 always, 403 for changes, 413
+    for bodies."""
+    for path, operations in document.get("paths", {}).items():
+        for method, operation in operations.items():
+            responses = operation.setdefault("responses", {})
+            if path.startswith("/v1/"):
+                needed = ["401", "422", "503"]
+                if method != "get":
+                    needed.append("403")
+                if method in ("post", "put", "patch"):
+                    needed.append("413")
+                for code in needed:
+                    responses.setdefault(code, {"description": "problem"})
+            for code, response in responses.items():
+                if code.isdigit() and int(code) >= 400 and path.startswith("/v1/"):
+                    response["content"] = dict(_PROBLEM_CONTENT)
+    schemas = document.get("components", {}).get("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    return document

@@ -1,0 +1,70 @@
+"""Forward passes of the learner's models over a `MicroBatch`: the policy's per-token log-probs
+(over each token's sampling support) and entropy, the frozen reference's log-probs, and the value
+model's per-token values. Knows nothing about objectives or optimizers.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+
+from furlong.trainer.core.batch import MicroBatch
+from furlong.trainer.core.objectives import ObjectiveConfig
+from furlong.trainer.core.value import ValueModel
+from furlong.trainer.logprobs import SupportViolation, log_probs_with_support
+
+
+class Scorer:
+    def __init__(self, model: torch.nn.Module, temperature: float, objective: ObjectiveConfig):
+        self.model = model
+        self.temperature = temperature
+        forward_params = inspect.signature(model.forward).parameters
+        self._can_trim_logits = "logits_to_keep" in forward_params
+        self._pass_use_cache = "use_cache" in forward_params
+        self.reference: torch.nn.Module | None = None
+        if objective.uses_reference:
+            self.reference = copy.deepcopy(model).eval()
+            self.reference.requires_grad_(False)
+        self.critic: ValueModel | None = ValueModel(model).eval() if objective.algorithm == "ppo" else None
+
+    def trainable_extra_parameters(self) -> list[torch.nn.Parameter]:
+        return [] if self.critic is None else [p for p in self.critic.parameters() if p.requires_grad]
+
+    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        kwargs: dict = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask}
+        if self._pass_use_cache:
+            kwargs["use_cache"] = False
+        if self._can_trim_logits:
+            kwargs["logits_to_keep"] = mb.width - mb.first  # prompt positions before `first` need no logits
+        return model(**kwargs).logits
+
+    def _logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self._logits(model, mb)
+        try:
+            out = log_probs_with_support(logits, mb.targets, mb.support, self.temperature,
+                                         positions=mb.positions(logits.shape[1]))
+        except SupportViolation as exc:
+            row = mb.rows[int(mb.seq[exc.row])]
+            position = exc.row - int((mb.seq < mb.seq[exc.row]).sum())
+            raise ValueError(f"sample {row.sample.sample_id}: token {exc.token_id} at response position "
+                             f"{position} is outside its sampling support") from None
+        return out.logprobs.float(), out.entropy.float()
+
+    def policy_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropy), each (N,), differentiable w.r.t. the policy."""
+        return self._logprobs(self.model, mb)
+
+    @torch.no_grad()
+    def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        if self.reference is None:
+            raise ValueError("this objective has no reference model (kl_coef is 0)")
+        return self._logprobs(self.reference, mb)[0]
+
+    def values(self, mb: MicroBatch) -> torch.Tensor:
+        """(N,) value of the state before each response token (the position that predicts it)."""
+        if self.critic is None:
+            raise ValueError("this objective has no value model (algorithm is not ppo)")
+        values = self.critic(mb.input_ids, mb.attention_mask)
+        return values.reshape(-1).index_select(0, mb.positions(values.shape[1]))

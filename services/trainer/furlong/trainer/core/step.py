@@ -1,0 +1,125 @@
+"""One RL step's arithmetic: which rows are trained and with what per-token targets (rewards, KL
+penalty, advantages, returns), and the loss of a micro-batch under the configured objective.
+
+`plan_rows` runs the no-grad passes the objective needs (reference log-probs, old values) before
+the first epoch; `StepMath.loss` is pure tensor math on one micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from furlong.core.samples import SampleGroup
+from furlong.trainer.core.batch import MicroBatch, Row, build_micro_batch, split_per_row
+from furlong.trainer.core.objectives import (ObjectiveConfig, clipped_value_loss, gae, group_advantages,
+                                             importance_weights, kl_estimate, policy_loss,
+                                             reinforce_pp_advantages, token_weights)
+
+
+@dataclass(frozen=True)
+class Denominators:
+    """Batch-wide counts the aggregation divides by, shared by every micro-batch of the batch."""
+
+    batch_tokens: int
+    batch_sequences: int
+    max_length: int
+
+
+def _scalar_advantages(groups: list[SampleGroup], rewards: list[list[float]],
+                       objective: ObjectiveConfig) -> list[list[float]]:
+    if objective.algorithm == "reinforce_pp":
+        lengths = [[len(s.response_token_ids) for s in g.samples] for g in groups]
+        return reinforce_pp_advantages(rewards, lengths)
+    scale = objective.algorithm != "dr_grpo"
+    # Per group, so that groups of different sizes are each normalised on their own.
+    return [group_advantages(torch.tensor([r], dtype=torch.float64), scale=scale)[0].tolist() for r in rewards]
+
+
+def _chunks(rows: list[Row], size: int):
+    for i in range(0, len(rows), size):
+        mb = build_micro_batch(rows[i:i + size])
+        yield mb
+
+
+def plan_rows(groups: list[SampleGroup], objective: ObjectiveConfig, scorer, micro_batch_size: int
+              ) -> tuple[list[Row], Denominators]:
+    samples = [s for g in groups for s in g.samples]
+    rows = [Row(s, torch.zeros(len(s.response_token_ids))) for s in samples]
+    if objective.uses_reference:
+        for mb in _chunks(rows, micro_batch_size):
+            for row, ref in zip(mb.rows, split_per_row(scorer.reference_logprobs(mb), mb)):
+                row.ref_logprobs = ref
+    penalties = [torch.zeros(r.num_response) for r in rows]
+    if objective.uses_reference and objective.kl_mode == "reward":
+        penalties = [objective.kl_coef * kl_estimate(torch.tensor(r.sample.response_logprobs), r.ref_logprobs,
+                                                     objective.kl_estimator) for r in rows]
+    if objective.algorithm == "ppo":
+        with torch.no_grad():
+            for mb in _chunks(rows, micro_batch_size):
+                for row, values in zip(mb.rows, split_per_row(scorer.values(mb), mb)):
+                    row.old_values = values
+        for row, penalty in zip(rows, penalties):
+            token_rewards = -penalty.double()
+            token_rewards[-1] += row.sample.reward
+            adv, ret = gae(token_rewards, row.old_values.double(), objective.gamma, objective.gae_lambda)
+            row.advantages, row.returns = adv.float(), ret.float()
+    else:
+        it = iter(penalties)
+        rewards = [[s.reward - float(next(it).sum()) for s in g.samples] for g in groups]
+        it_rows = iter(rows)
+        for group_adv in _scalar_advantages(groups, rewards, objective):
+            for a in group_adv:
+                row = next(it_rows)
+                row.advantages = torch.full((row.num_response,), a, dtype=torch.float32)
+    trained = rows if objective.every_sample_matters else [r for r in rows if bool(r.advantages.any())]
+    return trained, Denominators(batch_tokens=sum(r.num_response for r in rows),
+                                 batch_sequences=len(rows), max_length=max(r.num_response for r in rows))
+
+
+class StepMath:
+    def __init__(self, objective: ObjectiveConfig):
+        self.objective = objective
+        self.policy = policy_loss(objective)
+
+    def loss(self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, values: torch.Tensor | None,
+             den: Denominators) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """(policy loss, value loss, stats) of one micro-batch; both losses are this micro-batch's
+        share of the batch loss (they sum over micro-batches to the batch's)."""
+        obj = self.objective
+        rollout = mb.rollout_logprobs
+        old = rollout if obj.off_policy == "none" else mb.per_token("old_logprobs")
+        weight = importance_weights(old, rollout, obj.off_policy, obj.is_low, obj.is_high)
+        out = self.policy(logp, old, mb.per_token("advantages"), mb.seq)
+        per_token = out.per_token * weight
+        kl_ref = None
+        if obj.uses_reference:
+            kl_ref = kl_estimate(logp, mb.per_token("ref_logprobs"), obj.kl_estimator)
+            if obj.kl_mode == "loss":
+                per_token = per_token + obj.kl_coef * kl_ref
+        if obj.entropy_coef > 0:
+            per_token = per_token - obj.entropy_coef * entropy
+        lengths = torch.tensor([r.num_response for r in mb.rows])
+        w = token_weights(obj.aggregation, mb.seq, lengths, den.batch_tokens, den.batch_sequences,
+                          den.max_length).to(per_token.dtype)
+        loss = (per_token * w).sum()
+        value_loss = torch.zeros(())
+        if values is not None:
+            v = clipped_value_loss(values, mb.per_token("old_values"), mb.per_token("returns"), obj.value_clip)
+            value_loss = obj.value_coef * (v * w).sum()
+        with torch.no_grad():
+            delta = logp - rollout
+            r = torch.exp(delta)
+            stats = {
+                "clip_fraction": float(out.clipped.float().mean()),
+                "ratio_mean": float(out.ratio.mean()),
+                "ratio_std": float(out.ratio.std(unbiased=False)),
+                "approx_kl": float((r - 1.0 - delta).mean()),
+                "logprob_abs_diff": float(delta.abs().mean()),
+                "entropy": float(entropy.mean()),
+                "kl_ref": 0.0 if kl_ref is None else float(kl_ref.mean()),
+                "is_weight_mean": float(weight.mean()),
+                "is_masked_fraction": float((weight == 0).float().mean()),
+            }
+        return loss, value_loss, stats

@@ -1,0 +1,300 @@
+"""Per-token log-probs of sampled targets, renormalised over each token's sampling support, and the
+entropy of the full (tempered) distribution — chunked over rows, with a hand-written backward.
+
+The rollout sampler drew each token from softmax(logits / T) restricted to its support (top-k/top-p)
+and renormalised; scoring the full vocabulary instead would bias every importance ratio by the kept
+mass. `log_probs_with_support` replays the support: log p(target) = x_target - logsumexp_{support} x
+with x = logits / T, and -inf outside it. Entropy stays over the whole vocabulary.
+
+Memory: rows are processed `chunk_rows` at a time; each chunk gets a private float copy of its
+logits (modified in place only there); shared logits are never written. The support's
+log-sum-exp is taken over the support entries themselves (O(nnz), no dense vocabulary mask).
+Forward saves four numbers per row besides the inputs and backward recomputes each chunk, so
+working memory does not grow with the number of response tokens (the gradient of the logits is as
+large as the logits).
+
+Parallel layouts:
+- tensor parallel (`vocab_shard`): `logits` hold vocabulary ids [start, start + V_local) of a
+  vocabulary sharded across the ranks of `vocab_shard.group`; maxima, sums and the picked target
+  are all-reduced (a shard holding none of a row's support contributes max -inf and sum 0).
+- context parallel (`support_rows`): a rank holds some of a response's rows; `support_rows[i]` is
+  the global response index of local row i, so the support is read from the response's full mask.
+  `context_parallel_rows` gives the standard load-balanced split.
+
+Knows nothing about models, samples or optimizers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from furlong.core.sampling_mask import RolloutSamplingMask
+
+DEFAULT_CHUNK_ROWS = 256
+
+
+class LogProbs(NamedTuple):
+    logprobs: torch.Tensor  # (N,) log p(target) over the support, work dtype (>= float32)
+    entropy: torch.Tensor   # (N,) entropy of softmax(logits / T) over the full vocabulary
+
+
+class SupportViolation(ValueError):
+    """A target id lies outside its row's sampling support."""
+
+    def __init__(self, row: int, support_row: int, token_id: int):
+        self.row, self.support_row, self.token_id = row, support_row, token_id
+        super().__init__(f"target id {token_id} at row {row} (response position {support_row}) "
+                         f"is outside its sampling support")
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice [start, start + size) of a vocabulary of `vocab_size` ids, sharded over `group`."""
+
+    group: object  # torch.distributed ProcessGroup
+    start: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.vocab_size:
+            raise ValueError(f"vocab shard start {self.start} outside [0, {self.vocab_size})")
+
+
+def context_parallel_rows(num_rows: int, rank: int, world_size: int) -> np.ndarray:
+    """Global row indices held by `rank` when `num_rows` rows are split over `world_size` context-
+    parallel ranks: 2*world chunks, rank r takes chunks r and 2*world-1-r (balances causal attention).
+    The union over ranks is every row exactly once."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    if num_rows < 0:
+        raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+    bounds = np.linspace(0, num_rows, 2 * world_size + 1).round().astype(np.int64)
+    first = np.arange(bounds[rank], bounds[rank + 1])
+    other = 2 * world_size - 1 - rank
+    return np.concatenate([first, np.arange(bounds[other], bounds[other + 1])]).astype(np.int64)
+
+
+@dataclass
+class _Plan:
+    """Everything forward and backward share, built once per call."""
+
+    n: int
+    temperature: float
+    chunk_rows: int
+    dtype: torch.dtype
+    positions: torch.Tensor | None
+    support: RolloutSamplingMask | None
+    shard: VocabShard | None
+    local_vocab: int
+    support_rows: np.ndarray | None = None  # global response index of each row (context parallel)
+    unique_positions: bool = True
+
+    def chunks(self):
+        for a in range(0, self.n, self.chunk_rows):
+            yield a, min(a + self.chunk_rows, self.n)
+
+    def scaled(self, logits2d: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """A private work-dtype copy of rows [a, b) divided by T (safe to modify in place)."""
+        rows = logits2d[a:b] if self.positions is None else logits2d.index_select(0, self.positions[a:b])
+        out = rows.to(self.dtype, copy=True)
+        return out.div_(self.temperature)
+
+    def support_coords(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For rows [a, b) whose support is not the whole vocabulary: (those rows' chunk indices,
+        each support entry's row among them, its local vocabulary id), entries on this rank only.
+        None when every row is the full vocabulary (then the full path is exact)."""
+        sub = self.support.rows(a, b)
+        lengths = sub.row_lengths()
+        partial = np.flatnonzero(lengths < sub.vocab_size)
+        if partial.size == 0:
+            return None
+        if partial.size < lengths.size:
+            sub = sub.select(partial)
+            lengths = lengths[partial]
+        ids = torch.from_numpy(sub.token_ids.astype(np.int64))
+        rows = torch.from_numpy(np.repeat(np.arange(partial.size, dtype=np.int64), lengths))
+        if self.shard is not None:
+            ids = ids - self.shard.start
+            own = (ids >= 0) & (ids < self.local_vocab)
+            ids, rows = ids[own], rows[own]
+        return torch.from_numpy(partial), rows, ids
+
+    def allreduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        if self.shard is not None:
+            dist.all_reduce(t, op=op, group=self.shard.group)
+        return t
+
+    def full_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-sum-exp, entropy) of each row of x over the whole (possibly sharded) vocabulary."""
+        top = self.allreduce(x.amax(dim=-1), dist.ReduceOp.MAX)
+        e = torch.exp(x - top.unsqueeze(-1))
+        total = self.allreduce(e.sum(dim=-1), dist.ReduceOp.SUM)
+        weighted = self.allreduce((e.mul_(x)).sum(dim=-1), dist.ReduceOp.SUM)
+        lse = total.log() + top
+        return lse, lse - weighted / total
+
+    def support_lse(self, x: torch.Tensor, coords) -> torch.Tensor:
+        """Log-sum-exp over its support of each partial row of x, from the support entries (O(nnz))."""
+        partial, rows, ids = coords
+        vals = x[partial[rows], ids]
+        top = torch.full((partial.numel(),), float("-inf"), dtype=x.dtype)
+        top.scatter_reduce_(0, rows, vals, reduce="amax", include_self=True)
+        top = self.allreduce(top, dist.ReduceOp.MAX)
+        total = torch.zeros(partial.numel(), dtype=x.dtype).index_add_(0, rows, torch.exp(vals - top[rows]))
+        return self.allreduce(total, dist.ReduceOp.SUM).log() + top
+
+    def local_targets(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index into this rank's vocabulary slice, whether this rank owns the target)."""
+        if self.shard is None:
+            return targets, torch.ones_like(targets, dtype=torch.bool)
+        local = targets - self.shard.start
+        own = (local >= 0) & (local < self.local_vocab)
+        return torch.where(own, local, torch.zeros_like(local)), own
+
+
+def _pick(x: torch.Tensor, local: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+    return torch.where(own, picked, torch.zeros_like(picked))
+
+
+def _in_support(coords, local: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """Per partial row: does this rank's part of its support contain the (owned) target?"""
+    partial, rows, ids = coords
+    hit = torch.zeros(partial.numel(), dtype=torch.float64).index_add_(
+        0, rows, (ids == local[partial][rows]).double())
+    return (hit > 0) & own[partial]
+
+
+class _SupportLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits2d: torch.Tensor, targets: torch.Tensor, plan: _Plan):
+        logp = torch.empty(plan.n, dtype=plan.dtype)
+        entropy = torch.empty(plan.n, dtype=plan.dtype)
+        lse_full = torch.empty(plan.n, dtype=plan.dtype)
+        lse_support = torch.empty(plan.n, dtype=plan.dtype)
+        for a, b in plan.chunks():
+            x = plan.scaled(logits2d, a, b)
+            lz, entropy[a:b] = plan.full_stats(x)
+            lse_full[a:b] = lz
+            local, own = plan.local_targets(targets[a:b])
+            picked = plan.allreduce(_pick(x, local, own), dist.ReduceOp.SUM)
+            coords = plan.support_coords(a, b) if plan.support is not None else None
+            if coords is not None:
+                partial = coords[0]
+                inside = plan.allreduce(_in_support(coords, local, own).double(), dist.ReduceOp.SUM)
+                if bool((inside == 0).any()):
+                    row = a + int(partial[(inside == 0).nonzero()[0, 0]])
+                    raise SupportViolation(row, _support_row(plan, row), int(targets[row]))
+                lz = lz.clone()
+                lz[partial] = plan.support_lse(x, coords)
+            logp[a:b] = picked - lz
+            lse_support[a:b] = lz
+        ctx.save_for_backward(logits2d, targets, entropy, lse_full, lse_support)
+        ctx.plan = plan
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits2d, targets, entropy, lse_full, lse_support = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        grad = torch.zeros_like(logits2d)
+        for a, b in plan.chunks():
+            x = plan.scaled(logits2d, a, b)
+            g = torch.zeros_like(x)
+            if grad_entropy is not None:
+                # dH/dx = -p * (log p + H), p the full tempered distribution
+                logp_full = x - lse_full[a:b].unsqueeze(-1)
+                p = torch.exp(logp_full)
+                g.addcmul_(p, logp_full.add_(entropy[a:b].unsqueeze(-1)), value=-1.0)
+                g.mul_(grad_entropy[a:b].to(plan.dtype).unsqueeze(-1))
+                del p, logp_full
+            if grad_logp is not None:
+                # dlogp/dx = onehot(target) - q, q the distribution renormalised over the support
+                gl = grad_logp[a:b].to(plan.dtype)
+                coords = plan.support_coords(a, b) if plan.support is not None else None
+                full_rows = gl
+                if coords is not None:
+                    partial, rows, ids = coords
+                    q = torch.exp(x[partial[rows], ids] - lse_support[a:b][partial][rows])
+                    g.index_put_((partial[rows], ids), -gl[partial][rows] * q, accumulate=True)
+                    full_rows = gl.clone()
+                    full_rows[partial] = 0.0  # partial rows are done; the rest use the full softmax
+                q = torch.exp(x.sub_(lse_full[a:b].unsqueeze(-1)))  # <= 1: no overflow on partial rows
+                g.addcmul_(q, full_rows.unsqueeze(-1), value=-1.0)
+                del q
+                local, own = plan.local_targets(targets[a:b])
+                g.scatter_add_(-1, local.unsqueeze(-1), torch.where(own, gl, torch.zeros_like(gl)).unsqueeze(-1))
+            g.div_(plan.temperature)
+            if plan.positions is None:
+                grad[a:b] = g.to(grad.dtype)
+            elif plan.unique_positions:
+                grad.index_copy_(0, plan.positions[a:b], g.to(grad.dtype))
+            else:
+                grad.index_add_(0, plan.positions[a:b], g.to(grad.dtype))
+        return grad, None, None
+
+
+def _support_row(plan: _Plan, row: int) -> int:
+    return row if plan.support_rows is None else int(plan.support_rows[row])
+
+
+def log_probs_with_support(logits: torch.Tensor, target_ids: torch.Tensor,
+                           support: RolloutSamplingMask | None = None, temperature: float = 1.0, *,
+                           positions: torch.Tensor | None = None,
+                           support_rows: np.ndarray | torch.Tensor | None = None,
+                           vocab_shard: VocabShard | None = None,
+                           chunk_rows: int = DEFAULT_CHUNK_ROWS) -> LogProbs:
+    """Log-prob of each target under softmax(logits / temperature) renormalised over its support,
+    and the entropy of the full tempered distribution. Differentiable w.r.t. `logits`.
+
+    logits: (..., V) — flattened to rows; `positions` (N,) optionally picks the scored rows (no copy
+    of the logits is made). target_ids: (N,) ids of the scored rows. support: None (the full
+    vocabulary; no mask is built) or a mask whose row `support_rows[i]` (default i) is row i's
+    support. Raises `SupportViolation` (a ValueError) naming the row when a target is outside.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if logits.dim() < 2:
+        raise ValueError(f"logits must have shape (..., vocab), got {tuple(logits.shape)}")
+    logits2d = logits.reshape(-1, logits.shape[-1])
+    targets = target_ids.reshape(-1).long()
+    if positions is not None:
+        positions = positions.reshape(-1).long()
+        if positions.numel() and (positions.min() < 0 or positions.max() >= logits2d.shape[0]):
+            raise ValueError(f"positions must lie in [0, {logits2d.shape[0]})")
+    n = logits2d.shape[0] if positions is None else positions.numel()
+    if targets.numel() != n:
+        raise ValueError(f"{targets.numel()} target ids for {n} scored rows")
+    full_vocab = logits2d.shape[-1] if vocab_shard is None else vocab_shard.vocab_size
+    if n and (targets.min() < 0 or targets.max() >= full_vocab):
+        bad = targets[(targets < 0) | (targets >= full_vocab)][0]
+        raise ValueError(f"target id {int(bad)} outside the vocabulary [0, {full_vocab})")
+    rows_idx = None
+    if support is not None:
+        if support.vocab_size != full_vocab:
+            raise ValueError(f"support vocab_size {support.vocab_size} != logits vocabulary {full_vocab}")
+        if support_rows is not None:
+            rows_idx = np.asarray(support_rows.cpu() if isinstance(support_rows, torch.Tensor)
+                                  else support_rows, dtype=np.int64).reshape(-1)
+            if rows_idx.size != n:
+                raise ValueError(f"{rows_idx.size} support_rows for {n} scored rows")
+            support = support.select(rows_idx) if n else support
+        elif support.num_rows != n:
+            raise ValueError(f"support has {support.num_rows} rows for {n} scored rows")
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    plan = _Plan(n=n, temperature=float(temperature), chunk_rows=chunk_rows, dtype=dtype,
+                 positions=positions, support=support, shard=vocab_shard, local_vocab=logits2d.shape[-1],
+                 support_rows=rows_idx,
+                 unique_positions=positions is None or int(positions.unique().numel()) == n)
+    if n == 0:
+        empty = logits2d.new_zeros(0, dtype=dtype)
+        return LogProbs(empty, empty.clone())
+    logp, entropy = _SupportLogProbs.apply(logits2d, targets, plan)
+    return LogProbs(logp, entropy)

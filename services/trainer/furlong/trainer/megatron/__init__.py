@@ -1,0 +1,1 @@
+"""The megatron-core backend of the trainer (optional dependency `megatron-core`)."""
