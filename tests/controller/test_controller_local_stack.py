@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ from furlong.controller.local_stack import (StackConfig, StackRunningError, Stac
                                             load_stack, running_stack, start_stack, stop_stack)
 
 from controller_fakes import fake_stack, serve_fakes
+from polling import wait_until as wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,15 +34,6 @@ def gone(pids) -> bool:
         except psutil.NoSuchProcess:
             return True
     return all(dead(p) for p in pids)
-
-
-def wait_for(predicate, timeout_s=20.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import httpx
 import pytest
@@ -19,22 +18,13 @@ from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
 
 from controller_fakes import fake_stack
+from polling import wait_until as wait_for
 
 pytestmark = pytest.mark.integration
 
 TOKEN = "test-token-0123456789abcdef"
 SPEC = {"name": "addition-grpo", "model": "/models/tiny", "task": "addition", "steps": 3,
         "prompts_per_step": 2, "samples_per_prompt": 2}
-
-
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Env:

@@ -17,6 +17,7 @@ from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
 
 from controller_fakes import FakeEngines, fake_stack
+from polling import wait_until as wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -24,16 +25,6 @@ ADMIN = "admin-token-0123456789abcdef"
 VIEWER = "viewer-token-0123456789abcdef"
 SPEC = {"name": "ops", "model": "/models/tiny", "task": "addition", "steps": 3,
         "prompts_per_step": 2, "samples_per_prompt": 2}
-
-
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Env:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,18 +14,9 @@ import httpx
 import pytest
 
 from furlong.core.redis_server import free_port
+from polling import wait_until
 
 PROMETHEUS = shutil.which("prometheus")
-
-
-def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def write_tiny_checkpoint(directory: Path) -> Path:

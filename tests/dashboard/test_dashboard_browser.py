@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dash_stack import RUN_STEPS, wait_until
+from dash_stack import RUN_STEPS
+from polling import wait_until
 from furlong.core.redis_server import free_port
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser"))), None)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dash_stack import PROMETHEUS, RUN_STEPS, wait_until
+from dash_stack import PROMETHEUS, RUN_STEPS
+from polling import wait_until
 from metrics_doc import documented_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,

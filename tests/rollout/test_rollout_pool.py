@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 import redis
@@ -17,18 +16,9 @@ from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.ledger import DONE, Ledger, ledger_key
 from furlong.rollout.pool import EnginePool, PoolConfig
 from rollout_models import tokenizer, write_checkpoint
+from polling import wait_until as wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def test_kill_9_during_a_request_loses_and_duplicates_nothing(redis_url, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -25,22 +24,13 @@ from furlong.rpc import check_health
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.publisher import WeightPublisher
 from rollout_models import tiny_model, tokenizer, write_checkpoint
+from polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 RUN = "run-e2e"
 PROMPTS = [Prompt("x", "12+30=", "42"), Prompt("y", "7+7=", "14")]
 GREEDY = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=6, seed=0)
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def start(args, log_path):

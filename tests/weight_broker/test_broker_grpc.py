@@ -4,7 +4,6 @@ server on 127.0.0.1) and the in-process twin; proto conversions; configuration."
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from furlong.weight_broker.core import BrokerCore, EventKind, VersionEventInfo, 
 from furlong.weight_broker.server import (
     SERVICE_NAME, WeightBrokerServicer, event_from_proto, event_to_proto, manifest_from_proto,
     manifest_to_proto)
+from polling import wait_until
 
 LAYOUT = WeightLayout.from_state_dict({"w": torch.zeros(3, 2, dtype=torch.bfloat16),
                                        "b": torch.zeros(5, dtype=torch.int32)})
@@ -29,14 +29,6 @@ RUN = "run-grpc"
 
 def manifest(version: int) -> Manifest:
     return Manifest(version, LAYOUT, f"{version:032x}")
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        time.sleep(0.02)
 
 
 @pytest.fixture(params=["grpc", "in_process"])

@@ -25,6 +25,7 @@ from furlong.rpc import check_health
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.publisher import WeightPublisher
+from polling import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -36,16 +37,6 @@ BUCKET = TransferConfig(bucket_size_bytes=4096, round_timeout_s=30.0)
 def policy(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {f"layer{i}": torch.randn(1024, generator=gen) for i in range(4)}   # 4 rounds of 4 KiB
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 class Stack:

@@ -4,7 +4,6 @@ it and an engine that joins later catches up from the relay alone."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from furlong.weight_broker.core import BrokerCore
 from furlong.weight_broker.publisher import WeightPublisher
 from furlong.weight_broker.receiver import WeightReceiver
 from furlong.weight_broker.relay import WeightRelay, upstream_run_id
+from polling import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -34,13 +34,6 @@ class Engine:
 
     def apply(self, version, tensors) -> None:
         self.applied[version] = {k: v.clone() for k, v in tensors.items()}
-
-
-def wait_until(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        time.sleep(0.01)
 
 
 def test_the_relay_frees_the_trainer_and_serves_late_engines():

@@ -4,7 +4,6 @@ client: what the receiver applies, what it refuses, and how the publisher fences
 from __future__ import annotations
 
 import threading
-import time
 from typing import Mapping
 
 import pytest
@@ -16,6 +15,7 @@ from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
 from furlong.weight_broker.publisher import WeightPublisher
 from furlong.weight_broker.receiver import WeightReceiver, layout_mismatch
+from polling import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -58,14 +58,6 @@ def local():
     for obj in reversed(opened):
         obj.close()
     client.close()
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        time.sleep(0.01)
 
 
 def test_versions_arrive_bit_identical_and_commit(local):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from furlong.core.weights import Manifest, WeightLayout
 from furlong.rpc import check_health
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.publisher import WeightPublisher
+from polling import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,16 +35,6 @@ def policy(seed: int) -> dict[str, torch.Tensor]:
         "layers.0.norm.weight": torch.randn(16, generator=gen),
         "lm_head.scale": torch.randn(4, generator=gen).to(torch.float8_e4m3fn),
     }
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def assert_received(out: Path, version: int, expected: dict[str, torch.Tensor]) -> None:
