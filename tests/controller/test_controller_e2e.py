@@ -19,28 +19,11 @@ import yaml
 
 from furlong import rpc
 from furlong.v1 import trainer_pb2, trainer_pb2_grpc
+from tiny_policy import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 FURLONG = str(Path(sys.executable).parent / "furlong")
-
-
-def write_tiny_checkpoint(directory: Path) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from furlong.core.checkpoint import save_policy
-    from furlong.core.tasks import AdditionTask
-    from furlong.core.tokenizer import CharTokenizer
-
-    tokenizer = CharTokenizer(AdditionTask.ALPHABET)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2)
-    save_policy(LlamaForCausalLM(config), tokenizer, directory)
-    return directory
 
 
 @pytest.fixture(scope="module")

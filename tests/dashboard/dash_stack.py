@@ -15,26 +15,9 @@ import pytest
 
 from furlong.core.redis_server import free_port
 from polling import wait_until
+from tiny_policy import write_tiny_checkpoint
 
 PROMETHEUS = shutil.which("prometheus")
-
-
-def write_tiny_checkpoint(directory: Path) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from furlong.core.checkpoint import save_policy
-    from furlong.core.tasks import AdditionTask
-    from furlong.core.tokenizer import CharTokenizer
-
-    tokenizer = CharTokenizer(AdditionTask.ALPHABET)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2)
-    save_policy(LlamaForCausalLM(config), tokenizer, directory)
-    return directory
 
 
 class Prometheus:

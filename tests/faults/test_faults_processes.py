@@ -27,7 +27,8 @@ from furlong.controller.local_stack import (GRPC_SERVICES, StackConfig, StackInf
 from furlong.controller.stack_processes import ServiceProcess, spawn, terminate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
-from test_controller_e2e import spec, write_tiny_checkpoint  # noqa: E402
+from test_controller_e2e import spec  # noqa: E402
+from tiny_policy import write_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -1,14 +1,11 @@
 """The RL loop in one process: rollout service -> Redis stream -> trainer service -> NIXL publish ->
 engines switch versions, through the in-process broker twin. Real Redis, real NIXL."""
 
-from pathlib import Path
 
 import pytest
 import redis
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from furlong.core.checkpoint import save_policy
 from furlong.core.errors import ConflictError, NotFoundError
 from furlong.core.tasks import AdditionTask, get_task
 from furlong.core.tokenizer import CharTokenizer
@@ -20,19 +17,9 @@ from furlong.trainer.core.learner import LearnerConfig
 from furlong.trainer.service import TrainerService
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
+from tiny_policy import write_tiny_checkpoint as write_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def write_checkpoint(directory: Path) -> Path:
-    torch.manual_seed(0)
-    tokenizer = CharTokenizer(AdditionTask.ALPHABET)
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, pad_token_id=tokenizer.pad_id,
-                         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
-    save_policy(LlamaForCausalLM(config), tokenizer, directory)
-    return directory
 
 
 @pytest.fixture
