@@ -19,7 +19,10 @@ _LLAMA3_DIMS = dict(model_type="llama", attention=AttentionKind.GQA, rotary_dim=
 _V4_FLASH_DIMS = dict(
     model_type="deepseek_v4", attention=AttentionKind.COMPRESSED_MQA,
     # rope_theta 10000, compress_rope_theta 160000, rope_scaling {type yarn, factor 16,
-    # original_max_position_embeddings 65536, beta_fast 32, beta_slow 1}, qk_rope_head_dim 64
+    # original_max_position_embeddings 65536, beta_fast 32, beta_slow 1}, qk_rope_head_dim 64;
+    # the YaRN correction and compress_rope_theta apply to the compressed-attention layers
+    # (compress_ratio > 0), the sliding-window layers rotate with plain rope_theta. 43 layers,
+    # hidden 4096, 256 routed experts (top 6) + 1 shared, moe_intermediate_size 2048, vocab 129280
     rope=RopeSpec(RopeType.YARN, theta=10000.0, factor=16.0,
                   original_max_position_embeddings=65536, beta_fast=32.0, beta_slow=1.0,
                   compress_theta=160000.0),
@@ -70,7 +73,8 @@ SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (
               num_hidden_layers=47, max_position_embeddings=202752,
               experts=ExpertLayout(64, 4, 1, 1536)),
     # jdopensource/JoyAI-LLM-Flash (DeepseekV3ForCausalLM layout, MLA): rope_scaling null,
-    # 40 layers, hidden 2048, 256 experts, 8 per token, 1 shared, moe_intermediate_size 768
+    # 40 layers (1 dense), hidden 2048, 32 heads, 256 experts, 8 per token, 1 shared,
+    # moe_intermediate_size 768, vocab 129280, context 128K (the model card's summary table)
     ModelSpec(name="joyai-llm-flash", model_type="deepseek_v3", attention=AttentionKind.MLA,
               rope=RopeSpec(RopeType.PLAIN, theta=10000.0), rotary_dim=64,
               norm=NormKind.RMSNORM, norm_eps=1e-6, vocab_size=129280, hidden_size=2048,
