@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from furlong.core import mxfp4
 from furlong.core.formats.checkpoint_dir import write_index
 from furlong.core.safetensors_io import write_file
 
@@ -31,6 +32,16 @@ def random_mxfp4(rng: np.random.Generator, shape: tuple[int, ...], top: int = 12
     scales = (top - rng.integers(0, max_spread + 1, (*lead, rows, cols // 32))).astype(np.uint8)
     scales[..., ::128, ::4] = top
     return packed, scales
+
+
+def one_block_tile(code: int, spread: int, top: int = 140) -> tuple[np.ndarray, np.ndarray]:
+    """A 128x128 tile: block (0, 0) holds `code` 32 times at scale top - spread; block (0, 1) sets
+    the tile's largest scale `top` and holds zeros; everything else is zero at scale top."""
+    codes = np.zeros((128, 128), np.uint8)
+    codes[0, :32] = code
+    scales = np.full((128, 4), top, np.uint8)
+    scales[0, 0] = top - spread
+    return mxfp4.pack_codes(codes), scales
 
 
 def write_checkpoint(root: Path, shards: dict[str, dict[str, torch.Tensor]],

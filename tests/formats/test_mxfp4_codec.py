@@ -8,18 +8,10 @@ import torch
 
 from furlong.core import mxfp4
 
+from mxfp4_checkpoints import one_block_tile
+
 E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(
     torch.float8_e4m3fn).to(torch.float64).numpy()
-
-
-def one_block_tile(code: int, spread: int, top: int = 140) -> tuple[np.ndarray, np.ndarray]:
-    """A 128x128 tile: block (0, 0) holds `code` 32 times at scale top - spread; block (0, 1) sets
-    the tile's largest scale `top` and holds zeros; everything else is zero at scale top."""
-    codes = np.zeros((128, 128), np.uint8)
-    codes[0, :32] = code
-    scales = np.full((128, 4), top, np.uint8)
-    scales[0, 0] = top - spread
-    return mxfp4.pack_codes(codes), scales
 
 
 @pytest.mark.unit

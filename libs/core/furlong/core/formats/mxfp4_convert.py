@@ -10,11 +10,14 @@ copied byte for byte. Shards keep their names and tensor assignment; the source 
 disappear; the index is rewritten; `expert_dtype` is dropped from the config; every other top-level
 file (tokenizer, generation config) is copied.
 
-Memory stays bounded by one source tensor plus a row chunk: shards are streamed tensor by tensor
-and the header is written last into reserved space. Output goes to a scratch directory beside the
-destination that is renamed into place only after everything succeeded, with a marker recording the
-source's fingerprint, so rerunning the same conversion is a no-op and a half-written destination
-never exists.
+The byte work is done by an `Fp8Encoder` (`furlong.core.formats.mxfp4_kernels`): the compiled numba
+kernel when it imports, else the numpy reference; both write identical bytes. Memory stays bounded
+by one source tensor plus two output chunks of `chunk_bytes`: shards are streamed tensor by tensor,
+the compiled encoder fills the next chunk while the current one is written, and the header is
+written last into reserved space. Output goes to a scratch directory beside the destination that is
+renamed into place only after everything succeeded, with a marker recording the source's
+fingerprint, so rerunning the same conversion is a no-op and a half-written destination never
+exists.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +39,7 @@ from furlong.core.fp8 import DEFAULT_SCALE_SUFFIX
 from furlong.core.formats.checkpoint_dir import (CONFIG_FILE, INDEX_FILE, CheckpointDir,
                                                  read_config, read_json_object, write_index)
 from furlong.core.formats.fp4_tensors import Fp4Tensor, find_fp4_tensors, scale_names
+from furlong.core.formats.mxfp4_kernels import KERNELS, Fp8Encoder, select_encoder
 from furlong.core.safetensors_io import ShardWriter, header_bound, nbytes_of, read_header
 
 log = logging.getLogger(__name__)
@@ -51,17 +56,27 @@ class LossyConversionError(ValueError):
 
 @dataclass(frozen=True)
 class ConvertOptions:
+    """`chunk_bytes`: output bytes encoded and written at a time (at least one row). `kernel`: the
+    byte kernel (`mxfp4_kernels.KERNELS`); it changes speed, never the output, so it is not part
+    of the source fingerprint."""
+
     on_lossy: str = "error"
     scale_suffix: str = DEFAULT_SCALE_SUFFIX
-    rows_per_chunk: int = 64
+    chunk_bytes: int = 4 << 20
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.on_lossy not in ON_LOSSY:
             raise ValueError(f"on_lossy {self.on_lossy!r} is not one of {ON_LOSSY}")
         if not self.scale_suffix or "." in self.scale_suffix:
             raise ValueError(f"scale_suffix {self.scale_suffix!r} must be a name without dots")
-        if self.rows_per_chunk < 1:
-            raise ValueError(f"rows_per_chunk {self.rows_per_chunk} < 1")
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes {self.chunk_bytes} < 1")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel {self.kernel!r} is not one of {KERNELS}")
+
+    def rows_per_chunk(self, row_bytes: int) -> int:
+        return max(1, self.chunk_bytes // max(1, row_bytes))
 
 
 @dataclass(frozen=True)
@@ -117,10 +132,11 @@ def _fp4_arrays(ckpt: CheckpointDir, t: Fp4Tensor) -> tuple[np.ndarray, np.ndarr
 
 
 def _write_bf16(writer: ShardWriter, t: Fp4Tensor, packed: np.ndarray, scales: np.ndarray,
-                rows_per_chunk: int) -> None:
+                options: ConvertOptions) -> None:
     writer.begin(t.name, "BF16", t.shape)
     rows = packed.reshape(-1, packed.shape[-1])
     row_scales = scales.reshape(-1, scales.shape[-1])
+    rows_per_chunk = options.rows_per_chunk(t.shape[-1] * 2)
     for start in range(0, rows.shape[0], rows_per_chunk):
         values = mxfp4.dequantize(rows[start:start + rows_per_chunk],
                                   row_scales[start:start + rows_per_chunk])
@@ -131,13 +147,26 @@ def _write_bf16(writer: ShardWriter, t: Fp4Tensor, packed: np.ndarray, scales: n
         writer.write(chunk.view(torch.uint8).numpy())
 
 
-def _convert_fp4(writer: ShardWriter, ckpt: CheckpointDir, t: Fp4Tensor,
-                 options: ConvertOptions, report: dict) -> None:
+@dataclass(frozen=True)
+class _LoadedFp4:
+    packed: np.ndarray
+    scales: np.ndarray
+    check: mxfp4.TileCheck
+
+
+def _load_fp4(ckpt: CheckpointDir, t: Fp4Tensor, encoder: Fp8Encoder) -> _LoadedFp4:
+    """Read a weight and its scales (possibly from another shard) and check every tile."""
     packed, scales = _fp4_arrays(ckpt, t)
     try:
-        check = mxfp4.check_tiles(packed, scales)
+        check = encoder.check_tiles(packed, scales)
     except ValueError as exc:
         raise ValueError(f"tensor {t.name!r} (scales {t.scale_name!r}): {exc}") from None
+    return _LoadedFp4(packed, scales, check)
+
+
+def _convert_fp4(writer: ShardWriter, t: Fp4Tensor, loaded: _LoadedFp4, options: ConvertOptions,
+                 encoder: Fp8Encoder, report: dict) -> None:
+    check = loaded.check
     if not check.exact:
         report["lossy_tiles"][t.name] = check.num_lossy_tiles
         if options.on_lossy == "error":
@@ -146,11 +175,11 @@ def _convert_fp4(writer: ShardWriter, ckpt: CheckpointDir, t: Fp4Tensor,
                 f"tile(s); {check.lossy[0].describe()}. Rerun with --on-lossy bf16 to write this "
                 f"tensor in bf16")
         log.warning("tensor %s: %d lossy tiles, written in bf16", t.name, check.num_lossy_tiles)
-        _write_bf16(writer, t, packed, scales, options.rows_per_chunk)
+        _write_bf16(writer, t, loaded.packed, loaded.scales, options)
         report["bf16"].append(t.name)
         return
     writer.begin(t.name, "F8_E4M3", t.shape)
-    for _, chunk in mxfp4.encode_fp8(packed, check, options.rows_per_chunk):
+    for _, chunk in encoder.encode_fp8(loaded.packed, check, options.rows_per_chunk(t.shape[-1])):
         writer.write(chunk)
     tile_scales = mxfp4.tile_scale_float32(check.tile_bmax)
     writer.begin(t.prefix + options.scale_suffix, "F32",
@@ -160,18 +189,32 @@ def _convert_fp4(writer: ShardWriter, ckpt: CheckpointDir, t: Fp4Tensor,
 
 
 def _convert_shard(ckpt: CheckpointDir, shard: str, out_dir: Path, fp4: dict[str, Fp4Tensor],
-                   dropped: set[str], options: ConvertOptions, report: dict) -> dict[str, str]:
+                   dropped: set[str], options: ConvertOptions, encoder: Fp8Encoder,
+                   report: dict) -> dict[str, str]:
+    """Write one output shard. While a weight is being encoded and written, a loader thread reads
+    and checks the shard's next MXFP4 weight, so at most two source weights are in memory."""
     entries, bound = _plan_entries(ckpt, shard, fp4, dropped, options)
     if not entries:
         return {}  # the shard held only source scales
     metadata = ckpt.header(shard).metadata or None
     written: dict[str, str] = {}
-    with ShardWriter(out_dir / shard, header_bound(entries, bound, metadata)) as writer:
+    upcoming = iter([name for name in ckpt.names_in(shard) if name in fp4])
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4-load") as loader, \
+            ShardWriter(out_dir / shard, header_bound(entries, bound, metadata)) as writer:
+
+        def load_next() -> Future | None:
+            name = next(upcoming, None)
+            return None if name is None else loader.submit(_load_fp4, ckpt, fp4[name], encoder)
+
+        pending = load_next()
         for name in ckpt.names_in(shard):
             if name in dropped:
                 continue
             if name in fp4:
-                _convert_fp4(writer, ckpt, fp4[name], options, report)
+                assert pending is not None
+                loaded, pending = pending.result(), load_next()
+                _convert_fp4(writer, fp4[name], loaded, options, encoder, report)
+                del loaded
                 if name not in report["bf16"]:
                     written[fp4[name].prefix + options.scale_suffix] = shard
             else:
@@ -240,6 +283,7 @@ def convert_mxfp4_to_fp8(src: Path | str, dst: Path | str,
     if collisions:
         raise ValueError(f"checkpoint {src} already holds {sorted(collisions)[:3]}, which the "
                          f"FP8 scales would be named")
+    encoder = select_encoder(options.kernel)
     scratch = dst.parent / f".{dst.name}.partial-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
@@ -247,7 +291,8 @@ def convert_mxfp4_to_fp8(src: Path | str, dst: Path | str,
     try:
         weight_map: dict[str, str] = {}
         for shard in ckpt.shards:
-            weight_map.update(_convert_shard(ckpt, shard, scratch, fp4, dropped, options, report))
+            weight_map.update(_convert_shard(ckpt, shard, scratch, fp4, dropped, options, encoder,
+                                             report))
         output_bytes = sum(e.nbytes for shard in set(weight_map.values())
                            for e in read_header(scratch / shard).entries.values())
         if ckpt.indexed:
@@ -265,6 +310,8 @@ def convert_mxfp4_to_fp8(src: Path | str, dst: Path | str,
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
+    finally:
+        encoder.close()
     log.info("converted %s -> %s: %d FP8, %d bf16, %d copied", src, dst, report["fp8"],
              len(report["bf16"]), report["copied"])
     return ConversionReport(src, dst, len(weight_map), report["fp8"], report["copied"],
