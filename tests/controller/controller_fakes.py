@@ -18,7 +18,7 @@ from furlong.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_g
 from furlong.v1 import weight_broker_pb2, weight_broker_pb2_grpc
 
 from furlong.controller.clients import (BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE,
-                                        GenerateResult, GenerationPrompt, TrainResult,
+                                        CheckpointResult, GenerateResult, GenerationPrompt, TrainResult,
                                         VersionStatus)
 from furlong.controller.engines import EngineInfo
 from furlong.controller.run_spec import AlgorithmSpec, SamplingSpec
@@ -105,6 +105,12 @@ class FakeTrainer:
         self.runs.pop(run_id, None)
         self.ended.append(run_id)
 
+    def checkpoint(self, run_id: str, timeout_s: float) -> CheckpointResult:
+        self.faults.hit("trainer.checkpoint")
+        run = self._run(run_id)
+        return CheckpointResult(step=run["step"], path=f"/checkpoints/{run_id}",
+                                policy_version=run["version"])
+
 
 class FakeRollout:
     def __init__(self, faults: Faults | None = None) -> None:
@@ -158,12 +164,21 @@ class FakeEngines:
     def __init__(self, rollout: FakeRollout, per_run: int = 2) -> None:
         self._rollout = rollout
         self._per_run = per_run
+        self.drained: set[str] = set()
 
     def engines(self, run_id: str, timeout_s: float) -> list[EngineInfo]:
         if run_id not in self._rollout.configured:
             raise NotFoundError(f"rollout: unknown run {run_id!r}")
-        return [EngineInfo(engine_id=f"{run_id}-engine-{i}", policy_version=0, healthy=True)
+        return [EngineInfo(engine_id=f"{run_id}-engine-{i}", policy_version=0, healthy=True,
+                           state="drained" if f"{run_id}-engine-{i}" in self.drained else "serving")
                 for i in range(self._per_run)]
+
+    def drain(self, run_id: str, engine_id: str, timeout_s: float) -> EngineInfo:
+        found = [e for e in self.engines(run_id, timeout_s) if e.engine_id == engine_id]
+        if not found:
+            raise NotFoundError(f"rollout: run {run_id!r} has no engine {engine_id!r}")
+        self.drained.add(engine_id)
+        return self.engines(run_id, timeout_s)[int(engine_id.rsplit("-", 1)[1])]
 
 
 @dataclass
@@ -217,6 +232,12 @@ class _TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def EndRun(self, request, context):
         self.fake.end_run(request.run_id, 1.0)
         return trainer_pb2.EndRunResponse(run_id=request.run_id)
+
+    @rpc.rpc_errors
+    def Checkpoint(self, request, context):
+        r = self.fake.checkpoint(request.run_id, 1.0)
+        return trainer_pb2.CheckpointResponse(run_id=request.run_id, path=r.path, step=r.step,
+                                              policy_version=r.policy_version)
 
 
 class _RolloutServicer(rollout_pb2_grpc.RolloutServicer):

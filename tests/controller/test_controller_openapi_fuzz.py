@@ -44,7 +44,7 @@ def test_api_conforms_to_its_openapi_document(server):
     api = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     headers = {"Authorization": f"Bearer {ADMIN}"}
     operations = [result.ok() for result in api.get_all_operations()]
-    assert len(operations) == 14
+    assert len(operations) == 15
 
     for operation in operations:
         @given(case=operation.as_strategy())

@@ -136,6 +136,48 @@ def test_pause_resume_and_illegal_transitions_are_409(env):
     is_problem(env.http.post("/v1/runs/nope-1/checkpoint"), 404)
 
 
+def test_checkpoint_of_a_running_or_paused_run_is_recorded(env):
+    from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
+
+    env.fakes.faults.gates["rollout.configure_run"] = starting = threading.Event()
+    gate = threading.Event()
+    env.fakes.faults.gates["train_step"] = gate
+    run_id = env.http.post("/v1/runs", json=SPEC).json()["run_id"]
+    wait_for(lambda: env.state(run_id) == "starting", what="run to start")
+    assert "starting" in is_problem(env.http.post(f"/v1/runs/{run_id}/checkpoint"), 409)["detail"]
+    starting.set()
+    wait_for(lambda: env.state(run_id) == "running", what="run to run")
+    taken = env.http.post(f"/v1/runs/{run_id}/checkpoint")
+    assert taken.status_code == 200, taken.text
+    checkpoint = taken.json()["checkpoint"]
+    assert (checkpoint["step"], checkpoint["path"], checkpoint["policy_version"]) == \
+        (0, f"/checkpoints/{run_id}", 0)
+    env.http.post(f"/v1/runs/{run_id}/pause")
+    gate.set()
+    wait_for(lambda: env.state(run_id) == "paused", what="run to pause")
+    paused = env.http.post(f"/v1/runs/{run_id}/checkpoint").json()
+    assert (paused["state"], paused["checkpoint"]["step"], paused["checkpoint"]["policy_version"]) \
+        == ("paused", 1, 1)
+    assert env.http.get(f"/v1/runs/{run_id}").json()["checkpoint"] == paused["checkpoint"]
+    # what the trainer answers decides the status: it cannot (409), lost the run (409), is gone (503)
+    for error, status, words in ((ConflictError("run is offloaded"), 409, "cannot checkpoint"),
+                                 (NotFoundError("no run"), 409, "no state of this run"),
+                                 (UnavailableError("trainer down"), 503, "trainer down")):
+        env.fakes.faults.raise_in["trainer.checkpoint"] = error
+        assert words in is_problem(env.http.post(f"/v1/runs/{run_id}/checkpoint"), status)["detail"]
+    del env.fakes.faults.raise_in["trainer.checkpoint"]
+    assert env.http.get(f"/v1/runs/{run_id}").json()["checkpoint"] == paused["checkpoint"]
+    env.http.post(f"/v1/runs/{run_id}/resume")
+    wait_for(lambda: env.state(run_id) == "succeeded", what="run to finish")
+    finished = env.http.get(f"/v1/runs/{run_id}").json()
+    assert finished["checkpoint"] == paused["checkpoint"]   # kept after the run ends
+    assert "succeeded" in is_problem(env.http.post(f"/v1/runs/{run_id}/checkpoint"), 409)["detail"]
+    events = [json.loads(e["data"]) for e in read_sse(env.http, f"/v1/runs/{run_id}/events")]
+    taken_events = [e for e in events if e["type"] == "checkpoint"]
+    assert [(e["checkpoint_step"], e["checkpoint_path"]) for e in taken_events] == \
+        [("0", f"/checkpoints/{run_id}"), ("1", f"/checkpoints/{run_id}")]
+
+
 def test_stop_a_paused_run_cancels_it_and_delete_removes_it(env, redis_url):
     gate = threading.Event()
     env.fakes.faults.gates["train_step"] = gate
@@ -224,7 +266,8 @@ def test_engines_of_the_active_or_a_named_run(env):
     viewer = {"Authorization": f"Bearer {VIEWER}"}
     listed = httpx.get(env.server.url + "/v1/engines", headers=viewer).json()
     assert listed == {"run_id": run_id, "engines": [
-        {"engine_id": f"{run_id}-engine-{i}", "policy_version": 0, "healthy": True}
+        {"engine_id": f"{run_id}-engine-{i}", "policy_version": 0, "healthy": True,
+         "state": "serving"}
         for i in range(2)]}
     assert env.http.get("/v1/engines", params={"run_id": run_id}).json() == listed
     assert "nope-1" in is_problem(env.http.get("/v1/engines", params={"run_id": "nope-1"}),
@@ -269,7 +312,8 @@ def test_openapi_document_is_served_and_complete(env):
     expected = {("/v1/runs", "post"), ("/v1/runs", "get"), ("/v1/runs/{run_id}", "get"),
                 ("/v1/runs/{run_id}", "delete"), ("/v1/runs/{run_id}/metrics", "get"),
                 ("/v1/runs/{run_id}/events", "get"), ("/healthz", "get"), ("/readyz", "get"),
-                ("/metrics", "get"), ("/v1/engines", "get")} | {(f"/v1/runs/{{run_id}}/{op}", "post")
+                ("/metrics", "get"), ("/v1/engines", "get"),
+                ("/v1/engines/{engine_id}/drain", "post")} | {(f"/v1/runs/{{run_id}}/{op}", "post")
                                         for op in ("stop", "pause", "resume", "checkpoint")}
     assert {(p, m) for p, ops in paths.items() for m in ops} == expected
     body = paths["/v1/runs"]["post"]["requestBody"]["content"]["application/json"]["schema"]

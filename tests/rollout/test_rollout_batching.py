@@ -34,8 +34,10 @@ def no_eos_model(seed: int):
 
 
 def counted(engine: Engine) -> list[int]:
+    """Per forward pass, the number of rows it drew a token for (lm_head runs once per pass, on the
+    last position of every running or joining row)."""
     calls: list[int] = []
-    engine.model.model.embed_tokens.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))
+    engine.model.lm_head.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))
     return calls
 
 

@@ -52,3 +52,18 @@ def test_reward_and_support_flags():
     with pytest.raises(ValueError, match="--user-reward 'nameonly'"):
         RolloutServerConfig.from_args(["--port", "0", "--metrics-port", "0", "--redis-url",
                                        "redis://h:1", "--broker", "h:2", "--user-reward", "nameonly"])
+
+
+def test_engine_mode_flags():
+    base = ["--port", "1", "--metrics-port", "2", "--redis-url", "redis://127.0.0.1:6379",
+            "--broker", "127.0.0.1:3"]
+    assert RolloutServerConfig.from_args(base).engines == "inprocess"
+    config = RolloutServerConfig.from_args(base + ["--engines", "process", "--engine-threads", "2",
+                                                   "--engine-max-batch-size", "16", "--chunk-rows",
+                                                   "4", "--engine-work-dir", "/tmp/w"])
+    assert (config.engines, config.engine_threads, config.engine_max_batch_size, config.chunk_rows,
+            config.engine_work_dir) == ("process", 2, 16, 4, "/tmp/w")
+    with pytest.raises(ValueError, match="engines must be one of .*got 'threads'"):
+        RolloutServerConfig(redis_url="redis://x", broker_address="h:1", engines="threads")
+    with pytest.raises(ValueError, match="chunk_rows must be >= 1, got 0"):
+        RolloutServerConfig(redis_url="redis://x", broker_address="h:1", chunk_rows=0)

@@ -73,7 +73,7 @@ def test_engine_weights_equal_trainer_weights_after_publish(loop):
     trainer.publish_weights("run-b", version)
     broker.wait_committed("run-b", version, 30)
     trained = trainer._run("run-b").learner.state_dict()
-    engine_model = rollout._get("run-b").slots[0].engine.model
+    engine_model = rollout._get("run-b").engines.engine("run-b-engine-0").model
     served = engine_model.state_dict()
     for name, tensor in trained.items():
         assert torch.equal(served[name], tensor), name

@@ -71,7 +71,7 @@ class BucketRound(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "checksum_algorithm", "checksum", "bucket_size_bytes", "rounds")
+    __slots__ = ("version", "tensors", "total_bytes", "checksum_algorithm", "checksum", "bucket_size_bytes", "rounds", "destinations")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class WeightManifest(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     total_bytes: int
@@ -86,4 +87,13 @@ class WeightManifest(_message.Message):
     checksum: str
     bucket_size_bytes: int
     rounds: _containers.RepeatedCompositeFieldContainer[BucketRound]
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[str] = ..., checksum: _Optional[str] = ..., bucket_size_bytes: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[BucketRound, _Mapping]]] = ...) -> None: ...
+    destinations: _containers.RepeatedCompositeFieldContainer[DestinationChecksums]
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[str] = ..., checksum: _Optional[str] = ..., bucket_size_bytes: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[BucketRound, _Mapping]]] = ..., destinations: _Optional[_Iterable[_Union[DestinationChecksums, _Mapping]]] = ...) -> None: ...
+
+class DestinationChecksums(_message.Message):
+    __slots__ = ("layout_id", "round_checksums")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    round_checksums: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, layout_id: _Optional[str] = ..., round_checksums: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class RolloutStub:
                 request_serializer=furlong_dot_v1_dot_rollout__pb2.EndRolloutRequest.SerializeToString,
                 response_deserializer=furlong_dot_v1_dot_rollout__pb2.EndRolloutResponse.FromString,
                 _registered_method=True)
+        self.DrainEngine = channel.unary_unary(
+                '/furlong.v1.Rollout/DrainEngine',
+                request_serializer=furlong_dot_v1_dot_rollout__pb2.DrainEngineRequest.SerializeToString,
+                response_deserializer=furlong_dot_v1_dot_rollout__pb2.EngineStatus.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -83,6 +88,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainEngine(self, request, context):
+        """The engine takes no new work and finishes what it has; idempotent. NOT_FOUND for an unknown
+        run or engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +118,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.EndRun,
                     request_deserializer=furlong_dot_v1_dot_rollout__pb2.EndRolloutRequest.FromString,
                     response_serializer=furlong_dot_v1_dot_rollout__pb2.EndRolloutResponse.SerializeToString,
+            ),
+            'DrainEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainEngine,
+                    request_deserializer=furlong_dot_v1_dot_rollout__pb2.DrainEngineRequest.FromString,
+                    response_serializer=furlong_dot_v1_dot_rollout__pb2.EngineStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +233,33 @@ class Rollout:
             '/furlong.v1.Rollout/EndRun',
             furlong_dot_v1_dot_rollout__pb2.EndRolloutRequest.SerializeToString,
             furlong_dot_v1_dot_rollout__pb2.EndRolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furlong.v1.Rollout/DrainEngine',
+            furlong_dot_v1_dot_rollout__pb2.DrainEngineRequest.SerializeToString,
+            furlong_dot_v1_dot_rollout__pb2.EngineStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,21 @@ class TrainerStub:
                 request_serializer=furlong_dot_v1_dot_trainer__pb2.EndRunRequest.SerializeToString,
                 response_deserializer=furlong_dot_v1_dot_trainer__pb2.EndRunResponse.FromString,
                 _registered_method=True)
+        self.Offload = channel.unary_unary(
+                '/furlong.v1.Trainer/Offload',
+                request_serializer=furlong_dot_v1_dot_trainer__pb2.OffloadRequest.SerializeToString,
+                response_deserializer=furlong_dot_v1_dot_trainer__pb2.OffloadResponse.FromString,
+                _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/furlong.v1.Trainer/Restore',
+                request_serializer=furlong_dot_v1_dot_trainer__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=furlong_dot_v1_dot_trainer__pb2.RestoreResponse.FromString,
+                _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/furlong.v1.Trainer/Checkpoint',
+                request_serializer=furlong_dot_v1_dot_trainer__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=furlong_dot_v1_dot_trainer__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -83,6 +98,24 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Offload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Checkpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +138,21 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.EndRun,
                     request_deserializer=furlong_dot_v1_dot_trainer__pb2.EndRunRequest.FromString,
                     response_serializer=furlong_dot_v1_dot_trainer__pb2.EndRunResponse.SerializeToString,
+            ),
+            'Offload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Offload,
+                    request_deserializer=furlong_dot_v1_dot_trainer__pb2.OffloadRequest.FromString,
+                    response_serializer=furlong_dot_v1_dot_trainer__pb2.OffloadResponse.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=furlong_dot_v1_dot_trainer__pb2.RestoreRequest.FromString,
+                    response_serializer=furlong_dot_v1_dot_trainer__pb2.RestoreResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=furlong_dot_v1_dot_trainer__pb2.CheckpointRequest.FromString,
+                    response_serializer=furlong_dot_v1_dot_trainer__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +263,87 @@ class Trainer:
             '/furlong.v1.Trainer/EndRun',
             furlong_dot_v1_dot_trainer__pb2.EndRunRequest.SerializeToString,
             furlong_dot_v1_dot_trainer__pb2.EndRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Offload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furlong.v1.Trainer/Offload',
+            furlong_dot_v1_dot_trainer__pb2.OffloadRequest.SerializeToString,
+            furlong_dot_v1_dot_trainer__pb2.OffloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furlong.v1.Trainer/Restore',
+            furlong_dot_v1_dot_trainer__pb2.RestoreRequest.SerializeToString,
+            furlong_dot_v1_dot_trainer__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furlong.v1.Trainer/Checkpoint',
+            furlong_dot_v1_dot_trainer__pb2.CheckpointRequest.SerializeToString,
+            furlong_dot_v1_dot_trainer__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,12 +9,56 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("run_id", "engine_id")
+    __slots__ = ("run_id", "engine_id", "shard_layout")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     engine_id: str
-    def __init__(self, run_id: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    shard_layout: ShardLayout
+    def __init__(self, run_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., shard_layout: _Optional[_Union[ShardLayout, _Mapping]] = ...) -> None: ...
+
+class ShardPiece(_message.Message):
+    __slots__ = ("source", "whole", "dim", "start", "stop")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    whole: bool
+    dim: int
+    start: int
+    stop: int
+    def __init__(self, source: _Optional[str] = ..., whole: _Optional[bool] = ..., dim: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class ShardTensor(_message.Message):
+    __slots__ = ("name", "pieces")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    pieces: _containers.RepeatedCompositeFieldContainer[ShardPiece]
+    def __init__(self, name: _Optional[str] = ..., pieces: _Optional[_Iterable[_Union[ShardPiece, _Mapping]]] = ...) -> None: ...
+
+class ShardLayout(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[ShardTensor]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[ShardTensor, _Mapping]]] = ...) -> None: ...
+
+class GetDestinationsRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class GetDestinationsResponse(_message.Message):
+    __slots__ = ("run_id", "layouts")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    layouts: _containers.RepeatedCompositeFieldContainer[ShardLayout]
+    def __init__(self, run_id: _Optional[str] = ..., layouts: _Optional[_Iterable[_Union[ShardLayout, _Mapping]]] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
     __slots__ = ("run_id", "committed_version")

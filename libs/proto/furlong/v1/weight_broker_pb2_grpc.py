@@ -84,6 +84,11 @@ class WeightBrokerStub:
                 request_serializer=furlong_dot_v1_dot_weight__broker__pb2.GetVersionRequest.SerializeToString,
                 response_deserializer=furlong_dot_v1_dot_weight__broker__pb2.VersionStatus.FromString,
                 _registered_method=True)
+        self.GetDestinations = channel.unary_unary(
+                '/furlong.v1.WeightBroker/GetDestinations',
+                request_serializer=furlong_dot_v1_dot_weight__broker__pb2.GetDestinationsRequest.SerializeToString,
+                response_deserializer=furlong_dot_v1_dot_weight__broker__pb2.GetDestinationsResponse.FromString,
+                _registered_method=True)
         self.EndRun = channel.unary_unary(
                 '/furlong.v1.WeightBroker/EndRun',
                 request_serializer=furlong_dot_v1_dot_weight__broker__pb2.EndRunBrokerRequest.SerializeToString,
@@ -154,6 +159,12 @@ class WeightBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDestinations(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndRun(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -212,6 +223,11 @@ def add_WeightBrokerServicer_to_server(servicer, server):
                     servicer.GetVersion,
                     request_deserializer=furlong_dot_v1_dot_weight__broker__pb2.GetVersionRequest.FromString,
                     response_serializer=furlong_dot_v1_dot_weight__broker__pb2.VersionStatus.SerializeToString,
+            ),
+            'GetDestinations': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDestinations,
+                    request_deserializer=furlong_dot_v1_dot_weight__broker__pb2.GetDestinationsRequest.FromString,
+                    response_serializer=furlong_dot_v1_dot_weight__broker__pb2.GetDestinationsResponse.SerializeToString,
             ),
             'EndRun': grpc.unary_unary_rpc_method_handler(
                     servicer.EndRun,
@@ -489,6 +505,33 @@ class WeightBroker:
             '/furlong.v1.WeightBroker/GetVersion',
             furlong_dot_v1_dot_weight__broker__pb2.GetVersionRequest.SerializeToString,
             furlong_dot_v1_dot_weight__broker__pb2.VersionStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDestinations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furlong.v1.WeightBroker/GetDestinations',
+            furlong_dot_v1_dot_weight__broker__pb2.GetDestinationsRequest.SerializeToString,
+            furlong_dot_v1_dot_weight__broker__pb2.GetDestinationsResponse.FromString,
             options,
             channel_credentials,
             insecure,

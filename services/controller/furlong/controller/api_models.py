@@ -7,7 +7,7 @@ required fields, no unknown fields); ranges are checked by `parse_run_spec` and 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
@@ -39,6 +39,13 @@ def spec_schema(cls: type = _spec.RunSpec) -> dict[str, Any]:
     return schema
 
 
+class CheckpointModel(BaseModel):
+    step: int
+    path: str
+    policy_version: int
+    created_at: float
+
+
 class RunModel(BaseModel):
     run_id: str
     name: str
@@ -53,6 +60,7 @@ class RunModel(BaseModel):
     policy_version: int
     stop_requested: bool
     pause_requested: bool
+    checkpoint: Optional[CheckpointModel] = None
     spec: dict[str, Any]
 
 
@@ -71,6 +79,7 @@ class Engine(BaseModel):
     engine_id: str
     policy_version: int
     healthy: bool
+    state: Literal["serving", "draining", "drained"]
 
 
 class EnginesPage(BaseModel):

@@ -128,6 +128,22 @@ def _engine_routes(router: APIRouter, engines: EngineStatusSource | None,
         return {"run_id": target, "engines": [e.to_dict() for e in found]}
 
 
+def _drain_route(router: APIRouter, engines: EngineStatusSource | None,
+                 active_run: Callable[[], str | None]) -> None:
+    @router.post("/engines/{engine_id}/drain", response_model=m.Engine,
+                 responses=m.problem_responses(401, 403, 404, 503))
+    def drain_engine(engine_id: str,
+                     run_id: Optional[str] = Query(default=None, max_length=128)) -> dict[str, Any]:
+        """Drain an engine of run_id (default: the run being executed): it takes no new work and
+        finishes what it has, then reports `drained`. Idempotent."""
+        if engines is None:
+            raise UnavailableError("engine status is not configured on this controller")
+        target = run_id or active_run()
+        if target is None:
+            raise NotFoundError(f"engine {engine_id!r}: no run is being executed; pass run_id")
+        return engines.drain(target, engine_id, ENGINE_STATUS_TIMEOUT_S).to_dict()
+
+
 def _valid_stream_id(value: str) -> bool:
     ms, sep, seq = value.partition("-")
     return value.isascii() and ms.isdigit() and sep == "-" and seq.isdigit() and len(value) <= 40
@@ -196,7 +212,9 @@ def _change_routes(router: APIRouter, service: RunService) -> None:
 
     @router.post("/runs/{run_id}/checkpoint", response_model=m.RunModel, responses=run_responses)
     def checkpoint_run(run_id: str) -> dict[str, Any]:
-        """Not available yet: 409 for every existing run (the trainer has no checkpoint call)."""
+        """The trainer writes a running or paused run's training state now (after a step in
+        progress); the run with that `checkpoint` (step, path). 409 in any other state, or when
+        the trainer cannot (no checkpoint directory, offloaded); 503 trainer unreachable."""
         return service.checkpoint_run(run_id).to_dict()
 
     @router.delete("/runs/{run_id}", status_code=204, response_class=Response,
@@ -213,7 +231,7 @@ def create_app(service: RunService, tokens: ApiTokens | str, readiness: Readines
                active_run: Callable[[], str | None] = lambda: None) -> FastAPI:
     """The REST application. tokens: the role tokens (a plain string is the one admin token);
     readiness returns named checks (True = ok) for `/readyz`; engines and active_run serve
-    `/v1/engines` (503 without engines)."""
+    `/v1/engines` and `/v1/engines/{id}/drain` (503 without engines)."""
     if isinstance(tokens, str):
         tokens = ApiTokens(admin=(tokens,))
     app = FastAPI(title="Furlong controller", version="1", docs_url=None, redoc_url=None)
@@ -223,6 +241,7 @@ def create_app(service: RunService, tokens: ApiTokens | str, readiness: Readines
     _engine_routes(reader, engines, active_run)
     writer = APIRouter(prefix="/v1", dependencies=[Depends(_role_check(tokens, Role.ADMIN))])
     _change_routes(writer, service)
+    _drain_route(writer, engines, active_run)
     app.include_router(reader)
     app.include_router(writer)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from furlong.rollout.convert import (prompt_to_proto, result_from_proto, run_info_from_proto,
+from furlong.rollout.convert import (engine_status_from_proto, prompt_to_proto, result_from_proto, run_info_from_proto,
                                      sampling_to_proto, status_from_proto)
 from furlong.rollout.core.sampling import SamplingConfig
-from furlong.rollout.core.types import GenerateResult, Prompt, RunInfo, RunStatus
+from furlong.rollout.core.types import EngineStatus, GenerateResult, Prompt, RunInfo, RunStatus
 from furlong.rpc import call, channel
 from furlong.v1 import rollout_pb2 as pb, rollout_pb2_grpc as pb_grpc
 
@@ -26,8 +26,9 @@ class RolloutApi(Protocol):
                       seed: int) -> RunInfo: ...
     def generate(self, run_id: str, step: int, prompts: Sequence[Prompt], samples_per_prompt: int,
                  sampling: SamplingConfig, min_policy_version: int, timeout_s: float,
-                 max_refill_rounds: int = 0) -> GenerateResult: ...
+                 max_refill_rounds: int = 0, keep_groups: int = 0) -> GenerateResult: ...
     def status(self, run_id: str) -> RunStatus: ...
+    def drain_engine(self, run_id: str, engine_id: str) -> EngineStatus: ...
     def end_run(self, run_id: str) -> None: ...
     def close(self) -> None: ...
 
@@ -58,17 +59,23 @@ class RolloutClient:
 
     def generate(self, run_id: str, step: int, prompts: Sequence[Prompt], samples_per_prompt: int,
                  sampling: SamplingConfig, min_policy_version: int, timeout_s: float,
-                 max_refill_rounds: int = 0) -> GenerateResult:
+                 max_refill_rounds: int = 0, keep_groups: int = 0) -> GenerateResult:
         req = pb.GenerateRequest(run_id=run_id, step=step, prompts=[prompt_to_proto(p) for p in prompts],
                                  samples_per_prompt=samples_per_prompt, sampling=sampling_to_proto(sampling),
                                  min_policy_version=min_policy_version, timeout_s=timeout_s,
-                                 min_p=sampling.min_p, max_refill_rounds=max_refill_rounds)
+                                 min_p=sampling.min_p, max_refill_rounds=max_refill_rounds,
+                                 keep_groups=keep_groups)
         deadline_s = max(float(timeout_s), 0.0) + self._generate_margin_s
         return result_from_proto(call(self._stub.Generate, req, deadline_s))
 
     def status(self, run_id: str) -> RunStatus:
         return status_from_proto(call(self._stub.GetStatus, pb.GetRolloutStatusRequest(run_id=run_id),
                                       self._timeout_s))
+
+    def drain_engine(self, run_id: str, engine_id: str) -> EngineStatus:
+        return engine_status_from_proto(call(
+            self._stub.DrainEngine, pb.DrainEngineRequest(run_id=run_id, engine_id=engine_id),
+            self._timeout_s))
 
     def end_run(self, run_id: str) -> None:
         call(self._stub.EndRun, pb.EndRolloutRequest(run_id=run_id), self._timeout_s)
@@ -89,12 +96,15 @@ class InProcessRolloutClient:
 
     def generate(self, run_id: str, step: int, prompts: Sequence[Prompt], samples_per_prompt: int,
                  sampling: SamplingConfig, min_policy_version: int, timeout_s: float,
-                 max_refill_rounds: int = 0) -> GenerateResult:
+                 max_refill_rounds: int = 0, keep_groups: int = 0) -> GenerateResult:
         return self._service.generate(run_id, step, prompts, samples_per_prompt, sampling,
-                                      min_policy_version, timeout_s, max_refill_rounds)
+                                      min_policy_version, timeout_s, max_refill_rounds, keep_groups)
 
     def status(self, run_id: str) -> RunStatus:
         return self._service.status(run_id)
+
+    def drain_engine(self, run_id: str, engine_id: str) -> EngineStatus:
+        return self._service.drain_engine(run_id, engine_id)
 
     def end_run(self, run_id: str) -> None:
         self._service.end_run(run_id)

@@ -5,7 +5,8 @@ by the server and the gRPC client. Free of torch so that clients stay light.
 from __future__ import annotations
 
 from furlong.rollout.core.sampling import SamplingConfig
-from furlong.rollout.core.types import EngineStatus, GenerateResult, Prompt, RunInfo, RunStatus
+from furlong.rollout.core.types import (EngineState, EngineStatus, GenerateResult, LedgerCounts,
+                                        Prompt, RunInfo, RunStatus)
 from furlong.v1 import common_pb2, rollout_pb2 as pb
 
 
@@ -47,7 +48,9 @@ def result_to_proto(result: GenerateResult) -> pb.GenerateResponse:
                                policy_version=result.policy_version, num_tokens=result.num_tokens,
                                generate_seconds=result.generate_seconds,
                                num_groups_dropped=result.num_groups_dropped,
-                               num_groups_refilled=result.num_groups_refilled)
+                               num_groups_refilled=result.num_groups_refilled,
+                               num_groups_surplus=result.num_groups_surplus,
+                               request_id=result.request_id)
 
 
 def result_from_proto(msg: pb.GenerateResponse) -> GenerateResult:
@@ -56,16 +59,41 @@ def result_from_proto(msg: pb.GenerateResponse) -> GenerateResult:
                           policy_version=msg.policy_version, num_tokens=msg.num_tokens,
                           generate_seconds=msg.generate_seconds,
                           num_groups_dropped=msg.num_groups_dropped,
-                          num_groups_refilled=msg.num_groups_refilled)
+                          num_groups_refilled=msg.num_groups_refilled,
+                          num_groups_surplus=msg.num_groups_surplus, request_id=msg.request_id)
+
+
+_STATE_TO_PROTO = {EngineState.SERVING: pb.ENGINE_STATE_SERVING,
+                   EngineState.DRAINING: pb.ENGINE_STATE_DRAINING,
+                   EngineState.DRAINED: pb.ENGINE_STATE_DRAINED}
+_STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
+
+
+def engine_status_to_proto(e: EngineStatus) -> pb.EngineStatus:
+    return pb.EngineStatus(engine_id=e.engine_id, policy_version=e.policy_version, healthy=e.healthy,
+                           state=_STATE_TO_PROTO[e.state], pid=e.pid, restarts=e.restarts,
+                           in_flight=e.in_flight)
+
+
+def engine_status_from_proto(msg: pb.EngineStatus) -> EngineStatus:
+    if msg.state not in _STATE_FROM_PROTO:
+        raise ValueError(f"engine {msg.engine_id}: unknown engine state {msg.state}")
+    return EngineStatus(engine_id=msg.engine_id, policy_version=msg.policy_version,
+                        healthy=msg.healthy, state=_STATE_FROM_PROTO[msg.state], pid=msg.pid,
+                        restarts=msg.restarts, in_flight=msg.in_flight)
 
 
 def status_to_proto(status: RunStatus) -> pb.RolloutStatus:
-    return pb.RolloutStatus(run_id=status.run_id, engines=[
-        pb.EngineStatus(engine_id=e.engine_id, policy_version=e.policy_version, healthy=e.healthy)
-        for e in status.engines])
+    c = status.ledger
+    return pb.RolloutStatus(run_id=status.run_id,
+                            engines=[engine_status_to_proto(e) for e in status.engines],
+                            ledger=pb.LedgerCounts(pending=c.pending, in_flight=c.in_flight,
+                                                   done=c.done, surplus=c.surplus,
+                                                   duplicates_refused=c.duplicates_refused))
 
 
 def status_from_proto(msg: pb.RolloutStatus) -> RunStatus:
-    return RunStatus(run_id=msg.run_id, engines=[
-        EngineStatus(engine_id=e.engine_id, policy_version=e.policy_version, healthy=e.healthy)
-        for e in msg.engines])
+    c = msg.ledger
+    return RunStatus(run_id=msg.run_id, engines=[engine_status_from_proto(e) for e in msg.engines],
+                     ledger=LedgerCounts(pending=c.pending, in_flight=c.in_flight, done=c.done,
+                                         surplus=c.surplus, duplicates_refused=c.duplicates_refused))

@@ -40,6 +40,9 @@ class EngineHttpServer:
         model, self.tokenizer = load_policy(model_dir)
         self.engine = Engine(model, self.tokenizer, max_batch_size=max_batch_size)
         self.weight_version = "0"
+        # engine policy version -> the label /update_weight_version gave it; each generated row
+        # reports the label of the version that drew it, so a load racing a request cannot mislabel
+        self._labels: dict[int, str] = {}
         self.running = threading.Event()
         self.running.set()
         handler = type("Handler", (_Handler,), {"target": self})
@@ -81,7 +84,7 @@ class EngineHttpServer:
                       else {"type": "length", "length": len(g.token_ids)})
             out.append({"text": g.text, "output_ids": g.token_ids, "meta_info": {
                 "prompt_tokens": len(p), "completion_tokens": len(g.token_ids),
-                "finish_reason": finish, "weight_version": self.weight_version,
+                "finish_reason": finish, "weight_version": self._labels.get(g.policy_version, str(g.policy_version)),
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.token_ids)],
                 "output_sampling_mask": {"token_ids": g.support.token_ids.tolist(),
                                          "offsets": g.support.offsets.tolist()}}})
@@ -104,6 +107,7 @@ class EngineHttpServer:
             if "new_version" not in body:
                 return 400, {"error": {"message": "new_version is required"}}
             self.weight_version = str(body["new_version"])
+            self._labels[self.engine.policy_version] = self.weight_version
             return 200, {"success": True, "new_version": self.weight_version}
         return 404, {"error": {"message": f"no route {path}"}}
 
@@ -115,6 +119,7 @@ class EngineHttpServer:
         except (ValueError, KeyError, OSError) as exc:
             return 200, {"success": False, "message": f"{type(exc).__name__}: {exc}"}
         self.weight_version = str(version)
+        self._labels[version] = self.weight_version
         return 200, {"success": True, "message": f"serving version {version}"}
 
     def get(self, path: str) -> tuple[int, object]:

@@ -7,10 +7,10 @@ import threading
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from furlong.rollout.core.types import RunStatus
+from furlong.rollout.core.types import EngineState, RunStatus
 
 SAMPLES_TOTAL = "furlong_rollout_samples_total"
 TOKENS_TOTAL = "furlong_rollout_tokens_total"
@@ -20,6 +20,11 @@ POLICY_VERSION = "furlong_rollout_policy_version"
 ENGINE_HEALTHY = "furlong_rollout_engine_healthy"
 GROUPS_DROPPED_TOTAL = "furlong_rollout_groups_dropped_total"
 GROUPS_REFILLED_TOTAL = "furlong_rollout_groups_refilled_total"
+GROUPS_SURPLUS_TOTAL = "furlong_rollout_groups_surplus_total"
+LEDGER_SAMPLES = "furlong_rollout_ledger_samples"
+LEDGER_DUPLICATES_REFUSED = "furlong_rollout_ledger_duplicates_refused_total"
+ENGINE_RESTARTS = "furlong_rollout_engine_restarts_total"
+ENGINE_DRAINED = "furlong_rollout_engine_drained"
 
 _GENERATE_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -47,6 +52,9 @@ class RolloutMetrics:
                                       ["run_id"], registry=registry)
         self.groups_refilled = Counter(GROUPS_REFILLED_TOTAL, "Dynamic sampling: zero-variance "
                                        "groups drawn again", ["run_id"], registry=registry)
+        self.surplus_groups = Counter(GROUPS_SURPLUS_TOTAL, "Over-sampling: groups beyond the "
+                                      "request's keep_groups, closed unwritten", ["run_id"],
+                                      registry=registry)
 
     def generated(self, run_id: str, num_samples: int, num_tokens: int, seconds: float,
                   reward_mean: float) -> None:
@@ -54,12 +62,15 @@ class RolloutMetrics:
         self.tokens.labels(run_id=run_id).inc(num_tokens)
         self.generate_seconds.observe(seconds)
         self.reward_mean.labels(run_id=run_id).set(reward_mean)
-        for counter in (self.groups_dropped, self.groups_refilled):
-            counter.labels(run_id=run_id)  # the series exists (at 0) before dynamic sampling acts
+        for counter in (self.groups_dropped, self.groups_refilled, self.surplus_groups):
+            counter.labels(run_id=run_id)  # the series exists (at 0) before the filters act
 
     def groups_filtered(self, run_id: str, dropped: int, refilled: int) -> None:
         self.groups_dropped.labels(run_id=run_id).inc(dropped)
         self.groups_refilled.labels(run_id=run_id).inc(refilled)
+
+    def groups_surplus(self, run_id: str, surplus: int) -> None:
+        self.surplus_groups.labels(run_id=run_id).inc(surplus)
 
     def version_applied(self, run_id: str, engine_id: str, version: int) -> None:
         self.policy_version.labels(engine=engine_id).set(version)
@@ -67,7 +78,8 @@ class RolloutMetrics:
             self._runs.add(run_id)
 
     def watch_engines(self, status_of: Callable[[str], RunStatus]) -> None:
-        """Export each engine's health, read from `status_of(run_id)` at scrape time."""
+        """Export each engine's health, restarts and drain state and each run's ledger counts,
+        read from `status_of(run_id)` at scrape time."""
         self._registry.register(_EngineHealthCollector(self, status_of))
 
     def run_ids(self) -> list[str]:
@@ -78,7 +90,7 @@ class RolloutMetrics:
         with self._lock:
             self._runs.discard(run_id)
         for metric in (self.samples, self.tokens, self.reward_mean, self.groups_dropped,
-                       self.groups_refilled):
+                       self.groups_refilled, self.surplus_groups):
             try:
                 metric.remove(run_id)
             except KeyError:
@@ -95,17 +107,32 @@ class _EngineHealthCollector(Collector):
         self._metrics = metrics
         self._status_of = status_of
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         healthy = GaugeMetricFamily(ENGINE_HEALTHY, "1 while the engine's last generation succeeded, "
                                     "0 after it failed", labels=["run_id", "engine"])
+        drained = GaugeMetricFamily(ENGINE_DRAINED, "1 once the engine was drained (takes no new "
+                                    "work)", labels=["run_id", "engine"])
+        restarts = CounterMetricFamily(ENGINE_RESTARTS, "Times the engine process was restarted",
+                                       labels=["run_id", "engine"])
+        ledger = GaugeMetricFamily(LEDGER_SAMPLES, "Samples of the run's requests by ledger state "
+                                   "(pending, in_flight, done, surplus)", labels=["run_id", "state"])
+        refused = CounterMetricFamily(LEDGER_DUPLICATES_REFUSED, "Second results for a sample "
+                                      "already done, refused by the ledger", labels=["run_id"])
         for run_id in self._metrics.run_ids():
             try:
                 status = self._status_of(run_id)
             except Exception:  # the run ended between listing and reading: nothing to report
                 continue
             for engine in status.engines:
-                healthy.add_metric([run_id, engine.engine_id], 1.0 if engine.healthy else 0.0)
-        yield healthy
+                labels = [run_id, engine.engine_id]
+                healthy.add_metric(labels, 1.0 if engine.healthy else 0.0)
+                drained.add_metric(labels, 0.0 if engine.state is EngineState.SERVING else 1.0)
+                restarts.add_metric(labels, float(engine.restarts))
+            counts = status.ledger
+            for state in ("pending", "in_flight", "done", "surplus"):
+                ledger.add_metric([run_id, state], float(getattr(counts, state)))
+            refused.add_metric([run_id], float(counts.duplicates_refused))
+        yield from (healthy, drained, restarts, ledger, refused)
 
     def describe(self) -> list:
         return []

@@ -14,6 +14,10 @@ driven through the SGLang adapter, with least-loaded routing, restarts and retri
   lost or delivered twice.
 - **Weights**: `update_weights(version, model_dir)` pauses, loads and resumes every healthy engine
   and becomes the version restarted engines load.
+- **Drain**: `drain(engine_id)` stops routing new chunks to an engine; the chunks it runs finish.
+  It reports "draining" until its last chunk is done, then "drained".
+- **Early stop**: `generate(..., enough=f)` stops starting chunks once `f(results so far)` is true
+  (over-sampling); results come back in the order their chunks completed.
 
 A bad request (HTTP 400) is a ValueError and is not retried. Knows nothing about runs, rewards or
 the sample stream.
@@ -27,18 +31,18 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from furlong.core.errors import UnavailableError
+from furlong.core.errors import NotFoundError, UnavailableError
 from furlong.core.redis_server import free_port
 from furlong.rollout.core.engine import Generation
 from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
-from furlong.rollout.core.types import EngineStatus
+from furlong.rollout.core.types import EngineState, EngineStatus
 from furlong.rollout.ledger import Ledger
 from furlong.rollout.sglang import SGLangEngine
 
@@ -81,6 +85,7 @@ class _EngineProcess:
         self.restarting = False
         self.in_flight = 0
         self.restarts = 0
+        self.draining = False
 
     @property
     def pid(self) -> int | None:
@@ -109,7 +114,8 @@ class EnginePool:
         self._vocab_size = vocab_size
         self.config = config
         self._ledger = ledger
-        self._version = 0
+        self._version = 0              # the version engines load (restarts included)
+        self._served = 0               # the version every taken engine has finished loading
         self._weights_dir = model_dir
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -157,6 +163,9 @@ class EnginePool:
         self._stop.set()
         if self._monitor.is_alive():
             self._monitor.join(10)
+        for e in self._engines:          # all at once: each takes a moment to shut down
+            if e.proc is not None and e.proc.poll() is None:
+                e.proc.terminate()
         for e in self._engines:
             e.stop()
 
@@ -207,16 +216,19 @@ class EnginePool:
         deadline = time.monotonic() + self.config.startup_timeout_s
         with self._cond:
             while True:
-                ready = [e for e in self._engines if e.healthy and e.engine_id not in exclude]
+                serving = [e for e in self._engines if e.healthy and not e.draining]
+                ready = [e for e in serving if e.engine_id not in exclude]
                 if not ready:   # everyone was tried: allow a restarted engine again
-                    ready = [e for e in self._engines if e.healthy]
+                    ready = serving
                 if ready:
                     chosen = min(ready, key=lambda e: e.in_flight)
                     chosen.in_flight += 1
                     return chosen
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise UnavailableError(f"no healthy engine within {self.config.startup_timeout_s}s")
+                    drained = [e.engine_id for e in self._engines if e.draining]
+                    raise UnavailableError(f"no healthy engine within {self.config.startup_timeout_s}s"
+                                           f" (drained: {drained})")
                 self._cond.wait(min(left, 0.5))
 
     def _release(self, e: _EngineProcess) -> None:
@@ -224,29 +236,43 @@ class EnginePool:
             e.in_flight -= 1
 
     def generate(self, request_id: str, rows: Sequence[tuple[str, list[int]]],
-                 config: SamplingConfig) -> dict[str, Generation]:
-        """One generation per (sample id, prompt ids) row, keyed by sample id."""
+                 config: SamplingConfig, seed_of: Callable[[int], int] | None = None,
+                 enough: Callable[[Mapping[str, Generation]], bool] | None = None
+                 ) -> dict[str, Generation]:
+        """One generation per (sample id, prompt ids) row, keyed by sample id, in the order the
+        chunks completed. Chunk i samples with seed `seed_of(i)` (default: derived from
+        config.seed). Once `enough(results so far)` is true, chunks not yet started are skipped."""
         ids = [sample_id for sample_id, _ in rows]
         if len(set(ids)) != len(ids):
             raise ValueError(f"request {request_id}: sample ids repeat")
         if self._ledger is not None:
             self._ledger.open(request_id, ids)
+        seed_of = seed_of or (lambda i: chunk_seed(config.seed, i))
         size = self.config.chunk_rows
         chunks = [list(rows[i:i + size]) for i in range(0, len(rows), size)]
         out: dict[str, Generation] = {}
+        stop = threading.Event()
         with ThreadPoolExecutor(max_workers=max(1, min(len(chunks), 2 * len(self._engines)))) as ex:
-            futures = [ex.submit(self._run_chunk, request_id, i, c, config)
+            futures = [ex.submit(self._run_chunk, request_id, i, c,
+                                 dataclasses.replace(config, seed=seed_of(i)), stop)
                        for i, c in enumerate(chunks)]
-            for f in futures:
-                out.update(f.result())
+            try:
+                for f in as_completed(futures):
+                    out.update(f.result())
+                    if enough is not None and not stop.is_set() and enough(out):
+                        stop.set()
+            except BaseException:
+                stop.set()         # a failed request starts nothing more
+                raise
         return out
 
     def _run_chunk(self, request_id: str, index: int, chunk: list[tuple[str, list[int]]],
-                   config: SamplingConfig) -> dict[str, Generation]:
-        chunk_config = dataclasses.replace(config, seed=chunk_seed(config.seed, index))
+                   chunk_config: SamplingConfig, stop: threading.Event) -> dict[str, Generation]:
         tried: set[str] = set()
         errors: list[str] = []
         for _ in range(self.config.max_attempts):
+            if stop.is_set():
+                return {}
             e = self._acquire(tried)
             tried.add(e.engine_id)
             try:
@@ -287,16 +313,42 @@ class EnginePool:
                 e.adapter.update_weights_from_disk(version, model_dir)
             except UnavailableError as exc:
                 self._mark_dead(e, str(exc))   # the restart loads this version
+        with self._cond:
+            self._served = max(self._served, version)
+            self._cond.notify_all()
 
     @property
     def policy_version(self) -> int:
         return self._version
 
+    def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
+        """Block until the pool's version (what every engine serves before taking work) is at least
+        min_version; False when timeout_s passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._served >= min_version, timeout_s)
+
+    @staticmethod
+    def _status(e: _EngineProcess) -> EngineStatus:
+        state = (EngineState.SERVING if not e.draining else
+                 EngineState.DRAINING if e.in_flight else EngineState.DRAINED)
+        return EngineStatus(engine_id=e.engine_id, healthy=e.healthy,
+                            policy_version=e.adapter.policy_version if e.adapter else 0,
+                            state=state, pid=e.pid or 0, restarts=e.restarts, in_flight=e.in_flight)
+
     def status(self) -> list[EngineStatus]:
         with self._cond:
-            return [EngineStatus(engine_id=e.engine_id, healthy=e.healthy,
-                                 policy_version=e.adapter.policy_version if e.adapter else 0)
-                    for e in self._engines]
+            return [self._status(e) for e in self._engines]
+
+    def drain(self, engine_id: str) -> EngineStatus:
+        """Route no new chunks to the engine; its running chunks finish. Idempotent."""
+        with self._cond:
+            for e in self._engines:
+                if e.engine_id == engine_id:
+                    if not e.draining:
+                        e.draining = True
+                        log.info("%s drained (%d chunk(s) in flight)", engine_id, e.in_flight)
+                    return self._status(e)
+        raise NotFoundError(f"no engine {engine_id!r} in this pool")
 
     def pids(self) -> dict[str, int | None]:
         return {e.engine_id: e.pid for e in self._engines}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from furlong.rollout.convert import (prompt_from_proto, result_to_proto, run_info_to_proto,
+from furlong.rollout.convert import (engine_status_to_proto, prompt_from_proto, result_to_proto, run_info_to_proto,
                                      sampling_from_proto, status_to_proto)
 from furlong.rollout.core.service import RolloutService
 from furlong.rpc import rpc_errors
@@ -40,12 +40,16 @@ class RolloutServicer(pb_grpc.RolloutServicer):
             samples_per_prompt=request.samples_per_prompt,
             sampling=sampling_from_proto(request.sampling, request.min_p),
             min_policy_version=request.min_policy_version, timeout_s=request.timeout_s,
-            max_refill_rounds=request.max_refill_rounds)
+            max_refill_rounds=request.max_refill_rounds, keep_groups=request.keep_groups)
         return result_to_proto(result)
 
     @rpc_errors
     def GetStatus(self, request, context):
         return status_to_proto(self._service.status(request.run_id))
+
+    @rpc_errors
+    def DrainEngine(self, request, context):
+        return engine_status_to_proto(self._service.drain_engine(request.run_id, request.engine_id))
 
     @rpc_errors
     def EndRun(self, request, context):

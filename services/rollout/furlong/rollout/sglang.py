@@ -7,7 +7,10 @@ It speaks SGLang's HTTP API with token ids only (servers run with `--skip-tokeni
   `return_sampling_mask: true`; each result carries `output_ids` and, in `meta_info`,
   `output_token_logprobs` ([log-prob, token id, _] per token, under the sampling distribution),
   `output_sampling_mask` ({"token_ids", "offsets"}: the CSR support of every token) and
-  `finish_reason` ({"type": "length"} or {"type": "stop", "matched": id or string}).
+  `finish_reason` ({"type": "length"} or {"type": "stop", "matched": id or string}) and
+  `weight_version` (the version that drew the row: it is the sample's policy version when it is a
+  decimal number, else — SGLang says "default" before any update — the version of the adapter's
+  last weight update).
 - `GET /health_generate`; `POST /pause_generation`, `/continue_generation`, `/flush_cache`;
   `POST /update_weights_from_disk` (`model_path`, `weight_version`) and `/update_weight_version`.
 
@@ -177,6 +180,9 @@ class SGLangEngine:
                                           offsets=np.asarray(mask["offsets"], dtype=np.int64),
                                           vocab_size=self.vocab_size)
             finish = meta["finish_reason"]
+            label = meta.get("weight_version")
+            if isinstance(label, str) and label.isdecimal():   # the version that drew this row
+                version = int(label)
         except (KeyError, TypeError, IndexError) as exc:
             raise UnavailableError(f"{where}: response is missing {exc}") from None
         except ValueError as exc:

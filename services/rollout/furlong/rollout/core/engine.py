@@ -16,6 +16,7 @@ its special ids and to decode responses.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from furlong.core.sampling_mask import RolloutSamplingMask
 from furlong.rollout.core.sampler import UNBOUNDED, sample_step
 from furlong.rollout.core.sampling import SamplingConfig, SupportBound
 from furlong.rollout.core.llama_runner import LlamaRunner
+from furlong.rollout.core.stop_strings import StopMatcher, cut_at_stop
 from furlong.rollout.core.trace import DecodeTrace, RowTrace
 from furlong.rollout.core.weights import match_state
 
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
 CONTINUOUS = "continuous"
 STATIC = "static"
 
@@ -53,11 +56,12 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]             # under the sampling distribution, one per token
     support: RolloutSamplingMask      # one row per token: the ids the sampler could have drawn
-    finish_reason: str                # "eos" (EOS is the last token) or "length"
-    text: str
+    finish_reason: str                # "eos" (EOS is the last token), "stop" or "length"
+    text: str                         # decoded, special tokens skipped; cut before a stop string
     policy_version: int
     full_logprobs: list[float] = field(default_factory=list)  # under the full tempered softmax
     truncated_positions: list[int] = field(default_factory=list)  # supports the bound cut
+    stop_string: str | None = None    # the stop string that ended the response ("stop")
 
 
 class Engine:
@@ -145,12 +149,16 @@ class Engine:
             return []
         with self._batch_lock, torch.inference_mode():
             version = self._policy_version
-            device = next(self.model.parameters()).device
-            generator = torch.Generator(device=device).manual_seed(config.seed)
+            generator = torch.Generator(device=self._runner.device).manual_seed(config.seed)
             trace = DecodeTrace(len(prompts), self.vocab_size)
-            self._run_rows(prompts, torch.tensor(limits, device=device), config, generator, trace,
-                           None if ignore_eos else self.tokenizer.eos_id)
-            return [self._to_generation(row, version, ignore_eos) for row in trace.rows()]
+            stops = StopMatcher(config.stop, self._decode) if config.stop else None
+            stopped = self._run_rows(prompts, limits, config, generator, trace,
+                                     None if ignore_eos else self.tokenizer.eos_id, stops)
+            return [self._to_generation(row, version, ignore_eos, config.stop, stopped.get(i))
+                    for i, row in enumerate(trace.rows())]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special=True)
 
     def _validate_prompts(self, prompt_ids: Sequence[Sequence[int]], config: SamplingConfig,
                           max_new_tokens: Sequence[int] | None) -> tuple[list[list[int]], list[int]]:
@@ -178,56 +186,71 @@ class Engine:
                                  f"the model's max_position_embeddings {self.max_positions}")
         return prompts, limits
 
-    def _run_rows(self, prompts: list[list[int]], limits: torch.Tensor, config: SamplingConfig,
-                  generator: torch.Generator, trace: DecodeTrace, eos: int | None) -> None:
-        """The scheduler: admit, decode, retire until every row has finished. State is kept per
-        cache slot; a decode step runs slots [0, highest busy slot] (see LlamaRunner.decode)."""
-        device = limits.device
+    def _run_rows(self, prompts: list[list[int]], limits: list[int], config: SamplingConfig,
+                  generator: torch.Generator, trace: DecodeTrace, eos: int | None,
+                  stops: StopMatcher | None) -> dict[int, str]:
+        """The scheduler: admit, step, retire until every row has finished; the stop string each
+        row stopped at (rows that stopped otherwise are absent). Slot state lives on the host;
+        the only per-step device-to-host transfer is the sampled tokens."""
+        device = self._runner.device
+        num_slots = self.max_batch_size
         waiting = list(range(len(prompts)))
         waiting.reverse()                                       # pop() takes the lowest row first
-        free = list(range(self.max_batch_size - 1, -1, -1))     # pop() takes the lowest slot first
-        slot_row = torch.full((self.max_batch_size,), -1, dtype=torch.long, device=device)
-        positions = torch.zeros_like(slot_row)
-        counts = torch.zeros_like(slot_row)
-        tokens = torch.zeros_like(slot_row)
-        while waiting or len(free) < self.max_batch_size:
+        free = list(range(num_slots))                           # a heap: pop the lowest slot first
+        slot_row = [-1] * num_slots
+        positions = [0] * num_slots          # where each slot's next token goes; 0 for free slots
+        counts = [0] * num_slots             # tokens each slot's row has drawn
+        tokens = torch.zeros(num_slots, dtype=torch.long, device=device)  # each slot's last draw
+        busy: list[int] = []                 # busy slots, ascending
+        stopped: dict[int, str] = {}
+        while waiting or busy:
             room = min(len(free), len(waiting))
-            busy = self.max_batch_size - len(free)
-            if room and (busy == 0 or (self.batching == CONTINUOUS
-                                       and room >= min(self.prefill_min_rows, len(waiting)))):
-                new_rows = torch.tensor([waiting.pop() for _ in range(room)], device=device)
-                stepped = torch.tensor(sorted(free.pop() for _ in range(room)), device=device)
-                batch = [prompts[r] for r in new_rows.tolist()]
-                draw = sample_step(self._runner.prefill(stepped, batch), config, generator,
-                                   self.support_bound)
-                trace.add(new_rows, draw)
-                slot_row[stepped] = new_rows
-                positions[stepped] = torch.tensor([len(p) for p in batch], device=device)
-                counts[stepped] = 1
-            else:
-                busy_slots = (slot_row >= 0).nonzero().squeeze(-1)
-                high = int(busy_slots[-1]) + 1
-                logits = self._runner.decode(tokens[:high], positions[:high])
-                stepped = busy_slots
-                draw = sample_step(logits[stepped], config, generator, self.support_bound)
-                trace.add(slot_row[stepped], draw)
-                positions[stepped] += 1
-                counts[stepped] += 1
-            tokens[stepped] = draw.tokens
-            done = counts[stepped] >= limits[slot_row[stepped]]
-            if eos is not None:
-                done |= draw.tokens == eos
-            if bool(done.any()):
-                finished = stepped[done]
-                slot_row[finished] = -1
-                free.extend(finished.tolist())
-                free.sort(reverse=True)
+            admit = room > 0 and (not busy or (self.batching == CONTINUOUS and
+                                               room >= min(self.prefill_min_rows, len(waiting))))
+            join_rows = [waiting.pop() for _ in range(room)] if admit else []
+            join_slots = [heapq.heappop(free) for _ in join_rows]
+            n = busy[-1] + 1 if busy else 0
+            span = max(positions[:n]) + 1 if n else 0
+            logits = self._runner.step(
+                tokens[:n], torch.tensor(positions[:n], device=device), span,
+                torch.tensor(busy, dtype=torch.long, device=device),
+                torch.tensor(join_slots, dtype=torch.long, device=device),
+                [prompts[r] for r in join_rows])
+            draw = sample_step(logits, config, generator, self.support_bound)
+            stepped = busy + join_slots
+            trace.add(torch.tensor([slot_row[s] for s in busy] + join_rows), draw)
+            tokens[torch.tensor(stepped, device=device)] = draw.tokens
+            for s in busy:
+                positions[s] += 1
+                counts[s] += 1
+            for s, r in zip(join_slots, join_rows):
+                slot_row[s], positions[s], counts[s] = r, len(prompts[r]), 1
+            drawn = draw.tokens.tolist()
+            finished = []
+            for s, tok in zip(stepped, drawn):
+                row = slot_row[s]
+                hit = stops.push(row, tok) if stops is not None else None
+                if hit is not None:
+                    stopped[row] = hit
+                if hit is not None or counts[s] >= limits[row] or tok == eos:
+                    finished.append(s)
+            for s in finished:
+                slot_row[s], positions[s] = -1, 0
+                heapq.heappush(free, s)
+            busy = sorted(s for s in stepped if slot_row[s] >= 0)
+        return stopped
 
-    def _to_generation(self, row: RowTrace, version: int, ignore_eos: bool) -> Generation:
-        eos = not ignore_eos and row.token_ids[-1] == self.tokenizer.eos_id
-        finish = FINISH_EOS if eos else FINISH_LENGTH
+    def _to_generation(self, row: RowTrace, version: int, ignore_eos: bool,
+                       stops: tuple[str, ...], stop_string: str | None) -> Generation:
+        text = self._decode(row.token_ids)
+        if stop_string is not None:
+            finish = FINISH_STOP
+            text = cut_at_stop(text, stops)
+        elif not ignore_eos and row.token_ids[-1] == self.tokenizer.eos_id:
+            finish = FINISH_EOS
+        else:
+            finish = FINISH_LENGTH
         return Generation(token_ids=row.token_ids, logprobs=row.logprobs, support=row.support,
-                          finish_reason=finish, policy_version=version,
-                          text=self.tokenizer.decode(row.token_ids, skip_special=True),
+                          finish_reason=finish, policy_version=version, text=text,
                           full_logprobs=row.full_logprobs,
-                          truncated_positions=row.truncated_positions)
+                          truncated_positions=row.truncated_positions, stop_string=stop_string)

@@ -2,12 +2,14 @@
 
 Dynamic sampling (DAPO): a group whose rewards are all equal carries no learning signal under
 group-normalised advantages, so it is dropped and its prompt drawn again, up to `max_refill_rounds`
-times; a group still constant after the last round is dropped for good. Both are counted. Knows
-nothing about engines, Redis or transports.
+times; a group still constant after the last round is dropped for good. Both are counted.
+Over-sampling (`OverSampling`): submit more prompts than needed, keep the first groups to complete.
+Knows nothing about engines, Redis or transports.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -51,3 +53,38 @@ class GroupOutcome:
     kept: list[int]          # group indices written, in request order
     dropped: list[int]       # constant after every round
     refills: int             # groups drawn again (summed over rounds)
+
+
+@dataclass(frozen=True)
+class OverSampling:
+    """Over-sampling: a request carries more prompts than the step needs and keeps the first
+    `keep_groups` groups to complete (0 = keep every group, off). The caller sizes the request with
+    `prompts_for(needed, factor)`; the groups beyond keep_groups are surplus: not written, closed in
+    the ledger, counted. Picking the first to complete (not the first submitted) is the point: a
+    slow engine or a long response no longer holds the step back."""
+
+    keep_groups: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("keep_groups", self.keep_groups, 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.keep_groups > 0
+
+    def check(self, num_prompts: int) -> None:
+        if self.keep_groups > num_prompts:
+            raise ValueError(f"keep_groups {self.keep_groups} exceeds the request's {num_prompts} "
+                             f"prompts")
+
+    def keep(self, completed: Sequence[int]) -> list[int]:
+        """The groups kept, from group indices in the order they completed."""
+        return list(completed[:self.keep_groups]) if self.enabled else list(completed)
+
+    @staticmethod
+    def prompts_for(needed: int, factor: float) -> int:
+        """Prompts to submit for `needed` groups at over-sampling `factor` (>= 1)."""
+        check_int("needed", needed, 1)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor <= 16.0:
+            raise ValueError(f"over-sampling factor must be a number in [1, 16], got {factor!r}")
+        return math.ceil(needed * factor - 1e-9)

@@ -5,9 +5,13 @@ one value buffer of shape (slots, kv_heads, max_positions, head_dim), allocated 
 lives in one slot and its token at position p is stored in column p of that slot, so sequences
 join and leave the running batch without moving anybody else's cache (continuous batching).
 
-`prefill` runs new prompts (right-padded into one batch, causal attention: a padded row's real
-tokens never see its padding) and writes their keys and values into their slots; `decode` runs one
-token for each of slots [0, n), attending to columns [0, position] of its own slot.
+One `step` is one forward pass over a mixed batch: one decode token for each of slots [0, n), at
+its position, attending to columns [0, position] of its own slot; and the whole prompt of each
+joining sequence (right-padded to the longest joiner; causal attention, so a row's real tokens never
+see its padding), whose keys and values are written into the joiner's slot. All tokens of the step
+go through the projections, norms and MLP together as one flat (tokens, hidden) batch; only the
+attention is split between the two kinds of rows. Joiners therefore never stall the running rows
+with a prefill pass of their own.
 
 The model's own modules do every numeric step (projections, RoPE of its configured type, norms,
 MLP); only the attention over the slot cache is computed here, with scaled dot-product attention
@@ -51,6 +55,10 @@ class LlamaRunner:
         self._values: list[torch.Tensor] = []
 
     @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._keys + self._values)
 
@@ -67,62 +75,77 @@ class LlamaRunner:
         """Drop the cache buffers (they are allocated again on the next call)."""
         self._keys, self._values = [], []
 
-    def prefill(self, slots: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
-        """Write the prompts' keys and values into `slots`; the next-token logits (n, vocab)."""
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, span: int, out_rows: torch.Tensor,
+             join_slots: torch.Tensor, join_prompts: list[list[int]]) -> torch.Tensor:
+        """One forward pass; the next-token logits (len(out_rows) + len(join_prompts), vocab).
+
+        Decode part: `tokens[i]` at `positions[i]` for slot i of [0, n) (n = tokens.numel(), may be
+        0); `span` > max(positions). Every slot in the range computes (a free slot's output is
+        simply not used), so the cache is read as a view, never gathered; a free slot writes into
+        its own cache at its stale position, which its next sequence overwrites before reading
+        (a joiner's prompt is written after the decode part in every layer, and every decode
+        writes its column before attending to it). `out_rows` are the decode rows whose logits
+        are wanted (the busy slots).
+
+        Join part: `join_prompts[i]` is prefilled into slot `join_slots[i]` (slots outside the
+        decode range or free ones inside it); its logits are those after its last prompt token.
+        """
         self._ensure_cache()
         device = self._keys[0].device
-        n, width = len(prompts), max(len(p) for p in prompts)
-        lengths = torch.tensor([len(p) for p in prompts], device=device)
-        ids = torch.zeros((n, width), dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-        positions = torch.arange(width, device=device).expand(n, width)
+        n, j = int(tokens.numel()), len(join_prompts)
+        flat_ids, flat_positions = tokens, positions
+        width = 0
+        if j:
+            width = max(len(p) for p in join_prompts)
+            lengths = [len(p) for p in join_prompts]
+            ids = torch.zeros((j, width), dtype=torch.long)
+            for i, p in enumerate(join_prompts):
+                ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+            join_positions = torch.arange(width).repeat(j)
+            last = torch.tensor(lengths) - 1 + torch.arange(j) * width + n
+            if n:
+                flat_ids = torch.cat([tokens, ids.view(-1).to(device)])
+                flat_positions = torch.cat([positions, join_positions.to(device)])
+                out_rows = torch.cat([out_rows, last.to(device)])
+            else:
+                flat_ids, flat_positions = ids.view(-1).to(device), join_positions.to(device)
+                out_rows = last.to(device)
+        total = n + j * width
         inner = self.model.model
-        hidden = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(hidden, position_ids=positions)
+        hidden = inner.embed_tokens(flat_ids)                       # (total, hidden)
+        cos, sin = inner.rotary_emb(hidden, position_ids=flat_positions[None])
+        cos, sin = cos[0], sin[0]                                   # (total, head_dim)
+        if n:
+            slots = torch.arange(n, device=device)
+            mask = (torch.arange(span, device=device)[None, :] <= positions[:, None])[:, None, None, :]
         for layer, keys, values in zip(inner.layers, self._keys, self._values):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(n, width, -1, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(n, width, -1, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(n, width, -1, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            keys[slots, :, :width] = k
-            values[slots, :, :width] = v
-            out = scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling,
-                                               enable_gqa=q.shape[1] != k.shape[1])
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(n, width, -1))
+            q = attn.q_proj(x).view(total, -1, self.head_dim)
+            k = attn.k_proj(x).view(total, -1, self.head_dim)
+            v = attn.v_proj(x).view(total, -1, self.head_dim)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)   # (total, heads, dim)
+            outs = []
+            gqa = q.shape[1] != k.shape[1]
+            if n:
+                keys[slots, :, positions] = k[:n]
+                values[slots, :, positions] = v[:n]
+            if j:
+                kj = k[n:].view(j, width, -1, self.head_dim).transpose(1, 2)
+                vj = v[n:].view(j, width, -1, self.head_dim).transpose(1, 2)
+                keys[join_slots, :, :width] = kj
+                values[join_slots, :, :width] = vj
+            if n:
+                out = scaled_dot_product_attention(q[:n, :, None], keys[:n, :, :span],
+                                                   values[:n, :, :span], attn_mask=mask,
+                                                   scale=attn.scaling, enable_gqa=gqa)
+                outs.append(out.reshape(n, -1))
+            if j:
+                qj = q[n:].view(j, width, -1, self.head_dim).transpose(1, 2)
+                out = scaled_dot_product_attention(qj, kj, vj, is_causal=True, scale=attn.scaling,
+                                                   enable_gqa=gqa)
+                outs.append(out.transpose(1, 2).reshape(j * width, -1))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        last = hidden[torch.arange(n, device=device), lengths - 1]
-        return self.model.lm_head(inner.norm(last)).float()
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token for each of slots [0, n) at its position; the next-token logits (n, vocab).
-
-        Every slot in the range computes (a free slot's output is simply not used): the cache is
-        then read as a view, never gathered. A free slot writes into its own cache at its stale
-        position, which its next sequence overwrites before reading (prefill writes columns
-        [0, prompt length) and every decode writes its column before attending to it)."""
-        n = int(tokens.numel())
-        span = int(positions.max()) + 1
-        inner = self.model.model
-        hidden = inner.embed_tokens(tokens[:, None])
-        cos, sin = inner.rotary_emb(hidden, position_ids=positions[:, None])
-        visible = torch.arange(span, device=positions.device)[None, :] <= positions[:, None]
-        mask = visible[:, None, None, :]
-        slots = torch.arange(n, device=tokens.device)
-        for layer, keys, values in zip(inner.layers, self._keys, self._values):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(n, 1, -1, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(n, 1, -1, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(n, 1, -1, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            keys[slots, :, positions] = k[:, :, 0]
-            values[slots, :, positions] = v[:, :, 0]
-            out = scaled_dot_product_attention(q, keys[:n, :, :span], values[:n, :, :span],
-                                               attn_mask=mask, scale=attn.scaling,
-                                               enable_gqa=q.shape[1] != keys.shape[1])
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(n, 1, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(inner.norm(hidden[:, 0])).float()
+        return self.model.lm_head(inner.norm(hidden[out_rows])).float()

@@ -1,5 +1,5 @@
-"""How an engine draws tokens, as a validated value: temperature, top-k, top-p, min-p, length and
-seed; and the bound on how large a recorded sampling support may be.
+"""How an engine draws tokens, as a validated value: temperature, top-k, top-p, min-p, length, seed
+and stop strings; and the bound on how large a recorded sampling support may be.
 
 Kept free of torch so that clients can build requests without importing it.
 """
@@ -7,8 +7,11 @@ Kept free of torch so that clients can build requests without importing it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 MAX_SEED = 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,10 @@ class SamplingConfig:
     max_new_tokens: int = 32
     seed: int = 0
     min_p: float = 0.0      # 0.0 = off; keep tokens with p >= min_p * p_max
+    # A response ends at the token completing one of these strings (finish reason "stop"); the
+    # returned text ends before it, the token ids keep every drawn token. Any sequence of str is
+    # accepted and stored as a tuple.
+    stop: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -38,10 +45,27 @@ class SamplingConfig:
         m = self.min_p
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
             raise ValueError(f"min_p must be in [0, 1) (0 = off), got {m!r}")
+        object.__setattr__(self, "stop", check_stop_strings(self.stop))
 
     def filters_vocab(self, vocab_size: int) -> bool:
         """True when top-k, top-p or min-p can remove tokens from a vocabulary of this size."""
         return (0 < self.top_k < vocab_size) or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def check_stop_strings(stop: object) -> tuple[str, ...]:
+    """`stop` as a tuple of at most MAX_STOP_STRINGS distinct non-empty strings of at most
+    MAX_STOP_CHARS characters each; ValueError naming the bad value otherwise."""
+    if isinstance(stop, (str, bytes)) or not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a list of strings, got {type(stop).__name__} {stop!r}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"stop string {s[:32]!r}... has {len(s)} characters, at most "
+                             f"{MAX_STOP_CHARS} are allowed")
+    return tuple(dict.fromkeys(stop))
 
 
 OVERFLOW_ERROR = "error"

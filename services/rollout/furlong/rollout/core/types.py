@@ -4,7 +4,8 @@ server and its clients; plus the seams the service is built on (weight receivers
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 if TYPE_CHECKING:
@@ -40,6 +41,14 @@ class GenerateResult:
     generate_seconds: float
     num_groups_dropped: int = 0   # dynamic sampling: constant after every refill round
     num_groups_refilled: int = 0  # dynamic sampling: groups drawn again, summed over rounds
+    num_groups_surplus: int = 0   # over-sampling: groups beyond keep_groups, not written
+    request_id: str = ""          # the request's sample ledger (refill round k: "<id>/r<k>")
+
+
+class EngineState(enum.Enum):
+    SERVING = "serving"      # takes new work
+    DRAINING = "draining"    # drained, still finishing work it had taken
+    DRAINED = "drained"      # drained, nothing in flight
 
 
 @dataclass(frozen=True)
@@ -47,12 +56,28 @@ class EngineStatus:
     engine_id: str
     policy_version: int
     healthy: bool
+    state: EngineState = EngineState.SERVING
+    pid: int = 0             # engine process id; 0 for an engine inside the rollout service
+    restarts: int = 0
+    in_flight: int = 0       # chunks of work running on the engine now
+
+
+@dataclass(frozen=True)
+class LedgerCounts:
+    """Where a run's samples are in the sample ledger, summed over its requests."""
+
+    pending: int = 0
+    in_flight: int = 0
+    done: int = 0
+    surplus: int = 0              # closed unwritten by over-sampling
+    duplicates_refused: int = 0   # second results for a sample already done
 
 
 @dataclass(frozen=True)
 class RunStatus:
     run_id: str
     engines: list[EngineStatus]
+    ledger: LedgerCounts = field(default_factory=LedgerCounts)
 
 
 class WeightReceiverLike(Protocol):
@@ -80,6 +105,8 @@ class RolloutObserver(Protocol):
 
     def groups_filtered(self, run_id: str, dropped: int, refilled: int) -> None: ...
 
+    def groups_surplus(self, run_id: str, surplus: int) -> None: ...
+
     def run_ended(self, run_id: str, engine_ids: list[str]) -> None: ...
 
 
@@ -92,6 +119,9 @@ class NullObserver:
         pass
 
     def groups_filtered(self, run_id: str, dropped: int, refilled: int) -> None:
+        pass
+
+    def groups_surplus(self, run_id: str, surplus: int) -> None:
         pass
 
     def run_ended(self, run_id: str, engine_ids: list[str]) -> None:

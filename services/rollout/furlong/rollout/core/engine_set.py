@@ -1,0 +1,207 @@
+"""The engines of one run, behind one seam (`EngineSet`), and their in-process form.
+
+A run's engines either live inside the rollout service (`InProcessEngines`: one `Engine` per
+replica, weight versions applied by one receiver per engine) or run as separate processes
+(`furlong.rollout.process_engines.ProcessEngines`, over the engine pool). The service only sees
+`EngineSet`: rows keyed by sample id go in, generations keyed by sample id come out, and every
+sample is recorded in the sample ledger on its way (pending → in flight on an engine → done).
+
+Knows nothing about gRPC, Redis or processes: the ledger is the `SampleLedger` seam.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+
+from furlong.core.errors import NotFoundError, UnavailableError
+from furlong.rollout.core.checks import split_evenly
+from furlong.rollout.core.engine import Engine, Generation
+from furlong.rollout.core.sampling import SamplingConfig, SupportBound
+from furlong.rollout.core.types import (EngineState, EngineStatus, ReceiverFactory,
+                                        RolloutObserver, WeightReceiverLike)
+
+log = logging.getLogger(__name__)
+
+Row = tuple[str, list[int]]                       # (sample id, prompt token ids)
+SeedOf = Callable[[int], int]                     # share/chunk index -> sampling seed
+Enough = Callable[[Mapping[str, Generation]], bool]
+
+
+class SampleLedger(Protocol):
+    """Where each sample of a request is. Thread-safe; see `furlong.rollout.ledger.Ledger`."""
+
+    def open(self, request_id: str, sample_ids: Iterable[str]) -> None: ...
+
+    def dispatch(self, request_id: str, sample_ids: Iterable[str], engine_id: str) -> None: ...
+
+    def finish(self, request_id: str, sample_id: str) -> bool:
+        """True when this result is the sample's first; False: refuse it."""
+
+    def close(self, request_id: str, sample_ids: Iterable[str]) -> int: ...
+
+
+class EngineSet(Protocol):
+    """A run's engines. Thread-safe. `generate` returns a generation for every row, in the order
+    the rows completed, unless `enough(results so far)` became true: then rows not yet started are
+    skipped (the caller closes them in the ledger). UnavailableError when no engine can serve."""
+
+    engine_ids: list[str]
+    max_positions: int | None
+
+    def policy_version(self) -> int: ...
+
+    def wait_for_version(self, min_version: int, timeout_s: float) -> bool: ...
+
+    def generate(self, request_id: str, rows: Sequence[Row], sampling: SamplingConfig,
+                 seed_of: SeedOf, enough: Enough | None = None) -> dict[str, Generation]: ...
+
+    def status(self) -> list[EngineStatus]: ...
+
+    def drain(self, engine_id: str) -> EngineStatus:
+        """The engine takes no new work; idempotent. NotFoundError for an unknown engine."""
+
+    def close(self) -> None: ...
+
+
+# factory(run_id, model_dir, model, tokenizer, num_engines, ledger) -> a started EngineSet
+EngineSetFactory = Callable[[str, str, Any, Any, int, SampleLedger], EngineSet]
+
+
+@dataclasses.dataclass
+class _Slot:
+    engine_id: str
+    engine: Engine
+    receiver: WeightReceiverLike | None = None
+    healthy: bool = True
+    draining: bool = False
+    in_flight: int = 0
+
+
+class InProcessEngines:
+    """`num_engines` replicas of one model in this process. A request's rows are split evenly over
+    the serving (not drained) engines, which take their shares one after another: on a CPU host
+    each already uses all torch threads. Share i samples with `seed_of(i)`."""
+
+    def __init__(self, run_id: str, model: Any, tokenizer: Any, num_engines: int,
+                 ledger: SampleLedger, *, max_batch_size: int, support_bound: SupportBound,
+                 receiver_factory: ReceiverFactory | None, observer: RolloutObserver) -> None:
+        self._run_id = run_id
+        self._ledger = ledger
+        self._observer = observer
+        self._lock = threading.Lock()
+        self._slots = [_Slot(engine_id=f"{run_id}-engine-{i}", engine=Engine(
+            model if i == 0 else copy.deepcopy(model), tokenizer, max_batch_size,
+            name=f"{run_id}-engine-{i}", support_bound=support_bound)) for i in range(num_engines)]
+        self.engine_ids = [s.engine_id for s in self._slots]
+        self.max_positions = self._slots[0].engine.max_positions
+        for slot in self._slots:
+            observer.version_applied(run_id, slot.engine_id, slot.engine.policy_version)
+        if receiver_factory is None:
+            return
+        try:
+            for slot in self._slots:
+                slot.receiver = receiver_factory(run_id, slot.engine_id, self._apply_fn(slot))
+                slot.receiver.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _apply_fn(self, slot: _Slot):
+        def apply(version, tensors) -> None:
+            slot.engine.load_weights(version, tensors)
+            self._observer.version_applied(self._run_id, slot.engine_id, version)
+        return apply
+
+    def policy_version(self) -> int:
+        return min(s.engine.policy_version for s in self._slots)
+
+    def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        return all(s.engine.wait_for_version(min_version, max(0.0, deadline - time.monotonic()))
+                   for s in self._slots)
+
+    def generate(self, request_id: str, rows: Sequence[Row], sampling: SamplingConfig,
+                 seed_of: SeedOf, enough: Enough | None = None) -> dict[str, Generation]:
+        with self._lock:
+            serving = [s for s in self._slots if not s.draining]
+        if not serving:
+            raise UnavailableError(f"run {self._run_id}: every engine is drained")
+        self._ledger.open(request_id, [sid for sid, _ in rows])
+        out: dict[str, Generation] = {}
+        for share, (start, end) in enumerate(split_evenly(len(rows), len(serving))):
+            if enough is not None and enough(out):
+                break
+            slot, part = serving[share], list(rows[start:end])
+            if not part:
+                continue
+            self._ledger.dispatch(request_id, [sid for sid, _ in part], slot.engine_id)
+            config = dataclasses.replace(sampling, seed=seed_of(share))
+            with self._lock:
+                slot.in_flight += 1
+            try:
+                gens = slot.engine.generate([ids for _, ids in part], config)
+            except ValueError:
+                raise  # a request the engine cannot serve (prompt too long): the engine is fine
+            except Exception:
+                slot.healthy = False
+                raise
+            finally:
+                with self._lock:
+                    slot.in_flight -= 1
+            slot.healthy = True
+            for (sid, _), g in zip(part, gens):
+                if self._ledger.finish(request_id, sid):
+                    out[sid] = g
+        return out
+
+    def engine(self, engine_id: str) -> Engine:
+        """The engine itself (its model, for checks against other replicas)."""
+        for slot in self._slots:
+            if slot.engine_id == engine_id:
+                return slot.engine
+        raise NotFoundError(f"run {self._run_id} has no engine {engine_id!r}")
+
+    def _status(self, slot: _Slot) -> EngineStatus:
+        state = (EngineState.SERVING if not slot.draining else
+                 EngineState.DRAINING if slot.in_flight else EngineState.DRAINED)
+        return EngineStatus(engine_id=slot.engine_id, policy_version=slot.engine.policy_version,
+                            healthy=slot.healthy, state=state, in_flight=slot.in_flight)
+
+    def status(self) -> list[EngineStatus]:
+        with self._lock:
+            return [self._status(s) for s in self._slots]
+
+    def drain(self, engine_id: str) -> EngineStatus:
+        with self._lock:
+            for slot in self._slots:
+                if slot.engine_id == engine_id:
+                    slot.draining = True
+                    log.info("%s drained", engine_id)
+                    return self._status(slot)
+        raise NotFoundError(f"run {self._run_id} has no engine {engine_id!r}")
+
+    def close(self) -> None:
+        for slot in self._slots:
+            if slot.receiver is None:
+                continue
+            try:
+                slot.receiver.close()
+            except Exception:  # noqa: BLE001 - closing one receiver must not keep the others open
+                log.exception("run %s: closing the receiver of %s failed", self._run_id, slot.engine_id)
+            slot.receiver = None
+
+
+def in_process_factory(*, max_batch_size: int, support_bound: SupportBound,
+                       receiver_factory: ReceiverFactory | None,
+                       observer: RolloutObserver) -> EngineSetFactory:
+    def make(run_id: str, model_dir: str, model: Any, tokenizer: Any, num_engines: int,
+             ledger: SampleLedger) -> EngineSet:
+        return InProcessEngines(run_id, model, tokenizer, num_engines, ledger,
+                                max_batch_size=max_batch_size, support_bound=support_bound,
+                                receiver_factory=receiver_factory, observer=observer)
+    return make

@@ -1,0 +1,154 @@
+"""A run's engines as separate processes: the `EngineSet` (core.engine_set) over the engine pool.
+
+Weights: the run has one weight receiver (named `<run>-pool` at the broker). Each version it
+receives is written as a checkpoint directory `<work dir>/weights/v<version>` (config and tokenizer
+from the run's checkpoint, the received tensors as `model.safetensors`), and the pool loads it into
+every engine (`EnginePool.update_weights`, SGLang's `/update_weights_from_disk` route) before the
+receiver acknowledges the version. A restarted engine loads the current directory before it takes
+work. The work directory defaults to a private folder under /dev/shm (memory, not disk) when the
+host has one; the current and the previous version are kept (a restart may be reading the
+previous one while a new one is written), older ones removed.
+
+Knows nothing about gRPC; the receiver factory and the ledger are passed in.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from safetensors.torch import save_file
+
+from furlong.core.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from furlong.rollout.core.engine import Generation
+from furlong.rollout.core.engine_set import Enough, EngineSet, EngineSetFactory, Row, SampleLedger, SeedOf
+from furlong.rollout.core.sampling import SamplingConfig
+from furlong.rollout.core.types import (EngineStatus, ReceiverFactory, RolloutObserver,
+                                        WeightReceiverLike)
+from furlong.rollout.pool import EnginePool, PoolConfig
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+SHM_ROOT = Path("/dev/shm")
+
+
+def default_work_root() -> Path:
+    """/dev/shm when the host has it (weights directories live in memory), else the temp dir."""
+    return SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
+
+
+@dataclass(frozen=True)
+class ProcessEnginesConfig:
+    """How each run's engine processes are started: `pool` minus num_engines (the run says)."""
+
+    max_batch_size: int = 64
+    num_threads: int = 1
+    chunk_rows: int = 8
+    max_attempts: int = 3
+    startup_timeout_s: float = 120.0
+    health_interval_s: float = 0.5
+    request_timeout_s: float = 300.0
+    work_root: str = ""            # "" = default_work_root()
+
+    def pool(self, num_engines: int) -> PoolConfig:
+        return PoolConfig(num_engines=num_engines, max_batch_size=self.max_batch_size,
+                          num_threads=self.num_threads, chunk_rows=self.chunk_rows,
+                          max_attempts=self.max_attempts, startup_timeout_s=self.startup_timeout_s,
+                          health_interval_s=self.health_interval_s,
+                          request_timeout_s=self.request_timeout_s)
+
+
+class ProcessEngines:
+    """Starts the pool in the constructor (returns once every engine is healthy)."""
+
+    def __init__(self, run_id: str, model_dir: str, model: Any, tokenizer: Any, num_engines: int,
+                 ledger: SampleLedger, config: ProcessEnginesConfig,
+                 receiver_factory: ReceiverFactory | None, observer: RolloutObserver) -> None:
+        self._run_id = run_id
+        self._model_dir = Path(model_dir)
+        self._observer = observer
+        root = Path(config.work_root) if config.work_root else default_work_root()
+        root.mkdir(parents=True, exist_ok=True)
+        self.work_dir = Path(tempfile.mkdtemp(prefix=f"furlong-rollout-{run_id}-", dir=root))
+        self._apply_lock = threading.Lock()
+        self.pool = EnginePool(model_dir, tokenizer, int(model.config.vocab_size),
+                               config.pool(num_engines), log_dir=self.work_dir / "logs",
+                               ledger=ledger, name=run_id)  # type: ignore[arg-type]
+        self.engine_ids = [s.engine_id for s in self.pool.status()]
+        self.max_positions: int | None = int(model.config.max_position_embeddings)
+        self._receiver: WeightReceiverLike | None = None
+        try:
+            self.pool.start()
+            for engine_id in self.engine_ids:
+                observer.version_applied(run_id, engine_id, 0)
+            if receiver_factory is not None:
+                self._receiver = receiver_factory(run_id, f"{run_id}-pool", self._apply)
+                self._receiver.start()
+        except BaseException:
+            self.close()
+            raise
+        log.info("run %s: %d engine process(es) %s, work dir %s", run_id, num_engines,
+                 self.pool.pids(), self.work_dir)
+
+    def _apply(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write the version's checkpoint directory, then have every engine load it."""
+        with self._apply_lock:
+            weights = self.work_dir / "weights"
+            target = weights / f"v{version}"
+            staging = weights / f".v{version}.partial"
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            for name in (CONFIG_FILE, TOKENIZER_FILE):
+                shutil.copyfile(self._model_dir / name, staging / name)
+            save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()},
+                      str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)             # engines never see a half-written directory
+            self.pool.update_weights(version, str(target))
+            for status in self.pool.status():
+                self._observer.version_applied(self._run_id, status.engine_id, status.policy_version)
+            for old in weights.glob("v*"):
+                if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def policy_version(self) -> int:
+        return min(s.policy_version for s in self.pool.status())
+
+    def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
+        return self.pool.wait_for_version(min_version, timeout_s)
+
+    def generate(self, request_id: str, rows: Sequence[Row], sampling: SamplingConfig,
+                 seed_of: SeedOf, enough: Enough | None = None) -> dict[str, Generation]:
+        return self.pool.generate(request_id, rows, sampling, seed_of, enough)
+
+    def status(self) -> list[EngineStatus]:
+        return self.pool.status()
+
+    def drain(self, engine_id: str) -> EngineStatus:
+        return self.pool.drain(engine_id)
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            try:
+                self._receiver.close()
+            except Exception:  # noqa: BLE001 - the engines are stopped either way
+                log.exception("run %s: closing the pool's weight receiver failed", self._run_id)
+            self._receiver = None
+        self.pool.close()
+        shutil.rmtree(self.work_dir / "weights", ignore_errors=True)
+
+
+def process_factory(config: ProcessEnginesConfig, receiver_factory: ReceiverFactory | None,
+                    observer: RolloutObserver) -> EngineSetFactory:
+    def make(run_id: str, model_dir: str, model: Any, tokenizer: Any, num_engines: int,
+             ledger: SampleLedger) -> EngineSet:
+        return ProcessEngines(run_id, model_dir, model, tokenizer, num_engines, ledger, config,
+                              receiver_factory, observer)
+    return make
