@@ -85,7 +85,7 @@ def test_steps_advance_and_metrics_are_recorded(env):
 def test_service_error_fails_the_run_with_reason(env):
     store, fakes, driver, metrics = env
     fakes.faults.raise_in["train_step"] = UnavailableError("trainer went away")
-    run = store.create(make_spec())
+    run = store.create(make_spec(recovery={"max_attempts": 0}))
     final = driver.execute(run.run_id)
     assert final.state == RunState.FAILED
     assert final.reason == "step 1 trainer.TrainStep: UnavailableError: trainer went away"
@@ -174,18 +174,92 @@ def test_executor_recovers_orphans_and_runs_pending_in_order(env):
     second = store.create(make_spec(steps=1))
     executor = RunExecutor(store, driver)
     assert executor.recover() == [first.run_id, second.run_id]
-    failed = store.get(orphan.run_id)
-    assert failed.state == RunState.FAILED
-    assert failed.reason == "controller restarted while the run was running"
     executor.start()
     deadline = time.monotonic() + 10
     while store.get(second.run_id).state != RunState.SUCCEEDED and time.monotonic() < deadline:
         time.sleep(0.02)
     assert executor.close(5)
+    # the orphan resumed (from step 0: no checkpoint) and finished before the queued runs started
+    resumed = store.get(orphan.run_id)
+    assert resumed.state == RunState.SUCCEEDED, resumed.reason
+    assert resumed.current_step == 3
     assert store.get(first.run_id).state == store.get(second.run_id).state == RunState.SUCCEEDED
-    assert list(fakes.rollout.configured) == [first.run_id, second.run_id]
-    # the orphan was ended on every service before the queued runs started
-    assert fakes.rollout.ended[0] == fakes.trainer.ended[0] == fakes.broker.ended[0] == orphan.run_id
+    assert list(fakes.rollout.configured) == [orphan.run_id, first.run_id, second.run_id]
+    assert fakes.rollout.ended[0] == fakes.trainer.ended[0] == orphan.run_id
+    assert [e["type"] for _, e in store.events(orphan.run_id)].count("recovery") == 1
+
+
+def test_executor_ends_orphans_whose_spec_allows_no_recovery(env):
+    store, fakes, driver, _ = env
+    orphan = store.create(make_spec(recovery={"max_attempts": 0}))
+    store.transition(orphan.run_id, RunState.STARTING)
+    store.transition(orphan.run_id, RunState.RUNNING)
+    executor = RunExecutor(store, driver)
+    assert executor.recover() == []
+    executor.start()
+    deadline = time.monotonic() + 10
+    while not store.get(orphan.run_id).state.terminal and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert executor.close(5)
+    failed = store.get(orphan.run_id)
+    assert failed.state == RunState.FAILED
+    assert failed.reason == "controller restarted while the run was running"
+    assert fakes.rollout.ended == fakes.trainer.ended == fakes.broker.ended == [orphan.run_id]
+
+
+def test_a_service_that_goes_away_once_is_recovered_from(env):
+    store, fakes, driver, _ = env
+    real_train_step = fakes.trainer.train_step
+    failures = []
+
+    def flaky(run_id, step, num_groups, wait_s):
+        if step == 2 and not failures:
+            failures.append(step)
+            fakes.trainer.runs.pop(run_id)   # the trainer "restarted": it forgot the run
+            raise UnavailableError("trainer went away")
+        return real_train_step(run_id, step, num_groups, wait_s)
+
+    fakes.trainer.train_step = flaky
+    run = store.create(make_spec(steps=3))
+    final = driver.execute(run.run_id)
+    assert final.state == RunState.SUCCEEDED, final.reason
+    assert final.current_step == 3
+    assert [r.step for r in store.metrics(run.run_id)] == [1, 2, 3]
+    recovery = [e for _, e in store.events(run.run_id) if e["type"] == "recovery"]
+    assert len(recovery) == 1
+    assert "step 2 trainer.TrainStep: UnavailableError: trainer went away" in recovery[0]["reason"]
+    audit = store.ledger(run.run_id).audit(finished_step=3)
+    # the fakes keep no checkpoint: the run went back to step 0 and submitted steps 1-2 again
+    assert audit.submitted == 12 and audit.resubmitted == 8 and audit.recoveries == 1
+
+
+def test_a_service_that_stays_away_fails_the_run_after_max_attempts(env):
+    store, fakes, driver, _ = env
+    fakes.faults.raise_in["train_step"] = UnavailableError("trainer went away")
+    run = store.create(make_spec(recovery={"max_attempts": 2, "timeout_s": 5.0}))
+    final = driver.execute(run.run_id)
+    assert final.state == RunState.FAILED
+    assert final.reason == ("step 1 trainer.TrainStep: UnavailableError: trainer went away "
+                            "(after 2 recoveries; recovery.max_attempts=2)")
+
+
+def test_recovery_times_out_naming_the_service_that_did_not_come_back(env):
+    store, fakes, driver, _ = env
+    real_train_step = fakes.trainer.train_step
+
+    def dies(run_id, step, num_groups, wait_s):
+        if step == 2:
+            fakes.faults.raise_in["rollout.end_run"] = UnavailableError("rollout is down")
+            raise UnavailableError("rollout is down")
+        return real_train_step(run_id, step, num_groups, wait_s)
+
+    fakes.trainer.train_step = dies
+    run = store.create(make_spec(recovery={"max_attempts": 1, "timeout_s": 1.0}))
+    final = driver.execute(run.run_id)
+    assert final.state == RunState.FAILED
+    assert final.reason.startswith("step 2 trainer.TrainStep: UnavailableError: rollout is down; "
+                                   "the services were not back within recovery.timeout_s=1: "
+                                   "UnavailableError: rollout is down"), final.reason
 
 
 def test_closing_executor_stops_the_active_run_and_leaves_queued_ones_pending(env):

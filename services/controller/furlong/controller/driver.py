@@ -9,6 +9,13 @@
     pause:     a pause request seen before a step moves the run to `paused`; the driver polls the
                store every `DriverTimeouts.pause_poll_s` until the request is cleared (-> running,
                the step goes on) or a stop is requested (-> stopping -> cancelled).
+    recovery:  a step that fails because a service or Redis went away (see `run_recovery`) resumes
+               the run from its last checkpoint, at most `recovery.max_attempts` times per run;
+               `resume` does the same for a run a previous controller process left active.
+
+Every step is recorded in the run's sample ledger: the prompts submitted (only those without a
+group in the stream yet, so a repeated step resubmits just what was lost), the groups generated
+(scanned from the stream) and every committed policy version.
 
 Every call has a deadline from `DriverTimeouts`. The driver is the only writer of a started run's
 state; a stop request only sets `stop_requested`, which the driver checks between phases. Knows
@@ -21,7 +28,7 @@ import logging
 import time
 from typing import Any, Callable, TypeVar
 
-from furlong.core.errors import ConflictError, FurlongError, NotFoundError
+from furlong.core.errors import ConflictError, FurlongError, NotFoundError, UnavailableError
 
 from furlong.controller.clients import BrokerClient, RolloutClient, TrainerClient
 from furlong.controller.config import DriverTimeouts
@@ -29,6 +36,8 @@ from furlong.controller.core.run_state import Run, RunState
 from furlong.controller.core.step_record import StepRecord, sampling_seed
 from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.prompt_source import PromptSource
+from furlong.controller.run_recovery import (RecoveryFailed, RecoveryStopped, RunRecovery,
+                                             recoverable)
 from furlong.controller.run_store import RunStore
 
 log = logging.getLogger(__name__)
@@ -66,6 +75,7 @@ class RunDriver:
         self._timeouts = timeouts
         self._metrics = metrics or ControllerMetrics()
         self._clock = clock
+        self._recovery = RunRecovery(store, trainer, rollout, broker, prompts, timeouts)
 
     def execute(self, run_id: str) -> Run:
         """Run a pending run to a terminal state and return it. A run that is no longer pending
@@ -84,15 +94,68 @@ class RunDriver:
         finally:
             self._metrics.active_runs.dec()
 
-    def _drive(self, run: Run, configured: list[str]) -> tuple[RunState, str]:
+    def resume(self, run_id: str) -> Run:
+        """Continue a run a previous controller process left active: from its last checkpoint when
+        its spec allows recovery, else (or when it was already stopping) end it."""
+        run = self._store.get(run_id)
+        if run.state.terminal or run.state == RunState.PENDING:
+            return run
+        configured = ["rollout", "trainer", "broker"]
+        self._metrics.active_runs.inc()
         try:
-            version = self._configure(run, configured)
-            self._check_stop(run.run_id, "after configure")
-            self._store.transition(run.run_id, RunState.RUNNING)
-            self._metrics.entered(RunState.RUNNING.value)
-            for step in range(1, run.spec.steps + 1):
-                version = self._step(run, step, version)
-            return RunState.SUCCEEDED, ""
+            if run.state == RunState.STOPPING or run.spec.recovery.max_attempts == 0:
+                if run.stop_requested:
+                    outcome, reason = RunState.CANCELLED, "stopped by request"
+                elif run.state == RunState.STOPPING and run.current_step >= run.spec.steps:
+                    outcome, reason = RunState.SUCCEEDED, ""
+                else:
+                    outcome = RunState.FAILED
+                    reason = f"controller restarted while the run was {run.state.value}"
+                return self._finish(run_id, outcome, reason, configured)
+            outcome, reason = self._drive(run, configured, resume=True)
+            return self._finish(run_id, outcome, reason, configured)
+        finally:
+            self._metrics.active_runs.dec()
+
+    def _drive(self, run: Run, configured: list[str], resume: bool = False) -> tuple[RunState, str]:
+        attempts = 0
+        try:
+            if resume:
+                attempts = 1
+                step, version = self._recover(run, f"controller restarted while the run was "
+                                                   f"{run.state.value}")
+            else:
+                step, version = 0, -1
+            while True:
+                try:
+                    if version < 0:
+                        version = self._configure(run, configured)
+                        self._check_stop(run.run_id, "after configure")
+                        self._store.transition(run.run_id, RunState.RUNNING)
+                        self._metrics.entered(RunState.RUNNING.value)
+                    for step in range(step + 1, run.spec.steps + 1):
+                        version = self._step(run, step, version)
+                    return RunState.SUCCEEDED, ""
+                except (_PhaseFailed, UnavailableError) as exc:
+                    cause = exc.cause if isinstance(exc, _PhaseFailed) else exc
+                    if not recoverable(cause):
+                        raise
+                    if attempts >= run.spec.recovery.max_attempts:
+                        if not attempts:
+                            raise
+                        log.warning("run %s failed after %d recoveries: %s", run.run_id, attempts,
+                                    exc)
+                        return RunState.FAILED, (f"{_describe(exc)} (after {attempts} recoveries; "
+                                                 f"recovery.max_attempts="
+                                                 f"{run.spec.recovery.max_attempts})")
+                    attempts += 1
+                    step, version = self._recover(run, _describe(exc))
+        except RecoveryStopped as stop:
+            log.info("run %s stopped by request %s", run.run_id, stop)
+            return RunState.CANCELLED, f"stopped by request {stop}"
+        except RecoveryFailed as exc:
+            log.warning("run %s failed: %s", run.run_id, exc)
+            return RunState.FAILED, str(exc)
         except _Stopped as stop:
             log.info("run %s stopped by request %s", run.run_id, stop.where)
             return RunState.CANCELLED, f"stopped by request {stop.where}"
@@ -102,6 +165,16 @@ class RunDriver:
         except Exception as exc:  # noqa: BLE001 - any error must end the run, never wedge it
             log.exception("run %s failed outside a service call", run.run_id)
             return RunState.FAILED, f"controller: {type(exc).__name__}: {exc}"
+
+    def _recover(self, run: Run, cause: str) -> tuple[int, int]:
+        """Resume from the last checkpoint (RecoveryFailed if impossible); (step, version)."""
+        resumed = self._recovery.resume(run, cause,
+                                        lambda: self._store.get(run.run_id).stop_requested)
+        current = self._store.get(run.run_id)
+        if current.state in (RunState.STARTING, RunState.PAUSED):
+            self._store.transition(run.run_id, RunState.RUNNING)
+            self._metrics.entered(RunState.RUNNING.value)
+        return resumed.step, resumed.version
 
     def _call(self, phase: str, fn: Callable[..., T], *args: Any) -> T:
         try:
@@ -143,6 +216,8 @@ class RunDriver:
         self._check_stop(run.run_id, "after rollout.ConfigureRun")
         configured.append("trainer")
         configured.append("broker")
+        self._call("ledger", self._store.ledger(run.run_id).set_every_steps,
+                   spec.checkpoint.every_steps)
         trainer_version = self._call("trainer.ConfigureRun", self._trainer.configure_run,
                                      run.run_id, spec.model, spec.algorithm, spec.seed, spec.steps,
                                      spec.sampling.temperature, t.configure_s)
@@ -150,6 +225,7 @@ class RunDriver:
             raise _PhaseFailed("configure", ConflictError(
                 f"rollout serves policy version {rollout_version} but the trainer starts from "
                 f"{trainer_version}"))
+        self._call("ledger", self._store.ledger(run.run_id).record_committed, trainer_version)
         return trainer_version
 
     def _step(self, run: Run, step: int, version: int) -> int:
@@ -159,12 +235,20 @@ class RunDriver:
         started = self._clock()
         prompts = self._call(f"{where} prompts", self._prompts.prompts, spec.task, spec.seed, step,
                              spec.prompts_per_step)
-        gen = self._call(f"{where} rollout.Generate", self._rollout.generate, rid, step, prompts,
-                         spec.samples_per_prompt, spec.sampling, sampling_seed(spec.seed, step),
-                         version, t.generate_s)
-        if gen.num_groups != len(prompts):
-            raise _PhaseFailed(f"{where} rollout.Generate", ConflictError(
-                f"rollout wrote {gen.num_groups} groups for {len(prompts)} prompts"))
+        ledger = self._store.ledger(rid)
+        done = self._call(f"{where} ledger", ledger.generated_ids, step,
+                          [p.prompt_id for p in prompts])
+        missing = [p for p in prompts if p.prompt_id not in done]
+        gen = None
+        if missing:  # after a recovery, groups already in the stream are not generated again
+            self._call(f"{where} ledger", ledger.submit, step, [p.prompt_id for p in missing])
+            gen = self._call(f"{where} rollout.Generate", self._rollout.generate, rid, step, missing,
+                             spec.samples_per_prompt, spec.sampling, sampling_seed(spec.seed, step),
+                             version, t.generate_s)
+            if gen.num_groups != len(missing):
+                raise _PhaseFailed(f"{where} rollout.Generate", ConflictError(
+                    f"rollout wrote {gen.num_groups} groups for {len(missing)} prompts"))
+        self._call(f"{where} ledger", ledger.scan_stream)
         generated = self._clock()
         self._check_stop(rid, f"after {where} rollout.Generate")
         train = self._call(f"{where} trainer.TrainStep", self._trainer.train_step, rid, step,
@@ -183,13 +267,16 @@ class RunDriver:
             raise _PhaseFailed(f"{where} broker.WaitCommitted", TimeoutError(
                 f"version {new_version} not committed (committed {status.committed_version}, "
                 f"pending engines {list(status.pending_engine_ids)})"))
+        self._call(f"{where} ledger", ledger.record_committed, new_version)
         synced = self._clock()
         record = StepRecord(
-            step=step, reward_mean=gen.reward_mean, loss=train.loss, policy_version=new_version,
-            samples=gen.num_samples, step_seconds=synced - started,
+            step=step, reward_mean=gen.reward_mean if gen else train.metrics.get("reward_mean", 0.0),
+            loss=train.loss, policy_version=new_version,
+            samples=gen.num_samples if gen else train.num_samples, step_seconds=synced - started,
             generate_seconds=generated - started, train_seconds=trained - generated,
-            sync_seconds=synced - trained, num_tokens=gen.num_tokens,
-            sampled_policy_version=gen.policy_version, trainer_metrics=dict(train.metrics))
+            sync_seconds=synced - trained, num_tokens=gen.num_tokens if gen else 0,
+            sampled_policy_version=gen.policy_version if gen else version,
+            trainer_metrics=dict(train.metrics))
         self._store.record_step(rid, record)
         self._observe(rid, record)
         return new_version
@@ -246,3 +333,10 @@ class RunDriver:
             except Exception as exc:  # noqa: BLE001 - every service must get its EndRun
                 problems.append(f"{name}.EndRun: {type(exc).__name__}: {exc}")
         return problems
+
+
+def _describe(exc: BaseException) -> str:
+    """The failure that started a recovery, as the run's events and reason name it."""
+    if isinstance(exc, _PhaseFailed):
+        return str(exc)
+    return f"controller: {type(exc).__name__}: {exc}"

@@ -1,8 +1,9 @@
 """Runs submitted runs on one background thread, one at a time, in submission order.
 
-A run waits in `pending` until the thread takes it. On start, `recover()` fails the runs a previous
-controller process left active (their driver is gone), queues EndRun on the services for them, and
-re-queues runs left pending. `close()` asks the active run to stop and waits for its teardown,
+A run waits in `pending` until the thread takes it. On start, `recover()` queues the runs a previous
+controller process left active (their driver is gone) to resume from their last checkpoint
+(`RunDriver.resume`: a run whose spec allows no recovery, or that was already stopping, is ended on
+the services and finished instead), ahead of the runs left pending, which are re-queued. `close()` asks the active run to stop and waits for its teardown,
 bounded by a deadline; runs still queued stay pending in Redis.
 """
 
@@ -12,7 +13,7 @@ import logging
 import queue
 import threading
 
-from furlong.core.errors import ConflictError, FurlongError
+from furlong.core.errors import FurlongError
 
 from furlong.controller.core.run_state import ACTIVE_STATES, RunState
 from furlong.controller.driver import RunDriver
@@ -47,17 +48,14 @@ class RunExecutor:
         self._queue.put(("run", run_id))
 
     def recover(self) -> list[str]:
-        """Fail runs left active by a previous process (their EndRun calls are queued first) and
-        re-queue pending ones, oldest first; returns the re-queued run ids."""
+        """Queue runs left active by a previous process to resume (first), and re-queue pending
+        ones, oldest first; returns the re-queued pending run ids."""
         runs = sorted(self._store.list_runs(), key=lambda r: r.created_at)
         for run in runs:
             if run.state in ACTIVE_STATES:
-                try:
-                    self._store.transition(run.run_id, RunState.FAILED, reason=(
-                        f"controller restarted while the run was {run.state.value}"))
-                    self._queue.put(("end", run.run_id))
-                except ConflictError as exc:
-                    log.warning("could not fail orphaned run %s: %s", run.run_id, exc)
+                log.info("run %s was %s when the previous controller stopped; resuming it",
+                         run.run_id, run.state.value)
+                self._queue.put(("resume", run.run_id))
         requeued = [run.run_id for run in runs if run.state == RunState.PENDING]
         for run_id in requeued:
             self.submit(run_id)
@@ -89,12 +87,13 @@ class RunExecutor:
                 if item is _SHUTDOWN or self._closing:
                     return  # runs still queued stay pending in Redis for the next process
                 kind, run_id = item
-                self._active = run_id if kind == "run" else None
+                self._active = run_id if kind in ("run", "resume") else None
             try:
                 if kind == "end":
                     self._driver.end_on_services(run_id)
                     continue
-                run = self._driver.execute(run_id)
+                run = (self._driver.resume(run_id) if kind == "resume"
+                       else self._driver.execute(run_id))
                 log.info("run %s finished: %s %s", run_id, run.state.value, run.reason)
             except Exception:  # noqa: BLE001 - one broken run must not stop the executor
                 log.exception("run %s could not be executed", run_id)

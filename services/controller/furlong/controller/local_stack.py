@@ -8,6 +8,13 @@ started and raises `StackStartError` with the log tail. The stack is described b
 `STATE_DIR/stack.json` (written as processes start, so `stop_stack` can clean up even after an
 interrupted start). `stop_stack` stops exactly those processes, controller first and Redis last.
 
+Redis keeps an append-only file fsynced on every write (`--appendfsync always`), so a Redis that is
+killed and started again on the same port and directory has everything it acknowledged. The trainer
+writes training checkpoints under `STATE_DIR/checkpoints` (resumed after a restart). A
+`StackSupervisor` is the stack's restart policy: it respawns a service that died with its own
+command line, port and log file (the run then resumes, see `run_recovery`); `furlong up` does not
+start one (nothing stays behind to run it), `furlong run` and tests may.
+
 Three fresh tokens per start, each in a 0600 file of the state dir: `token` (the REST admin token,
 for the CLI), `viewer-token` (read-only, for the dashboard) and `internal-token` (the shared gRPC
 token every service requires of its callers, passed with `--auth-token-file`).
@@ -20,6 +27,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -70,6 +78,8 @@ class StackConfig:
     # torch intra-op threads of trainer and rollout. The synchronous loop runs them one after the
     # other, and for small models one thread each avoids oversubscribing the cores.
     torch_threads: int = 1
+    # an engine that has not acknowledged a version's current stage within this is fenced out of it
+    broker_ack_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         unknown = set(self.services) - set(SERVICES)
@@ -89,6 +99,8 @@ class StackConfig:
                                  f"{'both' if name in external else 'neither'}")
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        if not self.broker_ack_timeout_s > 0:
+            raise ValueError(f"broker_ack_timeout_s must be > 0, got {self.broker_ack_timeout_s}")
         if self.ready_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError(f"timeouts must be positive, got ready_timeout_s={self.ready_timeout_s}, "
                              f"stop_timeout_s={self.stop_timeout_s}")
@@ -216,7 +228,7 @@ def _with(info: StackInfo, sp: ServiceProcess, **changes) -> StackInfo:
 
 def _launch(config: StackConfig, state_dir: Path, info: StackInfo) -> StackInfo:
     logs = state_dir / "logs"
-    redis = RedisServer(data_dir=state_dir / "redis")
+    redis = RedisServer(data_dir=state_dir / "redis", appendfsync="always")
     try:
         redis.start()
     except BaseException:
@@ -235,6 +247,10 @@ def _launch(config: StackConfig, state_dir: Path, info: StackInfo) -> StackInfo:
         if name != "weight_broker":
             argv += ["--redis-url", info.redis_url, "--broker", addresses["weight_broker"],
                      "--num-threads", str(config.torch_threads)]
+        if name == "weight_broker":
+            argv += ["--ack-timeout-s", repr(float(config.broker_ack_timeout_s))]
+        if name == "trainer":
+            argv += ["--checkpoint-dir", str(state_dir / "checkpoints")]
         sp = spawn(name, argv, logs / f"{name}.log", port, metrics_port)
         addresses[name] = f"127.0.0.1:{port}"
         info = _with(info, sp, addresses=dict(addresses))
@@ -300,3 +316,56 @@ def stop_stack(state_dir: Path, timeout_s: float = 15.0) -> StackInfo | None:
         log.warning("killed after the stop deadline: %s", killed)
     stack_file(state_dir).unlink(missing_ok=True)
     return info
+
+
+class StackSupervisor:
+    """The local stack's restart policy: every `poll_s`, each recorded service process that is no
+    longer running is started again with its own argv, port and log file (after `backoff_s`), and
+    stack.json is updated. `restarts` counts the respawns per service. Thread-safe; one thread."""
+
+    def __init__(self, state_dir: Path, poll_s: float = 0.2, backoff_s: float = 0.5) -> None:
+        if poll_s <= 0 or backoff_s < 0:
+            raise ValueError(f"poll_s must be > 0 and backoff_s >= 0, got {poll_s}, {backoff_s}")
+        self._state_dir = Path(state_dir)
+        self._poll_s = poll_s
+        self._backoff_s = backoff_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="furlong-stack-supervisor",
+                                        daemon=True)
+        self.restarts: dict[str, int] = {}
+
+    def start(self) -> "StackSupervisor":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - the supervisor must outlive one bad poll
+                log.exception("stack supervisor: poll failed")
+
+    def check(self) -> list[str]:
+        """Respawn the dead services once; their names."""
+        with self._lock:
+            info = load_stack(self._state_dir)
+            if info is None:
+                return []
+            dead = [p for p in info.processes if p.argv and not is_running(p)]
+            if not dead:
+                return []
+            self._stop.wait(self._backoff_s)
+            processes = list(info.processes)
+            for sp in dead:
+                new = spawn(sp.name, sp.argv, Path(sp.log_path), sp.port, sp.metrics_port)
+                processes[processes.index(sp)] = new
+                self.restarts[sp.name] = self.restarts.get(sp.name, 0) + 1
+                log.warning("stack supervisor: %s (pid %d) died; restarted as pid %d", sp.name,
+                            sp.pid, new.pid)
+            _write(replace(info, processes=tuple(processes)))
+            return [sp.name for sp in dead]

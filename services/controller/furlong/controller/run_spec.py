@@ -132,6 +132,28 @@ class RolloutSpec:
 
 
 @dataclass(frozen=True)
+class CheckpointSpec:
+    every_steps: int = 1          # the trainer writes a training checkpoint after every N-th step
+
+    def __post_init__(self) -> None:
+        _check_int("every_steps", self.every_steps, 1)
+
+
+@dataclass(frozen=True)
+class RecoverySpec:
+    """After a service, Redis or the controller fails mid-run, the run resumes from its last
+    checkpoint, at most `max_attempts` times; each attempt waits up to `timeout_s` for the services
+    to come back. 0 attempts: the run fails at the first such error."""
+
+    max_attempts: int = 3
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _check_int("max_attempts", self.max_attempts, 0)
+        _check_float("timeout_s", self.timeout_s, 0.0, 24 * 3600.0, low_open=True)
+
+
+@dataclass(frozen=True)
 class RunSpec:
     name: str
     model: str                    # absolute checkpoint directory, as the services will read it
@@ -143,6 +165,8 @@ class RunSpec:
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    recovery: RecoverySpec = field(default_factory=RecoverySpec)
 
     def __post_init__(self) -> None:
         _check_str("name", self.name)
@@ -157,7 +181,8 @@ class RunSpec:
         _check_int("prompts_per_step", self.prompts_per_step, 1)
         _check_int("samples_per_prompt", self.samples_per_prompt, 1)
         for name, kind in (("sampling", SamplingSpec), ("algorithm", AlgorithmSpec),
-                           ("rollout", RolloutSpec)):
+                           ("rollout", RolloutSpec), ("checkpoint", CheckpointSpec),
+                           ("recovery", RecoverySpec)):
             if not isinstance(getattr(self, name), kind):
                 raise SpecError(name, f"must be a {kind.__name__}")
 
@@ -166,7 +191,8 @@ class RunSpec:
 
 
 _SECTIONS: dict[str, type] = {"sampling": SamplingSpec, "algorithm": AlgorithmSpec,
-                              "rollout": RolloutSpec}
+                              "rollout": RolloutSpec, "checkpoint": CheckpointSpec,
+                              "recovery": RecoverySpec}
 
 
 def _float_fields(cls: type) -> set[str]:

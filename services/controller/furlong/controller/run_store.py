@@ -7,6 +7,7 @@ Keys (all under `furlong:runs:`):
                                  stop/pause requests), appended in the same transaction as the change
   furlong:runs:_index            sorted set of run ids scored by creation time
   furlong:runs:_idem:{key}       JSON {fingerprint, run_id} of a POST with an Idempotency-Key (24 h)
+  furlong:ledger:{run_id}:*      the run's sample ledger (`furlong.core.run_ledger`), deleted with it
 
 Every change of a run is a compare-and-set (WATCH/MULTI), so a stop request and the run's driver
 cannot overwrite each other, and every state change goes through the transition table. Redis
@@ -29,8 +30,9 @@ from typing import Callable, Iterator
 import redis
 
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
+from furlong.core.run_ledger import RunLedger, ledger_keys
 
-from furlong.controller.core.run_state import Run, RunState
+from furlong.controller.core.run_state import CheckpointRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
 from furlong.controller.run_spec import RunSpec
 
@@ -84,12 +86,18 @@ def run_event(before: Run | None, after: Run) -> dict[str, str]:
         kind = "state"
     elif before.current_step != after.current_step:
         kind = "step"
+    elif before.checkpoint != after.checkpoint:
+        kind = "checkpoint"
     else:
         kind = "request"
-    return {"type": kind, "state": after.state.value, "reason": after.reason,
-            "current_step": str(after.current_step), "policy_version": str(after.policy_version),
-            "stop_requested": str(int(after.stop_requested)),
-            "pause_requested": str(int(after.pause_requested)), "time": repr(after.updated_at)}
+    event = {"type": kind, "state": after.state.value, "reason": after.reason,
+             "current_step": str(after.current_step), "policy_version": str(after.policy_version),
+             "stop_requested": str(int(after.stop_requested)),
+             "pause_requested": str(int(after.pause_requested)), "time": repr(after.updated_at)}
+    if kind == "checkpoint" and after.checkpoint is not None:
+        event.update(checkpoint_step=str(after.checkpoint.step),
+                     checkpoint_path=after.checkpoint.path)
+    return event
 
 
 class RunStore:
@@ -105,6 +113,10 @@ class RunStore:
 
     def close(self) -> None:
         self._redis.close()
+
+    def ledger(self, run_id: str) -> RunLedger:
+        """The run's sample ledger, on this store's Redis."""
+        return RunLedger(self._redis, run_id)
 
     def ping(self) -> bool:
         try:
@@ -221,7 +233,7 @@ class RunStore:
                         raise ConflictError(f"run {run_id} is {run.state.value}; only finished runs "
                                             "can be deleted (stop it first)")
                     pipe.multi()
-                    pipe.delete(key, metrics_key(run_id), events_key(run_id))
+                    pipe.delete(key, metrics_key(run_id), events_key(run_id), *ledger_keys(run_id))
                     pipe.zrem(INDEX_KEY, run_id)
                     pipe.execute()
                     log.info("deleted run %s", run_id)
@@ -296,6 +308,14 @@ class RunStore:
         log.info("resume requested for run %s (now %s)", run_id, run.state.value)
         return run
 
+    def record_checkpoint(self, run_id: str, checkpoint: CheckpointRef) -> Run:
+        """Remember a checkpoint the trainer wrote for the run (whatever state the run reached in
+        the meantime: the checkpoint exists either way); NotFoundError for an unknown run."""
+        run = self._update(run_id, lambda run: replace(run, checkpoint=checkpoint,
+                                                       updated_at=self._clock()))
+        log.info("run %s: checkpoint of step %d at %s", run_id, checkpoint.step, checkpoint.path)
+        return run
+
     def record_step(self, run_id: str, record: StepRecord) -> Run:
         """Append a completed step's record and advance the run's step and policy version."""
 
@@ -311,6 +331,24 @@ class RunStore:
 
         return self._update(run_id, change, push=(metrics_key(run_id), json.dumps(record.to_dict())))
 
+    def rewind(self, run_id: str, step: int, policy_version: int, reason: str) -> Run:
+        """Recovery: the run goes back to `step` (its last checkpoint) now serving `policy_version`;
+        the records of later steps are dropped and a `recovery` event names the reason. (A
+        checkpoint written just before a crash can be one step past the last recorded one.)"""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+
+        def change(run: Run) -> Run:
+            if run.state.terminal:
+                raise ConflictError(f"run {run_id} already finished ({run.state.value})")
+            return replace(run, current_step=step, policy_version=policy_version,
+                           updated_at=self._clock())
+
+        run = self._update(run_id, change, trim=(metrics_key(run_id), step),
+                           event={"type": "recovery", "reason": reason})
+        log.info("run %s rewound to step %d (version %d): %s", run_id, step, policy_version, reason)
+        return run
+
     def metrics(self, run_id: str, since: int = 0) -> list[StepRecord]:
         """The run's step records from index since (0 = the first step's)."""
         if since < 0:
@@ -323,7 +361,8 @@ class RunStore:
         return [StepRecord.from_dict(json.loads(raw)) for raw in raws]
 
     def _update(self, run_id: str, change: Callable[[Run], Run],
-                push: tuple[str, str] | None = None) -> Run:
+                push: tuple[str, str] | None = None, trim: tuple[str, int] | None = None,
+                event: dict[str, str] | None = None) -> Run:
         key = run_key(run_id)
         with self._errors(), self._redis.pipeline() as pipe:
             while True:
@@ -334,15 +373,19 @@ class RunStore:
                         raise NotFoundError(f"run {run_id!r} not found")
                     before = Run.from_dict(json.loads(raw))
                     run = change(before)
-                    if run == before:
+                    if run == before and event is None:
                         pipe.unwatch()
                         return run
                     pipe.multi()
                     pipe.set(key, json.dumps(run.to_dict()))
-                    pipe.xadd(events_key(run_id), run_event(before, run), maxlen=EVENTS_MAXLEN,
-                              approximate=True)
+                    pipe.xadd(events_key(run_id), {**run_event(before, run), **(event or {})},
+                              maxlen=EVENTS_MAXLEN, approximate=True)
                     if push is not None:
                         pipe.rpush(*push)
+                    if trim is not None and trim[1] == 0:
+                        pipe.delete(trim[0])
+                    elif trim is not None:
+                        pipe.ltrim(trim[0], 0, trim[1] - 1)
                     pipe.execute()
                     return run
                 except redis.WatchError:

@@ -5,6 +5,13 @@ that crashes mid-step re-reads its pending entries on restart (same consumer nam
 losing them. An entry that does not decode into a valid `SampleGroup`, or that the trainer's
 validator refuses, is moved to the run's rejected stream with the reason and acknowledged, so it is
 never trained on and never blocks the stream; every other entry is kept.
+
+With a run ledger (`furlong.core.run_ledger`), every valid group is claimed in it before it is
+returned: a group whose ledger id is already trained (a replay after a crash between the checkpoint
+and the acknowledgement) or already held by another entry (a duplicate written by a resubmission)
+is refused the same way, so it is never trained again. Entries returned and not yet acknowledged
+are not returned again by a later read of the same reader. Redis being unreachable is an
+UnavailableError.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from typing import Callable
 
 import redis
 
+from furlong.core.errors import UnavailableError
+from furlong.core.run_ledger import REJECTED, RunLedger
 from furlong.core.samples import STREAM_FIELD, TRAINER_GROUP, Sample, SampleGroup, stream_key
 
 log = logging.getLogger(__name__)
@@ -49,15 +58,19 @@ class StreamBatch:
     groups: list[SampleGroup]
     entry_ids: list[bytes]
     num_rejected: int
+    num_refused: int = 0          # valid groups refused by the ledger (already trained, duplicate)
 
 
 class SampleReader:
     def __init__(self, client: redis.Redis, run_id: str, consumer: str, group: str = TRAINER_GROUP,
-                 validate: Callable[[SampleGroup], None] | None = None):
+                 validate: Callable[[SampleGroup], None] | None = None,
+                 ledger: RunLedger | None = None):
         """validate(group) raises ValueError for a group that decodes but must not be trained on
         (ids outside the vocabulary, a version from the future...); such a group is rejected."""
         self._redis = client
         self._validate = validate
+        self._ledger = ledger
+        self._held: set[bytes] = set()   # returned by read(), not yet acknowledged
         self._run_id = run_id
         self._key = stream_key(run_id)
         self._consumer = consumer
@@ -76,15 +89,20 @@ class SampleReader:
         if num_groups <= 0:
             raise ValueError(f"num_groups must be positive, got {num_groups}")
         try:
-            return self._read(num_groups, timeout_s)
+            batch = self._read(num_groups, timeout_s)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._replay_pending = True
+            raise UnavailableError(f"run {self._run_id}: redis: {exc}") from exc
         except BaseException:
             self._replay_pending = True
             raise
+        self._held.update(batch.entry_ids)
+        return batch
 
     def _read(self, num_groups: int, timeout_s: float) -> StreamBatch:
         groups: list[SampleGroup] = []
         ids: list[bytes] = []
-        rejected = 0
+        rejected = refused = 0
         deadline = time.monotonic() + timeout_s
         replay_from = b"0"
         while len(groups) < num_groups:
@@ -108,13 +126,41 @@ class SampleReader:
             for entry_id, fields in entries:
                 if self._replay_pending:
                     replay_from = entry_id
+                    if entry_id in self._held:
+                        continue   # returned by an earlier read; its step still holds it
                 group = self._decode(entry_id, fields)
                 if group is None:
                     rejected += 1
                     continue
+                if not self._claim(entry_id, group, fields):
+                    refused += 1
+                    continue
                 groups.append(group)
                 ids.append(entry_id)
-        return StreamBatch(groups=groups, entry_ids=ids, num_rejected=rejected)
+        return StreamBatch(groups=groups, entry_ids=ids, num_rejected=rejected, num_refused=refused)
+
+    def _claim(self, entry_id: bytes, group: SampleGroup, fields: dict) -> bool:
+        """True when the ledger lets the trainer train on group (always, without a ledger)."""
+        if self._ledger is None:
+            return True
+        verdict = self._ledger.claim(entry_id.decode(), group.step, group.prompt_id,
+                                     [s.policy_version for s in group.samples])
+        if verdict == "ok":
+            return True
+        what = ("already trained" if verdict == "trained"
+                else f"a duplicate of entry {verdict.split(':', 1)[1]}")
+        reason = (f"entry {entry_id.decode()}: group {group.step}/{group.prompt_id} is {what}; "
+                  "refused so that it is never trained twice")
+        log.warning("refusing sample group: %s", reason)
+        self._move_to_rejected(entry_id, fields, reason)
+        return False
+
+    def _move_to_rejected(self, entry_id: bytes, fields: dict, reason: str) -> None:
+        pipe = self._redis.pipeline()
+        pipe.xadd(rejected_key(self._run_id), {b"entry_id": entry_id, b"reason": reason.encode(),
+                                               **{k: v for k, v in fields.items()}})
+        pipe.xack(self._key, self._group, entry_id)
+        pipe.execute()
 
     def _decode(self, entry_id: bytes, fields: dict) -> SampleGroup | None:
         try:
@@ -130,15 +176,23 @@ class SampleReader:
         except ValueError as exc:
             reason = f"entry {entry_id.decode()}: {_name_the_sample(exc, fields.get(STREAM_FIELD))}"
             log.error("rejecting sample group: %s", reason)
-            pipe = self._redis.pipeline()
-            pipe.xadd(rejected_key(self._run_id), {b"entry_id": entry_id, b"reason": reason.encode(),
-                                                   **{k: v for k, v in fields.items()}})
-            pipe.xack(self._key, self._group, entry_id)
-            pipe.execute()
+            self._move_to_rejected(entry_id, fields, reason)
+            if self._ledger is not None:
+                self._ledger.count(REJECTED)
             return None
+
+    def release(self, entry_ids: list[bytes]) -> None:
+        """Entries of a step that failed after reading them: the next read returns them again."""
+        self._held.difference_update(entry_ids)
+        self._replay_pending = True
 
     def ack(self, entry_ids: list[bytes]) -> int:
         """Acknowledge entries after the step that trained on them is done."""
         if not entry_ids:
             return 0
-        return int(self._redis.xack(self._key, self._group, *entry_ids))
+        try:
+            acked = int(self._redis.xack(self._key, self._group, *entry_ids))
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise UnavailableError(f"run {self._run_id}: redis: {exc}") from exc
+        self._held.difference_update(entry_ids)
+        return acked

@@ -3,7 +3,13 @@ fed from the run's Redis stream. No gRPC here; `server.py` is the transport.
 
 With a `checkpoint_root`, every step is written as a training checkpoint (`train_checkpoint`) to
 `<root>/<run_id>` before its stream entries are acknowledged, and `configure_run` resumes a run
-from its checkpoint when one exists (policy, optimizer, RNG, step and version).
+from its checkpoint when one exists (policy, optimizer, RNG, step and version). `checkpoint` writes
+one on request, there or to a given directory.
+
+`offload` releases a run's tensors (policy, reference, value model, optimizer state) for a
+colocated rollout engine and `restore` brings them back bit for bit (`offload.Offloader`). While a
+run is offloaded, `train_step`, `publish_weights` and `checkpoint` raise ConflictError, and so do a
+second `offload` and a `restore` of a resident run.
 """
 
 from __future__ import annotations
@@ -13,20 +19,25 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import redis
 import torch
 
 from furlong.core.checkpoint import load_policy
-from furlong.core.errors import ConflictError, NotFoundError
+from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
 from furlong.core.samples import TRAINER_GROUP, stream_key
 from furlong.core.weights import WeightLayout
 from furlong.trainer import metrics
 from furlong.trainer.core.learner import Learner, LearnerConfig, StepStats
+from furlong.trainer.offload import Offloader, learner_offloader
+from furlong.core.run_ledger import RunLedger
 from furlong.trainer.sample_reader import SampleReader
-from furlong.trainer.train_checkpoint import MANIFEST, load_training_checkpoint, save_training_checkpoint
+from furlong.trainer.step_ledger import StepLedger
+from furlong.trainer.train_checkpoint import (MANIFEST, CheckpointInfo, load_training_checkpoint,
+                                              save_training_checkpoint)
 from furlong.weight_broker.client import BrokerClient
+from furlong.weight_broker.equality import check_weight_update_equal
 from furlong.weight_broker.publisher import PublishResult, WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -43,6 +54,24 @@ class _Run:
     lock: threading.Lock
     last_step: int = 0
     published_version: int = 0
+    data_cursor: Any = None              # what the last step consumed (a checkpoint's data cursor)
+    offloader: Offloader | None = None   # set while the run's tensors are offloaded
+    ledger: StepLedger | None = None     # what of the run is durable (see step_ledger)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.offloader is not None
+
+
+def _check_weight_update_equal(run_id: str, state: dict[str, torch.Tensor]) -> None:
+    """IntegrityError naming the parameters a weight sync of `state` does not reproduce."""
+    engine = {name: tensor.detach().clone() for name, tensor in state.items()}
+    report = check_weight_update_equal(state, engine)
+    if not report.ok:
+        raise IntegrityError(f"run {run_id}: weight update equality check failed: mismatched "
+                             f"{list(report.mismatched)}, unexpected {list(report.unexpected)}")
+    log.info("run %s: weight update equality check passed (%d parameters)", run_id,
+             report.num_parameters)
 
 
 class TrainerService:
@@ -51,8 +80,10 @@ class TrainerService:
     def __init__(self, redis_client: redis.Redis, broker: BrokerClient, consumer_name: str,
                  agent_name_prefix: str = "trainer",
                  publisher_factory: Callable[..., WeightPublisher] = WeightPublisher,
-                 checkpoint_root: str | Path | None = None):
+                 checkpoint_root: str | Path | None = None,
+                 check_weight_update_equal: bool = False):
         self._redis = redis_client
+        self._check_weight_update_equal = check_weight_update_equal
         self._checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self._broker = broker
         self._consumer = consumer_name
@@ -77,22 +108,28 @@ class TrainerService:
         torch.manual_seed(config.seed)
         model, _ = load_policy(path)
         learner = Learner(model, config)
-        last_step = 0
+        last_step, cursor = 0, None
+        ledger = StepLedger.for_run(RunLedger(self._redis, run_id))
+        reader = SampleReader(self._redis, run_id, self._consumer, validate=learner.check_group,
+                              ledger=ledger.ledger)
         resume = self._checkpoint_dir(run_id)
         if resume is not None and (resume / MANIFEST).is_file():
             info = load_training_checkpoint(learner, resume)
-            last_step = info.step
+            last_step, cursor = info.step, info.data_cursor
+            ledger.reconcile(cursor, info.step, info.version, reader)
             log.info("run %s: resumed from %s at step %d, version %d", run_id, resume, info.step, info.version)
+        learner.version = ledger.next_version(learner.version)
         state = learner.state_dict()
         layout = WeightLayout.from_state_dict(state)
+        if self._check_weight_update_equal:
+            _check_weight_update_equal(run_id, state)
         publisher = self._publisher_factory(self._broker, run_id, layout,
                                             f"{self._agent_prefix}-{run_id}")
         num_parameters = sum(t.numel() for t in state.values())
         run = _Run(run_id=run_id, learner=learner, publisher=publisher,
-                   reader=SampleReader(self._redis, run_id, self._consumer,
-                                       validate=learner.check_group),
+                   reader=reader,
                    total_steps=total_steps, num_parameters=num_parameters, lock=threading.Lock(),
-                   last_step=last_step)
+                   last_step=last_step, data_cursor=cursor, ledger=ledger)
         with self._lock:
             if run_id in self._runs:
                 publisher.close()
@@ -118,19 +155,27 @@ class TrainerService:
         with run.lock:
             if step != run.last_step + 1:
                 raise ConflictError(f"run {run_id}: step {step} requested, expected {run.last_step + 1}")
+            _require_resident(run, "train")
             if timeout_s <= 0:
                 raise ValueError(f"timeout_s must be positive, got {timeout_s}")
             started = time.perf_counter()
             batch = run.reader.read(num_groups, timeout_s)
             trainer_version = run.learner.version
-            stats = run.learner.train_step(batch.groups)
+            try:
+                stats = run.learner.train_step(batch.groups)
+            except BaseException:
+                run.reader.release(batch.entry_ids)
+                raise
+            run.ledger.add(batch)
+            cursor = run.ledger.cursor(step)
             checkpoint = self._checkpoint_dir(run_id)
-            if checkpoint is not None:  # durable before the samples are acknowledged
-                save_training_checkpoint(run.learner, checkpoint, step,
-                                         {"step": step, "entry_ids": [e.decode() if isinstance(e, bytes)
-                                                                      else str(e) for e in batch.entry_ids]})
-            run.reader.ack(batch.entry_ids)
+            if checkpoint is None:  # nothing becomes more durable than this
+                run.ledger.commit(step, run.learner.version, run.reader, durable=False)
+            elif run.ledger.due(step, run.total_steps):  # durable before ledger and acknowledgement
+                save_training_checkpoint(run.learner, checkpoint, step, cursor)
+                run.ledger.commit(step, run.learner.version, run.reader)
             run.last_step = step
+            run.data_cursor = cursor
             seconds = time.perf_counter() - started
         labels = {"run_id": run_id}
         metrics.STEPS.labels(**labels).inc()
@@ -166,16 +211,66 @@ class TrainerService:
     def publish_weights(self, run_id: str, version: int) -> PublishResult:
         run = self._run(run_id)
         with run.lock:
+            _require_resident(run, "publish")
             if version != run.learner.version:
                 raise ConflictError(f"run {run_id}: version {version} requested, the trainer holds "
                                     f"version {run.learner.version}")
             if version <= run.published_version:
                 raise ConflictError(f"run {run_id}: version {version} is not newer than the published "
                                     f"version {run.published_version}")
+            run.ledger.ledger.record_published(version)
             result = run.publisher.publish(version, run.learner.state_dict())
             run.published_version = version
         metrics.PUBLISH_SECONDS.observe(result.stage_seconds)
         return result
+
+    def offload(self, run_id: str) -> tuple[int, int]:
+        """Release the run's tensors; returns (bytes released, parameters and buffers released)."""
+        run = self._run(run_id)
+        with run.lock:
+            if run.offloaded:
+                raise ConflictError(f"run {run_id} is already offloaded")
+            offloader = learner_offloader(run.learner)
+            released = offloader.offload()
+            run.offloader = offloader
+            num_tensors = offloader.num_tensors
+        log.info("run %s: offloaded %d tensors, %d bytes", run_id, num_tensors, released)
+        return released, num_tensors
+
+    def restore(self, run_id: str) -> int:
+        """Bring an offloaded run's tensors back; returns its (unchanged) policy version."""
+        run = self._run(run_id)
+        with run.lock:
+            if not run.offloaded:
+                raise ConflictError(f"run {run_id} is resident: there is nothing to restore")
+            run.offloader.restore()
+            run.offloader = None
+        log.info("run %s: restored", run_id)
+        return run.learner.version
+
+    def checkpoint(self, run_id: str, directory: str = "") -> CheckpointInfo:
+        """Write the run's training state after its last completed step to `directory` (absolute),
+        or with "" to the checkpoint root's `<root>/<run_id>` (the one `configure_run` resumes from)."""
+        run = self._run(run_id)
+        if directory:
+            target = Path(directory)
+            if not target.is_absolute():
+                raise ValueError(f"checkpoint directory must be an absolute path, got {directory!r}")
+        else:
+            target = self._checkpoint_dir(run_id)
+            if target is None:
+                raise ConflictError(f"run {run_id}: this trainer has no --checkpoint-dir; name a "
+                                    "directory to write the checkpoint to")
+        with run.lock:
+            _require_resident(run, "checkpoint")
+            if target != self._checkpoint_dir(run_id):  # a snapshot: the resume point is unchanged
+                return save_training_checkpoint(run.learner, target, run.last_step, run.data_cursor)
+            # The resume point: what it holds becomes durable, as after a step's own checkpoint.
+            cursor = run.ledger.cursor(run.last_step)
+            info = save_training_checkpoint(run.learner, target, run.last_step, cursor)
+            run.ledger.commit(run.last_step, run.learner.version, run.reader)
+            run.data_cursor = cursor
+            return info
 
     def end_run(self, run_id: str) -> None:
         with self._lock:
@@ -194,3 +289,8 @@ class TrainerService:
                 self.end_run(run_id)
             except NotFoundError:
                 pass
+
+
+def _require_resident(run: _Run, action: str) -> None:
+    if run.offloaded:
+        raise ConflictError(f"run {run.run_id} is offloaded: restore it before you {action}")

@@ -1,7 +1,8 @@
 """Run the weight broker service:
 
     python -m furlong.weight_broker --host 127.0.0.1 --port P --metrics-port M [--log-level INFO]
-        [--max-ack-attempts N] [--ack-timeout-s S] [--relay-run RUN ...]
+        [--max-ack-attempts N] [--ack-timeout-s S] [--relay-run RUN ...] [--auth-token-file F]
+        [--tls-ca-file F --tls-cert-file F --tls-key-file F [--tls-server-name NAME]]
 
 Serves furlong.v1.WeightBroker and grpc.health.v1 on host:port and Prometheus metrics on
 host:metrics-port; relays the runs named by --relay-run (see furlong.weight_broker.relay); stops
@@ -23,7 +24,7 @@ from furlong import rpc
 from furlong.rpc import start_server
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.config import BrokerConfig
-from furlong.weight_broker.core import BrokerCore
+from furlong.weight_broker.fault_hooks import broker_core
 from furlong.weight_broker.metrics import BrokerMetrics
 from furlong.weight_broker.relay import WeightRelay
 from furlong.weight_broker.server import SERVICE_NAME, WeightBrokerServicer
@@ -37,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         rpc.use_auth_token(rpc.read_auth_token_file(config.auth_token_file or None))
+        rpc.use_tls(config.tls.load())
     except ValueError as exc:
         log.error("%s", exc)
         return 2
@@ -44,8 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda received, frame: stop.set())
 
-    core = BrokerCore(max_ack_attempts=config.max_ack_attempts,
-                      observer=BrokerMetrics(REGISTRY), ack_timeout_s=config.ack_timeout_s)
+    try:  # a test-only fault hook, off unless its variable is set (see fault_hooks)
+        core = broker_core(os.environ, max_ack_attempts=config.max_ack_attempts,
+                           observer=BrokerMetrics(REGISTRY), ack_timeout_s=config.ack_timeout_s)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     servicer = WeightBrokerServicer(core)
     metrics_server, metrics_thread = start_http_server(config.metrics_port, addr=config.host,
                                                        registry=REGISTRY)

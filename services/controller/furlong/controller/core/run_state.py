@@ -72,6 +72,31 @@ def check_transition(run_id: str, current: RunState, target: RunState) -> None:
 
 
 @dataclass(frozen=True)
+class CheckpointRef:
+    """A training checkpoint the trainer wrote for a run on request: the last completed step it
+    holds, the policy version, the directory (as the trainer sees it) and when it was taken."""
+
+    step: int
+    path: str
+    policy_version: int
+    created_at: float
+
+    def __post_init__(self) -> None:
+        if self.step < 0 or not self.path:
+            raise ValueError(f"checkpoint step {self.step} must be >= 0 and path {self.path!r} "
+                             "non-empty")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "path": self.path, "policy_version": self.policy_version,
+                "created_at": self.created_at}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CheckpointRef":
+        return cls(step=int(data["step"]), path=str(data["path"]),
+                   policy_version=int(data["policy_version"]), created_at=float(data["created_at"]))
+
+
+@dataclass(frozen=True)
 class Run:
     """What the controller knows about one run. Times are Unix seconds; `current_step` is the last
     completed step (0 before the first) and `policy_version` the last committed version."""
@@ -88,6 +113,7 @@ class Run:
     policy_version: int = 0
     stop_requested: bool = False
     pause_requested: bool = False
+    checkpoint: CheckpointRef | None = None   # the latest checkpoint taken on request
 
     def transitioned(self, target: RunState, now: float, reason: str | None = None) -> "Run":
         """This run moved to target at time now; raises ConflictError for an illegal move."""
@@ -107,6 +133,7 @@ class Run:
             "current_step": self.current_step, "total_steps": self.spec.steps,
             "policy_version": self.policy_version, "stop_requested": self.stop_requested,
             "pause_requested": self.pause_requested,
+            "checkpoint": self.checkpoint.to_dict() if self.checkpoint is not None else None,
             "spec": self.spec.to_dict(),
         }
 
@@ -121,4 +148,6 @@ class Run:
             policy_version=int(data.get("policy_version", 0)),
             stop_requested=bool(data.get("stop_requested", False)),
             pause_requested=bool(data.get("pause_requested", False)),
+            checkpoint=CheckpointRef.from_dict(data["checkpoint"]) if data.get("checkpoint")
+            else None,
         )

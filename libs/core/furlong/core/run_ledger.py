@@ -1,0 +1,349 @@
+"""The run-level sample ledger: what happened to every prompt of every step, kept in Redis, and its
+audit.
+
+Every prompt of a step has a deterministic ledger id, `"{step}/{prompt_id}"` (prompt ids are unique
+within a run; one id names the whole group of samples drawn for it). Its states:
+
+    submitted   the controller asked rollout to generate it (a count: a resubmission after a
+                crash counts twice)
+    generated   a group for it is in the run's sample stream (the id of the first such entry; a
+                later entry for the same id is a duplicate and is never trained)
+    trained     the trainer trained on it and the step is durable (in a training checkpoint)
+
+Keys, all under `furlong:ledger:{run_id}:`: `submitted` (hash id -> count), `generated` (hash
+id -> stream entry id), `trained` (set of ids), `versions` (hash: policy versions known committed),
+`sample_versions` (hash version -> samples generated with it), `meta` (hash: checkpoint step and
+version, highest published version, checkpoint cadence, counters).
+
+Every change is one atomic Redis operation or Lua script, so concurrent writers and crashes cannot
+tear it: marking an id trained when it already is trained is refused (and counted as
+`trained_twice`), and an entry whose id is already trained is refused before training
+(`retrain_refused`). Redis connection errors are raised as UnavailableError. Knows nothing about
+gRPC, the services, or how samples are trained; the caller passes the Redis client (either
+`decode_responses` mode works).
+
+`python -m furlong.core.run_ledger --redis-url URL RUN_ID` prints a run's audit as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Iterator, Sequence
+
+import redis
+
+from furlong.core.errors import UnavailableError
+from furlong.core.samples import STREAM_FIELD, stream_key
+
+PREFIX = "furlong:ledger:"
+_PARTS = ("submitted", "generated", "trained", "versions", "sample_versions", "meta")
+_SCAN_BATCH = 200
+_MAX_NAMED = 20          # lost ids named in an audit
+
+# meta counters
+RETRAIN_REFUSED = "retrain_refused"
+TRAINED_TWICE = "trained_twice"
+DUPLICATES_REFUSED = "duplicates_refused"
+RESUBMITTED = "resubmitted"
+RECOVERIES = "recoveries"
+REJECTED = "rejected"
+UNDECODABLE = "undecodable"
+COUNTERS = (RETRAIN_REFUSED, TRAINED_TWICE, DUPLICATES_REFUSED, RESUBMITTED, RECOVERIES, REJECTED,
+            UNDECODABLE)
+
+# claim(): KEYS trained, generated, meta, sample_versions; ARGV id, entry id, versions...
+# -> "ok" | "trained" | "duplicate:<entry id>"
+_CLAIM = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[3], 'retrain_refused', 1)
+  return 'trained'
+end
+local owner = redis.call('HGET', KEYS[2], ARGV[1])
+if owner and owner ~= ARGV[2] then
+  redis.call('HINCRBY', KEYS[3], 'duplicates_refused', 1)
+  return 'duplicate:' .. owner
+end
+if not owner then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+  for i = 3, #ARGV do redis.call('HINCRBY', KEYS[4], ARGV[i], 1) end
+end
+return 'ok'
+"""
+
+# commit(): KEYS trained, meta; ARGV step, version, count_twice (1|0), ids... -> refused ids
+_COMMIT = """
+local refused = {}
+for i = 4, #ARGV do
+  if redis.call('SADD', KEYS[1], ARGV[i]) == 0 then
+    table.insert(refused, ARGV[i])
+    if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[2], 'trained_twice', 1) end
+  end
+end
+local current = tonumber(redis.call('HGET', KEYS[2], 'checkpoint_step') or '-1')
+if tonumber(ARGV[1]) >= 0 and tonumber(ARGV[1]) >= current then
+  redis.call('HSET', KEYS[2], 'checkpoint_step', ARGV[1], 'checkpoint_version', ARGV[2])
+end
+return refused
+"""
+
+# raise_max(): KEYS meta; ARGV field, value -> the field's value afterwards
+_RAISE_MAX = """
+local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '-1')
+if tonumber(ARGV[2]) > current then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  return tonumber(ARGV[2])
+end
+return current
+"""
+
+
+def ledger_id(step: int, prompt_id: str) -> str:
+    """The deterministic ledger id of one prompt of one step."""
+    if step < 0 or not prompt_id:
+        raise ValueError(f"ledger id needs step >= 0 and a prompt id, got {step!r}, {prompt_id!r}")
+    return f"{step}/{prompt_id}"
+
+
+def id_step(ident: str) -> int:
+    return int(ident.split("/", 1)[0])
+
+
+def ledger_keys(run_id: str) -> list[str]:
+    return [f"{PREFIX}{run_id}:{part}" for part in _PARTS]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class LedgerAudit:
+    """What the ledger says about a run. `lost` counts ids submitted for a finished step (at most
+    `finished_step`) that were never trained; `versions_ok` is whether every sample's policy version
+    is a version recorded as committed."""
+
+    run_id: str
+    finished_step: int
+    submitted: int
+    generated: int
+    trained: int
+    lost: int
+    lost_ids: list[str]
+    trained_twice: int
+    retrain_refused: int
+    duplicates_refused: int
+    resubmitted: int
+    recoveries: int
+    rejected: int
+    undecodable: int
+    committed_versions: list[int]
+    sample_versions: dict[int, int]
+    uncommitted_sample_versions: list[int]
+    versions_ok: bool = field(default=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RunLedger:
+    """One run's ledger. Thread-safe (redis-py clients are); every method is one round trip or one
+    atomic script unless its docstring says otherwise."""
+
+    def __init__(self, client: redis.Redis, run_id: str) -> None:
+        if not run_id:
+            raise ValueError("run_id must not be empty")
+        self._redis = client
+        self.run_id = run_id
+        (self._submitted, self._generated, self._trained, self._versions, self._sample_versions,
+         self._meta) = ledger_keys(run_id)
+
+    # -- controller --------------------------------------------------------------------------------
+
+    def submit(self, step: int, prompt_ids: Sequence[str]) -> None:
+        """Record that these prompts of step were sent to rollout (again, for a resubmission)."""
+        with self._errors():
+            pipe = self._redis.pipeline(transaction=True)
+            for prompt_id in prompt_ids:
+                pipe.hincrby(self._submitted, ledger_id(step, prompt_id), 1)
+            counts = pipe.execute()
+            again = sum(1 for c in counts if int(c) > 1)
+            if again:
+                self._redis.hincrby(self._meta, RESUBMITTED, again)
+
+    def generated_ids(self, step: int, prompt_ids: Sequence[str]) -> set[str]:
+        """The prompt ids of step that already have a group in the stream (as last scanned)."""
+        if not prompt_ids:
+            return set()
+        with self._errors():
+            entries = self._redis.hmget(self._generated,
+                                        [ledger_id(step, p) for p in prompt_ids])
+        return {p for p, e in zip(prompt_ids, entries) if e is not None}
+
+    def scan_stream(self) -> int:
+        """Record as generated every group appended to the run's stream since the last scan (the
+        first entry of an id wins; entries that are not JSON groups of this run are counted as
+        undecodable). Several round trips; safe to repeat. Returns the entries scanned."""
+        scanned = 0
+        with self._errors():
+            cursor = _text(self._redis.hget(self._meta, "scan_cursor") or "0-0")
+            while True:
+                entries = self._redis.xrange(stream_key(self.run_id), f"({cursor}", "+",
+                                             count=_SCAN_BATCH) if cursor != "0-0" else \
+                    self._redis.xrange(stream_key(self.run_id), "-", "+", count=_SCAN_BATCH)
+                if not entries:
+                    return scanned
+                for entry_id, fields in entries:
+                    self._scan_entry(_text(entry_id), fields)
+                    cursor = _text(entry_id)
+                    scanned += 1
+                self._redis.hset(self._meta, "scan_cursor", cursor)
+
+    def _scan_entry(self, entry_id: str, fields: dict) -> None:
+        raw = fields.get(STREAM_FIELD, fields.get(STREAM_FIELD.decode()))
+        try:
+            data = json.loads(raw)
+            if data["run_id"] != self.run_id:
+                raise ValueError
+            ident = ledger_id(int(data["step"]), str(data["prompt_id"]))
+            versions = [int(s["policy_version"]) for s in data["samples"]]
+        except (TypeError, ValueError, KeyError):
+            self._redis.hincrby(self._meta, UNDECODABLE, 1)
+            return
+        if self._redis.hsetnx(self._generated, ident, entry_id):
+            for version in versions:
+                self._redis.hincrby(self._sample_versions, str(version), 1)
+
+    def record_committed(self, version: int) -> None:
+        """Record a policy version every engine of the run acknowledged (0: the initial checkpoint)."""
+        with self._errors():
+            self._redis.hset(self._versions, str(int(version)), "1")
+
+    def set_every_steps(self, every_steps: int) -> None:
+        """The run's checkpoint cadence, for the trainer (see `every_steps`)."""
+        if every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        with self._errors():
+            self._redis.hset(self._meta, "every_steps", str(every_steps))
+
+    def count(self, counter: str, n: int = 1) -> None:
+        if counter not in COUNTERS:
+            raise ValueError(f"unknown ledger counter {counter!r}; known {list(COUNTERS)}")
+        with self._errors():
+            self._redis.hincrby(self._meta, counter, n)
+
+    # -- trainer -----------------------------------------------------------------------------------
+
+    def every_steps(self) -> int:
+        """The checkpoint cadence the controller recorded for the run (1 when none was)."""
+        with self._errors():
+            value = self._redis.hget(self._meta, "every_steps")
+        return 1 if value is None else int(_text(value))
+
+    def claim(self, entry_id: str, step: int, prompt_id: str,
+              sample_versions: Iterable[int] = ()) -> str:
+        """Before training on a group: "ok" (the trainer may train on it; it is now the id's
+        generated entry if none was), "trained" (the id is already trained: refuse it) or
+        "duplicate:<entry id>" (another entry holds the id: refuse this one)."""
+        with self._errors():
+            verdict = self._redis.eval(_CLAIM, 4, self._trained, self._generated, self._meta,
+                                       self._sample_versions, ledger_id(step, prompt_id), entry_id,
+                                       *[str(int(v)) for v in sample_versions])
+        return _text(verdict)
+
+    def commit_trained(self, ids: Sequence[str], step: int, version: int,
+                       reconcile: bool = False) -> list[str]:
+        """Mark ids trained in one atomic script and record (step, version) as the last durable
+        checkpoint (step -1: trained, but in no checkpoint). Ids already trained are refused and
+        returned; they count as `trained_twice` unless `reconcile` (re-recording a checkpoint on
+        resume, which trains nothing)."""
+        with self._errors():
+            refused = self._redis.eval(_COMMIT, 2, self._trained, self._meta, str(step),
+                                       str(version), "0" if reconcile else "1", *ids)
+        return [_text(r) for r in refused]
+
+    def record_published(self, version: int) -> int:
+        """Remember that version is being published; returns the highest version ever published."""
+        with self._errors():
+            return int(self._redis.eval(_RAISE_MAX, 1, self._meta, "max_version", str(version)))
+
+    def max_version(self) -> int:
+        """The highest policy version ever published for the run (-1 none)."""
+        with self._errors():
+            value = self._redis.hget(self._meta, "max_version")
+        return -1 if value is None else int(_text(value))
+
+    # -- both --------------------------------------------------------------------------------------
+
+    def checkpoint(self) -> tuple[int, int] | None:
+        """(step, policy version) of the last durable checkpoint, or None before the first."""
+        with self._errors():
+            step, version = self._redis.hmget(self._meta, ["checkpoint_step", "checkpoint_version"])
+        if step is None:
+            return None
+        return int(_text(step)), int(_text(version))
+
+    def audit(self, finished_step: int | None = None) -> LedgerAudit:
+        """Counts of the run's ledger; `finished_step` defaults to the last checkpointed step."""
+        with self._errors():
+            submitted = [_text(k) for k in self._redis.hkeys(self._submitted)]
+            generated = int(self._redis.hlen(self._generated))
+            trained = {_text(k) for k in self._redis.smembers(self._trained)}
+            meta = {_text(k): _text(v) for k, v in self._redis.hgetall(self._meta).items()}
+            committed = sorted(int(_text(v)) for v in self._redis.hkeys(self._versions))
+            sample_versions = {int(_text(k)): int(_text(v))
+                               for k, v in self._redis.hgetall(self._sample_versions).items()}
+        if finished_step is None:
+            finished_step = int(meta.get("checkpoint_step", 0))
+        lost = sorted(i for i in submitted if id_step(i) <= finished_step and i not in trained)
+        uncommitted = sorted(set(sample_versions) - set(committed))
+        return LedgerAudit(
+            run_id=self.run_id, finished_step=finished_step, submitted=len(submitted),
+            generated=generated, trained=len(trained), lost=len(lost), lost_ids=lost[:_MAX_NAMED],
+            **{c: int(meta.get(c, 0)) for c in COUNTERS},
+            committed_versions=committed, sample_versions=sample_versions,
+            uncommitted_sample_versions=uncommitted, versions_ok=not uncommitted)
+
+    def delete(self) -> None:
+        with self._errors():
+            self._redis.delete(*ledger_keys(self.run_id))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _errors() -> Iterator[None]:
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise UnavailableError(f"redis (sample ledger): {exc}") from exc
+
+
+def audit(client: redis.Redis, run_id: str, finished_step: int | None = None) -> LedgerAudit:
+    """The audit of run_id's ledger (see `RunLedger.audit`)."""
+    return RunLedger(client, run_id).audit(finished_step)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m furlong.core.run_ledger",
+                                description="Print the sample-ledger audit of a run as JSON.")
+    p.add_argument("run_id")
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--finished-step", type=int, default=None,
+                   help="count lost ids up to this step (default: the last checkpointed step)")
+    args = p.parse_args(argv)
+    client = redis.Redis.from_url(args.redis_url, decode_responses=True)
+    try:
+        result = audit(client, args.run_id, args.finished_step)
+    except UnavailableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+    return 0 if result.lost == 0 and result.trained_twice == 0 and result.versions_ok else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Resuming a run from its last training checkpoint after a service, Redis or the controller failed.
+
+A failure is recoverable when its cause says a dependency went away: `UnavailableError` (a service
+or Redis cannot be reached) or `NotFoundError` (a restarted service no longer knows the run). The
+services themselves are restarted by their supervisor (the local stack's restart policy, a
+Kubernetes Deployment); recovery only waits for them, bounded by the run's `recovery.timeout_s`,
+retrying the whole sequence below while the errors stay recoverable:
+
+    rollout.EndRun, trainer.EndRun         (a surviving service drops its state of the run)
+    ledger: scan the stream                (groups written before the crash count as generated)
+    trainer.ConfigureRun                   (reloads the last checkpoint; its version is new)
+    trainer.PublishWeights, broker.WaitCommitted   (that checkpoint's weights, under the new version)
+    rollout.ConfigureRun                   (fresh engines; they take the committed version)
+    store.rewind                           (the run's step goes back to the checkpoint's)
+
+The broker's run is never ended (an ended run id cannot come back); a restarted broker learns the
+run again from the first registration or version. Afterwards the driver repeats the steps after the
+checkpoint: prompts whose group is already in the stream are not generated again (the trainer
+replays those pending entries), the others are resubmitted once, and groups already trained are
+refused by the trainer's ledger check. Recovery is impossible when steps were trained but no
+checkpoint holds them (the trainer has no checkpoint directory): that is a `RecoveryFailed`.
+Knows nothing about gRPC, HTTP or processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import redis
+
+from furlong.core.errors import NotFoundError, UnavailableError
+from furlong.core.run_ledger import RECOVERIES
+
+from furlong.controller.clients import BrokerClient, RolloutClient, TrainerClient
+from furlong.controller.config import DriverTimeouts
+from furlong.controller.core.run_state import Run
+from furlong.controller.prompt_source import PromptSource
+from furlong.controller.run_store import RunStore
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 0.5
+
+
+class RecoveryFailed(Exception):
+    """The run cannot resume; the message names the cause (and the service)."""
+
+
+class RecoveryStopped(RecoveryFailed):
+    """A stop was requested while the run was recovering."""
+
+
+def recoverable(exc: BaseException) -> bool:
+    """Whether exc means a dependency went away (and may come back)."""
+    return isinstance(exc, (UnavailableError, NotFoundError, redis.ConnectionError,
+                            redis.TimeoutError))
+
+
+@dataclass(frozen=True)
+class Resumed:
+    step: int          # the last step the checkpoint holds (0: none)
+    version: int       # the policy version every engine will serve
+
+
+class RunRecovery:
+    def __init__(self, store: RunStore, trainer: TrainerClient, rollout: RolloutClient,
+                 broker: BrokerClient, prompts: PromptSource, timeouts: DriverTimeouts,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self._store = store
+        self._trainer = trainer
+        self._rollout = rollout
+        self._broker = broker
+        self._prompts = prompts
+        self._timeouts = timeouts
+        self._clock = clock
+        self._sleep = sleep
+
+    def resume(self, run: Run, cause: str, stop_requested: Callable[[], bool]) -> Resumed:
+        """Bring every service back to the run's last checkpoint; RecoveryFailed when impossible
+        or when the services are not back within the run's recovery.timeout_s. Returns early
+        (RecoveryFailed "stopped") if stop_requested() turns true."""
+        timeout_s = run.spec.recovery.timeout_s
+        deadline = self._clock() + timeout_s
+        log.warning("run %s: recovering from %s (up to %.0f s)", run.run_id, cause, timeout_s)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                if stop_requested():
+                    raise RecoveryStopped("during recovery")
+                resumed = self._resume_once(run, cause)
+                log.warning("run %s: resumed at step %d, version %d after %d attempt(s)",
+                            run.run_id, resumed.step, resumed.version, attempt)
+                return resumed
+            except RecoveryFailed:
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below; the reason keeps it
+                if not recoverable(exc):
+                    raise RecoveryFailed(f"{cause}; recovery failed: {type(exc).__name__}: {exc}") \
+                        from exc
+                if self._clock() >= deadline:
+                    raise RecoveryFailed(f"{cause}; the services were not back within "
+                                         f"recovery.timeout_s={timeout_s:g}: "
+                                         f"{type(exc).__name__}: {exc}") from exc
+                log.info("run %s: recovery attempt %d: %s; retrying", run.run_id, attempt, exc)
+                self._sleep(RETRY_S)
+
+    def _resume_once(self, run: Run, cause: str) -> Resumed:
+        spec, t, rid = run.spec, self._timeouts, run.run_id
+        for name, end in (("rollout", self._rollout.end_run), ("trainer", self._trainer.end_run)):
+            try:
+                end(rid, t.end_s)
+            except NotFoundError:
+                log.info("run %s: %s had no state of the run", rid, name)
+        ledger = self._store.ledger(rid)
+        ledger.set_every_steps(spec.checkpoint.every_steps)
+        ledger.scan_stream()
+        version = self._trainer.configure_run(rid, spec.model, spec.algorithm, spec.seed,
+                                              spec.steps, spec.sampling.temperature, t.configure_s)
+        checkpoint = ledger.checkpoint()   # the trainer re-recorded the one it resumed from
+        step = 0 if checkpoint is None else checkpoint[0]
+        if checkpoint is None and ledger.audit(finished_step=spec.steps).trained:
+            raise RecoveryFailed(f"{cause}; no training checkpoint holds the steps already trained "
+                                 "(start the trainer with --checkpoint-dir)")
+        if version > 0:
+            self._trainer.publish_weights(rid, version, t.publish_s)
+            status = self._broker.wait_committed(rid, version, t.commit_s)
+            if status.committed_version < version:
+                raise TimeoutError(f"version {version} not committed after recovery")
+        ledger.record_committed(version)
+        reward = self._prompts.reward_name(spec.task)
+        self._rollout.configure_run(rid, spec.model, reward, spec.rollout.num_engines, spec.seed,
+                                    t.configure_s)
+        self._store.rewind(rid, step, version, f"resumed from step {step} after {cause}")
+        ledger.count(RECOVERIES)
+        return Resumed(step=step, version=version)

@@ -1,0 +1,61 @@
+"""Fault injection for the weight broker, for fault tests only: off unless its environment variable
+is set when the broker process starts (read in `__main__`, nowhere else).
+
+`FURLONG_FAULT_DROP_BUCKET=VERSION:ROUND` makes the broker drop the first staged bucket round that
+matches (of any run): the trainer's StageRound call succeeds, but no engine is told to pull the
+round. The engines never acknowledge that version, are fenced after the broker's ack timeout, and
+the version fails; they keep serving the previous version (never a torn one), and whoever waits
+for the commit gets the failure. Each drop is logged at ERROR with "FAULT INJECTION".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Mapping
+
+from furlong.weight_broker.core import BrokerCore
+
+log = logging.getLogger(__name__)
+
+DROP_BUCKET_ENV = "FURLONG_FAULT_DROP_BUCKET"
+
+
+def parse_drop_bucket(value: str) -> tuple[int, int]:
+    """(version, round) from "VERSION:ROUND"; ValueError naming the bad value."""
+    try:
+        version, index = (int(part) for part in value.split(":"))
+    except ValueError:
+        raise ValueError(f"{DROP_BUCKET_ENV} must be VERSION:ROUND (two integers), got "
+                         f"{value!r}") from None
+    if version < 0 or index < 0:
+        raise ValueError(f"{DROP_BUCKET_ENV}: version and round must be >= 0, got {value!r}")
+    return version, index
+
+
+class BucketDroppingCore(BrokerCore):
+    """A BrokerCore that drops one staged round (see the module doc)."""
+
+    def __init__(self, drop: tuple[int, int], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._drop: tuple[int, int] | None = drop
+        self._drop_lock = threading.Lock()
+
+    def stage_round(self, run_id: str, version: int, index: int) -> list[str]:
+        with self._drop_lock:
+            if self._drop == (version, index):
+                self._drop = None
+                log.error("FAULT INJECTION (%s): dropping round %d of version %d of run %s; no "
+                          "engine will pull it", DROP_BUCKET_ENV, index, version, run_id)
+                return []
+        return super().stage_round(run_id, version, index)
+
+
+def broker_core(environ: Mapping[str, str], **kwargs) -> BrokerCore:
+    """The broker's core: a BucketDroppingCore when the fault variable is set, else a BrokerCore."""
+    value = environ.get(DROP_BUCKET_ENV, "")
+    if not value:
+        return BrokerCore(**kwargs)
+    drop = parse_drop_bucket(value)
+    log.warning("fault injection enabled: %s=%s", DROP_BUCKET_ENV, value)
+    return BucketDroppingCore(drop, **kwargs)

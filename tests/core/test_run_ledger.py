@@ -1,0 +1,114 @@
+"""The run-level sample ledger on a real Redis: states, atomic refusals, stream scans, the audit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+
+from furlong.core.run_ledger import RunLedger, ledger_id, ledger_keys, main
+from furlong.core.samples import STREAM_FIELD, stream_key
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def client(redis_url):
+    c = redis.Redis.from_url(redis_url)
+    c.delete(*ledger_keys("run"), stream_key("run"))   # the server is shared by the session
+    yield c
+    c.close()
+
+
+def _group(run_id: str, step: int, prompt_id: str, version: int = 0) -> bytes:
+    return json.dumps({"run_id": run_id, "step": step, "prompt_id": prompt_id,
+                       "samples": [{"sample_id": f"{prompt_id}/0", "policy_version": version}]}
+                      ).encode()
+
+
+def test_ids_are_deterministic_and_checked():
+    assert ledger_id(3, "s3-1") == "3/s3-1"
+    with pytest.raises(ValueError, match="prompt id"):
+        ledger_id(1, "")
+
+
+def test_a_trained_id_is_refused_before_and_when_marking_again(client):
+    ledger = RunLedger(client, "run")
+    assert ledger.claim("1-0", 1, "p0", [0]) == "ok"
+    assert ledger.commit_trained(["1/p0"], 1, 1) == []
+    assert ledger.checkpoint() == (1, 1)
+    # a replay of the same entry after a crash is refused before training
+    assert ledger.claim("1-0", 1, "p0", [0]) == "trained"
+    # and marking it trained again is refused and counted
+    assert ledger.commit_trained(["1/p0"], 2, 2) == ["1/p0"]
+    result = ledger.audit()
+    assert (result.retrain_refused, result.trained_twice, result.trained) == (1, 1, 1)
+
+
+def test_reconciling_a_checkpoint_trains_nothing_twice(client):
+    ledger = RunLedger(client, "run")
+    ledger.commit_trained(["1/p0"], 1, 1)
+    assert ledger.commit_trained(["1/p0"], 1, 1, reconcile=True) == ["1/p0"]
+    assert ledger.audit().trained_twice == 0
+
+
+def test_a_second_entry_for_an_id_is_a_duplicate(client):
+    ledger = RunLedger(client, "run")
+    assert ledger.claim("5-0", 2, "p1") == "ok"
+    assert ledger.claim("6-0", 2, "p1") == "duplicate:5-0"
+    assert ledger.claim("5-0", 2, "p1") == "ok"      # the owner itself may be read again
+    assert ledger.audit().duplicates_refused == 1
+
+
+def test_non_durable_steps_do_not_move_the_checkpoint(client):
+    ledger = RunLedger(client, "run")
+    ledger.commit_trained(["2/p0"], 2, 2)
+    ledger.commit_trained(["3/p0"], -1, 3)
+    ledger.commit_trained(["1/p0"], 1, 1, reconcile=True)   # an older checkpoint never wins
+    assert ledger.checkpoint() == (2, 2)
+
+
+def test_scan_records_generated_groups_once_with_their_versions(client):
+    ledger = RunLedger(client, "run")
+    key = stream_key("run")
+    client.xadd(key, {STREAM_FIELD: _group("run", 1, "p0", version=0)})
+    client.xadd(key, {STREAM_FIELD: b"not json"})
+    assert ledger.scan_stream() == 2
+    client.xadd(key, {STREAM_FIELD: _group("run", 1, "p1", version=0)})
+    client.xadd(key, {STREAM_FIELD: _group("run", 1, "p0", version=7)})   # a duplicate
+    assert ledger.scan_stream() == 2
+    assert ledger.scan_stream() == 0
+    assert ledger.generated_ids(1, ["p0", "p1", "p2"]) == {"p0", "p1"}
+    result = ledger.audit()
+    assert result.generated == 2 and result.undecodable == 1
+    assert result.sample_versions == {0: 2}
+
+
+def test_audit_counts_lost_ids_and_uncommitted_versions(client, capsys, redis_url):
+    ledger = RunLedger(client, "run")
+    ledger.submit(1, ["p0", "p1"])
+    ledger.submit(2, ["p0", "p1"])
+    ledger.submit(2, ["p1"])                        # resubmitted after a recovery
+    ledger.record_committed(0)
+    ledger.claim("1-0", 1, "p0", [0])
+    ledger.claim("1-1", 1, "p1", [1])               # drawn with a version never committed
+    ledger.commit_trained(["1/p0"], 1, 1)
+    result = ledger.audit()
+    assert (result.finished_step, result.submitted, result.resubmitted) == (1, 4, 1)
+    assert (result.lost, result.lost_ids) == (1, ["1/p1"])
+    assert result.uncommitted_sample_versions == [1] and not result.versions_ok
+    assert ledger.audit(finished_step=2).lost == 3
+    assert main(["run", "--redis-url", redis_url]) == 3   # the CLI fails on a bad audit
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["lost_ids"] == ["1/p1"]
+
+
+def test_published_versions_only_grow(client):
+    ledger = RunLedger(client, "run")
+    assert ledger.max_version() == -1
+    assert ledger.record_published(3) == 3
+    assert ledger.record_published(2) == 3
+    assert ledger.max_version() == 3
+    ledger.delete()
+    assert ledger.max_version() == -1
