@@ -102,7 +102,11 @@ def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32
     from transformers import LlamaForCausalLM
 
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
+    try:
+        exists = model_dir.is_dir()
+    except OSError as exc:  # e.g. a name too long: the caller's path is bad, not the machine
+        raise ValueError(f"checkpoint directory {str(model_dir)[:200]!r}: {exc.strerror}") from None
+    if not exists:
         raise ValueError(f"checkpoint directory {model_dir} does not exist")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")

@@ -160,12 +160,19 @@ class RolloutSamplingMask:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RolloutSamplingMask":
-        try:
-            return cls(token_ids=np.asarray(d["token_ids"], dtype=np.int32),
-                       offsets=np.asarray(d["offsets"], dtype=np.int64),
-                       vocab_size=int(d["vocab_size"]))
-        except KeyError as exc:
-            raise ValueError(f"sampling mask is missing field {exc.args[0]!r}") from None
+        """Inverse of `to_dict`. Strict, because the dict comes from JSON that may be corrupt:
+        ValueError for a missing field, a non-integer or out-of-range value or a nested list;
+        nothing is converted (no float truncation, no strings parsed as numbers)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling mask must be a dict, got {type(d).__name__}")
+        for name in ("token_ids", "offsets", "vocab_size"):
+            if name not in d:
+                raise ValueError(f"sampling mask is missing field {name!r}")
+        vocab = d["vocab_size"]
+        if isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer)):
+            raise ValueError(f"sampling mask vocab_size must be an integer, got {vocab!r}")
+        return cls(token_ids=_int_array("token_ids", d["token_ids"], np.int32),
+                   offsets=_int_array("offsets", d["offsets"], np.int64), vocab_size=int(vocab))
 
     def encode(self) -> bytes:
         """The compact binary form (see the module docstring)."""
@@ -189,3 +196,20 @@ class RolloutSamplingMask:
         np.cumsum(lengths, out=offsets[1:])
         ids = np.frombuffer(data, dtype="<i4", count=nnz, offset=_HEADER.size + 4 * rows).astype(np.int32)
         return cls(token_ids=ids, offsets=offsets, vocab_size=int(vocab))
+
+
+def _int_array(name: str, value: object, dtype: type) -> np.ndarray:
+    """value (a flat list of integers) as a 1-D array of dtype; ValueError naming the field."""
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        raise ValueError(f"sampling mask {name} must be a list of integers, got {type(value).__name__}")
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        raise ValueError(f"sampling mask {name} must be a flat list of integers") from None
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise ValueError(f"sampling mask {name} must be a flat list of integers, got "
+                         f"{array.dtype} values with shape {array.shape}")
+    info = np.iinfo(dtype)
+    if array.size and (array.min() < info.min or array.max() > info.max):
+        raise ValueError(f"sampling mask {name} has values outside {np.dtype(dtype).name}")
+    return array.astype(dtype)

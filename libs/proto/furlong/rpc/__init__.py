@@ -10,6 +10,12 @@ without it (grpc.health.v1 stays open for probes); `channel(address, auth_token=
 to every call. A service's `__main__` sets the process's token once with `use_auth_token` (from
 its `--auth-token-file`), so every server and channel the process creates uses it; an explicit
 `auth_token` argument overrides that. The token is compared in constant time and never logged.
+
+Mutual TLS, when certificates are configured (see `furlong.rpc.tls`): `use_tls` sets the process's
+`TlsConfig` (from `--tls-ca-file/--tls-cert-file/--tls-key-file`); then every server serves only
+TLS and requires a client certificate signed by the CA, and every channel presents the process's
+certificate. The token still applies on top: TLS says which machine is calling, the token that it
+belongs to this deployment.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError, UnavailableError
+from furlong.rpc.tls import TlsConfig, TlsFiles  # noqa: F401 - TlsFiles re-exported for callers
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +59,7 @@ AUTH_METADATA_KEY = "authorization"
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 MIN_AUTH_TOKEN_CHARS = 16
 _process_auth_token: str | None = None
+_process_tls: TlsConfig | None = None
 
 
 def use_auth_token(token: str | None) -> None:
@@ -61,6 +69,29 @@ def use_auth_token(token: str | None) -> None:
     if token is not None:
         check_auth_token(token)
     _process_auth_token = token
+
+
+def use_tls(tls: TlsConfig | None) -> None:
+    """Set the mutual-TLS configuration every server and channel of this process uses by default
+    (None: plaintext). Called once by a service's composition root."""
+    global _process_tls
+    if tls is not None and not isinstance(tls, TlsConfig):
+        raise TypeError(f"use_tls needs a TlsConfig or None, got {type(tls).__name__}")
+    if tls is not None:
+        log.info("gRPC mutual TLS on%s", f" (server name {tls.server_name})" if tls.server_name else "")
+    _process_tls = tls
+
+
+def add_tls_arguments(parser: Any) -> None:
+    """Add --tls-ca-file, --tls-cert-file, --tls-key-file and --tls-server-name to an argparse
+    parser (the composition root turns them into a `TlsFiles`)."""
+    parser.add_argument("--tls-ca-file", default="",
+                        help="PEM CA certificate; with --tls-cert-file and --tls-key-file turns on "
+                             "mutual TLS for every gRPC server and channel of the process")
+    parser.add_argument("--tls-cert-file", default="", help="PEM certificate (chain) of this process")
+    parser.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
+    parser.add_argument("--tls-server-name", default="",
+                        help="name to verify in servers' certificates instead of the dialled host")
 
 
 def check_auth_token(token: str) -> str:
@@ -203,9 +234,16 @@ def call(method: Callable[..., Any], request: Any, timeout_s: float) -> Any:
         raise error_from_rpc(err) from None
 
 
-def channel(address: str, auth_token: str | None = None) -> grpc.Channel:
-    """A channel to address; every call carries the auth token (explicit, else the process's)."""
-    ch = grpc.insecure_channel(address, options=_OPTIONS)
+def channel(address: str, auth_token: str | None = None, tls: TlsConfig | None = None
+            ) -> grpc.Channel:
+    """A channel to address; every call carries the auth token (explicit, else the process's), over
+    mutual TLS when configured (explicit, else the process's)."""
+    tls = tls if tls is not None else _process_tls
+    if tls is None:
+        ch = grpc.insecure_channel(address, options=_OPTIONS)
+    else:
+        ch = grpc.secure_channel(address, tls.channel_credentials(),
+                                 options=[*_OPTIONS, *tls.channel_options()])
     token = _token(auth_token)
     if token is None:
         return ch
@@ -230,10 +268,13 @@ def start_server(
     port: int = 0,
     max_workers: int = 16,
     auth_token: str | None = None,
+    tls: TlsConfig | None = None,
 ) -> RunningServer:
     """Start a gRPC server with the given servicers plus grpc.health.v1 reporting SERVING for each
     name in service_names and for "" (the whole server). port=0 picks a free port. With an auth
-    token (explicit, else the process's), every call but health checks must carry it."""
+    token (explicit, else the process's), every call but health checks must carry it. With TLS
+    (explicit, else the process's), the port serves only mutual TLS: a client without a
+    certificate signed by the CA fails the handshake (health checks included)."""
     token = _token(auth_token)
     interceptors = [TokenServerInterceptor(token)] if token is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS,
@@ -242,7 +283,11 @@ def start_server(
         add(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    tls = tls if tls is not None else _process_tls
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
     if bound == 0:
         raise OSError(f"could not bind gRPC server to {host}:{port}")
     server.start()
@@ -252,7 +297,8 @@ def start_server(
 
 
 def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
-    """True when the server at address reports SERVING for service."""
+    """True when the server at address reports SERVING for service (over the process's TLS, when
+    configured)."""
     ch = channel(address)
     try:
         stub = health_pb2_grpc.HealthStub(ch)

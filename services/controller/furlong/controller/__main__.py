@@ -1,8 +1,9 @@
 """`python -m furlong.controller`: the controller process (REST API + run executor).
 
 Reads the admin bearer token from --token-file (or the environment variable named by --token-env)
-and an optional viewer token likewise, the shared gRPC token from --auth-token-file, connects to Redis and the three gRPC services, recovers
-runs a previous process left behind, and serves until SIGINT/SIGTERM; then asks the active run to
+and an optional viewer token likewise, the shared gRPC token from --auth-token-file and, with
+--tls-ca-file/--tls-cert-file/--tls-key-file, mutual TLS to the services; connects to Redis and the
+three gRPC services, recovers runs a previous process left behind, and serves until SIGINT/SIGTERM; then asks the active run to
 stop and waits for its teardown.
 """
 
@@ -49,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="allow browser requests from this origin (repeatable); CORS is off without")
     p.add_argument("--auth-token-file", default="",
                    help="file with the shared token every gRPC call to the services carries")
+    rpc.add_tls_arguments(p)
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -80,7 +82,9 @@ def load_config(args: argparse.Namespace) -> ControllerConfig:
                             trainer=args.trainer, rollout=args.rollout, broker=args.broker,
                             token=token, viewer_token=viewer,
                             cors_origins=tuple(args.cors_origins),
-                            auth_token_file=args.auth_token_file)
+                            auth_token_file=args.auth_token_file,
+                            tls=rpc.TlsFiles(args.tls_ca_file, args.tls_cert_file,
+                                             args.tls_key_file, args.tls_server_name))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("starting with %r", config)
     try:
         rpc.use_auth_token(rpc.read_auth_token_file(config.auth_token_file or None))
+        rpc.use_tls(config.tls.load())
     except ValueError as exc:
         log.error("%s", exc)
         return 2

@@ -55,6 +55,13 @@ class TrainResult:
 
 
 @dataclass(frozen=True)
+class CheckpointResult:
+    step: int                     # the last completed step the checkpoint holds (0 = none yet)
+    path: str                     # the directory the trainer wrote, as the trainer sees it
+    policy_version: int
+
+
+@dataclass(frozen=True)
 class VersionStatus:
     latest_version: int           # -1 = none begun
     committed_version: int        # -1 = none committed
@@ -79,6 +86,12 @@ class TrainerClient(Protocol):
 
     def end_run(self, run_id: str, timeout_s: float) -> None:
         """Release the run's resources; idempotent."""
+
+    def checkpoint(self, run_id: str, timeout_s: float) -> CheckpointResult:
+        """Write the run's training state after its last completed step to the trainer's
+        checkpoint location for the run (waits for a step in progress). May be called from
+        another thread than the one driving the run. ConflictError when the trainer cannot
+        (offloaded run, no checkpoint directory), NotFoundError when it has no such run."""
 
 
 class RolloutClient(Protocol):
@@ -144,6 +157,12 @@ class GrpcTrainerClient:
 
     def end_run(self, run_id: str, timeout_s: float) -> None:
         rpc.call(self._stub.EndRun, trainer_pb2.EndRunRequest(run_id=run_id), timeout_s)
+
+    def checkpoint(self, run_id: str, timeout_s: float) -> CheckpointResult:
+        # directory "" = the trainer's own --checkpoint-dir location, the one a restart resumes from
+        resp = rpc.call(self._stub.Checkpoint, trainer_pb2.CheckpointRequest(run_id=run_id),
+                        timeout_s)
+        return CheckpointResult(step=resp.step, path=resp.path, policy_version=resp.policy_version)
 
     def close(self) -> None:
         self._channel.close()

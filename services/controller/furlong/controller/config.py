@@ -6,6 +6,8 @@ import math
 import re
 from dataclasses import dataclass, fields
 
+from furlong.rpc.tls import TlsFiles
+
 _ADDRESS_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
 
@@ -21,6 +23,7 @@ class DriverTimeouts:
     publish_s: float = 120.0
     commit_s: float = 120.0
     end_s: float = 30.0
+    checkpoint_s: float = 300.0   # an on-demand checkpoint, including the wait for a step in progress
     pause_poll_s: float = 0.2     # how often a paused run checks for resume or stop
 
     def __post_init__(self) -> None:
@@ -54,6 +57,7 @@ class ControllerConfig:
     viewer_token: str = ""        # "" = no viewer token; else a bearer token that may only read
     cors_origins: tuple[str, ...] = ()   # () = CORS off
     auth_token_file: str = ""     # "" = gRPC to the services unauthenticated; else the token's file
+    tls: TlsFiles = TlsFiles()    # no files = plaintext gRPC to the services; else mutual TLS
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -82,4 +86,5 @@ class ControllerConfig:
                 f"trainer={self.trainer!r}, rollout={self.rollout!r}, broker={self.broker!r}, "
                 f"token=<redacted>, viewer_token=<{'redacted' if self.viewer_token else 'none'}>, "
                 f"cors_origins={self.cors_origins!r}, auth_token_file={self.auth_token_file!r}, "
+                f"tls={self.tls!r}, "
                 f"timeouts={self.timeouts!r})")

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from typing import Any, Protocol
 
-from furlong.core.errors import ConflictError
+from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 
-from furlong.controller.core.run_state import Run, RunState
+from furlong.controller.clients import CheckpointResult
+from furlong.controller.core.run_state import CheckpointRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
 from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.prompt_source import PromptSource
@@ -25,13 +27,26 @@ class RunSubmitter(Protocol):
         """Queue a pending run for execution; returns at once."""
 
 
+class RunCheckpointer(Protocol):
+    def checkpoint(self, run_id: str, timeout_s: float) -> CheckpointResult:
+        """Have the trainer write the run's training state now (see `TrainerClient.checkpoint`);
+        called from request threads, concurrently with the run's driver."""
+
+
+# A checkpoint needs the run's state on the trainer: configured (running) and not torn down yet.
+CHECKPOINT_STATES = frozenset({RunState.RUNNING, RunState.PAUSED})
+
+
 class RunService:
     def __init__(self, store: RunStore, submitter: RunSubmitter, prompts: PromptSource,
-                 metrics: ControllerMetrics) -> None:
+                 metrics: ControllerMetrics, checkpointer: RunCheckpointer | None = None,
+                 checkpoint_timeout_s: float = 300.0) -> None:
         self._store = store
         self._submitter = submitter
         self._prompts = prompts
         self._metrics = metrics
+        self._checkpointer = checkpointer
+        self._checkpoint_timeout_s = checkpoint_timeout_s
 
     def create_run(self, data: Any, idempotency_key: str | None = None) -> Run:
         """Validate a spec dict, store the run as pending and queue it. SpecError names the bad
@@ -71,11 +86,29 @@ class RunService:
         return self._store.request_resume(run_id)
 
     def checkpoint_run(self, run_id: str) -> Run:
-        """Always a ConflictError for an existing run: the trainer's gRPC API has no checkpoint
-        call yet, so an on-demand checkpoint cannot be taken (NotFoundError for an unknown run)."""
+        """Have the trainer checkpoint a running or paused run now (after a step in progress) and
+        return the run with that checkpoint recorded. ConflictError for a run in any other state
+        or one the trainer cannot checkpoint (its reason in the message), NotFoundError for an
+        unknown run, UnavailableError when the trainer does not answer in time."""
         run = self._store.get(run_id)
-        raise ConflictError(f"run {run.run_id}: on-demand checkpoints are not available: the "
-                            "trainer's gRPC API (furlong.v1.Trainer) has no checkpoint call")
+        if run.state not in CHECKPOINT_STATES:
+            raise ConflictError(f"run {run_id} is {run.state.value}; only a running or paused run "
+                                "can be checkpointed")
+        if self._checkpointer is None:
+            raise UnavailableError("checkpoints: this controller has no trainer client")
+        try:
+            result = self._checkpointer.checkpoint(run_id, self._checkpoint_timeout_s)
+        except NotFoundError as exc:  # the trainer restarted, or the run was torn down meanwhile
+            raise ConflictError(f"run {run_id}: the trainer has no state of this run to "
+                                f"checkpoint ({exc})") from None
+        except ConflictError as exc:
+            raise ConflictError(f"run {run_id}: the trainer cannot checkpoint it: {exc}") from None
+        except TimeoutError as exc:
+            raise UnavailableError(f"run {run_id}: the trainer did not finish the checkpoint "
+                                   f"within {self._checkpoint_timeout_s:g}s ({exc})") from None
+        ref = CheckpointRef(step=result.step, path=result.path,
+                            policy_version=result.policy_version, created_at=time.time())
+        return self._store.record_checkpoint(run_id, ref)
 
     def delete_run(self, run_id: str) -> None:
         """Remove a finished run, its metrics and events; ConflictError for an unfinished one."""

@@ -57,7 +57,8 @@ def build_controller(store: RunStore, trainer: TrainerClient, rollout: RolloutCl
     metrics = metrics or ControllerMetrics()
     driver = RunDriver(store, trainer, rollout, broker, prompts, timeouts, metrics)
     executor = RunExecutor(store, driver)
-    service = RunService(store, executor, prompts, metrics)
+    service = RunService(store, executor, prompts, metrics, checkpointer=trainer,
+                         checkpoint_timeout_s=timeouts.checkpoint_s)
     app = create_app(service, token, readiness, metrics, cors_origins, engines=engines,
                      active_run=lambda: executor.active_run)
     executor.recover()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from furlong.rpc.tls import TlsFiles
+
 
 @dataclass(frozen=True)
 class TrainerServiceConfig:
@@ -16,6 +18,10 @@ class TrainerServiceConfig:
     num_threads: int = 2
     checkpoint_dir: str = ""          # "" = no training checkpoints; else one directory per run under it
     auth_token_file: str = ""         # "" = gRPC unauthenticated; else the shared service token's file
+    tls: TlsFiles = TlsFiles()        # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
+    # Before a run's first version: sync its weights once into garbage-filled copies through a
+    # private broker and compare bit-exactly (furlong.weight_broker.equality); a mismatch fails it.
+    check_weight_update_equal: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -9,6 +9,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from furlong.rpc import add_tls_arguments
+from furlong.rpc.tls import TlsFiles
+
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -28,6 +31,7 @@ class BrokerConfig:
     relay_runs: tuple[str, ...] = ()   # runs this process relays (trainers publish to <run>~upstream)
     log_level: str = "INFO"
     auth_token_file: str = ""     # "" = gRPC unauthenticated; else the shared service token's file
+    tls: TlsFiles = TlsFiles()    # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -63,12 +67,15 @@ class BrokerConfig:
         parser.add_argument("--log-level", default=cls.log_level, type=str.upper)
         parser.add_argument("--auth-token-file", default="",
                             help="file with the shared token every gRPC call must carry")
+        add_tls_arguments(parser)
         args = parser.parse_args(argv)
         try:
             return cls(host=args.host, port=args.port, metrics_port=args.metrics_port,
                        max_workers=args.max_workers, max_ack_attempts=args.max_ack_attempts,
                        ack_timeout_s=args.ack_timeout_s, relay_runs=tuple(args.relay_runs),
-                       log_level=args.log_level, auth_token_file=args.auth_token_file)
+                       log_level=args.log_level, auth_token_file=args.auth_token_file,
+                       tls=TlsFiles(args.tls_ca_file, args.tls_cert_file, args.tls_key_file,
+                                    args.tls_server_name))
         except ValueError as exc:
             parser.error(str(exc))   # exits with status 2 and the message
 
