@@ -44,6 +44,11 @@ class Offloader:
         self._optim_backup: dict[int, dict[str, tuple[torch.Tensor, torch.device]]] = {}
         self.offloaded = False
 
+    @property
+    def num_tensors(self) -> int:
+        """Parameters and buffers currently offloaded (0 when resident)."""
+        return len(self._slots)
+
     def _tensors(self) -> list[torch.Tensor]:
         seen, out = set(), []
         for module in self._modules:

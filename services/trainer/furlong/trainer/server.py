@@ -62,6 +62,23 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self._service.end_run(request.run_id)
         return trainer_pb2.EndRunResponse(run_id=request.run_id)
 
+    @rpc_errors
+    def Offload(self, request, context):
+        released, num_tensors = self._service.offload(request.run_id)
+        return trainer_pb2.OffloadResponse(run_id=request.run_id, released_bytes=released,
+                                           num_tensors=num_tensors)
+
+    @rpc_errors
+    def Restore(self, request, context):
+        version = self._service.restore(request.run_id)
+        return trainer_pb2.RestoreResponse(run_id=request.run_id, policy_version=version)
+
+    @rpc_errors
+    def Checkpoint(self, request, context):
+        info = self._service.checkpoint(request.run_id, request.directory)
+        return trainer_pb2.CheckpointResponse(run_id=request.run_id, path=str(info.path),
+                                              step=info.step, policy_version=info.version)
+
 
 def register(service: TrainerService):
     """A `furlong.rpc.start_server` registration callback."""

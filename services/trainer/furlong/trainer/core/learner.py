@@ -12,16 +12,17 @@ the aggregation denominators). Log-probs are taken over each token's sampling su
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from dataclasses import asdict, dataclass, fields
 
 import torch
-import torch.distributed as dist
 
 from furlong.core.samples import SampleGroup
 from furlong.trainer.core.batch import MicroBatch, build_micro_batch, split_per_row
+from furlong.trainer.core.data_parallel import DataParallel, full_tensor
 from furlong.trainer.core.objectives import ObjectiveConfig
 from furlong.trainer.core.scoring import Scorer
 from furlong.trainer.core.step import StepMath, plan_rows
@@ -160,21 +161,28 @@ class Learner:
     """
 
     def __init__(self, model: torch.nn.Module, config: LearnerConfig, *, version: int = 0,
-                 data_parallel_group: object | None = None) -> None:
+                 data_parallel_group: object | None = None, data_parallel: str = "ddp") -> None:
         """`data_parallel_group` (a torch.distributed group): every rank passes the same batch to
         `train_step`, forwards every world-th row and gradients are summed over the group before
-        each optimizer step — the update equals the single-process one (up to summation order)."""
+        each optimizer step — the update equals the single-process one (up to summation order).
+        `data_parallel` picks how: "ddp", "fsdp2" or "allreduce" (see `core.data_parallel`)."""
         _check_int("version", version, 0)
-        self._dp_group = data_parallel_group
         self.model = model
         self.config = config
         self.objective = config.objective
         self.version = version
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
+        if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters")
-        self.scorer = Scorer(model, config.temperature, self.objective)
-        self._params = params + self.scorer.trainable_extra_parameters()
+        self.scorer = Scorer(model, config.temperature, self.objective)  # copies before any sharding
+        self._dp: DataParallel | None = None
+        if data_parallel_group is not None:
+            if data_parallel == "fsdp2" and self.scorer.critic is not None:
+                raise ValueError("data_parallel 'fsdp2' does not shard PPO's value model; use 'ddp'")
+            self._dp = DataParallel(model, data_parallel_group, data_parallel)
+            self.scorer.policy_module = self._dp.forward_module
+        params = [p for p in model.parameters() if p.requires_grad]  # fsdp2: the sharded ones
+        self._extra_params = self.scorer.trainable_extra_parameters()
+        self._params = params + self._extra_params
         self.optimizer = torch.optim.AdamW(self._params, lr=config.learning_rate,
                                            weight_decay=config.weight_decay,
                                            betas=(config.adam_beta1, config.adam_beta2))
@@ -197,8 +205,9 @@ class Learner:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's tensors to publish, detached and contiguous. They alias the live parameters
-        (no copy), so the next train_step changes them in place."""
-        return {name: t.detach().contiguous() for name, t in self.model.state_dict().items()}
+        (no copy), so the next train_step changes them in place. With fsdp2 they are gathered
+        (a copy, and a collective: every rank must call this)."""
+        return {name: full_tensor(t.detach()).contiguous() for name, t in self.model.state_dict().items()}
 
     def train_step(self, groups: list[SampleGroup]) -> StepStats:
         started = time.perf_counter()
@@ -209,9 +218,9 @@ class Learner:
         # Longest first, so each micro-batch pads as little as possible.
         rows.sort(key=lambda r: len(r.token_ids), reverse=True)
         num_rows = len(rows)
-        if self._dp_group is not None:
-            rows = rows[dist.get_rank(self._dp_group)::dist.get_world_size(self._dp_group)]
-        micro_batches = [build_micro_batch(rows[i:i + size]) for i in range(0, len(rows), size)]
+        plan = (self._dp.plan(rows, size) if self._dp is not None
+                else [(rows[i:i + size], False) for i in range(0, len(rows), size)])
+        micro_batches = [(build_micro_batch(chunk), padding) for chunk, padding in plan]
         totals = dict.fromkeys(("loss", "grad_norm", "value_loss") + _WEIGHTED, 0.0)
         if num_rows:
             for epoch in range(self.config.epochs_per_batch):
@@ -230,31 +239,40 @@ class Learner:
         log.debug("version %d: %s", self.version, stats)
         return stats
 
-    def _epoch(self, micro_batches: list[MicroBatch], denominators, epoch: int) -> dict[str, float]:
+    def _epoch(self, micro_batches: list[tuple[MicroBatch, bool]], denominators, epoch: int) -> dict[str, float]:
         """Accumulate the gradient of the whole batch over its micro-batches, then step once."""
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, value_loss_sum, trained_tokens = 0.0, 0.0, 0
         weighted = dict.fromkeys(_WEIGHTED, 0.0)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed * 1_000_003 + self.version * 1_009 + epoch)
-            for mb in micro_batches:
-                logp, entropy = self.scorer.policy_logprobs(mb)
-                if epoch == 0 and self.objective.off_policy != "none":
-                    for row, old in zip(mb.rows, split_per_row(logp.detach(), mb)):
-                        row.old_logprobs = old
-                values = self.scorer.values(mb) if self.scorer.critic is not None else None
-                loss, value_loss, stats = self._math.loss(mb, logp, entropy, values, denominators)
-                (loss + value_loss).backward()
+            for index, (mb, padding) in enumerate(micro_batches):
+                context = (self._dp.pass_context(last=index == len(micro_batches) - 1) if self._dp is not None
+                           else contextlib.nullcontext())
+                with context:
+                    logp, entropy = self.scorer.policy_logprobs(mb)
+                    if padding:  # keeps this rank in step with the group's collectives; adds nothing
+                        (logp.sum() * 0.0).backward()
+                        continue
+                    if epoch == 0 and self.objective.off_policy != "none":
+                        for row, old in zip(mb.rows, split_per_row(logp.detach(), mb)):
+                            row.old_logprobs = old
+                    values = self.scorer.values(mb) if self.scorer.critic is not None else None
+                    loss, value_loss, stats = self._math.loss(mb, logp, entropy, values, denominators)
+                    (loss + value_loss).backward()
                 loss_sum += loss.item()
                 value_loss_sum += value_loss.item()
                 trained_tokens += mb.num_tokens
                 for key in weighted:
                     weighted[key] += stats[key] * mb.num_tokens
-        if self._dp_group is not None:
-            loss_sum, value_loss_sum, trained_tokens = self._all_reduce_gradients_and_stats(
-                weighted, loss_sum, value_loss_sum, trained_tokens)
+        if self._dp is not None:
+            self._dp.sum_gradients(self._extra_params if self._dp.reduces_in_backward else self._params)
+            keys = list(weighted)
+            totals = self._dp.sum_floats([weighted[k] for k in keys] + [loss_sum, value_loss_sum, trained_tokens])
+            weighted = dict(zip(keys, totals))
+            loss_sum, value_loss_sum, trained_tokens = totals[-3], totals[-2], int(totals[-1])
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self._params, max_norm)))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"gradient norm is {grad_norm} at version {self.version}; step skipped")
@@ -262,23 +280,3 @@ class Learner:
         out = {key: value / trained_tokens for key, value in weighted.items()}
         out.update(loss=loss_sum, grad_norm=grad_norm, value_loss=value_loss_sum)
         return out
-
-    def _all_reduce_gradients_and_stats(self, weighted: dict[str, float], loss_sum: float,
-                                        value_loss_sum: float, trained_tokens: int) -> tuple[float, float, int]:
-        """Sum gradients (each rank's loss is its share of the batch loss) and statistics over the group."""
-        for p in self._params:
-            if p.grad is None:  # a rank without rows, or a parameter its rows did not reach
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in self._params])
-        dist.all_reduce(flat, group=self._dp_group)
-        offset = 0
-        for p in self._params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        keys = list(weighted)
-        totals = torch.tensor([weighted[k] for k in keys] + [loss_sum, value_loss_sum, float(trained_tokens)],
-                              dtype=torch.float64)
-        dist.all_reduce(totals, group=self._dp_group)
-        for i, key in enumerate(keys):
-            weighted[key] = float(totals[i])
-        return float(totals[-3]), float(totals[-2]), int(totals[-1])

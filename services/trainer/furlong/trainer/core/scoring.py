@@ -19,6 +19,7 @@ from furlong.trainer.logprobs import SupportViolation, log_probs_with_support
 class Scorer:
     def __init__(self, model: torch.nn.Module, temperature: float, objective: ObjectiveConfig):
         self.model = model
+        self.policy_module = model  # what the policy's forward goes through (a DDP wrapper, say)
         self.temperature = temperature
         forward_params = inspect.signature(model.forward).parameters
         self._can_trim_logits = "logits_to_keep" in forward_params
@@ -54,7 +55,7 @@ class Scorer:
 
     def policy_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropy), each (N,), differentiable w.r.t. the policy."""
-        return self._logprobs(self.model, mb)
+        return self._logprobs(self.policy_module, mb)
 
     @torch.no_grad()
     def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
