@@ -3,7 +3,8 @@
     python bench/weight_sync.py [--quick] [--json] [--size-mib N] [--bucket-mib N] [--reps N]
 
 One trainer process (this one: a WeightPublisher) and two engine processes (WeightReceivers that
-copy every version into their own parameter tensors), with the weight broker as a third process.
+pull every version straight into their own parameter tensors), with the weight broker as a third
+process.
 bf16 parameters, 1 GiB by default (--quick: 32 MiB, same code paths). Measured in the same run, on
 the same data, after a warm-up, as medians over --reps repetitions:
 
@@ -14,6 +15,8 @@ the same data, after a warm-up, as medians over --reps repetitions:
 - switch_seconds_<mode>: publish start -> both engines serving v+1 (the broker committed it, which
   it does only after every engine verified and applied it). Modes: direct (engines pull from the
   trainer's bucket) and relay (the broker pulls from the trainer, engines from the broker).
+- switch_seconds_direct_buffer: the same over NIXL with engines that pull into a receive buffer and
+  copy it into their parameters (apply), the path before pulls went straight into parameters.
 - trainer_free_seconds_<mode>: publish start -> the trainer's bucket may be reused (direct: the
   version committed; relay: the relay took it).
 - naive_seconds: torch.save -> bytes -> gRPC stream -> torch.load into ONE engine process.
@@ -47,6 +50,7 @@ from furlong.rpc import check_health, start_server
 from furlong.weight_broker.bucket import STREAM_SERVICE_NAME, WeightStreamServicer
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.config import TransferConfig
+from furlong.weight_broker.host_memory import host_buffer
 from furlong.weight_broker.core import WeightSourceInfo
 from furlong.weight_broker.nixl_transport import NixlEndpoint
 from furlong.weight_broker.publisher import WeightPublisher
@@ -60,22 +64,25 @@ log = logging.getLogger("bench.weight_sync")
 # -- child roles -------------------------------------------------------------------------------------
 
 def engine_main(args) -> int:
-    """A rollout engine stand-in: parameters in its own tensors, a WeightReceiver that copies each
-    verified version into them."""
+    """A rollout engine stand-in: parameters in its own tensors (shaped like the trainer's), a
+    WeightReceiver that pulls each version straight into them (--into params), or into a receive
+    buffer that apply copies into them (--into buffer)."""
     from furlong.weight_broker.receiver import WeightReceiver
-    model: dict[str, torch.Tensor] = {}
+    model = {name: torch.zeros_like(t) for name, t in make_state(args.size, seed=None).items()}
 
-    def apply(version, tensors) -> None:
+    def copy_in(version, tensors) -> None:
         for name, tensor in tensors.items():
-            if name not in model:
-                model[name] = torch.empty_like(tensor)
             model[name].copy_(tensor)
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     client = GrpcBrokerClient(args.broker)
-    receiver = WeightReceiver(client, args.run_id, args.engine_id, apply,
-                              config=TransferConfig(lanes=tuple(args.lanes.split(","))))
+    config = TransferConfig(lanes=tuple(args.lanes.split(",")))
+    if args.into == "params":
+        receiver = WeightReceiver(client, args.run_id, args.engine_id, lambda v, t: None,
+                                  config=config, params=model)
+    else:
+        receiver = WeightReceiver(client, args.run_id, args.engine_id, copy_in, config=config)
     receiver.start()
     while not stop.wait(0.2):
         pass
@@ -90,7 +97,7 @@ def raw_main(args) -> int:
     source = WeightSourceInfo(meta["agent"], bytes.fromhex(meta["metadata"]), meta["address"],
                               meta["size"])
     endpoint = NixlEndpoint(f"raw-reader-{os.getpid()}")
-    dst = torch.zeros(meta["size"], dtype=torch.uint8)
+    dst = host_buffer(meta["size"])
     endpoint.register(dst)
     times = [endpoint.read(source, dst, meta["size"], 120.0) for _ in range(args.reps + 1)]
     endpoint.close()
@@ -122,11 +129,16 @@ def naive_main(args) -> int:
 
 # -- trainer side ------------------------------------------------------------------------------------
 
-def make_state(size_bytes: int) -> dict[str, torch.Tensor]:
+def make_state(size_bytes: int, seed: int | None = 0) -> dict[str, torch.Tensor]:
+    """bf16 tensors of 32 MiB (2 MiB below 512 MiB); seed None: shapes only (zeros)."""
     per = 32 * MIB if size_bytes >= 512 * MIB else 2 * MIB
     cols = 1024 if per == 2 * MIB else 4096
-    gen = torch.Generator().manual_seed(0)
-    return {f"layers.{i}.weight": torch.randn(per // 2 // cols, cols, generator=gen).to(torch.bfloat16)
+    shape = (per // 2 // cols, cols)
+    if seed is None:
+        return {f"layers.{i}.weight": torch.zeros(shape, dtype=torch.bfloat16)
+                for i in range(size_bytes // per)}
+    gen = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn(shape, generator=gen).to(torch.bfloat16)
             for i in range(size_bytes // per)}
 
 
@@ -155,8 +167,11 @@ class PeakRss:
 
 
 def child(role: str, *extra: str, log_path: Path) -> subprocess.Popen:
+    # Engine parameters on transparent huge pages, like the buffers the broker allocates itself
+    # (furlong.weight_broker.host_memory); the raw reference reads between such buffers too.
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
     return subprocess.Popen([sys.executable, __file__, "--role", role, *extra],
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -189,7 +204,8 @@ def measure_memcpy(state, reps: int) -> float:
 
 def measure_raw(size: int, reps: int, tmp: Path) -> float:
     endpoint = NixlEndpoint(f"raw-source-{os.getpid()}")
-    src = torch.randint(0, 255, (size,), dtype=torch.uint8)
+    src = host_buffer(size)
+    src.copy_(torch.randint(0, 255, (size,), dtype=torch.uint8))
     endpoint.register(src)
     meta = tmp / "raw.json"
     meta.write_text(json.dumps({"agent": endpoint.agent_name, "metadata": endpoint.metadata.hex(),
@@ -222,11 +238,12 @@ def measure_naive(state, reps: int, tmp: Path) -> float:
 
 
 def measure_lane(lane: str, mode: str, state, args, broker: str, metrics_port: int,
-                 tmp: Path) -> dict:
-    run_id = f"bench-{lane}-{mode}"
+                 tmp: Path, into: str = "params") -> dict:
+    run_id = f"bench-{lane}-{mode}" + ("" if into == "params" else f"-{into}")
     publish_run = upstream_run_id(run_id) if mode == "relay" else run_id
     engines = [child("engine", "--broker", broker, "--run-id", run_id, "--engine-id", e,
-                     "--lanes", lane, log_path=tmp / f"{run_id}-{e}.log") for e in ENGINES]
+                     "--lanes", lane, "--size", str(len_bytes(state)), "--into", into,
+                     log_path=tmp / f"{run_id}-{e}.log") for e in ENGINES]
     client = GrpcBrokerClient(broker)
     publisher = None
     try:
@@ -271,6 +288,10 @@ def measure_lane(lane: str, mode: str, state, args, broker: str, metrics_port: i
         client.close()
 
 
+def len_bytes(state) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
 def _engines(client: GrpcBrokerClient, run_id: str) -> tuple[str, ...]:
     try:
         return client.get_version(run_id).engine_ids
@@ -289,6 +310,7 @@ def main() -> int:
     parser.add_argument("--broker"), parser.add_argument("--run-id"), parser.add_argument("--engine-id")
     parser.add_argument("--lanes"), parser.add_argument("--meta"), parser.add_argument("--out")
     parser.add_argument("--address"), parser.add_argument("--size", type=int)
+    parser.add_argument("--into", choices=("params", "buffer"), default="params")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     if args.role != "main":
@@ -313,6 +335,8 @@ def main() -> int:
             lanes = {lane: measure_lane(lane, "direct", state, args, broker, metrics_port, tmp)
                      for lane in ("nixl", "shm")}
             relay = measure_lane("nixl", "relay", state, args, broker, metrics_port, tmp)
+            buffered = measure_lane("nixl", "direct", state, args, broker, metrics_port, tmp,
+                                    into="buffer")
             naive_s = measure_naive(state, args.reps, tmp)
         finally:
             broker_proc.send_signal(signal.SIGTERM)
@@ -332,6 +356,8 @@ def main() -> int:
             "switch_seconds_direct": round(direct["switch_seconds"], 4),
             "switch_seconds_direct_shm": round(lanes["shm"]["switch_seconds"], 4),
             "switch_seconds_relay": round(relay["switch_seconds"], 4),
+            "switch_seconds_direct_buffer": round(buffered["switch_seconds"], 4),
+            "nixl_gbps_buffer": round(buffered["per_engine_gbps"], 3),
             "trainer_free_seconds_direct": round(direct["trainer_free_seconds"], 4),
             "trainer_free_seconds_relay": round(relay["trainer_free_seconds"], 4),
             "naive_seconds": round(naive_s, 4),
@@ -342,12 +368,15 @@ def main() -> int:
             "shm_vs_memcpy": round(lanes["shm"]["per_engine_gbps"] / memcpy_gbps, 3),
             "raw_vs_switch": round(raw_s / direct["switch_seconds"], 3),
             "raw_vs_switch_relay": round(raw_s / relay["switch_seconds"], 3),
+            "params_vs_buffer_switch": round(buffered["switch_seconds"] / direct["switch_seconds"], 3),
             "vs_naive": round(naive_s / direct["switch_seconds"], 3),
             "vs_naive_relay": round(naive_s / relay["switch_seconds"], 3),
             "publish_mem_vs_bucket": round(direct["rss_delta_bytes"] / direct["bucket_bytes"], 3),
         },
         "notes": ("bf16 state, one trainer process -> two engine processes, broker as a process; "
-                  "medians of reps after one warm-up. nixl/shm_gbps: per-engine rate from the "
+                  "medians of reps after one warm-up. Engines pull straight into their parameters "
+                  "(direct_buffer: into a receive buffer plus an apply copy, for comparison). "
+                  "nixl/shm_gbps: per-engine rate from the "
                   "engines' acknowledged bytes and seconds while both pull at once. switch: publish "
                   "start -> broker commit (both engines verified and applied v+1). raw: one NIXL READ "
                   "of the whole state into one engine process. naive: torch.save + gRPC stream + "

@@ -1,12 +1,13 @@
 """A rollout engine stand-in for the transfer tests, run as its own process:
 
     python receiver_process.py --broker HOST:PORT --run-id R --engine-id E --out DIR
-        [--pull-delay-s S]
+        [--pull-delay-s S] [--shard-layout FILE] [--lanes nixl,shm,grpc]
 
 It receives versions with a WeightReceiver over gRPC and NIXL; its apply() copies the tensors and
 saves them to DIR/E-v<version>.pt (atomically) so the test can compare them bit for bit. With
 --pull-delay-s it reads over shared memory and every read of a round first touches DIR/E-pulling and then waits S seconds (a slow
-link, so a test can kill something mid-pull). It stops, unregistering the engine, on SIGTERM.
+link, so a test can kill something mid-pull). With --shard-layout it registers the shard layout in
+FILE (ShardLayout JSON) and receives only its pieces. It stops, unregistering the engine, on SIGTERM.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Mapping
 
 import torch
 
+from furlong.core.weight_shards import ShardLayout
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.lanes import connect_lane
@@ -35,6 +37,8 @@ def main() -> int:
     parser.add_argument("--engine-id", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--pull-delay-s", type=float, default=0.0)
+    parser.add_argument("--shard-layout", type=Path, default=None)
+    parser.add_argument("--lanes", default="nixl,shm,grpc")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"{args.engine_id} %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
@@ -47,7 +51,9 @@ def main() -> int:
         torch.save(copied, partial)
         os.replace(partial, final)
 
-    config = TransferConfig(rpc_retry_s=0.2)
+    config = TransferConfig(rpc_retry_s=0.2, lanes=tuple(args.lanes.split(",")))
+    shard_layout = (ShardLayout.from_json(args.shard_layout.read_text())
+                    if args.shard_layout else None)
     connect = None
     if args.pull_delay_s:
         def connect(source):
@@ -67,7 +73,7 @@ def main() -> int:
 
     client = GrpcBrokerClient(args.broker)
     receiver = WeightReceiver(client, args.run_id, args.engine_id, apply, config=config,
-                              connect=connect)
+                              connect=connect, shard_layout=shard_layout)
     receiver.start()
     while not stop.wait(0.2):
         pass

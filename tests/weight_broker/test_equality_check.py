@@ -42,3 +42,15 @@ def test_an_apply_that_gets_different_bytes_is_caught():
     published = {"w": torch.zeros(8, dtype=torch.bfloat16), "b": torch.full((3,), 2.0)}
     report = check_weight_update_equal(published, engine, config=TransferConfig(lanes=("shm",)))
     assert report.mismatched == ("b",) and report.num_parameters == 2
+
+
+def test_the_trainer_runs_the_check_when_its_flag_is_set():
+    from furlong.core.checkpoint import load_policy, unique_state
+    from furlong.trainer.__main__ import parse_args
+    from furlong.trainer.service import _check_weight_update_equal
+
+    base = ["--redis-url", "redis://127.0.0.1:6379/0", "--broker", "127.0.0.1:1"]
+    assert parse_args(base + ["--check-weight-update-equal"]).check_weight_update_equal
+    assert not parse_args(base).check_weight_update_equal
+    model, _ = load_policy(EXAMPLE)
+    _check_weight_update_equal("run-eq", unique_state(model))   # passes: no IntegrityError

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Mapping
 
 import pytest
@@ -185,3 +186,20 @@ def test_the_stream_server_answers_while_the_publisher_waits_on_the_broker(local
     assert client.wait_committed(RUN, 1, 20.0).committed_version == 1
     for engine in engines:
         engine.assert_has(1, policy(1))
+
+
+@pytest.mark.unit
+def test_host_buffers_are_zeroed_2mib_aligned_and_on_huge_pages_where_the_kernel_allows():
+    from furlong.weight_broker.host_memory import HUGE_PAGE_BYTES, host_buffer
+
+    buffer = host_buffer(3 * HUGE_PAGE_BYTES + 5)
+    assert buffer.numel() == 3 * HUGE_PAGE_BYTES + 5 and buffer.is_contiguous()
+    assert buffer.data_ptr() % HUGE_PAGE_BYTES == 0 and int(buffer.count_nonzero()) == 0
+    buffer.fill_(7)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        rollup = Path("/proc/self/smaps_rollup").read_text()
+        huge_kb = int(rollup.split("AnonHugePages:")[1].split()[0])
+        assert huge_kb >= 2 * HUGE_PAGE_BYTES // 1024
+    with pytest.raises(ValueError, match="size_bytes 0"):
+        host_buffer(0)

@@ -14,7 +14,8 @@ from furlong.core.weights import WeightLayout
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
 from furlong.weight_broker.publisher import WeightPublisher
-from furlong.weight_broker.receiver import WeightReceiver, layout_mismatch
+from furlong.weight_broker.destination import layout_mismatch
+from furlong.weight_broker.receiver import WeightReceiver
 from polling import wait_until
 
 pytestmark = pytest.mark.integration

@@ -346,11 +346,15 @@ class Manifest:
     layout: WeightLayout
     checksum: str
     plan: BucketPlan | None = None
+    # (shard layout id, one digest per round) for engines with their own shard layout
+    # (furlong.core.weight_shards); the version checksum does not cover them.
+    destinations: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.version < 0:
             raise ValueError(f"manifest version {self.version} < 0")
         _check_digest("manifest", self.checksum)
+        self._check_destinations()
         if self.plan is None:
             whole = BucketRound(0, 0, self.layout.total_bytes,
                                 tuple(s.name for s in self.layout.slots), self.checksum)
@@ -373,6 +377,22 @@ class Manifest:
         if combined != self.checksum:
             raise ValueError(f"manifest version {self.version}: checksum {self.checksum} is not "
                              f"the combination {combined} of its round checksums")
+
+    def _check_destinations(self) -> None:
+        ids = [layout_id for layout_id, _ in self.destinations]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"manifest version {self.version}: destination layouts {ids} repeat")
+        num_rounds = 1 if self.plan is None else len(self.plan.rounds)
+        for layout_id, digests in self.destinations:
+            if len(digests) != num_rounds:
+                raise ValueError(f"manifest version {self.version}: destination {layout_id} has "
+                                 f"{len(digests)} round checksums for {num_rounds} rounds")
+            for i, digest in enumerate(digests):
+                _check_digest(f"destination {layout_id} round {i}", digest)
+
+    def destination_checksums(self, layout_id: str) -> tuple[str, ...] | None:
+        """The round digests for shard layout layout_id, or None when the version has none."""
+        return dict(self.destinations).get(layout_id)
 
     @property
     def total_bytes(self) -> int:

@@ -16,6 +16,7 @@ import torch
 from furlong.rpc import rpc_errors, start_server
 from furlong.v1 import weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
 from furlong.weight_broker.core import WeightSourceInfo
+from furlong.weight_broker.host_memory import host_buffer
 from furlong.weight_broker.lanes import LANE_GRPC, LANE_NIXL, LANE_SHM, LANES
 from furlong.weight_broker.nixl_transport import NixlEndpoint
 from furlong.weight_broker.shm import SharedBuffer
@@ -80,7 +81,7 @@ class StagingBucket:
                 self._shm = SharedBuffer.create(agent_name, size_bytes)
                 self.tensor = self._shm.tensor
             else:
-                self.tensor = torch.zeros(size_bytes, dtype=torch.uint8)
+                self.tensor = host_buffer(size_bytes)
             metadata, address = b"", 0
             if LANE_NIXL in lanes:
                 self._endpoint = NixlEndpoint(agent_name, backends)

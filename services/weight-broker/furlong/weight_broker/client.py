@@ -12,13 +12,15 @@ from typing import Protocol
 
 import grpc
 
+from furlong.core.weight_shards import ShardLayout
 from furlong.core.weights import Manifest
 from furlong.rpc import call, channel, error_from_rpc
 from furlong.v1 import weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
 from furlong.weight_broker.core import (
     BrokerCore, EventSubscription, VersionEventInfo, VersionStatusInfo, WeightSourceInfo)
 from furlong.weight_broker.server import (
-    event_from_proto, manifest_to_proto, source_to_proto, status_from_proto)
+    event_from_proto, manifest_to_proto, shard_layout_from_proto, shard_layout_to_proto,
+    source_to_proto, status_from_proto)
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +33,10 @@ class BrokerClient(Protocol):
     (ConflictError for stale versions and failed versions, NotFoundError for unknown runs/engines,
     TimeoutError, UnavailableError when the broker cannot be reached)."""
 
-    def register_engine(self, run_id: str, engine_id: str) -> int: ...
+    def register_engine(self, run_id: str, engine_id: str,
+                        shard_layout: ShardLayout | None = None) -> int: ...
     def unregister_engine(self, run_id: str, engine_id: str) -> None: ...
+    def destinations(self, run_id: str) -> list[ShardLayout]: ...
     def begin_version(self, run_id: str, manifest: Manifest, source: WeightSourceInfo) -> list[str]: ...
     def stage_round(self, run_id: str, version: int, index: int) -> list[str]: ...
     def wait_round(self, run_id: str, version: int, index: int, timeout_s: float) -> list[str]: ...
@@ -99,10 +103,17 @@ class GrpcBrokerClient:
         self._lock = threading.Lock()
         self._watches: set[_GrpcVersionWatch] = set()
 
-    def register_engine(self, run_id: str, engine_id: str) -> int:
-        resp = call(self._stub.RegisterEngine,
-                    pb.RegisterEngineRequest(run_id=run_id, engine_id=engine_id), self._timeout_s)
-        return resp.committed_version
+    def register_engine(self, run_id: str, engine_id: str,
+                        shard_layout: ShardLayout | None = None) -> int:
+        req = pb.RegisterEngineRequest(run_id=run_id, engine_id=engine_id)
+        if shard_layout is not None:
+            req.shard_layout.CopyFrom(shard_layout_to_proto(shard_layout))
+        return call(self._stub.RegisterEngine, req, self._timeout_s).committed_version
+
+    def destinations(self, run_id: str) -> list[ShardLayout]:
+        resp = call(self._stub.GetDestinations, pb.GetDestinationsRequest(run_id=run_id),
+                    self._timeout_s)
+        return [shard_layout_from_proto(layout) for layout in resp.layouts]
 
     def unregister_engine(self, run_id: str, engine_id: str) -> None:
         call(self._stub.UnregisterEngine,
@@ -197,8 +208,12 @@ class InProcessBrokerClient:
         self._lock = threading.Lock()
         self._watches: list[_SubscriptionWatch] = []
 
-    def register_engine(self, run_id: str, engine_id: str) -> int:
-        return self._core.register_engine(run_id, engine_id)
+    def register_engine(self, run_id: str, engine_id: str,
+                        shard_layout: ShardLayout | None = None) -> int:
+        return self._core.register_engine(run_id, engine_id, shard_layout)
+
+    def destinations(self, run_id: str) -> list[ShardLayout]:
+        return self._core.destinations(run_id)
 
     def unregister_engine(self, run_id: str, engine_id: str) -> None:
         self._core.unregister_engine(run_id, engine_id)

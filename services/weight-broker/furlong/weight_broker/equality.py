@@ -9,8 +9,13 @@ manifest, or never copied by apply) still holds garbage and is named; so is one 
     python -m furlong.weight_broker.equality --model-dir DIR [--lanes nixl,shm,grpc]
         [--bucket-bytes N] [--leave-out NAME]
 
+        [--tp-size N --tp-rank R [--fuse]]
+
 exits 0 when every parameter matches and 1 naming the ones that do not. --leave-out publishes the
-state without NAME, to show the check catching a forgotten parameter.
+state without NAME, to show the check catching a forgotten parameter. With --tp-size the engine
+holds tensor-parallel rank R of N (Llama-style: q/k/v/gate/up by rows, o/down by columns; --fuse:
+fused qkv_proj and gate_up_proj), declares that shard layout and pulls its pieces straight into its
+parameters; its parameters start as the expected shards of the trainer's tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from furlong.core.weight_shards import ShardLayout, expected_shards, llama_tensor_parallel
 from furlong.core.weights import WeightLayout
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.config import TransferConfig
@@ -49,10 +55,20 @@ class EqualityReport:
 def check_weight_update_equal(published: Mapping[str, torch.Tensor],
                               engine_params: Mapping[str, torch.Tensor], *,
                               config: TransferConfig = TransferConfig(),
-                              timeout_s: float = 60.0) -> EqualityReport:
+                              timeout_s: float = 60.0,
+                              shard_layout: ShardLayout | None = None) -> EqualityReport:
     """Run the check. `published` is what the trainer publishes; `engine_params` are the engine's
     parameter tensors (contiguous; written in place, left equal to their snapshot when the check
-    passes). The garbage is every byte XOR 0xA5, so no byte of it equals the original."""
+    passes). The garbage is every byte XOR 0xA5, so no byte of it equals the original.
+
+    Without shard_layout the engine receives the published tensors into a receive buffer and
+    copies them (apply). With one, it registers that layout and pulls its pieces straight into
+    engine_params, which must hold every tensor of the layout (ValueError naming the others)."""
+    if shard_layout is not None:
+        wanted = [s.name for s in shard_layout.resolve(WeightLayout.from_state_dict(published)).slots]
+        missing = sorted(set(wanted) - engine_params.keys())
+        if missing:
+            raise ValueError(f"the engine has no parameters {missing} of its shard layout")
     snapshot = {name: t.detach().clone() for name, t in engine_params.items()}
     with torch.no_grad():
         for name, tensor in engine_params.items():
@@ -70,7 +86,11 @@ def check_weight_update_equal(published: Mapping[str, torch.Tensor],
                     target.copy_(tensor)
 
     client = InProcessBrokerClient(BrokerCore())
-    receiver = WeightReceiver(client, _RUN, "equality-engine", apply, config=config)
+    if shard_layout is None:
+        receiver = WeightReceiver(client, _RUN, "equality-engine", apply, config=config)
+    else:
+        receiver = WeightReceiver(client, _RUN, "equality-engine", lambda version, params: None,
+                                  config=config, shard_layout=shard_layout, params=engine_params)
     publisher = WeightPublisher(client, _RUN, WeightLayout.from_state_dict(published),
                                 "equality-trainer", config=config)
     try:
@@ -105,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="small by default so that the model goes in several rounds")
     parser.add_argument("--leave-out", action="append", default=[],
                         help="publish without this tensor (repeatable)")
+    parser.add_argument("--tp-size", type=int, default=0,
+                        help="the engine holds a tensor-parallel shard (Llama-style names)")
+    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--fuse", action="store_true", help="fused qkv_proj and gate_up_proj")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -119,7 +143,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(args.leave_out) - set(unique_state(trainer)))
     if unknown:
         parser.error(f"--leave-out names unknown tensors {unknown}")
-    report = check_weight_update_equal(published, unique_state(engine), config=config)
+    if args.tp_size:
+        full = {n: t.detach() for n, t in unique_state(trainer).items()}
+        try:
+            shards = llama_tensor_parallel(WeightLayout.from_state_dict(full), args.tp_rank,
+                                           args.tp_size, fuse=args.fuse)
+        except ValueError as exc:
+            parser.error(str(exc))
+        report = check_weight_update_equal(published, expected_shards(shards, full),
+                                           config=config, shard_layout=shards)
+    else:
+        report = check_weight_update_equal(published, unique_state(engine), config=config)
     print(f"parameters: {report.num_parameters}, mismatched: {list(report.mismatched)}, "
           f"unexpected: {list(report.unexpected)}")
     return 0 if report.ok else 1

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol, Sequence
+from typing import Hashable, Mapping, Protocol, Sequence
 
 import grpc
 import numpy as np
 import torch
 
 from furlong.core.errors import UnavailableError
+from furlong.core.weight_shards import PieceCopy, copy_rows
 from furlong.rpc import channel, error_from_rpc
 from furlong.v1 import weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
 from furlong.weight_broker.core import WeightSourceInfo
@@ -45,7 +46,24 @@ class Lane(Protocol):
         TimeoutError after timeout_s."""
         ...
 
+    def read_copies(self, region_offset_bytes: int, copies: Sequence[PieceCopy],
+                    dst: Mapping[str, torch.Tensor], timeout_s: float,
+                    cache_key: Hashable | None = None) -> float:
+        """Carry out piece copies from the source (whose region holds logical bytes from
+        region_offset_bytes on) into the destination tensors dst (contiguous 1-D uint8 host
+        tensors, by destination name); returns the seconds it took. cache_key names a set of
+        copies that recurs every version (a lane may keep what it prepared for it)."""
+        ...
+
     def close(self) -> None: ...
+
+
+def _check_copies(copies: Sequence[PieceCopy], dst: Mapping[str, torch.Tensor]) -> None:
+    for copy in copies:
+        tensor = dst.get(copy.dst_name)
+        if tensor is None or copy.dst_offset_bytes + copy.size_bytes > tensor.numel():
+            raise ValueError(f"copy into {copy.dst_name!r} at {copy.dst_offset_bytes} "
+                             f"(+{copy.size_bytes} bytes) has no destination tensor that holds it")
 
 
 class NixlLane:
@@ -58,9 +76,44 @@ class NixlLane:
             raise UnavailableError(f"source {source.agent_name} offers no NIXL agent")
         self._endpoint = endpoint
         self._source = source
+        # Descriptor lists by cache_key: the same pieces land in the same memory every version.
+        self._descs: dict[Hashable, tuple[np.ndarray, np.ndarray]] = {}
 
     def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
         return self._endpoint.read(self._source, dst, dst.numel(), timeout_s, src_offset_bytes)
+
+    def read_copies(self, region_offset_bytes: int, copies: Sequence[PieceCopy],
+                    dst: Mapping[str, torch.Tensor], timeout_s: float,
+                    cache_key: Hashable | None = None) -> float:
+        """One READ with a descriptor per contiguous run, straight into dst (which must be
+        registered with the endpoint); built with numpy, no per-row Python loop, and with a
+        cache_key built once per lane (dst and the pieces must then be the same on every call)."""
+        if not copies:
+            return 0.0
+        descs = self._descs.get(cache_key) if cache_key is not None else None
+        if descs is None:
+            _check_copies(copies, dst)
+            descs = self._build_descs(region_offset_bytes, copies, dst)
+            if cache_key is not None:
+                self._descs[cache_key] = descs
+        return self._endpoint.read_descs(self._source, *descs, timeout_s, cache_key)
+
+    def _build_descs(self, region_offset_bytes: int, copies: Sequence[PieceCopy],
+                     dst: Mapping[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+        counts = np.array([c.num_rows for c in copies], dtype=np.int64)
+        rows = np.repeat(np.arange(len(copies)), counts)
+        index = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        row_bytes = np.array([c.row_bytes for c in copies], dtype=np.uint64)[rows]
+        dst_base = np.array([dst[c.dst_name].data_ptr() + c.dst_offset_bytes for c in copies],
+                            dtype=np.uint64)[rows]
+        src_base = np.array([self._source.base_address + c.src_offset_bytes - region_offset_bytes
+                             for c in copies], dtype=np.uint64)[rows]
+        stride = np.array([c.src_stride_bytes for c in copies], dtype=np.uint64)[rows]
+        local = np.stack([dst_base + index.astype(np.uint64) * row_bytes, row_bytes,
+                          np.zeros_like(row_bytes)], axis=1)
+        remote = np.stack([src_base + index.astype(np.uint64) * stride, row_bytes,
+                           np.full_like(row_bytes, self._source.device_id)], axis=1)
+        return local, remote
 
     def close(self) -> None:
         pass   # the endpoint outlives the lane; peers are reused across versions
@@ -89,6 +142,19 @@ class ShmLane:
                              f"{src.numel()}-byte shared buffer {self._shm.name}")
         started = time.perf_counter()
         dst.copy_(src[src_offset_bytes:src_offset_bytes + dst.numel()])
+        return time.perf_counter() - started
+
+    def read_copies(self, region_offset_bytes: int, copies: Sequence[PieceCopy],
+                    dst: Mapping[str, torch.Tensor], timeout_s: float,
+                    cache_key: Hashable | None = None) -> float:
+        """One strided torch copy per piece, straight from the mapping into dst."""
+        src = self._shm.tensor
+        if src is None:
+            raise UnavailableError(f"shared memory {self._shm.name} is closed")
+        _check_copies(copies, dst)
+        started = time.perf_counter()
+        for copy in copies:
+            copy_rows(src, region_offset_bytes, copy, dst[copy.dst_name])
         return time.perf_counter() - started
 
     def close(self) -> None:
@@ -128,6 +194,21 @@ class GrpcStreamLane:
             raise UnavailableError(f"weight stream {self._address} ended after {filled} of "
                                    f"{dst.numel()} bytes")
         return time.perf_counter() - started
+
+    def read_copies(self, region_offset_bytes: int, copies: Sequence[PieceCopy],
+                    dst: Mapping[str, torch.Tensor], timeout_s: float,
+                    cache_key: Hashable | None = None) -> float:
+        """Streams each piece's source span (first to last byte, at most one source tensor) into
+        a scratch buffer and copies the piece's rows out of it."""
+        _check_copies(copies, dst)
+        seconds = 0.0
+        for copy in copies:
+            scratch = torch.empty(copy.src_span_bytes, dtype=torch.uint8)
+            seconds += self.read(copy.src_offset_bytes - region_offset_bytes, scratch, timeout_s)
+            started = time.perf_counter()
+            copy_rows(scratch, copy.src_offset_bytes, copy, dst[copy.dst_name])
+            seconds += time.perf_counter() - started
+        return seconds
 
     def close(self) -> None:
         self._channel.close()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Hashable, Sequence
 
+import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
@@ -38,6 +39,7 @@ class NixlEndpoint:
                                    f"(plugins: {self._agent.get_plugin_list()})")
         self._registrations: list[tuple[torch.Tensor, object]] = []
         self._peers: dict[str, tuple[bytes, str | bytes]] = {}   # name -> (metadata, NIXL peer id)
+        self._handles: dict[Hashable, object] = {}   # reusable READ requests (read_descs cache_key)
         self._closed = False
 
     @property
@@ -45,13 +47,65 @@ class NixlEndpoint:
         """This agent's metadata, for peers that read from its registered buffers."""
         return self._agent.get_agent_metadata()
 
-    def register(self, buffer: torch.Tensor) -> None:
-        """Register a contiguous host tensor for the endpoint's lifetime."""
-        if not buffer.is_contiguous() or buffer.device.type != "cpu":
-            raise ValueError(f"NIXL agent {self.agent_name}: can only register contiguous host "
-                             f"tensors, got device {buffer.device}")
-        descs = self._agent.register_memory(buffer)
-        self._registrations.append((buffer, descs))
+    def register(self, buffers: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Register contiguous host tensors (one, or a list in one registration) for the
+        endpoint's lifetime."""
+        tensors = [buffers] if isinstance(buffers, torch.Tensor) else list(buffers)
+        for buffer in tensors:
+            if not buffer.is_contiguous() or buffer.device.type != "cpu":
+                raise ValueError(f"NIXL agent {self.agent_name}: can only register contiguous "
+                                 f"host tensors, got device {buffer.device}")
+        descs = self._agent.register_memory(tensors[0] if len(tensors) == 1 else tensors)
+        self._registrations.append((tensors, descs))
+
+    def read_descs(self, source: WeightSourceInfo, local: np.ndarray, remote: np.ndarray,
+                   timeout_s: float, cache_key: Hashable | None = None) -> float:
+        """One NIXL READ of many pieces: row i of `remote` (address, bytes, device; Nx3 uint64, in
+        source's region) into row i of `local` (registered here). With a cache_key, the transfer
+        request is built once and posted again on later calls with the same key and source: the
+        descriptor lists are the same every version. Returns the seconds the transfer took."""
+        if local.shape != remote.shape or local.ndim != 2 or local.shape[1] != 3 or not len(local):
+            raise ValueError(f"descriptor lists of shapes {local.shape} and {remote.shape} are "
+                             f"not two equal non-empty Nx3 arrays")
+        if not np.array_equal(local[:, 1], remote[:, 1]):
+            raise ValueError("local and remote descriptors differ in length")
+        start = remote[:, 0].min()
+        end = (remote[:, 0] + remote[:, 1]).max()
+        if start < source.base_address or end > source.base_address + source.size_bytes:
+            raise ValueError(f"READ of [{start:#x}, {end:#x}) exceeds the source region of "
+                             f"{source.agent_name}")
+        peer = self._peer(source)
+        key = (source.agent_name, source.agent_metadata, cache_key)
+        handle = self._handles.get(key) if cache_key is not None else None
+        num_bytes = int(local[:, 1].sum())
+        started = time.perf_counter()
+        if handle is None:
+            try:
+                handle = self._agent.initialize_xfer(
+                    "READ", self._agent.get_xfer_descs(local, "DRAM"),
+                    self._agent.get_xfer_descs(remote, source.memory_kind), peer)
+            except Exception as exc:  # noqa: BLE001 - NIXL raises its own binding error types
+                raise UnavailableError(f"NIXL agent {self.agent_name}: cannot set up a READ of "
+                                       f"{num_bytes} bytes in {len(local)} pieces from "
+                                       f"{source.agent_name}: {exc!r}") from exc
+            if cache_key is not None:
+                self._handles[key] = handle
+        try:
+            self._wait(handle, source, num_bytes, started + timeout_s)
+        except BaseException:
+            self._drop_handle(key, handle)   # a failed request is not posted again
+            raise
+        if cache_key is None:
+            self._drop_handle(key, handle)
+        return time.perf_counter() - started
+
+    def _drop_handle(self, key, handle) -> None:
+        if self._handles.get(key) is handle:
+            del self._handles[key]
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - a transfer NIXL could not cancel; nothing else to do
+            log.exception("NIXL agent %s: could not release a transfer handle", self.agent_name)
 
     def read(self, source: WeightSourceInfo, dst: torch.Tensor, num_bytes: int,
              timeout_s: float, src_offset_bytes: int = 0) -> float:
@@ -62,26 +116,11 @@ class NixlEndpoint:
                 or num_bytes > dst.numel() * dst.element_size()):
             raise ValueError(f"read of {num_bytes} bytes at offset {src_offset_bytes} exceeds the "
                              f"source region ({source.size_bytes} bytes) or the destination buffer")
-        peer = self._peer(source)
-        local = self._agent.get_xfer_descs(dst.view(torch.uint8)[:num_bytes])
-        remote = self._agent.get_xfer_descs(
-            [(source.base_address + src_offset_bytes, num_bytes, source.device_id)],
-            source.memory_kind)
-        started = time.perf_counter()
-        try:
-            handle = self._agent.initialize_xfer("READ", local, remote, peer)
-        except Exception as exc:  # noqa: BLE001 - NIXL raises its own binding error types
-            raise UnavailableError(f"NIXL agent {self.agent_name}: cannot set up a READ of "
-                                   f"{num_bytes} bytes from {source.agent_name} at "
-                                   f"{source.base_address + src_offset_bytes:#x}: {exc!r}") from exc
-        try:
-            self._wait(handle, source, num_bytes, started + timeout_s)
-        finally:
-            try:
-                self._agent.release_xfer_handle(handle)
-            except Exception:  # noqa: BLE001 - a transfer NIXL could not cancel; nothing else to do
-                log.exception("NIXL agent %s: could not release a transfer handle", self.agent_name)
-        return time.perf_counter() - started
+        local = np.array([[dst.data_ptr(), num_bytes, 0]], dtype=np.uint64)
+        remote = np.array([[source.base_address + src_offset_bytes, num_bytes, source.device_id]],
+                          dtype=np.uint64)
+        return self.read_descs(source, local, remote, timeout_s,
+                               cache_key=("range", dst.data_ptr(), src_offset_bytes, num_bytes))
 
     def _wait(self, handle, source: WeightSourceInfo, num_bytes: int, deadline: float) -> None:
         state = self._agent.transfer(handle)
@@ -102,6 +141,8 @@ class NixlEndpoint:
         if known is not None and known[0] == source.agent_metadata:
             return known[1]
         if known is not None:   # the peer restarted under the same name
+            for key in [k for k in self._handles if k[0] == source.agent_name]:
+                self._drop_handle(key, self._handles[key])
             self._agent.remove_remote_agent(known[1])
         try:
             peer = self._agent.add_remote_agent(source.agent_metadata)
@@ -116,6 +157,8 @@ class NixlEndpoint:
         if self._closed:
             return
         self._closed = True
+        for key, handle in list(self._handles.items()):
+            self._drop_handle(key, handle)
         for _, peer in self._peers.values():
             try:
                 self._agent.remove_remote_agent(peer)

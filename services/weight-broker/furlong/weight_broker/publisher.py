@@ -18,6 +18,7 @@ from typing import Mapping
 import torch
 
 from furlong.core.errors import ConflictError, NotFoundError
+from furlong.core.weight_shards import ShardPlan, plan_shards, shard_checksums
 from furlong.core.weights import (
     Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums, stage_round)
 from furlong.weight_broker.bucket import StagingBucket
@@ -57,6 +58,7 @@ class WeightPublisher:
         self._bucket = StagingBucket(agent_name, self._plan.bucket_size_bytes, config.lanes,
                                      backends=config.backends, stream_workers=config.stream_workers)
         self._lock = threading.Lock()
+        self._shard_plans: dict[str, ShardPlan] = {}   # by layout id; the source plan never changes
         self._last_version: int | None = None
         self._closed = False
         log.info("run %s: publisher %s staged %d tensors (%d bytes) through a %d-byte bucket in %d "
@@ -106,7 +108,8 @@ class WeightPublisher:
             started = time.perf_counter()
             digests = round_checksums(self._layout, self._plan, state_dict)
             manifest = Manifest(version, self._layout, combine_checksums(digests),
-                                self._plan.with_checksums(digests))
+                                self._plan.with_checksums(digests),
+                                destinations=self._destination_checksums(state_dict))
             engines = self._broker.begin_version(self._run_id, manifest, self.source)
             fenced = self._stage_rounds(manifest, state_dict)
             # Only a fully staged version counts: after a broker restart mid-publish (an
@@ -119,6 +122,29 @@ class WeightPublisher:
         return PublishResult(version=version, num_bytes=self._layout.total_bytes,
                              stage_seconds=stage_seconds, num_rounds=len(manifest.rounds),
                              fenced_engine_ids=tuple(fenced))
+
+    def _destination_checksums(self, state_dict: Mapping[str, torch.Tensor]
+                               ) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """Round digests for every shard layout registered for the run, hashed from the state
+        dict. A layout that does not fit the published tensors is logged and left out: its engines
+        take no version until they register a layout that fits."""
+        try:
+            layouts = self._broker.destinations(self._run_id)
+        except NotFoundError:
+            return ()
+        out = []
+        for layout in layouts:
+            plan = self._shard_plans.get(layout.layout_id)
+            if plan is None:
+                try:
+                    plan = plan_shards(self._layout, self._plan, layout)
+                except ValueError as exc:
+                    log.error("run %s: shard layout %s does not fit the published tensors: %s",
+                              self._run_id, layout.layout_id, exc)
+                    continue
+                self._shard_plans[layout.layout_id] = plan
+            out.append((layout.layout_id, shard_checksums(self._layout, plan, state_dict)))
+        return tuple(out)
 
     def _stage_rounds(self, manifest: Manifest, state_dict: Mapping[str, torch.Tensor]) -> list[str]:
         fenced: list[str] = []

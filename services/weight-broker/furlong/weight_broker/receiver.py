@@ -1,11 +1,18 @@
-"""Engine side of weight transfer: watch the broker for new versions, pull each staged round into a
-receive buffer over the best lane that reaches the publisher, verify every round's checksum, hand
-the complete version to the engine and acknowledge it.
+"""Engine side of weight transfer: watch the broker for new versions, pull each staged round over
+the best lane that reaches the publisher, verify every round's checksum, hand the complete version
+to the engine and acknowledge it.
 
-Knows nothing about models: `apply(version, tensors)` is the engine's business (copy the tensors into
-the model between batches). It is called only once every round of the version arrived and verified,
-so an engine never sees a torn version. The tensors are views into the receive buffer and are
-overwritten by the next version, so apply must copy them before it returns.
+Where the bytes land (see furlong.weight_broker.destination): by default a receive buffer laid out
+like the published tensors, and `apply(version, tensors)` gets views of it that the next version
+overwrites, so apply copies them into the model between decode steps. An engine may instead offer
+its parameter tensors (`params`): pieces are then pulled straight into them (no receive buffer,
+no apply copy), `prepare(version)` is called before the first byte of a version lands (the engine
+stops reading its parameters) and `apply(version, params)` once every round arrived and verified
+(the engine serves again). An engine whose tensors differ from the published ones (tensor-parallel
+shards, fused projections) declares a `shard_layout` (furlong.core.weight_shards) when it
+registers; it receives exactly its pieces, verified against the manifest's digests for its layout.
+apply is called only once every round of the version arrived and verified, so an engine never
+serves a torn version.
 """
 
 from __future__ import annotations
@@ -19,30 +26,22 @@ from typing import Callable, Mapping
 import torch
 
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError, UnavailableError
-from furlong.core.weights import BucketRound, Manifest, WeightLayout, checksum
+from furlong.core.weight_shards import ShardLayout
+from furlong.core.weights import BucketRound, Manifest
 from furlong.weight_broker.client import BrokerClient, VersionWatch
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.core import NO_VERSION, EventKind, VersionEventInfo, WeightSourceInfo
+from furlong.weight_broker.destination import BufferDestination, PieceDestination
 from furlong.weight_broker.lanes import LANE_NIXL, Lane, connect_lane
 from furlong.weight_broker.nixl_transport import NixlEndpoint
 
 log = logging.getLogger(__name__)
 
 ApplyFn = Callable[[int, Mapping[str, torch.Tensor]], None]
+PrepareFn = Callable[[int], None]
+Destination = BufferDestination | PieceDestination
 ConnectFn = Callable[[WeightSourceInfo], Lane]
 _PULLS_PER_ROUND = 2   # a checksum mismatch is re-pulled once before the round is refused
-
-
-def layout_mismatch(expected: WeightLayout, got: WeightLayout) -> str:
-    """Why got cannot reuse a buffer laid out as expected ("" when identical)."""
-    if expected == got:
-        return ""
-    if expected.total_bytes != got.total_bytes:
-        return f"total_bytes {got.total_bytes} != {expected.total_bytes}"
-    for old, new in zip(expected.slots, got.slots):
-        if old != new:
-            return f"tensor {new.name!r} differs from {old.name!r} ({new} vs {old})"
-    return f"{len(got.slots)} tensors != {len(expected.slots)}"
 
 
 @dataclass
@@ -59,12 +58,13 @@ class _Incoming:
 
 class WeightReceiver:
     """Watches versions for (run_id, engine_id) on a background thread. For each PUBLISHED version
-    it gets its receive buffer ready (allocated, and registered with NIXL, once on the first
-    version; a later manifest with a different layout is acked ok=False) and a lane to the source;
-    for each ROUND_READY it pulls the round's bytes to their offsets in the buffer, verifies them
-    (mismatch: re-pull once, then ack the round ok=False so the broker re-sends it) and acks the
-    round; after the last round it calls apply(version, views) and acks the version with the lane,
-    bytes and seconds of the transfer.
+    it gets its destination ready (a receive buffer or the engine's `params`, registered with
+    NIXL once on the first version; a later manifest laid out differently is acked ok=False) and a
+    lane to the source, then calls prepare(version) if given; for each ROUND_READY it pulls the
+    round's bytes (or, with a shard layout or params, the round's pieces) to their place, verifies
+    them (mismatch: re-pull once, then ack the round ok=False so the broker re-sends it) and acks
+    the round; after the last round it calls apply(version, tensors) and acks the version with
+    the lane, bytes and seconds of the transfer.
 
     If the broker becomes unreachable, drops or fences the engine, the thread re-registers and
     watches again every `config.rpc_retry_s`; it stops for good when the run has ended.
@@ -72,9 +72,16 @@ class WeightReceiver:
 
     def __init__(self, broker: BrokerClient, run_id: str, engine_id: str, apply: ApplyFn,
                  agent_name: str | None = None, *, config: TransferConfig = TransferConfig(),
-                 connect: ConnectFn | None = None) -> None:
+                 connect: ConnectFn | None = None, shard_layout: ShardLayout | None = None,
+                 params: Mapping[str, torch.Tensor] | None = None,
+                 prepare: PrepareFn | None = None) -> None:
         if not run_id or not engine_id:
             raise ValueError(f"run_id {run_id!r} and engine_id {engine_id!r} must not be empty")
+        if prepare is not None and params is None:
+            raise ValueError("prepare is called before pulling into params; no params were given")
+        self._shard_layout = shard_layout
+        self._params = params
+        self._prepare = prepare
         self._broker = broker
         self._run_id = run_id
         self._engine_id = engine_id
@@ -87,8 +94,7 @@ class WeightReceiver:
         self._connect = connect or (lambda source: connect_lane(
             source, config.lanes, self._endpoint, config.stream_chunk_bytes))
         self._lanes: dict[WeightSourceInfo, Lane] = {}
-        self._buffer: torch.Tensor | None = None
-        self._layout: WeightLayout | None = None
+        self._destination: Destination | None = None
         self._incoming: _Incoming | None = None
         self._lock = threading.Lock()
         self._version = NO_VERSION
@@ -111,7 +117,7 @@ class WeightReceiver:
         """Register the engine (errors propagate) and start the watch thread."""
         if self._thread is not None:
             raise ConflictError(f"receiver of engine {self._engine_id} already started")
-        self._broker.register_engine(self._run_id, self._engine_id)
+        self._broker.register_engine(self._run_id, self._engine_id, self._shard_layout)
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"weight-receiver-{self._engine_id}")
         self._thread.start()
@@ -121,7 +127,8 @@ class WeightReceiver:
         while not self._stop.is_set():
             try:
                 if not registered:
-                    self._broker.register_engine(self._run_id, self._engine_id)
+                    self._broker.register_engine(self._run_id, self._engine_id,
+                                                 self._shard_layout)
                     registered = True
                 self._watch_once()
                 if self._stop.is_set():
@@ -176,9 +183,13 @@ class WeightReceiver:
             self._ack_version(manifest.version, True, "", 0.0, 0, "")
             return
         try:
-            buffer = self._buffer_for(manifest)
-            assert buffer is not None
-            self._incoming = _Incoming(manifest, source, self._lane_for(source))
+            destination = self._destination_for(manifest)
+            for rnd in manifest.rounds:
+                destination.expected(manifest, rnd)   # fails now if the version cannot be verified
+            incoming = _Incoming(manifest, source, self._lane_for(source))
+            if self._prepare is not None:
+                self._prepare(manifest.version)
+            self._incoming = incoming
         except Exception as exc:  # noqa: BLE001 - every failure is reported to the broker
             self._refuse(manifest.version, exc)
 
@@ -198,39 +209,42 @@ class WeightReceiver:
                             incoming.lane.name)
             return
         incoming.verified.add(index)
-        self._ack_round(version, index, True, "", seconds, rnd.size_bytes, incoming.lane.name)
+        assert self._destination is not None
+        self._ack_round(version, index, True, "", seconds, self._destination.round_bytes(rnd),
+                        incoming.lane.name)
         if len(incoming.verified) == len(incoming.manifest.rounds):
             self._finish(incoming)
 
     def _pull_verified(self, incoming: _Incoming, rnd: BucketRound) -> float:
-        assert self._buffer is not None
-        dst = self._buffer[rnd.offset_bytes:rnd.end_bytes]
-        src_offset = rnd.offset_bytes if incoming.source.holds_all_rounds else 0
+        destination = self._destination
+        assert destination is not None
+        expected = destination.expected(incoming.manifest, rnd)
         seconds = 0.0
         digest = ""
         for pull in range(1, _PULLS_PER_ROUND + 1):
-            took = incoming.lane.read(src_offset, dst, self._config.transfer_timeout_s)
+            took = destination.pull(incoming.lane, rnd, incoming.source.holds_all_rounds,
+                                    self._config.transfer_timeout_s)
             seconds += took
             incoming.seconds += took
-            incoming.num_bytes += rnd.size_bytes
-            digest = checksum(self._buffer, rnd.size_bytes, rnd.offset_bytes)
-            if digest == rnd.checksum:
+            incoming.num_bytes += destination.round_bytes(rnd)
+            digest = destination.digest(rnd)
+            if digest == expected:
                 return seconds
             log.warning("run %s: engine %s: version %d round %d checksum mismatch on pull %d over "
                         "%s (expected %s, got %s)", self._run_id, self._engine_id,
                         incoming.manifest.version, rnd.index, pull, incoming.lane.name,
-                        rnd.checksum, digest)
+                        expected, digest)
         raise IntegrityError(f"checksum mismatch for version {incoming.manifest.version} round "
                              f"{rnd.index} read from {incoming.source.agent_name} over "
-                             f"{incoming.lane.name}: expected {rnd.checksum}, got {digest} after "
+                             f"{incoming.lane.name}: expected {expected}, got {digest} after "
                              f"{_PULLS_PER_ROUND} pulls")
 
     def _finish(self, incoming: _Incoming) -> None:
         manifest = incoming.manifest
         self._incoming = None
-        assert self._buffer is not None
+        assert self._destination is not None
         try:
-            self._apply(manifest.version, manifest.layout.views(self._buffer))
+            self._apply(manifest.version, self._destination.tensors(manifest))
         except Exception as exc:  # noqa: BLE001 - every failure is reported to the broker
             self._refuse(manifest.version, exc)
             return
@@ -276,19 +290,16 @@ class WeightReceiver:
             lane = self._lanes[source]
         return lane
 
-    def _buffer_for(self, manifest: Manifest) -> torch.Tensor:
-        if self._buffer is None:
-            buffer = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
-            if self._endpoint is not None:
-                self._endpoint.register(buffer)
-            self._buffer, self._layout = buffer, manifest.layout
-            return buffer
-        assert self._layout is not None
-        why = layout_mismatch(self._layout, manifest.layout)
-        if why:
-            raise ValueError(f"version {manifest.version} has a different layout than the receive "
-                             f"buffer: {why}")
-        return self._buffer
+    def _destination_for(self, manifest: Manifest) -> Destination:
+        """Built (and registered with NIXL) on the first version, reused after."""
+        if self._destination is None:
+            if self._shard_layout is None and self._params is None:
+                self._destination = BufferDestination(manifest.layout, self._endpoint)
+            else:
+                self._destination = PieceDestination(manifest, self._shard_layout, self._params,
+                                                     self._endpoint)
+        self._destination.check(manifest)
+        return self._destination
 
     def close(self) -> None:
         """Unregister the engine, stop the thread, close lanes and deregister the NIXL buffer;

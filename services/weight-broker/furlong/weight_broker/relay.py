@@ -28,7 +28,7 @@ from furlong.weight_broker.client import BrokerClient, VersionWatch
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.core import EventKind, VersionEventInfo
 from furlong.weight_broker.lanes import Lane, connect_lane
-from furlong.weight_broker.receiver import layout_mismatch
+from furlong.weight_broker.destination import layout_mismatch
 
 log = logging.getLogger(__name__)
 

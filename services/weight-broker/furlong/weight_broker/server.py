@@ -12,6 +12,7 @@ import grpc
 from furlong.core.weights import (
     CHECKSUM_ALGORITHM, BucketPlan, BucketRound, Manifest, TensorSlot, WeightLayout, dtype_from_name,
     dtype_name)
+from furlong.core.weight_shards import ShardLayout, ShardPiece, ShardTensor
 from furlong.rpc import rpc_errors
 from furlong.v1 import common_pb2, weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
 from furlong.weight_broker.core import (
@@ -44,6 +45,9 @@ def manifest_to_proto(manifest: Manifest) -> common_pb2.WeightManifest:
                                        size_bytes=r.size_bytes, names=list(r.names),
                                        checksum=r.checksum)
                 for r in manifest.rounds],
+        destinations=[common_pb2.DestinationChecksums(layout_id=layout_id,
+                                                      round_checksums=list(digests))
+                      for layout_id, digests in manifest.destinations],
     )
 
 
@@ -60,7 +64,25 @@ def manifest_from_proto(msg: common_pb2.WeightManifest) -> Manifest:
         plan = BucketPlan(msg.bucket_size_bytes, tuple(
             BucketRound(index=r.index, offset_bytes=r.offset_bytes, size_bytes=r.size_bytes,
                         names=tuple(r.names), checksum=r.checksum) for r in msg.rounds))
-    return Manifest(version=msg.version, layout=layout, checksum=msg.checksum, plan=plan)
+    destinations = tuple((d.layout_id, tuple(d.round_checksums)) for d in msg.destinations)
+    return Manifest(version=msg.version, layout=layout, checksum=msg.checksum, plan=plan,
+                    destinations=destinations)
+
+
+def shard_layout_to_proto(layout: ShardLayout) -> pb.ShardLayout:
+    return pb.ShardLayout(tensors=[
+        pb.ShardTensor(name=t.name, pieces=[
+            pb.ShardPiece(source=p.source, whole=p.dim is None, dim=p.dim or 0, start=p.start,
+                          stop=p.stop) for p in t.pieces])
+        for t in layout.tensors])
+
+
+def shard_layout_from_proto(msg: pb.ShardLayout) -> ShardLayout:
+    return ShardLayout(tuple(
+        ShardTensor(t.name, tuple(
+            ShardPiece(p.source) if p.whole else ShardPiece(p.source, p.dim, p.start, p.stop)
+            for p in t.pieces))
+        for t in msg.tensors))
 
 
 def source_to_proto(source: WeightSourceInfo) -> common_pb2.WeightSource:
@@ -130,7 +152,9 @@ class WeightBrokerServicer(pb_grpc.WeightBrokerServicer):
 
     @rpc_errors
     def RegisterEngine(self, request, context):
-        committed = self._core.register_engine(request.run_id, request.engine_id)
+        layout = (shard_layout_from_proto(request.shard_layout)
+                  if request.HasField("shard_layout") else None)
+        committed = self._core.register_engine(request.run_id, request.engine_id, layout)
         return pb.RegisterEngineResponse(run_id=request.run_id, committed_version=committed)
 
     @rpc_errors
@@ -199,6 +223,12 @@ class WeightBrokerServicer(pb_grpc.WeightBrokerServicer):
     @rpc_errors
     def GetVersion(self, request, context):
         return status_to_proto(self._core.get_version(request.run_id))
+
+    @rpc_errors
+    def GetDestinations(self, request, context):
+        layouts = self._core.destinations(request.run_id)
+        return pb.GetDestinationsResponse(run_id=request.run_id,
+                                          layouts=[shard_layout_to_proto(x) for x in layouts])
 
     @rpc_errors
     def EndRun(self, request, context):

@@ -31,6 +31,7 @@ import time
 from typing import Callable, Protocol
 
 from furlong.core.errors import ConflictError, NotFoundError
+from furlong.core.weight_shards import ShardLayout
 from furlong.core.weights import Manifest
 from furlong.weight_broker.core.events import (
     NO_VERSION, EventKind, VersionEventInfo, VersionStatusInfo, WeightSourceInfo)
@@ -79,16 +80,24 @@ class BrokerCore:
 
     # -- engines -----------------------------------------------------------------------------------
 
-    def register_engine(self, run_id: str, engine_id: str) -> int:
-        """Idempotent. Returns the run's committed version (-1 none)."""
+    def register_engine(self, run_id: str, engine_id: str,
+                        shard_layout: ShardLayout | None = None) -> int:
+        """Idempotent. shard_layout: the tensors the engine holds when they differ from the
+        published ones (None: as published); a later registration replaces it. Returns the run's
+        committed version (-1 none)."""
         _require_id("run_id", run_id)
         _require_id("engine_id", engine_id)
         with self._lock:
             run = self._open_run(run_id)
+            if shard_layout is None:
+                run.layouts.pop(engine_id, None)
+            else:
+                run.layouts[engine_id] = shard_layout
             if engine_id not in run.engines:
                 run.engines.add(engine_id)
                 latest = run.latest
-                if latest is not None and latest.phase is Phase.PENDING and latest.can_join(engine_id):
+                if (latest is not None and latest.phase is Phase.PENDING
+                        and latest.can_join(engine_id, shard_layout)):
                     latest.required.add(engine_id)
                 log.info("run %s: engine %s registered (%d engines)", run_id, engine_id,
                          len(run.engines))
@@ -120,7 +129,7 @@ class BrokerCore:
             sub = EventSubscription(run_id, engine_id, self._subscription_closed)
             run.subscriptions[engine_id] = sub
             latest = run.latest
-            if latest is not None and latest.can_join(engine_id) and (
+            if latest is not None and latest.can_join(engine_id, run.layouts.get(engine_id)) and (
                     latest.phase is Phase.COMMITTED or engine_id in latest.required):
                 for event in latest.events_for_newcomer(run_id):
                     sub.put(event)
@@ -136,10 +145,20 @@ class BrokerCore:
                 del run.subscriptions[sub.engine_id]
                 self._drop_engine(run, sub.engine_id, "watch closed")
 
+    def destinations(self, run_id: str) -> list[ShardLayout]:
+        """The distinct shard layouts of the run's registered engines (by layout id), for which a
+        version must carry round digests (Manifest.destinations)."""
+        with self._lock:
+            run = self._run(run_id)
+            found = {layout.layout_id: layout for engine_id, layout in run.layouts.items()
+                     if engine_id in run.engines}
+            return [found[key] for key in sorted(found)]
+
     def _drop_engine(self, run: Run, engine_id: str, why: str) -> None:
         if engine_id not in run.engines:
             return
         run.engines.discard(engine_id)
+        run.layouts.pop(engine_id, None)
         log.info("run %s: engine %s removed (%s); %d engines left", run.run_id, engine_id, why,
                  len(run.engines))
         self._notify_engines(run)
@@ -172,12 +191,21 @@ class BrokerCore:
                                     f"version {latest.number} is pending on engines "
                                     f"{sorted(latest.required - latest.acked)}")
             now = self._clock()
-            version = Version(manifest, source, now, required=set(run.engines), staged_at=now)
+            version = Version(manifest, source, now, required=set(), staged_at=now)
+            for engine_id in sorted(run.engines):
+                layout = run.layouts.get(engine_id)
+                if version.covers(layout):
+                    version.required.add(engine_id)
+                else:
+                    log.warning("run %s: version %d has no checksums for the shard layout %s of "
+                                "engine %s (registered after the trainer asked for destinations); "
+                                "it takes the next version", run_id, manifest.version,
+                                layout.layout_id if layout else "", engine_id)
             run.latest = version
             log.info("run %s: version %d begun, %d bytes in %d rounds, waiting for %s", run_id,
                      manifest.version, manifest.total_bytes, version.num_rounds,
                      sorted(version.required))
-            run.broadcast(published(run_id, version))
+            run.broadcast(published(run_id, version), only=version.required)
             if not version.required:
                 self._commit(run)
             return sorted(version.required)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from furlong.core.weight_shards import ShardLayout
 from furlong.core.weights import Manifest
 from furlong.weight_broker.core.events import (
     NO_VERSION, EventKind, VersionEventInfo, WeightSourceInfo)
@@ -53,9 +54,13 @@ class Version:
             return range(0, self.staged_round + 1)
         return range(self.staged_round, self.staged_round + 1)
 
-    def can_join(self, engine_id: str) -> bool:
+    def covers(self, layout: ShardLayout | None) -> bool:
+        """Whether an engine with this shard layout (None: the published one) can verify it."""
+        return layout is None or self.manifest.destination_checksums(layout.layout_id) is not None
+
+    def can_join(self, engine_id: str, layout: ShardLayout | None) -> bool:
         """Whether an engine that was not there when the version began can still take all of it."""
-        if self.phase is Phase.FAILED or engine_id in self.fenced:
+        if self.phase is Phase.FAILED or engine_id in self.fenced or not self.covers(layout):
             return False
         return self.staged_round <= 0 or self.source.holds_all_rounds
 
@@ -72,6 +77,7 @@ class Version:
 class Run:
     run_id: str
     engines: set[str] = field(default_factory=set)
+    layouts: dict[str, ShardLayout] = field(default_factory=dict)   # engines with their own layout
     subscriptions: dict[str, EventSubscription] = field(default_factory=dict)
     latest: Version | None = None
     committed_version: int = NO_VERSION

@@ -1,0 +1,176 @@
+"""Where an engine's bytes of a policy version land, and how each round of them is checked.
+
+- `BufferDestination`: the engine holds the published tensors as published and has no parameter
+  storage to offer: one receive buffer laid out like the source, one read per round, verified
+  against the round checksum of the manifest. apply gets views of the buffer and copies them.
+- `PieceDestination`: the engine has its own shard layout (tensor-parallel shards, fused
+  projections; see furlong.core.weight_shards), or offers its parameter tensors: every round's
+  pieces are read straight to their place in the destination tensors (the engine's parameters,
+  or a receive buffer laid out for its shard layout), and verified against the manifest's digest
+  for its layout (the round checksum for the published layout).
+
+Both are built once, on the first version; their memory is registered with the NIXL endpoint
+once and reused, as are the lanes' prepared requests. Receive buffers are huge-page host memory
+(furlong.weight_broker.host_memory). Knows nothing about the broker.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import xxhash
+
+from furlong.core.weight_shards import (
+    PieceCopy, ShardLayout, ShardPiece, ShardTensor, digest_copies, plan_shards)
+from furlong.core.weights import BucketRound, Manifest, WeightLayout, checksum
+from furlong.weight_broker.host_memory import host_buffer
+from furlong.weight_broker.lanes import Lane
+from furlong.weight_broker.nixl_transport import NixlEndpoint
+
+
+def layout_mismatch(expected: WeightLayout, got: WeightLayout) -> str:
+    """Why got cannot reuse a buffer laid out as expected ("" when identical)."""
+    if expected == got:
+        return ""
+    if expected.total_bytes != got.total_bytes:
+        return f"total_bytes {got.total_bytes} != {expected.total_bytes}"
+    for old, new in zip(expected.slots, got.slots):
+        if old != new:
+            return f"tensor {new.name!r} differs from {old.name!r} ({new} vs {old})"
+    return f"{len(got.slots)} tensors != {len(expected.slots)}"
+
+
+def _region_offset(manifest_round: BucketRound, holds_all_rounds: bool) -> int:
+    """The logical offset at which the source's region starts while the round is staged."""
+    return 0 if holds_all_rounds else manifest_round.offset_bytes
+
+
+class BufferDestination:
+    """A receive buffer laid out like the published layout."""
+
+    def __init__(self, layout: WeightLayout, endpoint: NixlEndpoint | None) -> None:
+        self.layout = layout
+        self.buffer = host_buffer(layout.total_bytes)
+        if endpoint is not None:
+            endpoint.register(self.buffer)
+
+    def check(self, manifest: Manifest) -> None:
+        why = layout_mismatch(self.layout, manifest.layout)
+        if why:
+            raise ValueError(f"version {manifest.version} has a different layout than the receive "
+                             f"buffer: {why}")
+
+    def round_bytes(self, rnd: BucketRound) -> int:
+        return rnd.size_bytes
+
+    def pull(self, lane: Lane, rnd: BucketRound, holds_all_rounds: bool, timeout_s: float) -> float:
+        dst = self.buffer[rnd.offset_bytes:rnd.end_bytes]
+        return lane.read(rnd.offset_bytes if holds_all_rounds else 0, dst, timeout_s)
+
+    def digest(self, rnd: BucketRound) -> str:
+        return checksum(self.buffer, rnd.size_bytes, rnd.offset_bytes)
+
+    def expected(self, manifest: Manifest, rnd: BucketRound) -> str:
+        return rnd.checksum
+
+    def tensors(self, manifest: Manifest) -> Mapping[str, torch.Tensor]:
+        return manifest.layout.views(self.buffer)
+
+
+def identity_layout(layout: WeightLayout) -> ShardLayout:
+    """The shard layout of an engine holding every published tensor as published."""
+    return ShardLayout(tuple(ShardTensor(s.name, (ShardPiece(s.name),)) for s in layout.slots))
+
+
+class PieceDestination:
+    """Piece copies straight into destination tensors: `params` (the engine's own, contiguous,
+    host) or, without them, views of a receive buffer laid out for the shard layout.
+    shard_layout None: the published tensors as published (verified against round checksums)."""
+
+    def __init__(self, manifest: Manifest, shard_layout: ShardLayout | None,
+                 params: Mapping[str, torch.Tensor] | None, endpoint: NixlEndpoint | None) -> None:
+        self._own_layout = shard_layout is not None
+        layout = shard_layout or identity_layout(manifest.layout)
+        self.plan = plan_shards(manifest.layout, manifest.plan, layout)
+        self._key = self._plan_key(manifest)
+        if params is None:
+            self._buffer = host_buffer(max(1, self.plan.layout.total_bytes))
+            self._typed = self.plan.layout.views(self._buffer)
+            registered: list[torch.Tensor] = [self._buffer]
+        else:
+            _check_params(self.plan.layout, params)
+            self._typed = {name: params[name] for name in (s.name for s in self.plan.layout.slots)}
+            registered = [t for t in self._typed.values() if t.numel()]
+        self._raw = {name: t.detach().reshape(-1).view(torch.uint8) for name, t in self._typed.items()}
+        if endpoint is not None and registered:
+            endpoint.register(registered)
+
+    @staticmethod
+    def _plan_key(manifest: Manifest) -> tuple:
+        assert manifest.plan is not None
+        return (manifest.layout, tuple((r.offset_bytes, r.size_bytes, r.names)
+                                       for r in manifest.plan.rounds))
+
+    def check(self, manifest: Manifest) -> None:
+        if self._plan_key(manifest) != self._key:
+            raise ValueError(f"version {manifest.version} is laid out or cut into rounds "
+                             f"differently from the first version this engine took")
+
+    def round_bytes(self, rnd: BucketRound) -> int:
+        return self.plan.rounds[rnd.index].size_bytes
+
+    def pull(self, lane: Lane, rnd: BucketRound, holds_all_rounds: bool, timeout_s: float) -> float:
+        copies = self.plan.rounds[rnd.index].copies
+        return lane.read_copies(_region_offset(rnd, holds_all_rounds), copies, self._raw,
+                                timeout_s, cache_key=("round", rnd.index, holds_all_rounds))
+
+    def digest(self, rnd: BucketRound) -> str:
+        copies = self.plan.rounds[rnd.index].copies
+        if self._own_layout:
+            return digest_copies(copies, self._raw)
+        return _round_digest(rnd, copies, self._raw)
+
+    def expected(self, manifest: Manifest, rnd: BucketRound) -> str:
+        if not self._own_layout:
+            return rnd.checksum
+        digests = manifest.destination_checksums(self.plan.layout_id)
+        if digests is None:
+            raise ValueError(f"version {manifest.version} carries no checksums for this engine's "
+                             f"shard layout {self.plan.layout_id}")
+        return digests[rnd.index]
+
+    def tensors(self, manifest: Manifest) -> Mapping[str, torch.Tensor]:
+        return self._typed
+
+
+def _round_digest(rnd: BucketRound, copies: tuple[PieceCopy, ...],
+                  raw: Mapping[str, torch.Tensor]) -> str:
+    """The round checksum of whole published tensors held apart: their bytes in source order with
+    the zero padding of the staged round between them (see furlong.core.weights.round_checksums)."""
+    hasher = xxhash.xxh3_128()
+    cursor = 0
+    for copy in sorted(copies, key=lambda c: c.src_offset_bytes):
+        offset = copy.src_offset_bytes - rnd.offset_bytes
+        if offset > cursor:
+            hasher.update(bytes(offset - cursor))
+        if copy.size_bytes:
+            hasher.update(memoryview(raw[copy.dst_name][copy.dst_offset_bytes:copy.dst_offset_bytes
+                                                         + copy.size_bytes].numpy()))
+        cursor = max(cursor, offset + copy.size_bytes)
+    if rnd.size_bytes > cursor:
+        hasher.update(bytes(rnd.size_bytes - cursor))
+    return hasher.hexdigest()
+
+
+def _check_params(layout: WeightLayout, params: Mapping[str, torch.Tensor]) -> None:
+    missing = sorted(s.name for s in layout.slots if s.name not in params)
+    if missing:
+        raise ValueError(f"the engine's parameters lack tensors {missing} it must receive")
+    for slot in layout.slots:
+        tensor = params[slot.name]
+        if (tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape
+                or not tensor.is_contiguous() or tensor.device.type != "cpu"):
+            raise ValueError(f"parameter {slot.name!r} ({tensor.dtype}, {tuple(tensor.shape)}, "
+                             f"contiguous={tensor.is_contiguous()}, {tensor.device}) cannot take "
+                             f"{slot.dtype} {slot.shape} in place")
