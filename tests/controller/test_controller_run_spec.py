@@ -12,7 +12,8 @@ from furlong.controller.run_spec import (AlgorithmSpec, RunSpec, SamplingSpec, S
 FULL = {
     "name": "addition-grpo", "model": "/models/tiny", "task": "addition", "steps": 30, "seed": 0,
     "prompts_per_step": 16, "samples_per_prompt": 8,
-    "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 8},
+    "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 8,
+                 "stop": []},
     "algorithm": {"name": "grpo", "learning_rate": 0.0003, "clip_eps": 0.2, "weight_decay": 0.0,
                   "max_grad_norm": 1.0, "epochs_per_batch": 1, "micro_batch_size": 64,
                   "adam_beta1": 0.9, "adam_beta2": 0.999, "clip_eps_high": 0.0, "loss_aggregation": "",

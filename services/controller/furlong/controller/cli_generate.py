@@ -2,15 +2,18 @@
 process, and print exactly how every token was drawn.
 
     furlong generate --model DIR --prompt TEXT [--n N] [--max-new-tokens K] [--temperature T]
-                     [--top-p P] [--top-k K] [--min-p M] [--seed S] [--max-support-size M]
-                     [--truncate-support] [--json]
+                     [--top-p P] [--top-k K] [--min-p M] [--seed S] [--stop STR]...
+                     [--max-support-size M] [--truncate-support] [--json]
 
 With `--json` it prints one JSON object: the prompt's token ids, the sampling parameters and, per
 sample, its token ids, text, finish reason, per token the log-prob under the sampling distribution
 (`logprobs`) and under the full temperature-scaled distribution (`full_logprobs`), the sampling
 support (`support`: the sorted token ids the sampler could have drawn) and the positions whose
-support the bound cut (`truncated_positions`, only with --truncate-support). Without `--json` it
-prints one readable line per sample.
+support the bound cut (`truncated_positions`, only with --truncate-support). `--stop` (repeatable)
+ends a sample at the token that completes the string: its finish reason is "stop", `stop_string`
+names the string, `text` ends before it, and `token_ids` (with their log-probs and supports) keep
+every drawn token, the stop string's included. Without `--json` it prints one readable line per
+sample.
 
 Exit codes: 0 success, 2 a bad argument, checkpoint or prompt (the message names it). This module is
 an edge; the engine lives in `furlong.rollout.core.engine`, imported only when the command runs.
@@ -37,6 +40,8 @@ def add_commands(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1); 0 = off")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="end a sample when its text contains STR (repeatable; STR is not returned)")
     p.add_argument("--max-support-size", type=int, default=0,
                    help="largest support to record; a larger one fails (0 = unbounded)")
     p.add_argument("--truncate-support", action="store_true",
@@ -68,7 +73,8 @@ def generate_record(model_dir: Path, prompt: str, n: int, sampling: Any, bound: 
         "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k,
                      "top_p": sampling.top_p, "min_p": sampling.min_p,
                      "max_new_tokens": sampling.max_new_tokens, "seed": sampling.seed,
-                     "max_support_size": bound.max_size, "on_overflow": bound.on_overflow},
+                     "stop": list(sampling.stop), "max_support_size": bound.max_size,
+                     "on_overflow": bound.on_overflow},
         "vocab_size": engine.vocab_size,
         "policy_version": engine.policy_version,
         "samples": [{
@@ -76,6 +82,7 @@ def generate_record(model_dir: Path, prompt: str, n: int, sampling: Any, bound: 
             "token_ids": g.token_ids,
             "text": g.text,
             "finish_reason": g.finish_reason,
+            "stop_string": g.stop_string,
             "logprobs": g.logprobs,
             "full_logprobs": g.full_logprobs,
             "support": g.support.to_lists(),
@@ -95,7 +102,7 @@ def cmd_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
             raise ValueError("--truncate-support needs --max-support-size > 0")
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                  min_p=args.min_p)
+                                  min_p=args.min_p, stop=list(args.stop))
         bound = SupportBound(args.max_support_size,
                              OVERFLOW_TRUNCATE if args.truncate_support else OVERFLOW_ERROR)
         record = generate_record(args.model, args.prompt, args.n, sampling, bound)

@@ -186,7 +186,7 @@ class GrpcRolloutClient:
                  min_policy_version: int, wait_s: float) -> GenerateResult:
         params = common_pb2.SamplingParams(
             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-            max_new_tokens=sampling.max_new_tokens, seed=sampling_seed)
+            max_new_tokens=sampling.max_new_tokens, seed=sampling_seed, stop=list(sampling.stop))
         request = rollout_pb2.GenerateRequest(
             run_id=run_id, step=step, samples_per_prompt=samples_per_prompt, sampling=params,
             min_policy_version=min_policy_version, timeout_s=wait_s,

@@ -63,18 +63,37 @@ def _check_str(name: str, value: Any) -> None:
         raise SpecError(name, f"must be a non-empty string, got {value!r}")
 
 
+# Mirrors furlong.rollout.core.sampling (the rollout service checks again with the same bounds).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+def _check_stop(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise SpecError(name, f"must be a list of strings, got {value!r}")
+    if len(value) > MAX_STOP_STRINGS:
+        raise SpecError(name, f"must have at most {MAX_STOP_STRINGS} strings, got {len(value)}")
+    for i, s in enumerate(value):
+        if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
+            raise SpecError(name, f"entry {i} must be a non-empty string of at most "
+                                  f"{MAX_STOP_CHARS} characters, got {s!r}")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     temperature: float = 1.0
     top_k: int = 0                # 0 = off
     top_p: float = 1.0            # 1.0 = off
     max_new_tokens: int = 8
+    stop: tuple[str, ...] = ()    # stop strings (a list in YAML/JSON); see docs/rollout.md
 
     def __post_init__(self) -> None:
         _check_float("temperature", self.temperature, 0.0, math.inf, low_open=True, high_open=True)
         _check_int("top_k", self.top_k, 0)
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_int("max_new_tokens", self.max_new_tokens, 1)
+        object.__setattr__(self, "stop", _check_stop("stop", self.stop))
 
 
 @dataclass(frozen=True)
@@ -187,7 +206,9 @@ class RunSpec:
                 raise SpecError(name, f"must be a {kind.__name__}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The JSON form: sections as dicts, tuples (sampling.stop) as lists."""
+        return dataclasses.asdict(self, dict_factory=lambda items: {
+            k: list(v) if isinstance(v, tuple) else v for k, v in items})
 
 
 _SECTIONS: dict[str, type] = {"sampling": SamplingSpec, "algorithm": AlgorithmSpec,

@@ -13,14 +13,15 @@ from furlong.v1 import common_pb2, rollout_pb2 as pb
 def sampling_to_proto(config: SamplingConfig) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=config.temperature, top_k=config.top_k,
                                      top_p=config.top_p, max_new_tokens=config.max_new_tokens,
-                                     seed=config.seed)
+                                     seed=config.seed, stop=list(config.stop))
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, min_p: float = 0.0) -> SamplingConfig:
     """The sampling config of `msg`; min_p travels beside it (GenerateRequest.min_p)."""
     try:
         return SamplingConfig(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
-                              max_new_tokens=msg.max_new_tokens, seed=msg.seed, min_p=min_p)
+                              max_new_tokens=msg.max_new_tokens, seed=msg.seed, min_p=min_p,
+                              stop=list(msg.stop))
     except ValueError as exc:
         raise ValueError(f"sampling: {exc}") from None
 

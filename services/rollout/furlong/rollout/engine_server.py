@@ -70,7 +70,8 @@ class EngineHttpServer:
                                     top_p=float(params.get("top_p", 1.0)),
                                     min_p=float(params.get("min_p", 0.0)),
                                     max_new_tokens=int(params.get("max_new_tokens", 16)),
-                                    seed=int(params.get("sampling_seed", 0)))
+                                    seed=int(params.get("sampling_seed", 0)),
+                                    stop=_stop_param(params.get("stop")))
             prompts = body["input_ids"]
             single = bool(prompts) and isinstance(prompts[0], int)
             prompts = [prompts] if single else prompts
@@ -80,8 +81,12 @@ class EngineHttpServer:
             return 400, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
         out = []
         for p, g in zip(prompts, gens):
-            finish = ({"type": "stop", "matched": self.tokenizer.eos_id} if g.finish_reason == "eos"
-                      else {"type": "length", "length": len(g.token_ids)})
+            if g.finish_reason == "eos":
+                finish = {"type": "stop", "matched": self.tokenizer.eos_id}
+            elif g.finish_reason == "stop":
+                finish = {"type": "stop", "matched": g.stop_string}
+            else:
+                finish = {"type": "length", "length": len(g.token_ids)}
             out.append({"text": g.text, "output_ids": g.token_ids, "meta_info": {
                 "prompt_tokens": len(p), "completion_tokens": len(g.token_ids),
                 "finish_reason": finish, "weight_version": self._labels.get(g.policy_version, str(g.policy_version)),
@@ -129,6 +134,13 @@ class EngineHttpServer:
             self.engine.generate([[self.tokenizer.bos_id]], SamplingConfig(top_k=1, max_new_tokens=1))
             return 200, {}
         return 404, {"error": {"message": f"no route {path}"}}
+
+
+def _stop_param(stop: object) -> list[str]:
+    """SGLang's `stop`: absent, one string or a list of strings."""
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else stop
 
 
 class _Handler(BaseHTTPRequestHandler):

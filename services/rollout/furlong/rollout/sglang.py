@@ -3,11 +3,13 @@
 It speaks SGLang's HTTP API with token ids only (servers run with `--skip-tokenizer-init`):
 
 - `POST /generate` with `input_ids` (a batch), `sampling_params` (temperature, top_k, top_p, min_p,
-  max_new_tokens, sampling_seed, ignore_eos), `return_logprob: true` and
+  max_new_tokens, sampling_seed, ignore_eos, and `stop` when the config has stop strings),
+  `return_logprob: true` and
   `return_sampling_mask: true`; each result carries `output_ids` and, in `meta_info`,
   `output_token_logprobs` ([log-prob, token id, _] per token, under the sampling distribution),
   `output_sampling_mask` ({"token_ids", "offsets"}: the CSR support of every token) and
-  `finish_reason` ({"type": "length"} or {"type": "stop", "matched": id or string}) and
+  `finish_reason` ({"type": "length"} or {"type": "stop", "matched": id or string}; a matched
+  string must be one of the request's stop strings, and the text is cut before it) and
   `weight_version` (the version that drew the row: it is the sample's policy version when it is a
   decimal number, else — SGLang says "default" before any update — the version of the adapter's
   last weight update).
@@ -34,12 +36,12 @@ import numpy as np
 
 from furlong.core.errors import UnavailableError
 from furlong.core.sampling_mask import RolloutSamplingMask
-from furlong.rollout.core.engine import FINISH_EOS, FINISH_LENGTH, Generation, TokenizerLike
+from furlong.rollout.core.engine import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Generation,
+                                         TokenizerLike)
 from furlong.rollout.core.sampling import SamplingConfig
+from furlong.rollout.core.stop_strings import cut_at_stop
 
 log = logging.getLogger(__name__)
-
-FINISH_STOP = "stop"
 
 
 class SGLangEngine:
@@ -161,14 +163,16 @@ class SGLangEngine:
                                     "top_p": config.top_p, "min_p": config.min_p,
                                     "max_new_tokens": config.max_new_tokens,
                                     "sampling_seed": config.seed, "ignore_eos": ignore_eos}}
+        if config.stop:
+            body["sampling_params"]["stop"] = list(config.stop)
         reply = self._request("POST", "/generate", body)
         if not isinstance(reply, list) or len(reply) != len(prompts):
             raise UnavailableError(f"{self.name} /generate returned {type(reply).__name__} "
                                    f"{'of length ' + str(len(reply)) if isinstance(reply, list) else ''}"
                                    f" for {len(prompts)} prompts")
-        return [self._generation(i, item, version) for i, item in enumerate(reply)]
+        return [self._generation(i, item, version, config.stop) for i, item in enumerate(reply)]
 
-    def _generation(self, row: int, item: Any, version: int) -> Generation:
+    def _generation(self, row: int, item: Any, version: int, stops: tuple[str, ...]) -> Generation:
         where = f"{self.name} /generate row {row}"
         try:
             ids = [int(t) for t in item["output_ids"]]
@@ -194,16 +198,25 @@ class SGLangEngine:
             if not (math.isfinite(lp) and lp <= 0.0) or not support.contains(pos, tok):
                 raise UnavailableError(f"{where}: token {tok} at {pos} (log-prob {lp}) is not a "
                                        f"finite draw from its support")
-        return Generation(token_ids=ids, logprobs=logprobs, support=support,
-                          finish_reason=self._finish(finish, ids, where),
-                          text=self.tokenizer.decode(ids, skip_special=True),
-                          policy_version=version)
+        reason = self._finish(finish, ids, where, stops)
+        text = self.tokenizer.decode(ids, skip_special=True)
+        stop_string = finish.get("matched") if reason == FINISH_STOP else None
+        if isinstance(stop_string, str):
+            text = cut_at_stop(text, stops)
+        else:
+            stop_string = None
+        return Generation(token_ids=ids, logprobs=logprobs, support=support, finish_reason=reason,
+                          text=text, policy_version=version, stop_string=stop_string)
 
-    def _finish(self, finish: Any, ids: list[int], where: str) -> str:
+    def _finish(self, finish: Any, ids: list[int], where: str, stops: tuple[str, ...]) -> str:
         kind = finish.get("type") if isinstance(finish, dict) else None
         if kind == "length":
             return FINISH_LENGTH
         if kind == "stop":
-            return FINISH_EOS if finish.get("matched") == self.eos_id and ids[-1] == self.eos_id \
+            matched = finish.get("matched")
+            if isinstance(matched, str) and matched not in stops:
+                raise UnavailableError(f"{where}: finish_reason matched {matched!r}, which is not "
+                                       f"one of the request's stop strings {list(stops)}")
+            return FINISH_EOS if matched == self.eos_id and ids[-1] == self.eos_id \
                 else FINISH_STOP
         raise UnavailableError(f"{where}: unknown finish_reason {finish!r}")

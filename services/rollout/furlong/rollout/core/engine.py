@@ -2,21 +2,25 @@
 switches between policy versions.
 
 A `generate` call queues its rows (one per prompt). Up to `max_batch_size` rows run at once, each
-in its own cache slot (see `llama_runner`). Between decode steps, finished rows (EOS or their
-max-new-tokens) leave and waiting rows join: they are prefilled together in one batch as soon as
-`prefill_min_rows` slots are free (or the batch is empty), then decode with the others.
-`batching="static"` admits new rows only when the whole batch has finished (the baseline that
-continuous batching is measured against). Every step samples one token per running row with
-`sample_step` and records it in a `DecodeTrace`. A lock is held for a whole `generate` call and by
-`load_weights`, so a batch never sees two policy versions.
+in its own cache slot (see `llama_runner`). After every step, finished rows (EOS, a stop string or
+their max-new-tokens) leave and waiting rows join: as soon as `prefill_min_rows` slots are free (or
+the batch is empty; default 1), the joiners' prompts are prefilled *inside the next decode step*
+(one forward pass over the running rows' new tokens and the joiners' prompt tokens), so running
+rows never wait for a separate prefill pass. `batching="static"` admits new rows only when the
+whole batch has finished (the baseline that continuous batching is measured against).
+
+Every step samples one token per running or joining row with `sample_step` and records it in a
+`DecodeTrace`. Slot bookkeeping is host-side (`SlotTable`): attention runs in a few slot ranges
+that each read the cache only up to their own longest row (see `llama_runner.attention_groups`).
+The only per-step device-to-host transfer is the sampled tokens. A lock is held for a whole `generate` call and by `load_weights`,
+so a batch never sees two policy versions.
 
 Knows nothing about text prompts, rewards, runs, Redis or transports; the tokenizer is only used for
-its special ids and to decode responses.
+its special ids and to decode responses (and to match stop strings, see `stop_strings`).
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
@@ -29,6 +33,7 @@ from furlong.core.sampling_mask import RolloutSamplingMask
 from furlong.rollout.core.sampler import UNBOUNDED, sample_step
 from furlong.rollout.core.sampling import SamplingConfig, SupportBound
 from furlong.rollout.core.llama_runner import LlamaRunner
+from furlong.rollout.core.slot_table import SlotTable
 from furlong.rollout.core.stop_strings import StopMatcher, cut_at_stop
 from furlong.rollout.core.trace import DecodeTrace, RowTrace
 from furlong.rollout.core.weights import match_state
@@ -87,7 +92,7 @@ class Engine:
         if batching not in (CONTINUOUS, STATIC):
             raise ValueError(f"batching must be {CONTINUOUS!r} or {STATIC!r}, got {batching!r}")
         if prefill_min_rows is None:
-            prefill_min_rows = max(1, max_batch_size // 8)
+            prefill_min_rows = 1      # joining costs no extra pass: admit into any free slot
         if isinstance(prefill_min_rows, bool) or not isinstance(prefill_min_rows, int) \
                 or not 1 <= prefill_min_rows <= max_batch_size:
             raise ValueError(f"prefill_min_rows must be an integer in [1, max_batch_size="
@@ -190,54 +195,36 @@ class Engine:
                   generator: torch.Generator, trace: DecodeTrace, eos: int | None,
                   stops: StopMatcher | None) -> dict[int, str]:
         """The scheduler: admit, step, retire until every row has finished; the stop string each
-        row stopped at (rows that stopped otherwise are absent). Slot state lives on the host;
-        the only per-step device-to-host transfer is the sampled tokens."""
+        row stopped at (rows that stopped otherwise are absent). Slot state lives on the host
+        (`SlotTable`); the only per-step device-to-host transfer is the sampled tokens."""
         device = self._runner.device
-        num_slots = self.max_batch_size
+        table = SlotTable(self.max_batch_size)
         waiting = list(range(len(prompts)))
         waiting.reverse()                                       # pop() takes the lowest row first
-        free = list(range(num_slots))                           # a heap: pop the lowest slot first
-        slot_row = [-1] * num_slots
-        positions = [0] * num_slots          # where each slot's next token goes; 0 for free slots
-        counts = [0] * num_slots             # tokens each slot's row has drawn
-        tokens = torch.zeros(num_slots, dtype=torch.long, device=device)  # each slot's last draw
-        busy: list[int] = []                 # busy slots, ascending
+        tokens = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)  # last draws
         stopped: dict[int, str] = {}
-        while waiting or busy:
-            room = min(len(free), len(waiting))
-            admit = room > 0 and (not busy or (self.batching == CONTINUOUS and
-                                               room >= min(self.prefill_min_rows, len(waiting))))
+        while waiting or table.busy:
+            room = min(table.num_free, len(waiting))
+            admit = room > 0 and (not table.busy or (self.batching == CONTINUOUS and
+                                                     room >= min(self.prefill_min_rows, len(waiting))))
             join_rows = [waiting.pop() for _ in range(room)] if admit else []
-            join_slots = [heapq.heappop(free) for _ in join_rows]
-            n = busy[-1] + 1 if busy else 0
-            span = max(positions[:n]) + 1 if n else 0
-            logits = self._runner.step(
-                tokens[:n], torch.tensor(positions[:n], device=device), span,
-                torch.tensor(busy, dtype=torch.long, device=device),
-                torch.tensor(join_slots, dtype=torch.long, device=device),
-                [prompts[r] for r in join_rows])
+            join_slots = table.take_slots(len(join_rows))
+            n = table.decode_slots
+            logits = self._runner.step(tokens[:n], table.position[:n], table.groups(), table.busy,
+                                       join_slots, [prompts[r] for r in join_rows])
             draw = sample_step(logits, config, generator, self.support_bound)
-            stepped = busy + join_slots
-            trace.add(torch.tensor([slot_row[s] for s in busy] + join_rows), draw)
+            trace.add(torch.tensor([table.row[s] for s in table.busy] + join_rows), draw)
+            stepped = table.stepped(join_slots, join_rows, [len(prompts[r]) for r in join_rows])
             tokens[torch.tensor(stepped, device=device)] = draw.tokens
-            for s in busy:
-                positions[s] += 1
-                counts[s] += 1
-            for s, r in zip(join_slots, join_rows):
-                slot_row[s], positions[s], counts[s] = r, len(prompts[r]), 1
-            drawn = draw.tokens.tolist()
             finished = []
-            for s, tok in zip(stepped, drawn):
-                row = slot_row[s]
+            for s, tok in zip(stepped, draw.tokens.tolist()):
+                row = table.row[s]
                 hit = stops.push(row, tok) if stops is not None else None
                 if hit is not None:
                     stopped[row] = hit
-                if hit is not None or counts[s] >= limits[row] or tok == eos:
+                if hit is not None or table.count[s] >= limits[row] or tok == eos:
                     finished.append(s)
-            for s in finished:
-                slot_row[s], positions[s] = -1, 0
-                heapq.heappush(free, s)
-            busy = sorted(s for s in stepped if slot_row[s] >= 0)
+            table.retire(finished, stepped)
         return stopped
 
     def _to_generation(self, row: RowTrace, version: int, ignore_eos: bool,

@@ -20,11 +20,16 @@ at the model's own `scaling`. Knows nothing about sampling, tokenizers or reques
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 SUPPORTED_MODEL_TYPES = ("llama",)
+MAX_ATTENTION_GROUPS = 4
+MIN_GROUP_ROWS = 8
+GROUP_CALL_COLUMNS = 256   # what one more attention call costs, in cache columns read (CPU, measured)
 
 
 def check_supported(model: torch.nn.Module) -> None:
@@ -75,49 +80,56 @@ class LlamaRunner:
         """Drop the cache buffers (they are allocated again on the next call)."""
         self._keys, self._values = [], []
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, span: int, out_rows: torch.Tensor,
-             join_slots: torch.Tensor, join_prompts: list[list[int]]) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, positions: Sequence[int],
+             groups: Sequence[tuple[int, int, int]], out_rows: Sequence[int],
+             join_slots: Sequence[int], join_prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """One forward pass; the next-token logits (len(out_rows) + len(join_prompts), vocab).
 
         Decode part: `tokens[i]` at `positions[i]` for slot i of [0, n) (n = tokens.numel(), may be
-        0); `span` > max(positions). Every slot in the range computes (a free slot's output is
-        simply not used), so the cache is read as a view, never gathered; a free slot writes into
-        its own cache at its stale position, which its next sequence overwrites before reading
-        (a joiner's prompt is written after the decode part in every layer, and every decode
-        writes its column before attending to it). `out_rows` are the decode rows whose logits
-        are wanted (the busy slots).
+        0). `groups` splits [0, n) into consecutive slot ranges (start, stop, span), span >
+        max(positions[start:stop]): each range attends over its first `span` cache columns only,
+        so a range of short sequences does not pay for the longest one (see `attention_groups`).
+        Every slot in the range computes (a free slot's output is simply not used), so the cache
+        is read as views, never gathered; a free slot writes into its own cache at its stale
+        position, which its next sequence overwrites before reading (a joiner's prompt is written
+        after the decode part in every layer, and every decode writes its column before attending
+        to it). `out_rows` are the decode rows whose logits are wanted (the busy slots).
 
         Join part: `join_prompts[i]` is prefilled into slot `join_slots[i]` (slots outside the
         decode range or free ones inside it); its logits are those after its last prompt token.
+        Host-side values arrive as lists: each becomes one small tensor.
         """
         self._ensure_cache()
         device = self._keys[0].device
         n, j = int(tokens.numel()), len(join_prompts)
-        flat_ids, flat_positions = tokens, positions
-        width = 0
+        width = max((len(p) for p in join_prompts), default=0)
+        flat_positions = list(positions[:n])
+        rows = list(out_rows)
+        flat_ids = tokens
         if j:
-            width = max(len(p) for p in join_prompts)
-            lengths = [len(p) for p in join_prompts]
-            ids = torch.zeros((j, width), dtype=torch.long)
+            join_ids: list[int] = []
             for i, p in enumerate(join_prompts):
-                ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-            join_positions = torch.arange(width).repeat(j)
-            last = torch.tensor(lengths) - 1 + torch.arange(j) * width + n
-            if n:
-                flat_ids = torch.cat([tokens, ids.view(-1).to(device)])
-                flat_positions = torch.cat([positions, join_positions.to(device)])
-                out_rows = torch.cat([out_rows, last.to(device)])
-            else:
-                flat_ids, flat_positions = ids.view(-1).to(device), join_positions.to(device)
-                out_rows = last.to(device)
+                join_ids.extend(p)
+                join_ids.extend([0] * (width - len(p)))
+                rows.append(n + i * width + len(p) - 1)
+            flat_positions.extend(list(range(width)) * j)
+            join_tensor = torch.tensor(join_ids, dtype=torch.long, device=device)
+            flat_ids = torch.cat([tokens, join_tensor]) if n else join_tensor
+            join_index = torch.tensor(join_slots, dtype=torch.long, device=device)
+        position_ids = torch.tensor(flat_positions, dtype=torch.long, device=device)
+        rows_index = torch.tensor(rows, dtype=torch.long, device=device)
         total = n + j * width
         inner = self.model.model
         hidden = inner.embed_tokens(flat_ids)                       # (total, hidden)
-        cos, sin = inner.rotary_emb(hidden, position_ids=flat_positions[None])
+        cos, sin = inner.rotary_emb(hidden, position_ids=position_ids[None])
         cos, sin = cos[0], sin[0]                                   # (total, head_dim)
+        masks: list[torch.Tensor] = []
         if n:
             slots = torch.arange(n, device=device)
-            mask = (torch.arange(span, device=device)[None, :] <= positions[:, None])[:, None, None, :]
+            decode_positions = position_ids[:n]
+            columns = torch.arange(max(span for _, _, span in groups), device=device)
+            masks = [(columns[None, :span] <= decode_positions[a:b, None])[:, None, None, :]
+                     for a, b, span in groups]
         for layer, keys, values in zip(inner.layers, self._keys, self._values):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
@@ -128,18 +140,18 @@ class LlamaRunner:
             outs = []
             gqa = q.shape[1] != k.shape[1]
             if n:
-                keys[slots, :, positions] = k[:n]
-                values[slots, :, positions] = v[:n]
+                keys[slots, :, decode_positions] = k[:n]
+                values[slots, :, decode_positions] = v[:n]
             if j:
                 kj = k[n:].view(j, width, -1, self.head_dim).transpose(1, 2)
                 vj = v[n:].view(j, width, -1, self.head_dim).transpose(1, 2)
-                keys[join_slots, :, :width] = kj
-                values[join_slots, :, :width] = vj
-            if n:
-                out = scaled_dot_product_attention(q[:n, :, None], keys[:n, :, :span],
-                                                   values[:n, :, :span], attn_mask=mask,
+                keys[join_index, :, :width] = kj
+                values[join_index, :, :width] = vj
+            for (a, b, span), mask in zip(groups, masks):
+                out = scaled_dot_product_attention(q[a:b, :, None], keys[a:b, :, :span],
+                                                   values[a:b, :, :span], attn_mask=mask,
                                                    scale=attn.scaling, enable_gqa=gqa)
-                outs.append(out.reshape(n, -1))
+                outs.append(out.reshape(b - a, -1))
             if j:
                 qj = q[n:].view(j, width, -1, self.head_dim).transpose(1, 2)
                 out = scaled_dot_product_attention(qj, kj, vj, is_causal=True, scale=attn.scaling,
@@ -148,4 +160,24 @@ class LlamaRunner:
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(inner.norm(hidden[out_rows])).float()
+        return self.model.lm_head(inner.norm(hidden[rows_index])).float()
+
+
+def attention_groups(positions: Sequence[int], n: int) -> list[tuple[int, int, int]]:
+    """Split decode slots [0, n) into at most MAX_ATTENTION_GROUPS consecutive ranges of at least
+    MIN_GROUP_ROWS slots, each with its span (1 + its largest position). Attention reads
+    sum(rows * span) cache columns: where short and long sequences (or finished rows, at position
+    0) sit in different ranges, a few ranges read less than one over the longest sequence. Each
+    range is one more kernel call, so neighbours are merged when splitting them saves fewer than
+    GROUP_CALL_COLUMNS columns (sequences of equal length get a single range)."""
+    size = max(MIN_GROUP_ROWS, -(-n // MAX_ATTENTION_GROUPS))
+    groups = [(a, min(n, a + size), max(positions[a:a + size]) + 1) for a in range(0, n, size)]
+    merged = [groups[0]] if groups else []
+    for a, b, span in groups[1:]:
+        a0, _, span0 = merged[-1]
+        together = (b - a0) * max(span0, span)
+        if together <= (a - a0) * span0 + (b - a) * span + GROUP_CALL_COLUMNS:
+            merged[-1] = (a0, b, max(span0, span))
+        else:
+            merged.append((a, b, span))
+    return merged

@@ -50,11 +50,14 @@ def sample_step(logits: torch.Tensor, config: SamplingConfig, generator: torch.G
                 bound: SupportBound = UNBOUNDED) -> StepDraw:
     """Draw one token per row of `logits` (A, V). No Python loop over rows. SupportOverflowError
     when a support exceeds `bound` and the bound says to fail."""
-    scaled = logits.float() / config.temperature
+    scaled = logits.float()
+    if config.temperature != 1.0:
+        scaled = scaled / config.temperature
     vocab_size = scaled.shape[-1]
+    # log_softmax, not logsumexp: the latter is a composite of ~8 kernels on CPU
     full = torch.log_softmax(scaled, dim=-1)
     if not config.filters_vocab(vocab_size) and not bound.bounds(vocab_size):
-        tokens = torch.multinomial(full.exp(), 1, generator=generator).squeeze(-1)
+        tokens = _draw(full, generator)
         logprobs = full.gather(-1, tokens[:, None]).squeeze(-1)
         return StepDraw(tokens=tokens, logprobs=logprobs, kept_ids=None, kept_counts=None,
                         full_logprobs=logprobs)
@@ -90,8 +93,19 @@ def sample_step(logits: torch.Tensor, config: SamplingConfig, generator: torch.G
     width = int(counts.max())
     values, ids, keep = values[:, :width], ids[:, :width], keep[:, :width]
     logp = torch.log_softmax(values.masked_fill(~keep, float("-inf")), dim=-1)
-    picks = torch.multinomial(logp.exp(), 1, generator=generator)
+    picks = _draw(logp, generator)[:, None]
     tokens = ids.gather(-1, picks).squeeze(-1)
+    full_logprobs = full.gather(-1, tokens[:, None]).squeeze(-1)
     return StepDraw(tokens=tokens, logprobs=logp.gather(-1, picks).squeeze(-1), kept_ids=ids,
-                    kept_counts=counts, full_logprobs=full.gather(-1, tokens[:, None]).squeeze(-1),
-                    truncated=truncated)
+                    kept_counts=counts, full_logprobs=full_logprobs, truncated=truncated)
+
+
+def _draw(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row, drawn with probability exp(logp) (rows sum to 1; -inf = never): the
+    exponential race argmax(p / E), E ~ Exp(1) i.i.d., which is exact and needs no normalisation
+    pass. E is clamped away from 0 so a zero-probability entry can never win (0 / 0)."""
+    race = torch.empty_like(logp).exponential_(generator=generator).clamp_(min=_TINY)
+    return (logp.exp() / race).argmax(dim=-1)
+
+
+_TINY = torch.finfo(torch.float32).tiny
