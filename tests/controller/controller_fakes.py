@@ -127,15 +127,19 @@ class FakeRollout:
         return 0
 
     def generate(self, run_id, step, prompts, samples_per_prompt, sampling: SamplingSpec,
-                 sampling_seed, min_policy_version, wait_s) -> GenerateResult:
+                 sampling_seed, min_policy_version, wait_s, max_refill_rounds=0,
+                 keep_groups=0) -> GenerateResult:
         self.faults.hit("generate")
         if run_id not in self.configured:
             raise NotFoundError(f"rollout has no run {run_id}")
         self.generate_calls.append({"step": step, "prompt_ids": [p.prompt_id for p in prompts],
                                     "samples_per_prompt": samples_per_prompt, "sampling": sampling,
-                                    "seed": sampling_seed, "min_policy_version": min_policy_version})
-        n = len(prompts) * samples_per_prompt
-        return GenerateResult(num_groups=len(prompts), num_samples=n, reward_mean=step / 10,
+                                    "seed": sampling_seed, "min_policy_version": min_policy_version,
+                                    "max_refill_rounds": max_refill_rounds,
+                                    "keep_groups": keep_groups})
+        groups = min(keep_groups, len(prompts)) if keep_groups else len(prompts)
+        n = groups * samples_per_prompt
+        return GenerateResult(num_groups=groups, num_samples=n, reward_mean=step / 10,
                               policy_version=min_policy_version, num_tokens=3 * n,
                               generate_seconds=0.001)
 

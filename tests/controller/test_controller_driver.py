@@ -293,3 +293,41 @@ def test_task_prompt_source_uses_the_registered_tasks():
     assert prompts[0].answer == str(int(a) + int(b))
     with pytest.raises(ValueError, match="unknown task 'sorting'"):
         source.reward_name("sorting")
+
+
+def test_over_sampling_asks_for_more_prompts_and_trains_the_first_to_complete(env):
+    store, fakes, driver, _ = env
+    run = store.create(make_spec(steps=2, rollout={"over_sampling": 1.5, "max_refill_rounds": 2}))
+    final = driver.execute(run.run_id)
+    assert final.state == RunState.SUCCEEDED, final.reason
+    calls = fakes.rollout.generate_calls
+    assert [len(c["prompt_ids"]) for c in calls] == [6, 6]          # ceil(4 x 1.5)
+    assert [c["keep_groups"] for c in calls] == [4, 4]
+    assert [c["max_refill_rounds"] for c in calls] == [2, 2]
+    assert [s.samples for s in store.metrics(run.run_id)] == [8, 8]  # 4 groups x 2 trained
+    audit = store.ledger(run.run_id).audit(finished_step=2)
+    # the fake rollout writes no stream: every asked prompt is cut, none counted lost
+    assert (audit.lost, audit.cut, audit.submitted) == (0, 12, 0)
+
+
+def test_no_over_sampling_sends_no_keep_groups(env):
+    store, fakes, driver, _ = env
+    run = store.create(make_spec(steps=1))
+    assert driver.execute(run.run_id).state == RunState.SUCCEEDED
+    assert [c["keep_groups"] for c in fakes.rollout.generate_calls] == [0]
+
+
+@pytest.mark.parametrize("rollout, field", [
+    ({"over_sampling": 0.5}, "rollout.over_sampling"),
+    ({"over_sampling": 5.0}, "rollout.over_sampling"),
+    ({"max_refill_rounds": -1}, "rollout.max_refill_rounds"),
+    ({"max_refill_rounds": 17}, "rollout.max_refill_rounds"),
+])
+def test_bad_rollout_filters_are_named(rollout, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        make_spec(rollout=rollout)
+
+
+def test_dynamic_sampling_needs_groups_of_two():
+    with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
+        make_spec(rollout={"max_refill_rounds": 1}, samples_per_prompt=1)

@@ -20,7 +20,7 @@ FULL = {
                   "kl_coef": 0.0, "kl_estimator": "k3", "kl_mode": "loss", "entropy_coef": 0.0,
                   "off_policy": "none", "is_low": 0.0, "is_high": 2.0, "gamma": 1.0, "gae_lambda": 1.0,
                   "value_coef": 0.5, "value_clip": 0.2},
-    "rollout": {"num_engines": 1},
+    "rollout": {"num_engines": 1, "max_refill_rounds": 0, "over_sampling": 1.0},
     "checkpoint": {"every_steps": 1},
     "recovery": {"max_attempts": 3, "timeout_s": 120.0},
 }

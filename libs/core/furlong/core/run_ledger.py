@@ -52,8 +52,9 @@ RESUBMITTED = "resubmitted"
 RECOVERIES = "recoveries"
 REJECTED = "rejected"
 UNDECODABLE = "undecodable"
+CUT = "cut"                # submitted, then cut: over-sampling surplus or dropped by dynamic sampling
 COUNTERS = (RETRAIN_REFUSED, TRAINED_TWICE, DUPLICATES_REFUSED, RESUBMITTED, RECOVERIES, REJECTED,
-            UNDECODABLE)
+            UNDECODABLE, CUT)
 
 # claim(): KEYS trained, generated, meta, sample_versions; ARGV id, entry id, versions...
 # -> "ok" | "trained" | "duplicate:<entry id>"
@@ -140,6 +141,7 @@ class LedgerAudit:
     recoveries: int
     rejected: int
     undecodable: int
+    cut: int
     committed_versions: list[int]
     sample_versions: dict[int, int]
     uncommitted_sample_versions: list[int]
@@ -173,6 +175,17 @@ class RunLedger:
             again = sum(1 for c in counts if int(c) > 1)
             if again:
                 self._redis.hincrby(self._meta, RESUBMITTED, again)
+
+    def cut(self, step: int, prompt_ids: Sequence[str]) -> None:
+        """Record that these submitted prompts of step will not be trained: over-sampling surplus,
+        or groups dynamic sampling dropped. They leave `submitted` (so an audit does not count them
+        lost) and are counted under `cut`."""
+        if not prompt_ids:
+            return
+        with self._errors():
+            removed = self._redis.hdel(self._submitted, *[ledger_id(step, p) for p in prompt_ids])
+            if removed:
+                self._redis.hincrby(self._meta, CUT, int(removed))
 
     def generated_ids(self, step: int, prompt_ids: Sequence[str]) -> set[str]:
         """The prompt ids of step that already have a group in the stream (as last scanned)."""

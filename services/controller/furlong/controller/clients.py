@@ -103,8 +103,11 @@ class RolloutClient(Protocol):
 
     def generate(self, run_id: str, step: int, prompts: Sequence[GenerationPrompt],
                  samples_per_prompt: int, sampling: SamplingSpec, sampling_seed: int,
-                 min_policy_version: int, wait_s: float) -> GenerateResult:
-        """Generate and score one group per prompt and write the groups to the run's stream."""
+                 min_policy_version: int, wait_s: float, max_refill_rounds: int = 0,
+                 keep_groups: int = 0) -> GenerateResult:
+        """Generate and score one group per prompt and write the groups to the run's stream.
+        max_refill_rounds > 0: dynamic sampling (equal-reward groups drawn again, then dropped);
+        keep_groups > 0: over-sampling (only the first keep_groups groups to complete are written)."""
 
     def end_run(self, run_id: str, timeout_s: float) -> None:
         """Stop the run's engines; idempotent."""
@@ -183,13 +186,15 @@ class GrpcRolloutClient:
 
     def generate(self, run_id: str, step: int, prompts: Sequence[GenerationPrompt],
                  samples_per_prompt: int, sampling: SamplingSpec, sampling_seed: int,
-                 min_policy_version: int, wait_s: float) -> GenerateResult:
+                 min_policy_version: int, wait_s: float, max_refill_rounds: int = 0,
+                 keep_groups: int = 0) -> GenerateResult:
         params = common_pb2.SamplingParams(
             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
             max_new_tokens=sampling.max_new_tokens, seed=sampling_seed, stop=list(sampling.stop))
         request = rollout_pb2.GenerateRequest(
             run_id=run_id, step=step, samples_per_prompt=samples_per_prompt, sampling=params,
             min_policy_version=min_policy_version, timeout_s=wait_s,
+            max_refill_rounds=max_refill_rounds, keep_groups=keep_groups,
             prompts=[rollout_pb2.Prompt(prompt_id=p.prompt_id, text=p.text, answer=p.answer)
                      for p in prompts])
         resp = rpc.call(self._stub.Generate, request, wait_s + RPC_MARGIN_S)

@@ -24,6 +24,7 @@ nothing about gRPC, HTTP or how the run was submitted.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable, TypeVar
@@ -234,25 +235,40 @@ class RunDriver:
         self._between_steps(rid, where)
         started = self._clock()
         prompts = self._call(f"{where} prompts", self._prompts.prompts, spec.task, spec.seed, step,
-                             spec.prompts_per_step)
+                             spec.rollout.prompts_to_request(spec.prompts_per_step))
+        prompt_ids = [p.prompt_id for p in prompts]
         ledger = self._store.ledger(rid)
-        done = self._call(f"{where} ledger", ledger.generated_ids, step,
-                          [p.prompt_id for p in prompts])
+        done = self._call(f"{where} ledger", ledger.generated_ids, step, prompt_ids)
         missing = [p for p in prompts if p.prompt_id not in done]
+        need = spec.prompts_per_step - len(done)
         gen = None
-        if missing:  # after a recovery, groups already in the stream are not generated again
+        if need > 0 and missing:  # after a recovery, groups already in the stream are kept
             self._call(f"{where} ledger", ledger.submit, step, [p.prompt_id for p in missing])
-            gen = self._call(f"{where} rollout.Generate", self._rollout.generate, rid, step, missing,
-                             spec.samples_per_prompt, spec.sampling, sampling_seed(spec.seed, step),
-                             version, t.generate_s)
-            if gen.num_groups != len(missing):
+            keep = need if len(missing) > need else 0     # over-sampling: first `need` to complete
+            gen = self._call(f"{where} rollout.Generate", functools.partial(
+                self._rollout.generate, max_refill_rounds=spec.rollout.max_refill_rounds,
+                keep_groups=keep), rid, step, missing, spec.samples_per_prompt, spec.sampling,
+                sampling_seed(spec.seed, step), version, t.generate_s)
+            expected = min(need, len(missing))
+            if gen.num_groups > expected or (gen.num_groups < expected
+                                             and not spec.rollout.max_refill_rounds):
                 raise _PhaseFailed(f"{where} rollout.Generate", ConflictError(
-                    f"rollout wrote {gen.num_groups} groups for {len(missing)} prompts"))
+                    f"rollout wrote {gen.num_groups} groups for {expected} prompts"))
         self._call(f"{where} ledger", ledger.scan_stream)
+        num_groups = len(done) + (gen.num_groups if gen else 0)
+        if gen is not None and gen.num_groups < len(missing):
+            # over-sampling surplus and groups dynamic sampling dropped: never trained
+            asked = [p.prompt_id for p in missing]
+            kept = self._call(f"{where} ledger", ledger.generated_ids, step, asked)
+            self._call(f"{where} ledger", ledger.cut, step, [i for i in asked if i not in kept])
+        if num_groups == 0:
+            raise _PhaseFailed(f"{where} rollout.Generate", ConflictError(
+                f"no group left to train: dynamic sampling dropped all {len(missing)} groups "
+                f"(equal rewards after {spec.rollout.max_refill_rounds} refill rounds)"))
         generated = self._clock()
         self._check_stop(rid, f"after {where} rollout.Generate")
         train = self._call(f"{where} trainer.TrainStep", self._trainer.train_step, rid, step,
-                           len(prompts), t.train_s)
+                           num_groups, t.train_s)
         if train.policy_version <= version:
             raise _PhaseFailed(f"{where} trainer.TrainStep", ConflictError(
                 f"trainer produced policy version {train.policy_version} after {version}"))

@@ -23,6 +23,10 @@ OFF_POLICY = ("none", "tis", "mis")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
+MAX_REFILL_ROUNDS = 16
+MAX_OVER_SAMPLING = 4.0
+
+
 class SpecError(ValueError):
     """A run spec value is missing, unknown, of the wrong type or out of range. `field` is the
     dotted path of the bad value; the message starts with it."""
@@ -144,10 +148,25 @@ class AlgorithmSpec:
 
 @dataclass(frozen=True)
 class RolloutSpec:
+    """`max_refill_rounds` > 0 turns on dynamic sampling: a group whose rewards are all equal is
+    dropped and drawn again, up to that many rounds. `over_sampling` > 1 asks rollout for
+    ceil(prompts_per_step x over_sampling) prompts and trains on the first prompts_per_step groups
+    to complete; the rest are cut and recorded as surplus, never trained."""
+
     num_engines: int = 1
+    max_refill_rounds: int = 0
+    over_sampling: float = 1.0
 
     def __post_init__(self) -> None:
         _check_int("num_engines", self.num_engines, 1)
+        _check_int("max_refill_rounds", self.max_refill_rounds, 0)
+        if self.max_refill_rounds > MAX_REFILL_ROUNDS:
+            raise SpecError("max_refill_rounds",
+                            f"must be <= {MAX_REFILL_ROUNDS}, got {self.max_refill_rounds}")
+        _check_float("over_sampling", self.over_sampling, 1.0, MAX_OVER_SAMPLING)
+
+    def prompts_to_request(self, prompts_per_step: int) -> int:
+        return max(prompts_per_step, math.ceil(prompts_per_step * self.over_sampling - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -204,6 +223,10 @@ class RunSpec:
                            ("recovery", RecoverySpec)):
             if not isinstance(getattr(self, name), kind):
                 raise SpecError(name, f"must be a {kind.__name__}")
+        if self.rollout.max_refill_rounds and self.samples_per_prompt < 2:
+            raise SpecError("rollout.max_refill_rounds",
+                            f"dynamic sampling needs samples_per_prompt >= 2 (a group of one always "
+                            f"has equal rewards), got samples_per_prompt {self.samples_per_prompt}")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form: sections as dicts, tuples (sampling.stop) as lists."""
