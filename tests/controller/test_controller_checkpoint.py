@@ -87,6 +87,11 @@ def test_checkpoint_mid_run_is_written_by_the_trainer(services, tmp_path, redis_
         viewer = {"Authorization": f"Bearer {VIEWER}"}
         assert http.post(f"/v1/runs/{run_id}/checkpoint", headers=viewer).status_code == 403
 
+        # paused, so the trainer's own per-step checkpoints cannot overwrite this one before the
+        # manifest is read
+        assert http.post(f"/v1/runs/{run_id}/pause").status_code == 200
+        wait_until(lambda: http.get(f"/v1/runs/{run_id}").json()["state"] == "paused",
+                   timeout_s=120, what="the run to pause")
         taken = http.post(f"/v1/runs/{run_id}/checkpoint")
         assert taken.status_code == 200, taken.text
         checkpoint = taken.json()["checkpoint"]

@@ -80,7 +80,7 @@ class LocalRun:
         return self.stack.to_dict()
 
 
-RUN_STEPS = 6   # ~0.4 s each on 2 cores: per-run series live for a few seconds, many scrapes
+RUN_STEPS = 6   # 0.05-0.4 s each on 2 cores; the run is held paused while Prometheus scrapes
 
 
 def run_spec(model: str) -> dict:
@@ -110,6 +110,24 @@ def local_run(tmp_path_factory):
         created = http.post("/v1/runs", json=run_spec(str(checkpoint)))
         assert created.status_code == 201, created.text
         run_id = created.json()["run_id"]
+        if prometheus is not None:
+            # a step can take 50 ms: hold the run paused mid-way until the per-run series (dropped
+            # at EndRun) have been scraped a few times, then let it finish
+            wait_until(lambda: http.get(f"/v1/runs/{run_id}").json()["current_step"] >= 2, 240,
+                       f"run {run_id} to pass step 2", interval_s=0.05)
+            assert http.post(f"/v1/runs/{run_id}/pause").status_code == 200
+            wait_until(lambda: http.get(f"/v1/runs/{run_id}").json()["state"] == "paused", 240,
+                       f"run {run_id} to pause", interval_s=0.1)
+
+            def scraped(metric: str) -> bool:
+                found = prometheus.query(f"count_over_time({metric}[1m])")
+                return bool(found) and min(float(r["value"][1]) for r in found) >= 3
+
+            for metric in ("furlong_broker_committed_version", "furlong_rollout_samples_total",
+                           "furlong_trainer_steps_total"):
+                wait_until(lambda m=metric: scraped(m), 60, f"three scrapes of {metric}",
+                           interval_s=0.25)
+            assert http.post(f"/v1/runs/{run_id}/resume").status_code == 200
 
         def finished():
             run = http.get(f"/v1/runs/{run_id}").json()

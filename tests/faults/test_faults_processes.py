@@ -41,7 +41,7 @@ from tiny_policy import write_tiny_checkpoint  # noqa: E402
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 FINAL = {"succeeded", "failed", "cancelled"}
-STEPS = 10
+STEPS = 60                  # a step takes 0.05-0.5 s: the fault lands well before the end
 SEED = int(os.environ.get("FURLONG_FAULT_SEED", random.SystemRandom().randrange(1 << 30)))
 ACK_TIMEOUT_S = 8.0
 
@@ -91,8 +91,8 @@ class Stack:
 
     def at_random_point(self, run_id: str) -> dict:
         """Wait for a seeded random step of the run, then a seeded random delay within it."""
-        step = self.rng.randint(1, STEPS // 2)
-        delay_s = self.rng.uniform(0.0, 0.5)
+        step = self.rng.randint(1, STEPS // 3)
+        delay_s = self.rng.uniform(0.0, 0.05)
         self.wait(run_id, lambda r: r["current_step"] >= step)
         time.sleep(delay_s)
         run = self.get(run_id)
