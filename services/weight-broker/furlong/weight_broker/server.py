@@ -194,7 +194,11 @@ class WeightBrokerServicer(pb_grpc.WeightBrokerServicer):
     def WatchVersions(self, request, context):
         # Subscribe before returning the stream so that an unknown engine is a status, not a hang.
         sub = self._core.subscribe(request.run_id, request.engine_id)
-        context.add_callback(sub.close)   # the client went away: stop waiting for its acks
+        # the client went away: stop waiting for its acks. False when it already had (a client
+        # that cancels before this handler runs): the stream would never be iterated, so close now
+        if not context.add_callback(sub.close):
+            sub.close()
+            return iter(())
         return self._stream(sub, context)
 
     def _stream(self, sub: EventSubscription, context) -> Iterator[pb.VersionEvent]:
