@@ -82,6 +82,19 @@ def use_tls(tls: TlsConfig | None) -> None:
     _process_tls = tls
 
 
+def use_credentials(auth_token_file: Path | str | None, tls: TlsFiles) -> bool:
+    """A service's start-up: read its `--auth-token-file` (empty or None: no token) and its TLS
+    files, and make both the process defaults. False, with the reason logged (naming the flag and
+    file, never the token), when either is invalid: the service then exits with status 2."""
+    try:
+        use_auth_token(read_auth_token_file(auth_token_file or None))
+        use_tls(tls.load())
+    except ValueError as exc:
+        log.error("%s", exc)
+        return False
+    return True
+
+
 def add_tls_arguments(parser: Any) -> None:
     """Add --tls-ca-file, --tls-cert-file, --tls-key-file and --tls-server-name to an argparse
     parser (the composition root turns them into a `TlsFiles`)."""

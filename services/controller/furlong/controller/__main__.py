@@ -97,11 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 2
     log.info("starting with %r", config)
-    try:
-        rpc.use_auth_token(rpc.read_auth_token_file(config.auth_token_file or None))
-        rpc.use_tls(config.tls.load())
-    except ValueError as exc:
-        log.error("%s", exc)
+    if not rpc.use_credentials(config.auth_token_file, config.tls):
         return 2
     tokens = ApiTokens(admin=(config.token,),
                        viewer=(config.viewer_token,) if config.viewer_token else ())

@@ -58,11 +58,7 @@ def parse_args(argv: list[str] | None = None) -> TrainerServiceConfig:
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     torch.set_num_threads(config.num_threads)
-    try:
-        rpc.use_auth_token(rpc.read_auth_token_file(config.auth_token_file or None))
-        rpc.use_tls(config.tls.load())
-    except ValueError as exc:
-        log.error("%s", exc)
+    if not rpc.use_credentials(config.auth_token_file, config.tls):
         return 2
     redis_client = redis.Redis.from_url(config.redis_url)
     broker = GrpcBrokerClient(config.broker_address)

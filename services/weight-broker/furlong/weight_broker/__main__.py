@@ -36,11 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = BrokerConfig.from_args(argv)
     logging.basicConfig(level=config.logging_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        rpc.use_auth_token(rpc.read_auth_token_file(config.auth_token_file or None))
-        rpc.use_tls(config.tls.load())
-    except ValueError as exc:
-        log.error("%s", exc)
+    if not rpc.use_credentials(config.auth_token_file, config.tls):
         return 2
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
