@@ -10,13 +10,17 @@ warm-up, as the median of several repetitions that alternate between the two sid
   and sampling-support capture on) against transformers `generate()` on the same model: batch 32,
   128 new tokens, temperature 1.0, top-k 50, top-p 0.9, every row running to 128 tokens in both.
 - `continuous_vs_static`: continuous batching against static batching (the same engine code
-  admitting new rows only when the whole batch has finished), with output lengths drawn
-  uniformly from 16-256 tokens (16-128 with --quick), 16 x batch rows (8 x with --quick), same
-  sampling. Neither mode knows the lengths in advance (they stand in for EOS). Continuous mode
-  prefills joiners inside decode steps; both modes share the attention ranges and skip sampling
-  for finished rows, so static batching here is stronger than a batcher that keeps drawing padding
-  for finished rows. `steps_continuous`/`steps_static` count forward passes: their ratio is
-  what continuous batching could gain if a step cost the same however many rows it carries.
+  admitting new rows only when the whole batch has finished; a finished row keeps its slot and
+  decodes padding that is thrown away until the batch's longest row ends, as in transformers'
+  `generate()`), with output lengths drawn uniformly from 16-256 tokens (16-128 with --quick),
+  16 x batch rows (8 x with --quick), same sampling. Neither mode knows the lengths in advance
+  (they stand in for EOS). Continuous mode prefills joiners inside decode steps.
+- `continuous_vs_static_early_exit`: the same against a stronger static baseline that drops
+  finished rows from the forward pass at once (no padding). On a GPU a step costs about the same
+  however many rows it carries, so this baseline gains little there; on a CPU a step's cost
+  grows with its rows, so here it comes close to continuous batching.
+  `continuous_vs_static_steps` is the ratio of forward passes (equal for both static modes):
+  what continuous batching gains when a step costs the same however many rows it carries.
 
 The full run also reports `engine_vs_hf_generate_2m6_params` on a 2.6 M-parameter model (hidden
 256, 4 layers), where matrix work dominates per-step overheads on both sides.
@@ -139,7 +143,7 @@ def main() -> None:
     limits = np.random.default_rng(3).integers(16, max_mixed + 1, size=len(mixed_rows)).tolist()
     mixed = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, max_new_tokens=max_mixed, seed=2)
     engines = {mode: Engine(model, _Tokenizer(), max_batch_size=batch, batching=mode)
-               for mode in ("continuous", "static")}
+               for mode in ("continuous", "static", "static_early_exit")}
     runs = interleaved_medians({
         mode: (lambda eng=eng: eng.generate(mixed_rows, mixed, max_new_tokens=limits, ignore_eos=True))
         for mode, eng in engines.items()}, reps)
@@ -151,7 +155,9 @@ def main() -> None:
         "hf_generate_tokens_per_s": round(hf_tps, 1),
         "continuous_tokens_per_s": round(mixed_tokens / runs["continuous"], 1),
         "static_tokens_per_s": round(mixed_tokens / runs["static"], 1),
+        "static_early_exit_tokens_per_s": round(mixed_tokens / runs["static_early_exit"], 1),
         "continuous_seconds": round(runs["continuous"], 3), "static_seconds": round(runs["static"], 3),
+        "static_early_exit_seconds": round(runs["static_early_exit"], 3),
         "steps_continuous": steps["continuous"], "steps_static": steps["static"],
     }
     result = {
@@ -167,15 +173,16 @@ def main() -> None:
         "ratios": {
             "engine_vs_hf_generate": round(engine_tps / hf_tps, 3),
             "continuous_vs_static": round(runs["static"] / runs["continuous"], 3),
+            "continuous_vs_static_early_exit": round(runs["static_early_exit"] / runs["continuous"], 3),
             "continuous_vs_static_steps": round(steps["static"] / steps["continuous"], 3),
             **extra_ratios,
         },
         "notes": "random-init Llama; engine records per-token log-probs (sampling and full) and "
                  "the CSR sampling support; HF generate() runs the same sampling without them; "
                  "every row runs to its length (EOS ignored) so both produce the same token "
-                 "counts; medians of reps after a warm-up; continuous_vs_static_steps is the "
-                 "forward-pass ratio (an upper bound for continuous_vs_static when a step with "
-                 "more live rows costs more); wall-clock ratios move with other load on the host",
+                 "counts; medians of reps after a warm-up; static decodes padding for finished rows "
+                 "until its batch ends, static_early_exit drops them; continuous_vs_static_steps "
+                 "is the forward-pass ratio; wall-clock ratios move with other load on the host",
     }
     if not args.json:
         for name, value in {**metrics, **result["ratios"]}.items():

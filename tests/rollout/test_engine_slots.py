@@ -1,5 +1,6 @@
 """The engine's slot planning: attention ranges (`attention_groups`) and the slot table; a step over
-several ranges computes what one range over the longest row computes."""
+several ranges computes what one range over the longest row computes; the numba decode attention
+(exact per-slot columns) computes what SDPA computes."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_ranges_split_only_where_it_saves_reads():
 
 def test_several_ranges_compute_what_one_range_computes():
     model = tiny_model(71)
-    runner = LlamaRunner(model, 16)
+    runner = LlamaRunner(model, 16, decode_attention="sdpa")
     lengths = [20 + i for i in range(8)] + [3 + i % 5 for i in range(8)]
     prompts = [[1] + [3 + (i * 7 + j) % 12 for j in range(n)] for i, n in enumerate(lengths)]
     with torch.inference_mode():
@@ -39,6 +40,55 @@ def test_several_ranges_compute_what_one_range_computes():
         runner.step(torch.zeros(0, dtype=torch.long), [], [], [], list(range(16)), prompts)
         b = runner.step(tokens, positions, whole, list(range(16)), [], [])
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _mixed_steps(runner: LlamaRunner, prompts, join_prompts) -> list[torch.Tensor]:
+    """Prefill `prompts` into slots [0, len), then one decode step in which slot 1 is free (stale
+    position 0) and `join_prompts` join into the slots after the decode range, then one more."""
+    n = len(prompts)
+    with torch.inference_mode():
+        first = runner.step(torch.zeros(0, dtype=torch.long), [], [], [], list(range(n)), prompts)
+        tokens = first.argmax(-1)
+        positions = [len(p) for p in prompts]
+        positions[1] = 0
+        busy = [s for s in range(n) if s != 1]
+        join_slots = list(range(n, n + len(join_prompts)))
+        groups = [(0, n, max(positions) + 1)]
+        second = runner.step(tokens, positions, groups, busy, join_slots, join_prompts)
+        tokens = torch.cat([tokens, torch.zeros(len(join_prompts), dtype=torch.long)])
+        tokens[busy + join_slots] = second.argmax(-1)
+        positions = [p + 1 for p in positions] + [len(p) for p in join_prompts]
+        positions[1] = 0
+        m = len(positions)
+        third = runner.step(tokens, positions, [(0, m, max(positions) + 1)],
+                            [s for s in range(m) if s != 1], [], [])
+    return [first, second, third]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_numba_decode_attention_matches_sdpa(kv_heads):
+    pytest.importorskip("numba")
+    model = tiny_model(72)
+    if kv_heads != model.config.num_key_value_heads:     # plain multi-head attention
+        model.config.num_key_value_heads = kv_heads
+        torch.manual_seed(72)
+        model = type(model)(model.config).eval()
+    prompts = [[1] + [3 + (i * 5 + j) % 12 for j in range(n)] for i, n in enumerate([4, 17, 9, 30, 2, 11])]
+    joiners = [[1, 5, 6], [1] + [7] * 12]
+    fast = LlamaRunner(model, 8, decode_attention="numba")
+    slow = LlamaRunner(model, 8, decode_attention="sdpa")
+    assert fast.decode_attention == "numba" and not fast.uses_groups
+    for a, b in zip(_mixed_steps(fast, prompts, joiners), _mixed_steps(slow, prompts, joiners)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_choice_is_checked():
+    model = tiny_model(73)
+    with pytest.raises(ValueError, match="decode_attention must be one of .* got 'flash'"):
+        LlamaRunner(model, 2, decode_attention="flash")
+    with pytest.raises(ValueError, match="runs float32 models on the CPU, this one is torch.float64"):
+        LlamaRunner(model.double(), 2, decode_attention="numba")
+    assert LlamaRunner(model.double(), 2).decode_attention == "sdpa"       # auto falls back
 
 
 def test_slot_table_admits_lowest_slots_and_frees_positions():

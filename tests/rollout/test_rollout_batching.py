@@ -78,16 +78,35 @@ def test_continuous_needs_fewer_forward_passes_than_static_for_mixed_lengths():
     cont = Engine(no_eos_model(23), NoEos(), max_batch_size=8, batching="continuous",
                   prefill_min_rows=2)
     static = Engine(no_eos_model(23), NoEos(), max_batch_size=8, batching="static")
-    cont_calls, static_calls = counted(cont), counted(static)
+    early = Engine(no_eos_model(23), NoEos(), max_batch_size=8, batching="static_early_exit")
+    cont_calls, static_calls, early_calls = counted(cont), counted(static), counted(early)
     a = cont.generate(prompts, config, max_new_tokens=limits)
     b = static.generate(prompts, config, max_new_tokens=limits)
-    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    c = early.generate(prompts, config, max_new_tokens=limits)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b] == [g.token_ids for g in c]
     assert [len(g.token_ids) for g in a] == limits
-    assert all(g.finish_reason == "length" for g in a)
-    # static: 3 batches of 8, each waiting for its two 24-token rows (3 x 24 passes)
-    assert len(static_calls) == 72
+    assert all(g.finish_reason == "length" for g in a + b + c)
+    assert [g.support.offsets.tolist() for g in b] == [g.support.offsets.tolist() for g in a]
+    # static: 3 batches of 8, each waiting for its two 24-token rows (3 x 24 passes); finished
+    # rows keep decoding padding, so every pass carries all 8 rows
+    assert len(static_calls) == 72 and set(static_calls) == {8}
+    # early exit: the same passes, but after 3 tokens only the two long rows remain in the pass
+    assert len(early_calls) == 72 and early_calls[:4] == [8, 8, 8, 2]
     assert len(cont_calls) < 0.6 * len(static_calls)
     assert max(cont_calls) == 8
+
+
+def test_static_padding_stops_at_the_context_limit():
+    """A finished row decodes padding only while its slot has positions left; the long row of
+    the batch still runs to its limit."""
+    tok = tokenizer()
+    model = no_eos_model(25)
+    room = model.config.max_position_embeddings
+    long_prompt, short_prompt = [1] + [5] * 3, [1] + [5] * (room - 6)
+    limits = [room - len(long_prompt), 2]
+    gens = Engine(model, NoEos(), max_batch_size=2, batching="static").generate(
+        [long_prompt, short_prompt], SamplingConfig(top_k=1), max_new_tokens=limits)
+    assert [len(g.token_ids) for g in gens] == limits
 
 
 def test_per_row_limits_and_configuration_errors():
@@ -96,7 +115,8 @@ def test_per_row_limits_and_configuration_errors():
         engine.generate([[1, 3], [1, 4]], SamplingConfig(), max_new_tokens=[3])
     with pytest.raises(ValueError, match=r"max_new_tokens entries must be integers > 0, got \[0\]"):
         engine.generate([[1, 3], [1, 4]], SamplingConfig(), max_new_tokens=[3, 0])
-    with pytest.raises(ValueError, match="batching must be"):
+    with pytest.raises(ValueError, match="batching must be one of 'continuous', 'static', "
+                                         "'static_early_exit', got 'dynamic'"):
         Engine(tiny_model(24), tokenizer(), batching="dynamic")
     with pytest.raises(ValueError, match="prefill_min_rows"):
         Engine(tiny_model(24), tokenizer(), max_batch_size=2, prefill_min_rows=3)

@@ -6,8 +6,11 @@ in its own cache slot (see `llama_runner`). After every step, finished rows (EOS
 their max-new-tokens) leave and waiting rows join: as soon as `prefill_min_rows` slots are free (or
 the batch is empty; default 1), the joiners' prompts are prefilled *inside the next decode step*
 (one forward pass over the running rows' new tokens and the joiners' prompt tokens), so running
-rows never wait for a separate prefill pass. `batching="static"` admits new rows only when the
-whole batch has finished (the baseline that continuous batching is measured against).
+rows never wait for a separate prefill pass. Two baselines that continuous batching is measured
+against admit new rows only when the whole batch has finished: `batching="static"` is classic
+static batching (as in transformers' `generate()`: a finished row keeps its slot and keeps decoding
+padding, which is thrown away, until the batch's longest row ends) and `"static_early_exit"` drops
+finished rows from the forward pass at once.
 
 Every step samples one token per running or joining row with `sample_step` and records it in a
 `DecodeTrace`. Slot bookkeeping is host-side (`SlotTable`): attention runs in a few slot ranges
@@ -45,6 +48,8 @@ FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
 CONTINUOUS = "continuous"
 STATIC = "static"
+STATIC_EARLY_EXIT = "static_early_exit"
+BATCHING_MODES = (CONTINUOUS, STATIC, STATIC_EARLY_EXIT)
 
 
 class TokenizerLike(Protocol):
@@ -89,8 +94,9 @@ class Engine:
                                  f"[0, {self.vocab_size})")
         if not isinstance(support_bound, SupportBound):
             raise ValueError(f"support_bound must be a SupportBound, got {type(support_bound).__name__}")
-        if batching not in (CONTINUOUS, STATIC):
-            raise ValueError(f"batching must be {CONTINUOUS!r} or {STATIC!r}, got {batching!r}")
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {', '.join(map(repr, BATCHING_MODES))}, "
+                             f"got {batching!r}")
         if prefill_min_rows is None:
             prefill_min_rows = 1      # joining costs no extra pass: admit into any free slot
         if isinstance(prefill_min_rows, bool) or not isinstance(prefill_min_rows, int) \
@@ -155,7 +161,8 @@ class Engine:
         with self._batch_lock, torch.inference_mode():
             version = self._policy_version
             generator = torch.Generator(device=self._runner.device).manual_seed(config.seed)
-            trace = DecodeTrace(len(prompts), self.vocab_size)
+            # Static batching's padding draws go to one extra row that the trace drops.
+            trace = DecodeTrace(len(prompts), self.vocab_size, discard_row=len(prompts))
             stops = StopMatcher(config.stop, self._decode) if config.stop else None
             stopped = self._run_rows(prompts, limits, config, generator, trace,
                                      None if ignore_eos else self.tokenizer.eos_id, stops)
@@ -203,6 +210,8 @@ class Engine:
         waiting.reverse()                                       # pop() takes the lowest row first
         tokens = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)  # last draws
         stopped: dict[int, str] = {}
+        padded = len(prompts)           # the row of a finished slot that keeps decoding (STATIC)
+        last_position = self.max_positions - 1
         while waiting or table.busy:
             room = min(table.num_free, len(waiting))
             admit = room > 0 and (not table.busy or (self.batching == CONTINUOUS and
@@ -210,7 +219,8 @@ class Engine:
             join_rows = [waiting.pop() for _ in range(room)] if admit else []
             join_slots = table.take_slots(len(join_rows))
             n = table.decode_slots
-            logits = self._runner.step(tokens[:n], table.position[:n], table.groups(), table.busy,
+            groups = table.groups() if self._runner.uses_groups else ()
+            logits = self._runner.step(tokens[:n], table.position[:n], groups, table.busy,
                                        join_slots, [prompts[r] for r in join_rows])
             draw = sample_step(logits, config, generator, self.support_bound)
             trace.add(torch.tensor([table.row[s] for s in table.busy] + join_rows), draw)
@@ -219,11 +229,22 @@ class Engine:
             finished = []
             for s, tok in zip(stepped, draw.tokens.tolist()):
                 row = table.row[s]
+                if row == padded:
+                    if table.position[s] >= last_position:  # no room left to decode padding
+                        finished.append(s)
+                    continue
                 hit = stops.push(row, tok) if stops is not None else None
                 if hit is not None:
                     stopped[row] = hit
                 if hit is not None or table.count[s] >= limits[row] or tok == eos:
                     finished.append(s)
+            if self.batching == STATIC and finished:
+                for s in finished:
+                    table.row[s] = padded
+                if any(table.row[s] != padded for s in stepped):
+                    finished = [s for s in finished if table.position[s] >= last_position]
+                else:
+                    finished = stepped                          # the whole batch has finished
             table.retire(finished, stepped)
         return stopped
 

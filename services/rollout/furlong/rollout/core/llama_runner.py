@@ -14,19 +14,28 @@ attention is split between the two kinds of rows. Joiners therefore never stall 
 with a prefill pass of their own.
 
 The model's own modules do every numeric step (projections, RoPE of its configured type, norms,
-MLP); only the attention over the slot cache is computed here, with scaled dot-product attention
-at the model's own `scaling`. Knows nothing about sampling, tokenizers or requests.
+MLP); only the attention over the slot cache is computed here, at the model's own `scaling`. Decode
+attention has two implementations (`decode_attention`): "numba", a compiled kernel where every slot
+reads exactly its own columns [0, position] (float32 on the CPU; the default there when numba
+imports), and "sdpa", torch's scaled dot-product attention over a few slot ranges, each masked and
+reading up to its longest row (`attention_groups`; everywhere else). Joiners' prompts always use
+SDPA. Knows nothing about sampling, tokenizers or requests.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+log = logging.getLogger(__name__)
+
 SUPPORTED_MODEL_TYPES = ("llama",)
+DECODE_ATTENTION = ("auto", "numba", "sdpa")
 MAX_ATTENTION_GROUPS = 4
 MIN_GROUP_ROWS = 8
 GROUP_CALL_COLUMNS = 256   # what one more attention call costs, in cache columns read (CPU, measured)
@@ -47,10 +56,12 @@ def check_supported(model: torch.nn.Module) -> None:
 class LlamaRunner:
     """Not thread-safe: the engine serialises calls. Buffers are allocated on first use."""
 
-    def __init__(self, model: torch.nn.Module, num_slots: int) -> None:
+    def __init__(self, model: torch.nn.Module, num_slots: int, decode_attention: str = "auto") -> None:
         check_supported(model)
         self.model = model
         self.num_slots = num_slots
+        self._kernel = _select_kernel(model, decode_attention)
+        self.decode_attention = "numba" if self._kernel is not None else "sdpa"
         config = model.config
         self.max_positions = int(config.max_position_embeddings)
         self.num_kv_heads = int(config.num_key_value_heads)
@@ -58,6 +69,11 @@ class LlamaRunner:
                             or config.hidden_size // config.num_attention_heads)
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
+
+    @property
+    def uses_groups(self) -> bool:
+        """Whether `step` reads its `groups` argument (only the SDPA decode attention does)."""
+        return self._kernel is None
 
     @property
     def device(self) -> torch.device:
@@ -124,9 +140,14 @@ class LlamaRunner:
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids[None])
         cos, sin = cos[0], sin[0]                                   # (total, head_dim)
         masks: list[torch.Tensor] = []
+        kernel = self._kernel
         if n:
             slots = torch.arange(n, device=device)
             decode_positions = position_ids[:n]
+        if n and kernel is not None:
+            decode_positions_np = np.asarray(flat_positions[:n], dtype=np.int64)
+            decode_out = torch.empty(n, self.model.config.num_attention_heads, self.head_dim)
+        if n and kernel is None:
             columns = torch.arange(max(span for _, _, span in groups), device=device)
             masks = [(columns[None, :span] <= decode_positions[a:b, None])[:, None, None, :]
                      for a, b, span in groups]
@@ -147,7 +168,11 @@ class LlamaRunner:
                 vj = v[n:].view(j, width, -1, self.head_dim).transpose(1, 2)
                 keys[join_index, :, :width] = kj
                 values[join_index, :, :width] = vj
-            for (a, b, span), mask in zip(groups, masks):
+            if n and kernel is not None:
+                kernel(q[:n].contiguous().numpy(), keys.numpy(), values.numpy(),
+                       decode_positions_np, np.float32(attn.scaling), decode_out.numpy())
+                outs.append(decode_out.view(n, -1))   # used up (o_proj, cat) before the next layer
+            for (a, b, span), mask in zip(groups if kernel is None else (), masks):
                 out = scaled_dot_product_attention(q[a:b, :, None], keys[a:b, :, :span],
                                                    values[a:b, :, :span], attn_mask=mask,
                                                    scale=attn.scaling, enable_gqa=gqa)
@@ -161,6 +186,30 @@ class LlamaRunner:
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.model.lm_head(inner.norm(hidden[rows_index])).float()
+
+
+def _select_kernel(model: torch.nn.Module, choice: str):
+    """The numba decode kernel, or None for SDPA. "auto" takes numba for float32 models on the CPU
+    when it imports; "numba" fails where it cannot run; "sdpa" never takes it."""
+    if choice not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {choice!r}")
+    if choice == "sdpa":
+        return None
+    param = next(model.parameters())
+    fits = param.device.type == "cpu" and param.dtype == torch.float32
+    if not fits:
+        if choice == "numba":
+            raise ValueError(f"the numba decode attention runs float32 models on the CPU, this one "
+                             f"is {param.dtype} on {param.device}")
+        return None
+    try:
+        from furlong.rollout.core._decode_attention import decode_attention
+    except ImportError as exc:
+        if choice == "numba":
+            raise ValueError(f"the numba decode attention needs numba: {exc}") from exc
+        log.info("numba does not import (%s); decode attention runs on SDPA", exc)
+        return None
+    return decode_attention
 
 
 def attention_groups(positions: Sequence[int], n: int) -> list[tuple[int, int, int]]:

@@ -30,9 +30,13 @@ class RowTrace:
 class DecodeTrace:
     """Accumulates `StepDraw`s of a batch of `num_rows` rows over a vocabulary of `vocab_size`."""
 
-    def __init__(self, num_rows: int, vocab_size: int) -> None:
+    def __init__(self, num_rows: int, vocab_size: int, discard_row: int | None = None) -> None:
+        """Draws recorded for row `discard_row` (if given, >= num_rows) are dropped at the end."""
+        if discard_row is not None and discard_row < num_rows:
+            raise ValueError(f"discard_row {discard_row} is one of the {num_rows} rows")
         self.num_rows = num_rows
         self.vocab_size = vocab_size
+        self.discard_row = discard_row
         self._rows: list[torch.Tensor] = []
         self._draws: list[StepDraw] = []
 
@@ -58,6 +62,9 @@ class DecodeTrace:
         rows = torch.cat(self._rows)
         steps = torch.cat([torch.full_like(r, t) for t, r in enumerate(self._rows)])
         order = torch.argsort(rows * num_steps + steps)
+        if self.discard_row is not None:      # discarded draws sort last: cut them off
+            kept = int((rows != self.discard_row).sum())
+            order, rows = order[:kept], rows[rows != self.discard_row]
         tokens = torch.cat([d.tokens for d in self._draws])[order].tolist()
         logprobs = torch.cat([d.logprobs for d in self._draws])[order].tolist()
         full_logprobs = torch.cat([d.logprobs if d.full_logprobs is None else d.full_logprobs
