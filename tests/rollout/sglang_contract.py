@@ -1,5 +1,8 @@
 """Contract checks of the SGLang adapter, shared by the fake-server tests (CPU) and the GPU script
-against a real SGLang server. Each takes a connected `SGLangEngine` and asserts on values."""
+against a real SGLang server. Each takes a connected `SGLangEngine` (or several) and asserts on
+values. The weight-update checks compare generation after the update with `expected`, the
+`fingerprint` of what the same weights must generate (on CPU: a built-in engine loaded with them;
+on a GPU: the same server after loading them from disk)."""
 
 from __future__ import annotations
 
@@ -11,8 +14,20 @@ import pytest
 from furlong.core.errors import UnavailableError
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.sglang import SGLangEngine
+from furlong.rollout.weight_update_group import WeightUpdateGroup
 
 PROMPTS = [[1, 4, 5, 13, 6, 14], [1, 7, 13, 8, 14], [1, 12, 12, 13, 3, 14]]
+SAMPLED = SamplingConfig(temperature=0.9, top_k=6, top_p=0.9, max_new_tokens=8, seed=11)
+
+
+def fingerprint(gens) -> list[tuple[list[int], list[float], list[list[int]]]]:
+    """What must match bit for bit between two engines with the same weights: tokens, log-probs
+    and supports of `SAMPLED` on `PROMPTS`."""
+    return [(list(g.token_ids), list(g.logprobs), g.support.to_lists()) for g in gens]
+
+
+def served_fingerprint(engine) -> list:
+    return fingerprint(engine.generate(PROMPTS, SAMPLED))
 
 
 def check_generate_records_exact_draws(engine: SGLangEngine) -> list:
@@ -88,3 +103,38 @@ def check_unreachable_server(tokenizer, vocab_size: int) -> None:
     with pytest.raises(UnavailableError, match="cannot reach http://127.0.0.1:9"):
         dead.generate(PROMPTS, SamplingConfig())
     assert time.monotonic() - started < 10
+
+
+def check_weight_update_from_tensor(engine: SGLangEngine, named_tensors: dict, expected: list) -> None:
+    version = engine.policy_version + 1
+    engine.update_weights_from_tensor(version, named_tensors)
+    assert engine.policy_version == version and engine.wait_for_version(version, 0.0)
+    after = engine.generate(PROMPTS, SAMPLED)
+    assert {g.policy_version for g in after} == {version}
+    assert fingerprint(after) == expected
+    with pytest.raises(ValueError, match="older than the served version"):
+        engine.update_weights_from_tensor(version - 1, named_tensors)
+    assert engine.policy_version == version
+
+
+def check_weight_update_from_distributed(engines: list[SGLangEngine], named_tensors: dict,
+                                         expected: list, backend: str = "gloo") -> None:
+    """One group over all `engines`: a full update, then a partial one (a single tensor, sent back
+    unchanged) that must leave generation as it is; every engine serves each new version."""
+    group = WeightUpdateGroup(engines, backend=backend, timeout_s=60.0)
+    try:
+        version = max(e.policy_version for e in engines) + 1
+        group.update(version, named_tensors)
+        for engine in engines:
+            after = engine.generate(PROMPTS, SAMPLED)
+            assert engine.policy_version == version and {g.policy_version for g in after} == {version}
+            assert fingerprint(after) == expected, engine.name
+        name = next(iter(named_tensors))
+        group.update(version + 1, {name: named_tensors[name]})
+        for engine in engines:
+            assert engine.policy_version == version + 1
+            assert served_fingerprint(engine) == expected, engine.name
+        with pytest.raises(ValueError, match="older than the served version"):
+            group.update(version, named_tensors)
+    finally:
+        group.close()

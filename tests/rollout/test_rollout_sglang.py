@@ -3,13 +3,24 @@ server; `test_rollout_sglang_gpu.py` runs the same contract against SGLang on a 
 
 from __future__ import annotations
 
+import base64
+import json
+import os
+import pickle
+import urllib.error
+import urllib.request
+
 import pytest
+import torch
 
 import sglang_contract as contract
 from fake_sglang import FakeSGLang
+from furlong.core.checkpoint import load_policy
 from furlong.core.errors import UnavailableError
+from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.sglang import SGLangEngine
+from furlong.rollout.tensor_payload import payload_of
 from rollout_models import reference, uncached_logits, write_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -74,3 +85,86 @@ def test_malformed_responses_are_errors_not_guesses(fake, monkeypatch):
         engine.generate(contract.PROMPTS, SamplingConfig(top_k=1, max_new_tokens=2))
     with pytest.raises(ValueError, match="base_url must be an http"):
         SGLangEngine("127.0.0.1:1", fake.tokenizer, fake.engine.vocab_size)
+
+
+def built_in_fingerprint(model_dir: str) -> list:
+    """What a built-in engine loaded from `model_dir` generates for the contract's sampled config."""
+    model, tok = load_policy(model_dir)
+    return contract.served_fingerprint(Engine(model, tok))
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_weight_update_from_tensor_serves_exactly_the_new_weights(fake, tmp_path):
+    engine = adapter(fake)
+    new_dir = str(write_checkpoint(tmp_path / "v1", seed=52))
+    expected = built_in_fingerprint(new_dir)
+    assert contract.served_fingerprint(engine) != expected
+    new_model, _ = load_policy(new_dir)
+    contract.check_weight_update_from_tensor(engine, new_model.state_dict(), expected)
+    assert fake.weight_version == "1"
+    paths = [p for p, _ in fake.requests]
+    update = paths.index("/update_weights_from_tensor")
+    assert paths[update - 1] == "/pause_generation" and paths[update + 1] == "/continue_generation"
+    body = fake.requests[update][1]
+    assert len(body["serialized_named_tensors"]) == 1 and body["flush_cache"] is True
+    assert body["weight_version"] == "1"
+
+
+def test_refused_tensor_updates_name_the_problem_and_change_nothing(fake, tmp_path):
+    engine = adapter(fake)
+    before = contract.served_fingerprint(engine)
+    state = {k: v.clone() for k, v in fake.engine.model.state_dict().items()}
+    bad_shape = {**state, "lm_head.weight": torch.zeros(3, 3)}
+    with pytest.raises(ValueError, match=r"lm_head.weight has shape \(3, 3\)"):
+        engine.update_weights_from_tensor(1, bad_shape)
+    with pytest.raises(ValueError, match="unexpected tensor.*'no.such.weight'"):
+        engine.update_weights_from_tensor(1, {"no.such.weight": torch.zeros(2)})
+    with pytest.raises(ValueError, match="model.norm.weight has dtype torch.int64"):
+        engine.update_weights_from_tensor(1, {"model.norm.weight": torch.ones(32, dtype=torch.int64)})
+    assert engine.policy_version == 0 and fake.weight_version == "0"
+    assert contract.served_fingerprint(engine) == before
+
+    text = payload_of([("model.norm.weight", torch.ones(32))]).text
+    cases = {
+        "serialized_named_tensors must be a list with one entry per TP rank": {
+            "serialized_named_tensors": [text, text]},
+        "load_format 'direct' is not supported": {"serialized_named_tensors": [text],
+                                                  "load_format": "direct"},
+        "flush_cache must be true or false, got 'yes'": {"serialized_named_tensors": [text],
+                                                         "flush_cache": "yes"},
+        "not base64": {"serialized_named_tensors": ["not base64!"]},
+        "weight_version must be a string": {"serialized_named_tensors": [text], "weight_version": 3},
+    }
+    for message, body in cases.items():
+        status, reply = post(fake.url + "/update_weights_from_tensor", body)
+        assert status == 400 and message in reply["error"]["message"], (message, reply)
+    assert contract.served_fingerprint(engine) == before and fake.engine.policy_version == 0
+
+
+class _Exploit:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def test_tensor_payload_is_never_plainly_unpickled(fake, tmp_path):
+    marker = tmp_path / "pwned"
+    text = base64.b64encode(pickle.dumps([("model.norm.weight", _Exploit(str(marker)))])).decode()
+    status, reply = post(fake.url + "/update_weights_from_tensor", {"serialized_named_tensors": [text]})
+    assert status == 400 and "forbidden global posix.system" in reply["error"]["message"]
+    assert not marker.exists()
+    text = base64.b64encode(pickle.dumps([("model.norm.weight", 1.5)])).decode()
+    status, reply = post(fake.url + "/update_weights_from_tensor", {"serialized_named_tensors": [text]})
+    assert status == 400 and "list of (name, tensor) pairs" in reply["error"]["message"]
+    assert fake.engine.policy_version == 0

@@ -1,13 +1,24 @@
 """The SGLang adapter contract against a real SGLang server (needs a CUDA GPU and the `sglang`
-package; skipped otherwise). Run it with
+package; skipped otherwise). Run it on the GPU host, in an environment with `sglang` and a CUDA
+torch installed next to this repository's packages, with
 
     pytest tests/rollout/test_rollout_sglang_gpu.py -m gpu -q
 
-It writes a tiny Llama checkpoint (Hugging Face layout: config.json + model.safetensors), launches
-`python -m sglang.launch_server --model-path DIR --skip-tokenizer-init` on 127.0.0.1, waits for
-/health_generate, and runs the same checks as the fake-server tests (sglang_contract.py). The
-server must return `meta_info.output_sampling_mask` for `return_sampling_mask: true` requests;
+Each test writes a tiny Llama checkpoint (Hugging Face layout: config.json + model.safetensors),
+launches `python -m sglang.launch_server --model-path DIR --skip-tokenizer-init` on 127.0.0.1
+(log in the test's tmp dir), waits for /health_generate, and runs the same checks as the
+fake-server tests (sglang_contract.py):
+
+- generation, sampling supports, pause/resume, bad requests and `/update_weights_from_disk`;
+- `/update_weights_from_tensor` with CUDA tensors (CUDA IPC handles: the server is on this host)
+  and `/update_weights_from_distributed` through a one-engine NCCL group whose rank 0 is this
+  process. What they must generate afterwards is what the same server generates after loading the
+  same checkpoint from disk (`expected`), bit for bit.
+
+The server must return `meta_info.output_sampling_mask` for `return_sampling_mask: true` requests;
 a server without it fails `check_generate_records_exact_draws` with a message naming the field.
+Refused updates (unknown names, wrong shapes) are checked against the fake server only: what a real
+server does with them is up to its model loader.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import pytest
 import torch
 
 import sglang_contract as contract
+from furlong.core.checkpoint import load_policy
 from furlong.core.redis_server import free_port
 from furlong.rollout.sglang import SGLangEngine
 from rollout_models import tokenizer, write_checkpoint
@@ -79,3 +91,22 @@ def test_contract_against_real_sglang(sglang_server, tmp_path):
     contract.check_pause_holds_generation_until_resumed(engine)
     contract.check_weight_update_from_disk(engine, str(write_checkpoint(tmp_path / "v1", seed=52)), greedy)
     contract.check_unreachable_server(tok, tok.vocab_size)
+
+
+def test_weight_updates_from_tensor_and_distributed_on_real_sglang(sglang_server, tmp_path):
+    tok = tokenizer()
+    engine = SGLangEngine(sglang_server, tok, tok.vocab_size, timeout_s=120.0)
+    target_dir = write_checkpoint(tmp_path / "target", seed=52)
+    other_dir = str(write_checkpoint(tmp_path / "other", seed=53))
+    engine.update_weights_from_disk(1, str(target_dir))
+    expected = contract.served_fingerprint(engine)
+    model, _ = load_policy(str(target_dir))
+    state = {k: v.to("cuda") for k, v in model.state_dict().items()}
+
+    engine.update_weights_from_disk(2, other_dir)
+    assert contract.served_fingerprint(engine) != expected
+    contract.check_weight_update_from_tensor(engine, state, expected)
+
+    engine.update_weights_from_disk(engine.policy_version + 1, other_dir)
+    assert contract.served_fingerprint(engine) != expected
+    contract.check_weight_update_from_distributed([engine], state, expected, backend="nccl")

@@ -3,13 +3,16 @@ adapter speaks (see `furlong.rollout.sglang`), so the engine pool drives built-i
 servers the same way:
 
     python -m furlong.rollout.engine_server --model-dir DIR --port P [--host 127.0.0.1]
-        [--max-batch-size 64] [--num-threads 1]
+        [--max-batch-size 64] [--num-threads 1] [--group-timeout-s 300]
 
 Routes: GET /health, /health_generate; POST /generate, /pause_generation, /continue_generation,
-/flush_cache, /update_weights_from_disk, /update_weight_version. `/generate` waits while generation
-is paused. A bad request is HTTP 400 with {"error": {"message"}}; a refused weight load is
-{"success": false, "message"}. Served with the standard library's threading HTTP server on the
-given host only.
+/flush_cache, /update_weights_from_disk, /update_weight_version, and the routes of
+`engine_weight_updates`: /update_weights_from_tensor, /init_weights_update_group,
+/update_weights_from_distributed, /destroy_weights_update_group (gloo only; a weight update group
+binds its sockets to --host, and waits at most --group-timeout-s for its peers). `/generate` waits
+while generation is paused. A bad request is HTTP 400 with {"error": {"message"}}; a refused weight
+load from disk or a failed rendezvous or transfer is {"success": false, "message"}. Served with the
+standard library's threading HTTP server on the given host only.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from furlong.core.checkpoint import load_policy
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampling import SamplingConfig
+from furlong.rollout.engine_weight_updates import EngineWeightUpdates
 
 log = logging.getLogger("furlong.rollout.engine_server")
 
@@ -36,13 +40,20 @@ class EngineHttpServer:
     """Serves one built-in engine loaded from `model_dir` on host:port (0 picks a free port)."""
 
     def __init__(self, model_dir: str, host: str = "127.0.0.1", port: int = 0,
-                 max_batch_size: int = 64) -> None:
+                 max_batch_size: int = 64, group_timeout_s: float = 300.0) -> None:
+        if not group_timeout_s > 0:
+            raise ValueError(f"group_timeout_s must be > 0, got {group_timeout_s!r}")
         model, self.tokenizer = load_policy(model_dir)
         self.engine = Engine(model, self.tokenizer, max_batch_size=max_batch_size)
         self.weight_version = "0"
         # engine policy version -> the label /update_weight_version gave it; each generated row
         # reports the label of the version that drew it, so a load racing a request cannot mislabel
         self._labels: dict[int, str] = {}
+        self.weights = EngineWeightUpdates(self.engine, host, group_timeout_s, self._loaded)
+        self._weight_routes = {"/update_weights_from_tensor": self.weights.from_tensor,
+                               "/init_weights_update_group": self.weights.init_group,
+                               "/update_weights_from_distributed": self.weights.from_distributed,
+                               "/destroy_weights_update_group": self.weights.destroy_group}
         self.running = threading.Event()
         self.running.set()
         handler = type("Handler", (_Handler,), {"target": self})
@@ -61,6 +72,7 @@ class EngineHttpServer:
         self.server.server_close()
         if self._thread is not None:
             self._thread.join(10)
+        self.weights.close()
 
     def generate(self, body: dict) -> tuple[int, object]:
         params = body.get("sampling_params", {})
@@ -114,7 +126,14 @@ class EngineHttpServer:
             self.weight_version = str(body["new_version"])
             self._labels[self.engine.policy_version] = self.weight_version
             return 200, {"success": True, "new_version": self.weight_version}
+        route = self._weight_routes.get(path)
+        if route is not None:
+            return route(body)
         return 404, {"error": {"message": f"no route {path}"}}
+
+    def _loaded(self, version: int, label: str) -> None:
+        self.weight_version = label
+        self._labels[version] = label
 
     def _load(self, body: dict) -> tuple[int, object]:
         try:
@@ -178,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--group-timeout-s", type=float, default=300.0)
     parser.add_argument("--log-level", default="INFO", type=str.upper)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -185,7 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda received, frame: stop.set())
-    server = EngineHttpServer(args.model_dir, args.host, args.port, args.max_batch_size).start()
+    server = EngineHttpServer(args.model_dir, args.host, args.port, args.max_batch_size,
+                              args.group_timeout_s).start()
     log.info("engine serving %s on %s", args.model_dir, server.url)
     while not stop.wait(0.5):
         pass

@@ -15,6 +15,19 @@ It speaks SGLang's HTTP API with token ids only (servers run with `--skip-tokeni
   last weight update).
 - `GET /health_generate`; `POST /pause_generation`, `/continue_generation`, `/flush_cache`;
   `POST /update_weights_from_disk` (`model_path`, `weight_version`) and `/update_weight_version`.
+- `POST /update_weights_from_tensor` (`serialized_named_tensors`: one entry per TP rank, each the
+  base64 text of `tensor_payload.payload_of`: shared memory / CUDA IPC handles, so the server must
+  run on this host; `weight_version`, `flush_cache: true`).
+- `POST /init_weights_update_group`, `/update_weights_from_distributed` (`names`, `dtypes`,
+  `shapes`, `group_name`, `weight_version`, `flush_cache: true`) and
+  `/destroy_weights_update_group`: the engine's side of a torch.distributed group whose rank 0
+  broadcasts the tensors; `weight_update_group.WeightUpdateGroup` drives these calls and the
+  broadcast for a set of engines.
+
+Every weight update through the adapter — disk, tensor or distributed — is paused around the
+load, refuses a version older than the served one before calling the server, and moves
+`policy_version` only when the server answered `{"success": true}`; `{"success": false}` is a
+ValueError carrying the server's message.
 
 Every response is checked before it becomes a `Generation` (lengths agree, each token lies in its
 support, log-probs are finite and <= 0); anything else is an error naming the request row, never a
@@ -30,9 +43,10 @@ import math
 import threading
 import urllib.error
 import urllib.request
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
+import torch
 
 from furlong.core.errors import UnavailableError
 from furlong.core.sampling_mask import RolloutSamplingMask
@@ -40,6 +54,7 @@ from furlong.rollout.core.engine import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP,
                                          TokenizerLike)
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.stop_strings import cut_at_stop
+from furlong.rollout.tensor_payload import payload_of
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +62,12 @@ log = logging.getLogger(__name__)
 class SGLangEngine:
     """Thread-safe: every call is one HTTP request. `policy_version` is the version of the last
     successful weight update through this adapter (the server's `weight_version` string is its
-    decimal form)."""
+    decimal form). `tp_size` is the server's tensor-parallel size (its ranks in a weight update
+    group, its entries in a tensor update)."""
 
     def __init__(self, base_url: str, tokenizer: TokenizerLike, vocab_size: int,
-                 timeout_s: float = 120.0, policy_version: int = 0, name: str = "sglang") -> None:
+                 timeout_s: float = 120.0, policy_version: int = 0, name: str = "sglang",
+                 tp_size: int = 1) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
         eos_id = tokenizer.eos_id
@@ -60,6 +77,9 @@ class SGLangEngine:
         self.tokenizer = tokenizer
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
+        self.tp_size = tp_size
         self.base_url = base_url.rstrip("/")
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -125,6 +145,52 @@ class SGLangEngine:
                                   {"model_path": model_path, "weight_version": str(version)})
             self._check_success("/update_weights_from_disk", reply)
             self.flush_cache()
+        finally:
+            self.resume()
+        self._set_version(version)
+
+    def update_weights_from_tensor(self, version: int, named_tensors: Mapping[str, torch.Tensor]
+                                   | Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load `named_tensors` (all parameters or some; state-dict names) on the server as policy
+        `version`, shared through memory rather than copied over HTTP (paused around the load)."""
+        self._check_newer(version)
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        if not items:
+            raise ValueError(f"{self.name}: a weight update needs at least one tensor")
+        payload = payload_of(items)      # alive until the server answered: it maps these tensors
+        self._paused_update("/update_weights_from_tensor", version, {
+            "serialized_named_tensors": [payload.text] * self.tp_size, "flush_cache": True,
+            "weight_version": str(version)})
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str) -> None:
+        """Have the server join a weight update group at ranks rank_offset.. (one per TP rank);
+        returns once every rank of the group joined."""
+        reply = self._request("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port,
+            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
+            "backend": backend})
+        self._check_success("/init_weights_update_group", reply)
+
+    def update_weights_from_distributed(self, version: int, names: Sequence[str],
+                                        dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                                        group_name: str) -> None:
+        """The server's half of a distributed update: it receives the tensors that rank 0 of
+        `group_name` broadcasts (in `names` order) and loads them as `version` (paused around it).
+        Rank 0 must broadcast concurrently; see `WeightUpdateGroup.update`."""
+        self._check_newer(version)
+        self._paused_update("/update_weights_from_distributed", version, {
+            "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+            "group_name": group_name, "flush_cache": True, "weight_version": str(version)})
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        reply = self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+        self._check_success("/destroy_weights_update_group", reply)
+
+    def _paused_update(self, path: str, version: int, body: dict) -> None:
+        self.pause()
+        try:
+            self._check_success(path, self._request("POST", path, body))
         finally:
             self.resume()
         self._set_version(version)
