@@ -8,7 +8,8 @@ process.
 bf16 parameters, 1 GiB by default (--quick: 32 MiB, same code paths). Measured in the same run, on
 the same data, after a warm-up, as medians over --reps repetitions:
 
-- memcpy_gbps: torch copy_ of the whole state, host to host, in this process.
+- memcpy_gbps: torch copy_ of the whole state, host to host, in this process; sampled before the
+  raw read and before each lane's measurement, median of all samples (lowest and highest too).
 - raw_nixl_seconds: one raw NIXL READ of the whole state from this process into an engine process.
 - nixl_gbps / shm_gbps: per-engine pull rate of the broker pipeline over that lane (bytes and
   seconds the engines acknowledged, so both engines pulling at once share the machine).
@@ -19,6 +20,9 @@ the same data, after a warm-up, as medians over --reps repetitions:
   copy it into their parameters (apply), the path before pulls went straight into parameters.
 - trainer_free_seconds_<mode>: publish start -> the trainer's bucket may be reused (direct: the
   version committed; relay: the relay took it).
+- switch_seconds_direct_concurrent / nixl_gbps_concurrent: direct over NIXL with the engines
+  pulling at the same time (pull lock off) instead of taking turns (the default, see
+  furlong.weight_broker.pull_lock); turns_vs_concurrent_switch compares the two switches.
 - naive_seconds: torch.save -> bytes -> gRPC stream -> torch.load into ONE engine process.
 - publish_rss_delta_bytes: peak growth of this process's RSS while publishing, against the bucket.
 
@@ -77,7 +81,7 @@ def engine_main(args) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     client = GrpcBrokerClient(args.broker)
-    config = TransferConfig(lanes=tuple(args.lanes.split(",")))
+    config = TransferConfig(lanes=tuple(args.lanes.split(",")), pull_lock_wait_s=args.pull_lock_wait_s)
     if args.into == "params":
         receiver = WeightReceiver(client, args.run_id, args.engine_id, lambda v, t: None,
                                   config=config, params=model)
@@ -190,16 +194,27 @@ def metric(metrics_port: int, series: str) -> float:
     return 0.0
 
 
-def measure_memcpy(state, reps: int) -> float:
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    dst = {k: torch.empty_like(v) for k, v in state.items()}
-    times = []
-    for _ in range(reps + 1):
-        started = time.perf_counter()
-        for k, v in state.items():
-            dst[k].copy_(v)
-        times.append(time.perf_counter() - started)
-    return total / statistics.median(times[1:]) / 1e9
+class Memcpy:
+    """memcpy of the whole state (torch copy_ per tensor, host to host, in this process). Sampled
+    again before every measurement, since the rate of a shared host drifts during a run; the
+    figure is the median of every sample, with the lowest and highest kept for the notes."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+        self.total = sum(t.numel() * t.element_size() for t in state.values())
+        self.dst = {k: torch.empty_like(v) for k, v in state.items()}
+        self.times: list[float] = []
+
+    def sample(self, reps: int) -> None:
+        for rep in range(reps + 1):
+            started = time.perf_counter()
+            for k, v in self.state.items():
+                self.dst[k].copy_(v)
+            if rep:     # the first copy warms up
+                self.times.append(time.perf_counter() - started)
+
+    def gbps(self, pick=statistics.median) -> float:
+        return self.total / pick(self.times) / 1e9
 
 
 def measure_raw(size: int, reps: int, tmp: Path) -> float:
@@ -238,11 +253,13 @@ def measure_naive(state, reps: int, tmp: Path) -> float:
 
 
 def measure_lane(lane: str, mode: str, state, args, broker: str, metrics_port: int,
-                 tmp: Path, into: str = "params") -> dict:
-    run_id = f"bench-{lane}-{mode}" + ("" if into == "params" else f"-{into}")
+                 tmp: Path, into: str = "params", pull_lock: bool = True) -> dict:
+    run_id = f"bench-{lane}-{mode}" + ("" if into == "params" else f"-{into}") + (
+        "" if pull_lock else "-concurrent")
     publish_run = upstream_run_id(run_id) if mode == "relay" else run_id
     engines = [child("engine", "--broker", broker, "--run-id", run_id, "--engine-id", e,
                      "--lanes", lane, "--size", str(len_bytes(state)), "--into", into,
+                     "--pull-lock-wait-s", "5" if pull_lock else "0",
                      log_path=tmp / f"{run_id}-{e}.log") for e in ENGINES]
     client = GrpcBrokerClient(broker)
     publisher = None
@@ -311,6 +328,7 @@ def main() -> int:
     parser.add_argument("--lanes"), parser.add_argument("--meta"), parser.add_argument("--out")
     parser.add_argument("--address"), parser.add_argument("--size", type=int)
     parser.add_argument("--into", choices=("params", "buffer"), default="params")
+    parser.add_argument("--pull-lock-wait-s", type=float, default=5.0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     if args.role != "main":
@@ -330,14 +348,21 @@ def main() -> int:
         broker = f"127.0.0.1:{port}"
         try:
             wait_for(lambda: check_health(broker), 60.0, "broker serving")
-            memcpy_gbps = measure_memcpy(state, args.reps)
+            memcpy = Memcpy(state)
+            memcpy.sample(args.reps)
             raw_s = measure_raw(size, args.reps, tmp)
-            lanes = {lane: measure_lane(lane, "direct", state, args, broker, metrics_port, tmp)
-                     for lane in ("nixl", "shm")}
+            lanes = {}
+            for lane in ("nixl", "shm"):
+                memcpy.sample(args.reps)
+                lanes[lane] = measure_lane(lane, "direct", state, args, broker, metrics_port, tmp)
+            memcpy.sample(args.reps)
             relay = measure_lane("nixl", "relay", state, args, broker, metrics_port, tmp)
             buffered = measure_lane("nixl", "direct", state, args, broker, metrics_port, tmp,
                                     into="buffer")
+            concurrent = measure_lane("nixl", "direct", state, args, broker, metrics_port, tmp,
+                                      pull_lock=False)
             naive_s = measure_naive(state, args.reps, tmp)
+            memcpy_gbps = memcpy.gbps()
         finally:
             broker_proc.send_signal(signal.SIGTERM)
             broker_proc.wait(30)
@@ -349,6 +374,8 @@ def main() -> int:
                    "bucket_bytes": direct["bucket_bytes"], "reps": args.reps},
         "metrics": {
             "memcpy_gbps": round(memcpy_gbps, 3),
+            "memcpy_gbps_lowest": round(memcpy.gbps(max), 3),
+            "memcpy_gbps_highest": round(memcpy.gbps(min), 3),
             "raw_nixl_seconds": round(raw_s, 4),
             "raw_nixl_gbps": round(size / raw_s / 1e9, 3),
             "nixl_gbps": round(lanes["nixl"]["per_engine_gbps"], 3),
@@ -358,6 +385,8 @@ def main() -> int:
             "switch_seconds_relay": round(relay["switch_seconds"], 4),
             "switch_seconds_direct_buffer": round(buffered["switch_seconds"], 4),
             "nixl_gbps_buffer": round(buffered["per_engine_gbps"], 3),
+            "switch_seconds_direct_concurrent": round(concurrent["switch_seconds"], 4),
+            "nixl_gbps_concurrent": round(concurrent["per_engine_gbps"], 3),
             "trainer_free_seconds_direct": round(direct["trainer_free_seconds"], 4),
             "trainer_free_seconds_relay": round(relay["trainer_free_seconds"], 4),
             "naive_seconds": round(naive_s, 4),
@@ -369,6 +398,8 @@ def main() -> int:
             "raw_vs_switch": round(raw_s / direct["switch_seconds"], 3),
             "raw_vs_switch_relay": round(raw_s / relay["switch_seconds"], 3),
             "params_vs_buffer_switch": round(buffered["switch_seconds"] / direct["switch_seconds"], 3),
+            "turns_vs_concurrent_switch": round(concurrent["switch_seconds"] /
+                                                direct["switch_seconds"], 3),
             "vs_naive": round(naive_s / direct["switch_seconds"], 3),
             "vs_naive_relay": round(naive_s / relay["switch_seconds"], 3),
             "publish_mem_vs_bucket": round(direct["rss_delta_bytes"] / direct["bucket_bytes"], 3),
@@ -377,7 +408,8 @@ def main() -> int:
                   "medians of reps after one warm-up. Engines pull straight into their parameters "
                   "(direct_buffer: into a receive buffer plus an apply copy, for comparison). "
                   "nixl/shm_gbps: per-engine rate from the "
-                  "engines' acknowledged bytes and seconds while both pull at once. switch: publish "
+                  "engines' acknowledged bytes and seconds of their pulls; engines on one host take "
+                  "turns pulling (host pull lock), except in the _concurrent figures. switch: publish "
                   "start -> broker commit (both engines verified and applied v+1). raw: one NIXL READ "
                   "of the whole state into one engine process. naive: torch.save + gRPC stream + "
                   "torch.load into one engine. publish_mem_vs_bucket: peak RSS growth of the "

@@ -167,6 +167,43 @@ def test_a_tensor_larger_than_the_bucket_grows_it_once_and_gets_its_own_round():
     assert all(r.size_bytes > 0 for r in plan.rounds)   # no empty round
 
 
+def test_double_buffered_plan_alternates_halves_of_the_same_bucket():
+    layout = WeightLayout.from_state_dict(_sized(16, 16, 16, 16, 16))   # 64 bytes each, packed
+    plan = plan_buckets(layout, bucket_size_bytes=128, double_buffer=True)
+    assert [r.names for r in plan.rounds] == [("t0",), ("t1",), ("t2",), ("t3",), ("t4",)]
+    assert [r.bucket_offset_bytes for r in plan.rounds] == [0, 64, 0, 64, 0]
+    assert plan.bucket_size_bytes == 128 and plan.double_buffered
+    assert [n for r in plan.rounds for n in r.names] == [s.name for s in layout.slots]
+    # Whatever the sizes: rounds never overlap inside the bucket, never exceed it, keep order.
+    sd = {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.zeros(5, dtype=torch.float64),
+          "c": torch.zeros(7, dtype=torch.bfloat16), "d": torch.zeros(9, dtype=torch.int32)}
+    odd = WeightLayout.from_state_dict(sd, alignment_bytes=8)
+    for bucket in (96, 100, 200):
+        split = plan_buckets(odd, bucket, double_buffer=True)
+        assert split.bucket_size_bytes <= bucket
+        for a, b in zip(split.rounds, split.rounds[1:]):
+            assert a.bucket_offset_bytes != b.bucket_offset_bytes
+            lo, hi = sorted((a, b), key=lambda r: r.bucket_offset_bytes)
+            assert lo.bucket_offset_bytes + lo.size_bytes <= hi.bucket_offset_bytes
+        for rnd in split.rounds:
+            assert rnd.bucket_offset_bytes % 16 == 0
+            for name in rnd.names:
+                slot = odd.slot(name)
+                assert (rnd.bucket_offset_bytes + slot.offset_bytes - rnd.offset_bytes) \
+                    % slot.dtype.itemsize == 0
+
+
+def test_double_buffering_is_skipped_where_it_would_grow_the_bucket_or_gain_nothing():
+    fits = WeightLayout.from_state_dict(_sized(3, 5, 7))
+    assert not plan_buckets(fits, 1 << 20, double_buffer=True).double_buffered   # one round
+    big = WeightLayout.from_state_dict(_sized(4, 100, 4))   # 400 bytes > half of 256
+    plan = plan_buckets(big, 256, double_buffer=True)
+    assert not plan.double_buffered and plan == plan_buckets(big, 256)
+    large = WeightLayout.from_state_dict(_sized(*[1 << 19] * 8))   # 8 x 2 MiB, 4 MiB bucket
+    plan = plan_buckets(large, 4 << 20, double_buffer=True)
+    assert [r.bucket_offset_bytes for r in plan.rounds] == [0, 2 << 20] * 4   # page-aligned half
+
+
 def test_every_tensor_is_aligned_for_its_dtype_inside_the_bucket():
     sd = {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.zeros(5, dtype=torch.float64),
           "c": torch.zeros(7, dtype=torch.bfloat16), "d": torch.zeros(9, dtype=torch.int32)}
@@ -197,6 +234,20 @@ def test_staged_rounds_hash_to_the_precomputed_checksums_and_rebuild_the_tensors
         received[rnd.offset_bytes:rnd.end_bytes].copy_(bucket[:rnd.size_bytes])
     for name, tensor in layout.views(received).items():
         assert torch.equal(tensor.view(torch.uint8), sd[name].view(torch.uint8)), name
+    # Double-buffered: each round lands in its half, the other half keeps the previous round.
+    split = plan_buckets(layout, bucket_size_bytes=160, double_buffer=True)
+    assert split.double_buffered
+    assert round_checksums(layout, split, sd) == tuple(
+        round_checksums(layout, split, sd, workers=2))
+    bucket = torch.full((split.bucket_size_bytes,), 0xAB, dtype=torch.uint8)
+    previous = None
+    for rnd, digest in zip(split.rounds, round_checksums(layout, split, sd)):
+        stage_round(layout, rnd, sd, bucket)
+        assert checksum(bucket, rnd.size_bytes, rnd.bucket_offset_bytes) == digest
+        if previous is not None:
+            assert checksum(bucket, previous[0].size_bytes,
+                            previous[0].bucket_offset_bytes) == previous[1]
+        previous = (rnd, digest)
     whole = checksum(received, layout.total_bytes)
     single = Manifest(1, layout, whole)
     assert single.rounds[0].checksum == whole and single.rounds[0].size_bytes == layout.total_bytes

@@ -175,6 +175,11 @@ def test_manifest_and_event_conversions_round_trip():
     digests = round_checksums(LAYOUT, plan, state)
     rounds = Manifest(8, LAYOUT, combine_checksums(digests), plan.with_checksums(digests))
     assert len(rounds.rounds) == 2 and manifest_from_proto(manifest_to_proto(rounds)) == rounds
+    split = plan_buckets(LAYOUT, 64, double_buffer=True)
+    assert split.double_buffered and split.rounds[1].bucket_offset_bytes > 0
+    halves = Manifest(9, LAYOUT, combine_checksums(round_checksums(LAYOUT, split, state)),
+                      split.with_checksums(round_checksums(LAYOUT, split, state)))
+    assert manifest_from_proto(manifest_to_proto(halves)) == halves
     source = WeightSourceInfo("t", b"", 0, 8, shm_name="furlong-x", stream_address="127.0.0.1:1",
                               holds_all_rounds=True)
     ready = VersionEventInfo(RUN, EventKind.ROUND_READY, 8, round=1)

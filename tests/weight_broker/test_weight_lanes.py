@@ -203,3 +203,38 @@ def test_host_buffers_are_zeroed_2mib_aligned_and_on_huge_pages_where_the_kernel
         assert huge_kb >= 2 * HUGE_PAGE_BYTES // 1024
     with pytest.raises(ValueError, match="size_bytes 0"):
         host_buffer(0)
+
+
+def test_double_buffered_rounds_reach_engines_on_every_lane_bit_for_bit(local):
+    """The bucket split in two halves: round i + 1 is staged while engines pull round i, into
+    their parameters or into a receive buffer, on every lane; a third version overwrites both."""
+    client, open_, registry = local
+
+    def small(seed: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        return {f"layer{i}": torch.randn(8 + i, 16, generator=gen).to(
+            torch.bfloat16 if i % 2 else torch.float32) for i in range(7)}
+
+    engines, params = {}, {}
+    for lane in ("nixl", "shm", "grpc"):
+        engines[lane] = Engine()
+        open_(WeightReceiver, f"e-{lane}", engines[lane].apply,
+              config=TransferConfig(lanes=(lane,))).start()
+        params[lane] = {name: torch.zeros_like(t) for name, t in small(0).items()}
+        open_(WeightReceiver, f"p-{lane}", lambda v, t: None, config=TransferConfig(lanes=(lane,)),
+              params=params[lane]).start()
+    publisher = open_(WeightPublisher, WeightLayout.from_state_dict(small(0)), "trainer-halves",
+                      config=TransferConfig(bucket_size_bytes=2048, round_timeout_s=10.0,
+                                            double_buffer=True))
+    plan = plan_buckets(publisher.layout, 2048, double_buffer=True)
+    assert plan.double_buffered and len(plan.rounds) >= 4
+    assert publisher.bucket_size_bytes == plan.bucket_size_bytes <= 2048
+    for version in (1, 2, 3):
+        result = publisher.publish(version, small(version))
+        assert result.num_rounds == len(plan.rounds) and result.fenced_engine_ids == ()
+        assert client.wait_committed(RUN, version, 20.0).committed_version == version
+        for lane in engines:
+            engines[lane].assert_has(version, small(version))
+            for name, tensor in small(version).items():
+                assert torch.equal(params[lane][name].view(torch.uint8),
+                                   tensor.view(torch.uint8)), (lane, name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from furlong.core.weights import WeightLayout
+from furlong.core.weights import WeightLayout, plan_buckets
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.core import BrokerCore
@@ -22,8 +22,11 @@ pytestmark = pytest.mark.integration
 RUN = "run-relay"
 
 
-def policy(seed: int) -> dict[str, torch.Tensor]:
+def policy(seed: int, small: bool = False) -> dict[str, torch.Tensor]:
+    """small: tensors of at most half the 1024-byte bucket, so a double-buffered plan splits it."""
     gen = torch.Generator().manual_seed(seed)
+    if small:
+        return {f"t{i}": torch.randn(16 + 2 * i, 4, generator=gen) for i in range(6)}
     return {"a": torch.randn(64, 8, generator=gen), "b": torch.randn(48, 8, generator=gen).half(),
             "c": torch.randn(100, generator=gen).to(torch.bfloat16)}
 
@@ -36,29 +39,33 @@ class Engine:
         self.applied[version] = {k: v.clone() for k, v in tensors.items()}
 
 
-def test_the_relay_frees_the_trainer_and_serves_late_engines():
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_the_relay_frees_the_trainer_and_serves_late_engines(double_buffer):
     client = InProcessBrokerClient(BrokerCore())
     relay = WeightRelay(client, RUN, "relay-test")
     relay.start()
     early = Engine()
     first = WeightReceiver(client, RUN, "early", early.apply)
     first.start()
-    trainer = WeightPublisher(client, upstream_run_id(RUN), WeightLayout.from_state_dict(policy(0)),
-                              "trainer-relayed", config=TransferConfig(bucket_size_bytes=1024))
+    layout = WeightLayout.from_state_dict(policy(0, double_buffer))
+    assert plan_buckets(layout, 1024, double_buffer).double_buffered == double_buffer
+    trainer = WeightPublisher(client, upstream_run_id(RUN), layout, "trainer-relayed",
+                              config=TransferConfig(bucket_size_bytes=1024,
+                                                    double_buffer=double_buffer))
     late_receiver = None
     try:
         for version in (1, 2):
-            trainer.publish(version, policy(version))
+            trainer.publish(version, policy(version, double_buffer))
             assert client.wait_committed(upstream_run_id(RUN), version, 20.0).engine_ids == ("relay",)
             assert client.wait_committed(RUN, version, 20.0).committed_version == version
-            for name, tensor in policy(version).items():
+            for name, tensor in policy(version, double_buffer).items():
                 assert torch.equal(early.applied[version][name], tensor), (version, name)
         trainer.close()   # the trainer is gone; the relay still serves version 2
         late = Engine()
         late_receiver = WeightReceiver(client, RUN, "late", late.apply)
         late_receiver.start()
         wait_until(lambda: 2 in late.applied)
-        for name, tensor in policy(2).items():
+        for name, tensor in policy(2, double_buffer).items():
             assert torch.equal(late.applied[2][name], tensor), name
         assert relay.served_version == 2
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -210,18 +211,21 @@ def _check_digest(what: str, digest: str) -> None:
 @dataclass(frozen=True)
 class BucketRound:
     """One round: logical bytes [offset_bytes, offset_bytes + size_bytes) of the layout, staged at
-    offset 0 of the bucket. checksum is "" in a plan and set in a manifest."""
+    bucket_offset_bytes of the bucket (0, or the second half of a double-buffered bucket).
+    checksum is "" in a plan and set in a manifest."""
 
     index: int
     offset_bytes: int
     size_bytes: int
     names: tuple[str, ...]
     checksum: str = ""
+    bucket_offset_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.index < 0 or self.offset_bytes < 0 or self.size_bytes < 0:
-            raise ValueError(f"round {self.index}: negative index, offset {self.offset_bytes} or "
-                             f"size {self.size_bytes}")
+        if self.index < 0 or self.offset_bytes < 0 or self.size_bytes < 0 \
+                or self.bucket_offset_bytes < 0:
+            raise ValueError(f"round {self.index}: negative index, offset {self.offset_bytes}, "
+                             f"size {self.size_bytes} or bucket offset {self.bucket_offset_bytes}")
         if not self.names:
             raise ValueError(f"round {self.index} holds no tensors")
         if self.checksum:
@@ -245,8 +249,9 @@ class BucketPlan:
         for i, rnd in enumerate(self.rounds):
             if rnd.index != i:
                 raise ValueError(f"round at position {i} has index {rnd.index}")
-            if rnd.size_bytes > self.bucket_size_bytes:
-                raise ValueError(f"round {i} of {rnd.size_bytes} bytes exceeds the bucket of "
+            if rnd.bucket_offset_bytes + rnd.size_bytes > self.bucket_size_bytes:
+                raise ValueError(f"round {i} of {rnd.size_bytes} bytes at bucket offset "
+                                 f"{rnd.bucket_offset_bytes} exceeds the bucket of "
                                  f"{self.bucket_size_bytes} bytes")
             if i and rnd.offset_bytes < self.rounds[i - 1].end_bytes:
                 raise ValueError(f"round {i} at offset {rnd.offset_bytes} overlaps round {i - 1}")
@@ -255,18 +260,49 @@ class BucketPlan:
         if len(digests) != len(self.rounds):
             raise ValueError(f"{len(digests)} checksums for {len(self.rounds)} rounds")
         return BucketPlan(self.bucket_size_bytes, tuple(
-            BucketRound(r.index, r.offset_bytes, r.size_bytes, r.names, d)
+            BucketRound(r.index, r.offset_bytes, r.size_bytes, r.names, d, r.bucket_offset_bytes)
             for r, d in zip(self.rounds, digests)))
 
+    @property
+    def double_buffered(self) -> bool:
+        """Whether consecutive rounds alternate between the two halves of the bucket."""
+        return len(self.rounds) > 1 and self.rounds[1].bucket_offset_bytes > 0
 
-def plan_buckets(layout: WeightLayout, bucket_size_bytes: int) -> BucketPlan:
+
+# The second half of a split bucket starts on a page boundary (16 bytes, every dtype's item size
+# or a multiple of it, for buckets under 2 MiB).
+_PAGE, _SMALL_ALIGN = 4096, 16
+
+
+def plan_buckets(layout: WeightLayout, bucket_size_bytes: int,
+                 double_buffer: bool = False) -> BucketPlan:
     """Cut layout into rounds that each fit one bucket, keeping layout order, never splitting a
     tensor and never producing an empty round. A tensor larger than bucket_size_bytes grows the
     bucket to its size (once, here, before anything is registered). Every tensor lands in the bucket
     at an offset that is a multiple of its item size. The plan's bucket is as large as its largest
-    round, so no registered byte goes unused. Pure function."""
+    round, so no registered byte goes unused.
+
+    double_buffer: when the layout needs more than one bucket-sized round, split the bucket in two
+    halves and cut rounds that fit a half, alternating between them (round i at half i % 2), so
+    that a publisher can stage the next round while engines pull the current one, in the same
+    memory. A layout with a tensor larger than half the bucket is not split (the bucket grows to
+    that tensor instead, as without double_buffer). Pure function."""
     if bucket_size_bytes < 1:
         raise ValueError(f"bucket_size_bytes {bucket_size_bytes} < 1")
+    if double_buffer and layout.total_bytes > bucket_size_bytes:
+        align = _PAGE if bucket_size_bytes >= 2 << 20 else _SMALL_ALIGN
+        half = max(align, bucket_size_bytes // 2 // align * align)
+        rounds = _cut_rounds(layout, half)
+        if len(rounds) > 1 and max(s.size_bytes for s in layout.slots) <= half:
+            half = -(-max(r.size_bytes for r in rounds) // align) * align
+            placed = tuple(BucketRound(r.index, r.offset_bytes, r.size_bytes, r.names,
+                                       bucket_offset_bytes=(r.index % 2) * half) for r in rounds)
+            return BucketPlan(max(r.bucket_offset_bytes + r.size_bytes for r in placed), placed)
+    rounds = _cut_rounds(layout, bucket_size_bytes)
+    return BucketPlan(max(1, max(r.size_bytes for r in rounds)), tuple(rounds))
+
+
+def _cut_rounds(layout: WeightLayout, bucket_size_bytes: int) -> list[BucketRound]:
     slots = sorted(layout.slots, key=lambda s: (s.offset_bytes, s.size_bytes))
     bucket = max(bucket_size_bytes, max(s.size_bytes for s in slots))
     rounds: list[BucketRound] = []
@@ -282,7 +318,7 @@ def plan_buckets(layout: WeightLayout, bucket_size_bytes: int) -> BucketPlan:
         names.append(slot.name)
         end = max(end, slot.end_bytes)
     rounds.append(BucketRound(len(rounds), start, end - start, tuple(names)))
-    return BucketPlan(max(1, max(r.size_bytes for r in rounds)), tuple(rounds))
+    return rounds
 
 
 def _host_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -299,12 +335,13 @@ def _round_pieces(layout: WeightLayout, rnd: BucketRound) -> list[tuple[int, Ten
 
 
 def round_checksums(layout: WeightLayout, plan: BucketPlan,
-                    state_dict: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+                    state_dict: Mapping[str, torch.Tensor], workers: int = 1) -> tuple[str, ...]:
     """The checksum each round will have once staged (zero padding included), hashed straight from
-    the state dict without staging it."""
+    the state dict without staging it; rounds are hashed on up to `workers` threads (xxhash
+    releases the GIL)."""
     layout.check(state_dict)
-    digests = []
-    for rnd in plan.rounds:
+
+    def digest(rnd: BucketRound) -> str:
         hasher = xxhash.xxh3_128()
         cursor = 0
         for offset, slot in _round_pieces(layout, rnd):
@@ -315,15 +352,21 @@ def round_checksums(layout: WeightLayout, plan: BucketPlan,
             cursor = max(cursor, offset + slot.size_bytes)
         if rnd.size_bytes > cursor:
             hasher.update(bytes(rnd.size_bytes - cursor))
-        digests.append(hasher.hexdigest())
-    return tuple(digests)
+        return hasher.hexdigest()
+
+    if workers <= 1 or len(plan.rounds) == 1:
+        return tuple(digest(rnd) for rnd in plan.rounds)
+    with ThreadPoolExecutor(min(workers, len(plan.rounds)), thread_name_prefix="round-hash") as pool:
+        return tuple(pool.map(digest, plan.rounds))
 
 
 def stage_round(layout: WeightLayout, rnd: BucketRound, state_dict: Mapping[str, torch.Tensor],
                 bucket: torch.Tensor) -> None:
-    """Copy the round's tensors into bucket[0:rnd.size_bytes] at their offsets within the round and
-    zero the padding between them, so that the bucket hashes to the round's checksum."""
-    _check_buffer(bucket, rnd.size_bytes)
+    """Copy the round's tensors into its place in the bucket (rnd.bucket_offset_bytes on, at their
+    offsets within the round) and zero the padding between them, so that those bytes hash to the
+    round's checksum."""
+    _check_buffer(bucket, rnd.bucket_offset_bytes + rnd.size_bytes)
+    bucket = bucket[rnd.bucket_offset_bytes:rnd.bucket_offset_bytes + rnd.size_bytes]
     cursor = 0
     with torch.no_grad():
         for offset, slot in _round_pieces(layout, rnd):

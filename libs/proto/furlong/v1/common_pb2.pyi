@@ -59,18 +59,20 @@ class WeightSource(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., stream_address: _Optional[str] = ..., holds_all_rounds: _Optional[bool] = ...) -> None: ...
 
 class BucketRound(_message.Message):
-    __slots__ = ("index", "offset_bytes", "size_bytes", "names", "checksum")
+    __slots__ = ("index", "offset_bytes", "size_bytes", "names", "checksum", "bucket_offset_bytes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     index: int
     offset_bytes: int
     size_bytes: int
     names: _containers.RepeatedScalarFieldContainer[str]
     checksum: str
-    def __init__(self, index: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ...) -> None: ...
+    bucket_offset_bytes: int
+    def __init__(self, index: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ..., bucket_offset_bytes: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
     __slots__ = ("version", "tensors", "total_bytes", "checksum_algorithm", "checksum", "bucket_size_bytes", "rounds", "destinations")

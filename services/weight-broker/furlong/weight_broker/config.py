@@ -100,6 +100,10 @@ class TransferConfig:
     rpc_retry_s: float = 1.0           # pause before re-registering after the broker went away
     stream_chunk_bytes: int = 1 << 20  # grpc lane chunk size
     stream_workers: int = 4            # publisher: WeightStream threads (one per engine it feeds)
+    pull_lock_wait_s: float = 5.0      # receiver: wait for the host's pull lock (0: never take it)
+    double_buffer: bool = False        # publisher: stage the next round in the other half of the
+                                       # bucket while engines pull the current one (needs spare
+                                       # cores: on 2 cores it slowed switches, see the docs)
 
     def __post_init__(self) -> None:
         if not self.backends or any(not b for b in self.backends):
@@ -116,5 +120,7 @@ class TransferConfig:
             raise ValueError(f"bucket_size_bytes {self.bucket_size_bytes} < 1")
         if not 1 <= self.stream_chunk_bytes <= 4 << 20:
             raise ValueError(f"stream_chunk_bytes {self.stream_chunk_bytes} not in [1, 4 MiB]")
+        if not (math.isfinite(self.pull_lock_wait_s) and self.pull_lock_wait_s >= 0):
+            raise ValueError(f"pull_lock_wait_s {self.pull_lock_wait_s} is not a finite number >= 0")
         if self.stream_workers < 1:
             raise ValueError(f"stream_workers {self.stream_workers} < 1")

@@ -42,8 +42,11 @@ def layout_mismatch(expected: WeightLayout, got: WeightLayout) -> str:
 
 
 def _region_offset(manifest_round: BucketRound, holds_all_rounds: bool) -> int:
-    """The logical offset at which the source's region starts while the round is staged."""
-    return 0 if holds_all_rounds else manifest_round.offset_bytes
+    """The logical offset at which the source's region starts while the round is staged (the
+    round's first byte sits at its bucket offset; may be negative)."""
+    if holds_all_rounds:
+        return 0
+    return manifest_round.offset_bytes - manifest_round.bucket_offset_bytes
 
 
 class BufferDestination:
@@ -66,7 +69,8 @@ class BufferDestination:
 
     def pull(self, lane: Lane, rnd: BucketRound, holds_all_rounds: bool, timeout_s: float) -> float:
         dst = self.buffer[rnd.offset_bytes:rnd.end_bytes]
-        return lane.read(rnd.offset_bytes if holds_all_rounds else 0, dst, timeout_s)
+        return lane.read(rnd.offset_bytes if holds_all_rounds else rnd.bucket_offset_bytes, dst,
+                         timeout_s)
 
     def digest(self, rnd: BucketRound) -> str:
         return checksum(self.buffer, rnd.size_bytes, rnd.offset_bytes)
@@ -109,8 +113,8 @@ class PieceDestination:
     @staticmethod
     def _plan_key(manifest: Manifest) -> tuple:
         assert manifest.plan is not None
-        return (manifest.layout, tuple((r.offset_bytes, r.size_bytes, r.names)
-                                       for r in manifest.plan.rounds))
+        return (manifest.layout, tuple((r.offset_bytes, r.size_bytes, r.names,
+                                        r.bucket_offset_bytes) for r in manifest.plan.rounds))
 
     def check(self, manifest: Manifest) -> None:
         if self._plan_key(manifest) != self._key:

@@ -10,6 +10,7 @@ Knows nothing about models or optimizers: it takes a state dict that matches its
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ class WeightPublisher:
         self._run_id = run_id
         self._layout = layout
         self._config = config
-        self._plan = plan_buckets(layout, config.bucket_size_bytes)
+        self._plan = plan_buckets(layout, config.bucket_size_bytes, config.double_buffer)
         self._bucket = StagingBucket(agent_name, self._plan.bucket_size_bytes, config.lanes,
                                      backends=config.backends, stream_workers=config.stream_workers)
         self._lock = threading.Lock()
@@ -106,7 +107,9 @@ class WeightPublisher:
             if previous is not None:
                 self._wait_previous(previous, commit_timeout_s)
             started = time.perf_counter()
-            digests = round_checksums(self._layout, self._plan, state_dict)
+            # Engines wait for the manifest meanwhile: hash rounds on every core.
+            digests = round_checksums(self._layout, self._plan, state_dict,
+                                      workers=min(4, os.cpu_count() or 1))
             manifest = Manifest(version, self._layout, combine_checksums(digests),
                                 self._plan.with_checksums(digests),
                                 destinations=self._destination_checksums(state_dict))
@@ -147,16 +150,28 @@ class WeightPublisher:
         return tuple(out)
 
     def _stage_rounds(self, manifest: Manifest, state_dict: Mapping[str, torch.Tensor]) -> list[str]:
+        """Stage and announce the rounds in order. Round i is announced once every engine pulled
+        round i - 1 (the broker's rule). With a double-buffered plan, round i + 1 is copied into
+        the other half of the bucket right after round i is announced, while the engines pull
+        round i: that half held round i - 1, which every engine has pulled by then."""
         fenced: list[str] = []
         bucket = self._bucket.tensor
         assert bucket is not None
-        for rnd in manifest.rounds:
+        rounds = manifest.rounds
+        staged_ahead = -1
+        for rnd in rounds:
             try:
                 if rnd.index > 0:
                     fenced = self._broker.wait_round(self._run_id, manifest.version, rnd.index - 1,
                                                      self._config.round_timeout_s)
-                stage_round(self._layout, rnd, state_dict, bucket)
+                if staged_ahead != rnd.index:
+                    stage_round(self._layout, rnd, state_dict, bucket)
                 self._broker.stage_round(self._run_id, manifest.version, rnd.index)
+                following = rounds[rnd.index + 1] if rnd.index + 1 < len(rounds) else None
+                if following is not None and \
+                        following.bucket_offset_bytes != rnd.bucket_offset_bytes:
+                    stage_round(self._layout, following, state_dict, bucket)
+                    staged_ahead = following.index
             except ConflictError as exc:
                 # The version failed (every engine fenced): nobody reads further rounds. The
                 # failure is the broker's to report (wait_committed); the trainer carries on.

@@ -12,13 +12,16 @@ stops reading its parameters) and `apply(version, params)` once every round arri
 shards, fused projections) declares a `shard_layout` (furlong.core.weight_shards) when it
 registers; it receives exactly its pieces, verified against the manifest's digests for its layout.
 apply is called only once every round of the version arrived and verified, so an engine never
-serves a torn version.
+serves a torn version. Engines on one host take turns pulling out of host memory
+(furlong.weight_broker.pull_lock), so one verifies while the next pulls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -32,8 +35,9 @@ from furlong.weight_broker.client import BrokerClient, VersionWatch
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.core import NO_VERSION, EventKind, VersionEventInfo, WeightSourceInfo
 from furlong.weight_broker.destination import BufferDestination, PieceDestination
-from furlong.weight_broker.lanes import LANE_NIXL, Lane, connect_lane
+from furlong.weight_broker.lanes import LANE_NIXL, LANE_SHM, Lane, connect_lane
 from furlong.weight_broker.nixl_transport import NixlEndpoint
+from furlong.weight_broker.pull_lock import PullLock
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +98,7 @@ class WeightReceiver:
         self._connect = connect or (lambda source: connect_lane(
             source, config.lanes, self._endpoint, config.stream_chunk_bytes))
         self._lanes: dict[WeightSourceInfo, Lane] = {}
+        self._pull_lock = PullLock() if config.pull_lock_wait_s > 0 else None
         self._destination: Destination | None = None
         self._incoming: _Incoming | None = None
         self._lock = threading.Lock()
@@ -222,8 +227,9 @@ class WeightReceiver:
         seconds = 0.0
         digest = ""
         for pull in range(1, _PULLS_PER_ROUND + 1):
-            took = destination.pull(incoming.lane, rnd, incoming.source.holds_all_rounds,
-                                    self._config.transfer_timeout_s)
+            with self._pull_turn(incoming):
+                took = destination.pull(incoming.lane, rnd, incoming.source.holds_all_rounds,
+                                        self._config.transfer_timeout_s)
             seconds += took
             incoming.seconds += took
             incoming.num_bytes += destination.round_bytes(rnd)
@@ -238,6 +244,13 @@ class WeightReceiver:
                              f"{rnd.index} read from {incoming.source.agent_name} over "
                              f"{incoming.lane.name}: expected {expected}, got {digest} after "
                              f"{_PULLS_PER_ROUND} pulls")
+
+    def _pull_turn(self, incoming: _Incoming):
+        """The host's pull lock for copies out of host memory on this host (see pull_lock)."""
+        if (self._pull_lock is None or incoming.lane.name not in (LANE_NIXL, LANE_SHM)
+                or incoming.source.memory_kind != "DRAM"):
+            return contextlib.nullcontext()
+        return self._pull_lock.held(time.monotonic() + self._config.pull_lock_wait_s)
 
     def _finish(self, incoming: _Incoming) -> None:
         manifest = incoming.manifest
@@ -325,5 +338,7 @@ class WeightReceiver:
         for lane in self._lanes.values():
             lane.close()
         self._lanes.clear()
+        if self._pull_lock is not None:
+            self._pull_lock.close()
         if self._endpoint is not None:
             self._endpoint.close()

@@ -180,7 +180,7 @@ class WeightRelay:
         bucket = self._bucket.tensor
         assert bucket is not None
         dst = bucket[rnd.offset_bytes:rnd.end_bytes]
-        src_offset = rnd.offset_bytes if current.src_holds_all_rounds else 0
+        src_offset = rnd.offset_bytes if current.src_holds_all_rounds else rnd.bucket_offset_bytes
         try:
             for _ in range(_PULLS_PER_ROUND):
                 current.seconds += current.lane.read(src_offset, dst,

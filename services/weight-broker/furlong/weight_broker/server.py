@@ -43,7 +43,8 @@ def manifest_to_proto(manifest: Manifest) -> common_pb2.WeightManifest:
         bucket_size_bytes=manifest.plan.bucket_size_bytes,
         rounds=[common_pb2.BucketRound(index=r.index, offset_bytes=r.offset_bytes,
                                        size_bytes=r.size_bytes, names=list(r.names),
-                                       checksum=r.checksum)
+                                       checksum=r.checksum,
+                                       bucket_offset_bytes=r.bucket_offset_bytes)
                 for r in manifest.rounds],
         destinations=[common_pb2.DestinationChecksums(layout_id=layout_id,
                                                       round_checksums=list(digests))
@@ -63,7 +64,8 @@ def manifest_from_proto(msg: common_pb2.WeightManifest) -> Manifest:
     if msg.rounds:
         plan = BucketPlan(msg.bucket_size_bytes, tuple(
             BucketRound(index=r.index, offset_bytes=r.offset_bytes, size_bytes=r.size_bytes,
-                        names=tuple(r.names), checksum=r.checksum) for r in msg.rounds))
+                        names=tuple(r.names), checksum=r.checksum,
+                        bucket_offset_bytes=r.bucket_offset_bytes) for r in msg.rounds))
     destinations = tuple((d.layout_id, tuple(d.round_checksums)) for d in msg.destinations)
     return Manifest(version=msg.version, layout=layout, checksum=msg.checksum, plan=plan,
                     destinations=destinations)

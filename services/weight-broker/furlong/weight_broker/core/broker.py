@@ -176,7 +176,7 @@ class BrokerCore:
         acknowledge it (sorted); with none, the version commits at once."""
         _require_id("run_id", run_id)
         needed = manifest.total_bytes if source.holds_all_rounds else max(
-            r.size_bytes for r in manifest.rounds)
+            r.bucket_offset_bytes + r.size_bytes for r in manifest.rounds)
         if source.size_bytes < needed:
             raise ValueError(f"run {run_id}: source region of {source.size_bytes} bytes is smaller "
                              f"than the {needed} bytes version {manifest.version} stages in it")
