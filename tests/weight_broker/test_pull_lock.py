@@ -30,6 +30,18 @@ def test_holders_take_turns(tmp_path):
     first.close(), second.close()
 
 
+def test_after_a_missed_deadline_pulls_do_not_wait_for_a_stuck_holder(tmp_path):
+    stuck, other = PullLock(str(tmp_path)), PullLock(str(tmp_path))
+    with stuck.held(time.monotonic() + FAR):              # a holder that never lets go
+        with other.held(time.monotonic()) as got:         # one missed deadline ...
+            assert not got
+        with other.held(time.monotonic() + FAR) as got:   # ... then no waiting (else: a 60 s hang)
+            assert not got
+    with other.held(time.monotonic() + FAR) as got:       # free again: taken, no wait needed
+        assert got
+    stuck.close(), other.close()
+
+
 def test_a_waiter_gets_the_lock_once_the_holder_lets_go(tmp_path):
     holder, waiter = PullLock(str(tmp_path)), PullLock(str(tmp_path))
     taken, release, order = threading.Event(), threading.Event(), []

@@ -8,8 +8,9 @@ advisory lock file (`flock`, released by the kernel if the holder dies) while it
 host-memory source. One lock per host, not per source: pulls from different sources share the
 same memory bandwidth. The lock lives in /dev/shm (else the temp directory), so it only ever
 orders processes that share that directory. It is only a scheduling aid: a receiver that cannot
-get it within `TransferConfig.pull_lock_wait_s` pulls anyway (a stopped holder cannot stall the
-others past that), and an unusable lock directory disables it.
+get it within `TransferConfig.pull_lock_wait_s` pulls anyway, and does not wait for it again for
+the next minute (a stopped holder costs the others one wait, not one per round); an unusable lock
+directory disables it.
 Knows nothing about versions, rounds or checksums.
 """
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 _POLL_MIN_S = 200e-6
 _POLL_MAX_S = 2e-3
+BYPASS_S = 60.0   # after a missed deadline, pull without waiting for the lock for this long
 
 
 def lock_directory() -> str:
@@ -45,6 +47,7 @@ class PullLock:
     def __init__(self, directory: str | None = None) -> None:
         self.path = os.path.join(directory or lock_directory(), LOCK_FILE)
         self._fd: int | None = None
+        self._bypass_until = 0.0
         try:
             self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
         except OSError as exc:
@@ -64,6 +67,12 @@ class PullLock:
     def _acquire(self, deadline: float) -> bool:
         if self._fd is None:
             return False
+        if time.monotonic() < self._bypass_until:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except OSError:
+                return False
         pause = _POLL_MIN_S
         while True:
             try:
@@ -75,7 +84,9 @@ class PullLock:
                     return False
             if time.monotonic() >= deadline:
                 log.warning("pull lock %s still held by another engine after the wait allowed; "
-                            "pulling without it", self.path)
+                            "pulling without it (and without waiting for it for %.0f s)",
+                            self.path, BYPASS_S)
+                self._bypass_until = time.monotonic() + BYPASS_S
                 return False
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
