@@ -15,7 +15,8 @@ the same data, after a warm-up, as medians over --reps repetitions:
   seconds the engines acknowledged, so both engines pulling at once share the machine).
 - switch_seconds_<mode>: publish start -> both engines serving v+1 (the broker committed it, which
   it does only after every engine verified and applied it). Modes: direct (engines pull from the
-  trainer's bucket) and relay (the broker pulls from the trainer, engines from the broker).
+  trainer's bucket) and relay (the broker pulls from the trainer, engines from the broker; the
+  broker runs with --relay-lanes nixl, so its serving bucket is on huge pages).
 - switch_seconds_direct_buffer: the same over NIXL with engines that pull into a receive buffer and
   copy it into their parameters (apply), the path before pulls went straight into parameters.
 - trainer_free_seconds_<mode>: publish start -> the trainer's bucket may be reused (direct: the
@@ -343,7 +344,8 @@ def main() -> int:
         port, metrics_port = free_port(), free_port()
         broker_proc = subprocess.Popen(
             [sys.executable, "-m", "furlong.weight_broker", "--port", str(port), "--metrics-port",
-             str(metrics_port), "--log-level", "WARNING", "--relay-run", "bench-nixl-relay"],
+             str(metrics_port), "--log-level", "WARNING", "--relay-run", "bench-nixl-relay",
+             "--relay-lanes", "nixl"],
             stdout=open(tmp / "broker.log", "w"), stderr=subprocess.STDOUT)
         broker = f"127.0.0.1:{port}"
         try:

@@ -208,6 +208,11 @@ def test_config_validation_and_arguments():
                                      "--log-level", "debug"])
     assert (config.host, config.port, config.metrics_port, config.log_level) == (
         "127.0.0.1", 5000, 5001, "DEBUG")
+    assert config.relay_lanes == ("nixl", "shm", "grpc")
+    assert BrokerConfig.from_args(["--port", "1", "--metrics-port", "2", "--relay-lanes",
+                                   "nixl"]).relay_lanes == ("nixl",)
+    with pytest.raises(ValueError, match="relay_lanes \('nixl', 'smoke'\)"):
+        BrokerConfig(relay_lanes=("nixl", "smoke"))
     with pytest.raises(ValueError, match="port 70000"):
         BrokerConfig(port=70000)
     with pytest.raises(ValueError, match="log_level 'LOUD'"):

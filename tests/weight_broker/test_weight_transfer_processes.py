@@ -151,3 +151,52 @@ def _sample(metrics_text: str, series: str) -> float:
         if line.startswith(series + " "):
             return float(line.split()[-1])
     raise AssertionError(f"{series} not in metrics")
+
+
+def test_a_broker_process_relays_over_the_lanes_it_is_given(tmp_path):
+    """`--relay-run R --relay-lanes nixl`: the relay in the broker process takes the trainer's
+    version over NIXL and serves it on NIXL only (a heap bucket, no shared-memory object)."""
+    from furlong.weight_broker.config import TransferConfig
+    from furlong.weight_broker.receiver import WeightReceiver
+    from furlong.weight_broker.relay import upstream_run_id
+
+    port, metrics_port = free_port(), free_port()
+    log_file = open(tmp_path / "broker.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "furlong.weight_broker", "--port", str(port), "--metrics-port",
+         str(metrics_port), "--relay-run", "relayed", "--relay-lanes", "nixl"],
+        stdout=log_file, stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    client = publisher = receiver = None
+    try:
+        wait_until(lambda: proc.poll() is not None or check_health(address, "furlong.v1.WeightBroker"),
+                   60.0, "the broker to serve")
+        client = GrpcBrokerClient(address)
+        got = {}
+        receiver = WeightReceiver(client, "relayed", "engine-r",
+                                  lambda v, t: got.update({v: {k: x.clone() for k, x in t.items()}}),
+                                  config=TransferConfig(lanes=("nixl",)))
+        receiver.start()
+        publisher = WeightPublisher(client, upstream_run_id("relayed"),
+                                    WeightLayout.from_state_dict(policy(0)), "trainer-relayed",
+                                    config=TransferConfig(lanes=("nixl",), bucket_size_bytes=2048))
+        publisher.publish(1, policy(1))
+        assert client.wait_committed("relayed", 1, 60.0).committed_version == 1
+        wait_until(lambda: 1 in got, 30.0, "the engine to apply version 1")
+        for name, tensor in policy(1).items():
+            assert torch.equal(got[1][name].view(torch.uint8), tensor.view(torch.uint8)), name
+        client.register_engine("relayed", "observer")   # a late joiner is sent the latest version
+        watch = client.watch_versions("relayed", "observer")
+        published = next(watch)
+        watch.close()
+        client.unregister_engine("relayed", "observer")
+        assert published.source.holds_all_rounds and published.source.agent_metadata
+        assert published.source.shm_name == "" and published.source.stream_address == ""
+    finally:
+        for obj in (receiver, publisher):
+            if obj is not None:
+                obj.close()
+        if client is not None:
+            client.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -1,7 +1,8 @@
 """Run the weight broker service:
 
     python -m furlong.weight_broker --host 127.0.0.1 --port P --metrics-port M [--log-level INFO]
-        [--max-ack-attempts N] [--ack-timeout-s S] [--relay-run RUN ...] [--auth-token-file F]
+        [--max-ack-attempts N] [--ack-timeout-s S] [--relay-run RUN ...] [--relay-lanes L,...]
+        [--auth-token-file F]
         [--tls-ca-file F --tls-cert-file F --tls-key-file F [--tls-server-name NAME]]
 
 Serves furlong.v1.WeightBroker and grpc.health.v1 on host:port and Prometheus metrics on
@@ -23,7 +24,7 @@ from prometheus_client import REGISTRY, start_http_server
 from furlong import rpc
 from furlong.rpc import start_server
 from furlong.weight_broker.client import InProcessBrokerClient
-from furlong.weight_broker.config import BrokerConfig
+from furlong.weight_broker.config import BrokerConfig, TransferConfig
 from furlong.weight_broker.fault_hooks import broker_core
 from furlong.weight_broker.metrics import BrokerMetrics
 from furlong.weight_broker.relay import WeightRelay
@@ -58,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     relay_client = InProcessBrokerClient(core)
     relays = []
     for run_id in config.relay_runs:
-        relay = WeightRelay(relay_client, run_id, f"broker-relay-{run_id}-{os.getpid()}")
+        relay = WeightRelay(relay_client, run_id, f"broker-relay-{run_id}-{os.getpid()}",
+                            config=TransferConfig(lanes=config.relay_lanes))
         relay.start()
         relays.append(relay)
 

@@ -13,6 +13,7 @@ from furlong.rpc import add_tls_arguments
 from furlong.rpc.tls import TlsFiles
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_LANES = ("nixl", "shm", "grpc")
 
 
 def _check_port(name: str, port: int) -> None:
@@ -29,6 +30,7 @@ class BrokerConfig:
     max_ack_attempts: int = 3     # an engine is fenced after this many ok=False acks of a version
     ack_timeout_s: float = 60.0   # an engine that has not acknowledged the current stage is fenced
     relay_runs: tuple[str, ...] = ()   # runs this process relays (trainers publish to <run>~upstream)
+    relay_lanes: tuple[str, ...] = ("nixl", "shm", "grpc")   # the relays' lanes, in order
     log_level: str = "INFO"
     auth_token_file: str = ""     # "" = gRPC unauthenticated; else the shared service token's file
     tls: TlsFiles = TlsFiles()    # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
@@ -42,6 +44,9 @@ class BrokerConfig:
                 set(self.relay_runs)) != len(self.relay_runs):
             raise ValueError(f"relay_runs {self.relay_runs!r} must be distinct run ids not ending "
                              f"in '~upstream'")
+        if not self.relay_lanes or any(lane not in _LANES for lane in self.relay_lanes) or len(
+                set(self.relay_lanes)) != len(self.relay_lanes):
+            raise ValueError(f"relay_lanes {self.relay_lanes!r} must be distinct names from {_LANES}")
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
         if self.max_workers < 2:
@@ -64,6 +69,9 @@ class BrokerConfig:
         parser.add_argument("--relay-run", action="append", default=[], dest="relay_runs",
                             help="hold run RUN's latest version here (repeatable); its trainer "
                                  "publishes to RUN~upstream")
+        parser.add_argument("--relay-lanes", default=",".join(cls.relay_lanes),
+                            help="comma-separated lanes a relay pulls over and serves on, in order "
+                                 "(default nixl,shm,grpc; without shm its bucket gets huge pages)")
         parser.add_argument("--log-level", default=cls.log_level, type=str.upper)
         parser.add_argument("--auth-token-file", default="",
                             help="file with the shared token every gRPC call must carry")
@@ -73,6 +81,7 @@ class BrokerConfig:
             return cls(host=args.host, port=args.port, metrics_port=args.metrics_port,
                        max_workers=args.max_workers, max_ack_attempts=args.max_ack_attempts,
                        ack_timeout_s=args.ack_timeout_s, relay_runs=tuple(args.relay_runs),
+                       relay_lanes=tuple(lane.strip() for lane in args.relay_lanes.split(",")),
                        log_level=args.log_level, auth_token_file=args.auth_token_file,
                        tls=TlsFiles(args.tls_ca_file, args.tls_cert_file, args.tls_key_file,
                                     args.tls_server_name))
