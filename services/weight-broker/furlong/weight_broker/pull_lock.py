@@ -1,9 +1,11 @@
 """Take turns: engines on one host pull a source's round one at a time.
 
 Two engine processes copying out of the same host-memory bucket at once (NIXL READs over CMA, or
-copies out of the shared-memory bucket) get less in total than one after the other: measured here,
-two concurrent 256 MiB READs ran at 3-5 GB/s each, one alone at 8-10 GB/s. Taking turns also lets
-one engine verify the round it just pulled while the next one pulls. So a receiver holds an
+copies out of the shared-memory bucket) get no more in total than one after the other: measured
+here, two concurrent 256 MiB READs ran at 3-5 GB/s each, one alone at 8-10 GB/s. Taking turns
+finishes each engine's pull in about half the time and lets one engine verify the round it just
+pulled while the next one pulls (the whole switch came out about the same on a 2-core host; see
+docs/weight-broker.md). So a receiver holds an
 advisory lock file (`flock`, released by the kernel if the holder dies) while it pulls from a
 host-memory source. One lock per host, not per source: pulls from different sources share the
 same memory bandwidth. The lock lives in /dev/shm (else the temp directory), so it only ever
