@@ -91,6 +91,23 @@ def test_decode_attention_choice_is_checked():
     assert LlamaRunner(model.double(), 2).decode_attention == "sdpa"       # auto falls back
 
 
+def test_the_engine_generates_the_same_with_either_decode_attention():
+    pytest.importorskip("numba")
+    from furlong.rollout.core.engine import Engine
+    from furlong.rollout.core.sampling import SamplingConfig
+    from rollout_models import tokenizer
+    tok = tokenizer()
+    prompts = [tok.encode(t) for t in ("12+7=", "3+4=", "99+99=", "5+51=", "8+8=")]
+    config = SamplingConfig(temperature=0.8, top_k=5, max_new_tokens=6, seed=3)
+    fast, slow = (Engine(tiny_model(74), tok, max_batch_size=3, decode_attention=kind)
+                  for kind in ("numba", "sdpa"))
+    a = fast.generate(prompts, config, max_new_tokens=[2, 6, 3, 6, 4])
+    b = slow.generate(prompts, config, max_new_tokens=[2, 6, 3, 6, 4])
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    for x, y in zip(a, b):
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
 def test_slot_table_admits_lowest_slots_and_frees_positions():
     table = SlotTable(4)
     slots = table.take_slots(3)

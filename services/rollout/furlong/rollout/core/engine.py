@@ -80,7 +80,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: TokenizerLike, max_batch_size: int = 256,
                  policy_version: int = 0, name: str = "engine",
                  support_bound: SupportBound = UNBOUNDED, batching: str = CONTINUOUS,
-                 prefill_min_rows: int | None = None) -> None:
+                 prefill_min_rows: int | None = None, decode_attention: str = "auto") -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) \
                 or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
@@ -107,7 +107,7 @@ class Engine:
         self.support_bound = support_bound
         self.batching = batching
         self.prefill_min_rows = prefill_min_rows
-        self._runner = LlamaRunner(model, max_batch_size)
+        self._runner = LlamaRunner(model, max_batch_size, decode_attention)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
