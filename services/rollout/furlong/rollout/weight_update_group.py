@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from furlong.core.errors import UnavailableError
+from furlong.core.weights import dtype_from_name, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +48,10 @@ _GRACE_S = 5.0                 # how long a finished exchange may lag its last r
 
 def dtype_of(text: object) -> torch.dtype:
     """A torch dtype from SGLang's wire form ("bfloat16" or "torch.bfloat16")."""
-    name = text.removeprefix("torch.") if isinstance(text, str) else ""
-    dtype = getattr(torch, name, None) if name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {text!r}")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    try:
+        return dtype_from_name(text.removeprefix("torch."))   # AttributeError: not a string
+    except (AttributeError, ValueError):
+        raise ValueError(f"unknown dtype {text!r}") from None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,11 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _LANES = ("nixl", "shm", "grpc")
 
 
+def _check_lanes(name: str, lanes: tuple[str, ...]) -> None:
+    if not lanes or any(lane not in _LANES for lane in lanes) or len(set(lanes)) != len(lanes):
+        raise ValueError(f"{name} {lanes!r} must be distinct names from {_LANES}")
+
+
 def _check_port(name: str, port: int) -> None:
     if not 0 <= port <= 65535:
         raise ValueError(f"{name} {port} is not a TCP port (0-65535)")
@@ -30,7 +35,7 @@ class BrokerConfig:
     max_ack_attempts: int = 3     # an engine is fenced after this many ok=False acks of a version
     ack_timeout_s: float = 60.0   # an engine that has not acknowledged the current stage is fenced
     relay_runs: tuple[str, ...] = ()   # runs this process relays (trainers publish to <run>~upstream)
-    relay_lanes: tuple[str, ...] = ("nixl", "shm", "grpc")   # the relays' lanes, in order
+    relay_lanes: tuple[str, ...] = _LANES   # the relays' lanes, in order
     log_level: str = "INFO"
     auth_token_file: str = ""     # "" = gRPC unauthenticated; else the shared service token's file
     tls: TlsFiles = TlsFiles()    # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
@@ -44,9 +49,7 @@ class BrokerConfig:
                 set(self.relay_runs)) != len(self.relay_runs):
             raise ValueError(f"relay_runs {self.relay_runs!r} must be distinct run ids not ending "
                              f"in '~upstream'")
-        if not self.relay_lanes or any(lane not in _LANES for lane in self.relay_lanes) or len(
-                set(self.relay_lanes)) != len(self.relay_lanes):
-            raise ValueError(f"relay_lanes {self.relay_lanes!r} must be distinct names from {_LANES}")
+        _check_lanes("relay_lanes", self.relay_lanes)
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
         if self.max_workers < 2:
@@ -102,7 +105,7 @@ class TransferConfig:
     memory: a larger model goes in rounds (a larger single tensor grows the bucket to its size)."""
 
     backends: tuple[str, ...] = ("UCX",)
-    lanes: tuple[str, ...] = ("nixl", "shm", "grpc")
+    lanes: tuple[str, ...] = _LANES
     bucket_size_bytes: int = 256 << 20
     transfer_timeout_s: float = 60.0   # one read of one round
     round_timeout_s: float = 60.0      # publisher: engines that have not pulled a round by then are fenced
@@ -117,10 +120,7 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if not self.backends or any(not b for b in self.backends):
             raise ValueError(f"backends {self.backends!r} must name at least one NIXL backend")
-        known = ("nixl", "shm", "grpc")
-        if not self.lanes or any(lane not in known for lane in self.lanes) or len(
-                set(self.lanes)) != len(self.lanes):
-            raise ValueError(f"lanes {self.lanes!r} must be distinct names from {known}")
+        _check_lanes("lanes", self.lanes)
         for name in ("transfer_timeout_s", "round_timeout_s", "rpc_retry_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

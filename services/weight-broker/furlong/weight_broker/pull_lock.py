@@ -69,12 +69,7 @@ class PullLock:
     def _acquire(self, deadline: float) -> bool:
         if self._fd is None:
             return False
-        if time.monotonic() < self._bypass_until:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except OSError:
-                return False
+        bypassing = time.monotonic() < self._bypass_until   # one try, no wait
         pause = _POLL_MIN_S
         while True:
             try:
@@ -84,6 +79,8 @@ class PullLock:
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
                     log.warning("pull lock %s: %s; pulling without it", self.path, exc)
                     return False
+            if bypassing:
+                return False
             if time.monotonic() >= deadline:
                 log.warning("pull lock %s still held by another engine after the wait allowed; "
                             "pulling without it (and without waiting for it for %.0f s)",

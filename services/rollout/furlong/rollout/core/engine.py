@@ -13,8 +13,9 @@ padding, which is thrown away, until the batch's longest row ends) and `"static_
 finished rows from the forward pass at once.
 
 Every step samples one token per running or joining row with `sample_step` and records it in a
-`DecodeTrace`. Slot bookkeeping is host-side (`SlotTable`): attention runs in a few slot ranges
-that each read the cache only up to their own longest row (see `llama_runner.attention_groups`).
+`DecodeTrace`. Slot bookkeeping is host-side (`SlotTable`); decode attention reads each slot's
+own cache columns (numba, on the CPU) or a few slot ranges each up to its longest row (SDPA, see
+`llama_runner`).
 The only per-step device-to-host transfer is the sampled tokens. A lock is held for a whole `generate` call and by `load_weights`,
 so a batch never sees two policy versions.
 

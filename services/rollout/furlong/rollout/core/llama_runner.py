@@ -144,13 +144,13 @@ class LlamaRunner:
         if n:
             slots = torch.arange(n, device=device)
             decode_positions = position_ids[:n]
-        if n and kernel is not None:
-            decode_positions_np = np.asarray(flat_positions[:n], dtype=np.int64)
-            decode_out = torch.empty(n, self.model.config.num_attention_heads, self.head_dim)
-        if n and kernel is None:
-            columns = torch.arange(max(span for _, _, span in groups), device=device)
-            masks = [(columns[None, :span] <= decode_positions[a:b, None])[:, None, None, :]
-                     for a, b, span in groups]
+            if kernel is not None:
+                decode_positions_np = np.asarray(flat_positions[:n], dtype=np.int64)
+                decode_out = torch.empty(n, self.model.config.num_attention_heads, self.head_dim)
+            else:
+                columns = torch.arange(max(span for _, _, span in groups), device=device)
+                masks = [(columns[None, :span] <= decode_positions[a:b, None])[:, None, None, :]
+                         for a, b, span in groups]
         for layer, keys, values in zip(inner.layers, self._keys, self._values):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
@@ -172,7 +172,7 @@ class LlamaRunner:
                 kernel(q[:n].contiguous().numpy(), keys.numpy(), values.numpy(),
                        decode_positions_np, np.float32(attn.scaling), decode_out.numpy())
                 outs.append(decode_out.view(n, -1))   # used up (o_proj, cat) before the next layer
-            for (a, b, span), mask in zip(groups if kernel is None else (), masks):
+            for (a, b, span), mask in zip(groups, masks):     # SDPA only: masks is empty else
                 out = scaled_dot_product_attention(q[a:b, :, None], keys[a:b, :, :span],
                                                    values[a:b, :, :span], attn_mask=mask,
                                                    scale=attn.scaling, enable_gqa=gqa)
