@@ -7,6 +7,7 @@ import pytest
 import torch
 import xxhash
 
+from furlong.core.block_checksum import BLOCK_BYTES
 from furlong.core.weights import (
     CHECKSUM_ALGORITHM, BucketPlan, Manifest, TensorSlot, WeightLayout, checksum, combine_checksums,
     dtype_from_name, dtype_name, plan_buckets, round_checksums, stage_round)
@@ -84,16 +85,25 @@ def test_buffer_checks():
         layout.views(torch.zeros(300, dtype=torch.float32))
 
 
-def test_checksum_is_xxh3_128_of_the_range():
+def _blocks_digest(data: bytes) -> str:
+    """The documented definition, written out: xxh3-128 over the 8 MiB blocks' xxh3-128 digests."""
+    blocks = [data[i:i + BLOCK_BYTES] for i in range(0, len(data), BLOCK_BYTES)]
+    return xxhash.xxh3_128(b"".join(xxhash.xxh3_128(b).digest() for b in blocks)).hexdigest()
+
+
+def test_checksum_is_xxh3_128_over_the_digests_of_8_mib_blocks():
     buffer = torch.arange(200, dtype=torch.uint8)
-    expected = xxhash.xxh3_128(bytes(range(100))).hexdigest()
-    assert CHECKSUM_ALGORITHM == "xxh3-128"
+    expected = _blocks_digest(bytes(range(100)))
+    assert CHECKSUM_ALGORITHM == "xxh3-128/8MiB-blocks"
     assert checksum(buffer, 100) == expected
-    assert checksum(buffer, 50, offset_bytes=10) == xxhash.xxh3_128(bytes(range(10, 60))).hexdigest()
+    assert checksum(buffer, 50, offset_bytes=10) == _blocks_digest(bytes(range(10, 60)))
     buffer[150] = 0   # beyond the prefix: same digest
     assert checksum(buffer, 100) == expected
     buffer[5] += 1
     assert checksum(buffer, 100) != expected
+    big = torch.randint(0, 256, (2 * BLOCK_BYTES + 12345,), dtype=torch.uint8)
+    assert checksum(big, big.numel(), workers=1) == checksum(big, big.numel(), workers=3) == \
+        _blocks_digest(big.numpy().tobytes())
     with pytest.raises(ValueError):
         checksum(buffer, 500)
 

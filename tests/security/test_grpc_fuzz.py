@@ -90,7 +90,7 @@ def _broker_bases() -> dict[str, tuple[object, frozenset]]:
 BROKER_BASES = _broker_bases()
 STRINGS = {"run_id": [RUN], "engine_id": [ENGINE], "lane": ["nixl", "shm", "grpc"],
            "dtype": ["float32", "bfloat16", "int32", "float8_e4m3fn", "complex128", "torch.float32"],
-           "checksum_algorithm": ["xxh3-128"], "memory_kind": ["DRAM", "VRAM"],
+           "checksum_algorithm": ["xxh3-128/8MiB-blocks"], "memory_kind": ["DRAM", "VRAM"],
            "name": ["w", "b"], "source": ["w", "b"], "names": ["w", "b"]}
 
 

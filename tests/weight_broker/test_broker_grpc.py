@@ -154,7 +154,8 @@ def test_grpc_client_close_cancels_watches_and_health_serves():
         client = GrpcBrokerClient(address)
         client.register_engine(RUN, "e1")
         collector = Collector(client.watch_versions(RUN, "e1"))
-        wait_until(lambda: collector.thread.is_alive())
+        # the server holds the watch (closing earlier cancels a call the server never saw)
+        wait_until(lambda: "e1" in core._runs[RUN].subscriptions)
         client.close()
         collector.thread.join(5.0)
         assert not collector.thread.is_alive() and collector.error is None
@@ -166,7 +167,7 @@ def test_grpc_client_close_cancels_watches_and_health_serves():
 @pytest.mark.unit
 def test_manifest_and_event_conversions_round_trip():
     msg = manifest_to_proto(manifest(7))
-    assert msg.checksum_algorithm == "xxh3-128"
+    assert msg.checksum_algorithm == "xxh3-128/8MiB-blocks"
     assert [(t.name, t.dtype, list(t.shape)) for t in msg.tensors] == [("w", "bfloat16", [3, 2]),
                                                                       ("b", "int32", [5])]
     assert manifest_from_proto(msg) == manifest(7)

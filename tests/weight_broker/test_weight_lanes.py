@@ -18,7 +18,7 @@ from furlong.core.weights import WeightLayout, plan_buckets
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.core import BrokerCore
-from furlong.weight_broker.lanes import connect_lane
+from furlong.weight_broker.lanes import ShmLane, connect_lane
 from furlong.weight_broker.metrics import BrokerMetrics
 from furlong.weight_broker.publisher import WeightPublisher
 from furlong.weight_broker.receiver import WeightReceiver
@@ -132,6 +132,49 @@ def test_a_corrupted_byte_in_transit_is_detected_and_re_pulled(local):
     assert client.wait_committed(RUN, 1, 20.0).committed_version == 1
     engine.assert_has(1, policy(1))
     assert flaky[0].reads == 3 + 1   # three rounds, the corrupted one pulled twice
+
+
+class TornShmLane(ShmLane):
+    """The shared-memory lane that hashes while it copies, with one byte of the bucket flipped
+    while the first `corrupt` pulls copy it (and put back after): what landed is wrong."""
+
+    def __init__(self, source, corrupt: int) -> None:
+        super().__init__(source)
+        self.corrupt = corrupt
+        self.reads = 0
+
+    def read_hashed(self, size_bytes, pieces, timeout_s):
+        self.reads += 1
+        bucket = self._shm.tensor
+        at = pieces[0][1]
+        if self.reads <= self.corrupt:
+            bucket[at] ^= 0x40
+        try:
+            return super().read_hashed(size_bytes, pieces, timeout_s)
+        finally:
+            if self.reads <= self.corrupt:
+                bucket[at] ^= 0x40
+
+
+@pytest.mark.parametrize("into", ["buffer", "params"])
+def test_the_shm_lane_hashes_what_it_copies_and_a_torn_copy_is_re_pulled(local, into):
+    client, open_, _ = local
+    lanes: list[TornShmLane] = []
+
+    def connect(source):
+        lanes.append(TornShmLane(source, corrupt=1))
+        return lanes[-1]
+
+    engine = Engine()
+    params = {n: torch.zeros_like(t) for n, t in policy(0).items()} if into == "params" else None
+    open_(WeightReceiver, "e1", engine.apply, config=TransferConfig(lanes=("shm",)),
+          connect=connect, params=params).start()
+    publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-torn",
+                      config=BUCKET)
+    publisher.publish(1, policy(1))
+    assert client.wait_committed(RUN, 1, 20.0).committed_version == 1
+    engine.assert_has(1, policy(1))
+    assert lanes[0].reads == 3 + 1   # three rounds, the torn one pulled twice
 
 
 def test_an_engine_that_keeps_failing_is_fenced_and_the_others_commit(local):

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import functools
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 import xxhash
 
-# xxh3-128 hashes at ~14 GB/s on one core (blake2b: ~0.6 GB/s): the check never dominates a transfer.
-CHECKSUM_ALGORITHM = "xxh3-128"
+from furlong.core.block_checksum import CHECKSUM_ALGORITHM, range_checksum
+
+# xxh3-128 hashes at ~14 GB/s on one core (blake2b: ~0.6 GB/s), in 8 MiB blocks on every core
+# (furlong.core.block_checksum): the check never dominates a transfer.
 _CHECKSUM_HEX_CHARS = 32
 
 # Canonical names ("float32", "bfloat16", ...) of every dtype this torch build knows; aliases such as
@@ -181,17 +182,16 @@ class WeightLayout:
 
 
 
-def checksum(buffer: torch.Tensor, num_bytes: int, offset_bytes: int = 0) -> str:
-    """Hex xxh3-128 digest of bytes [offset_bytes, offset_bytes + num_bytes) of a host uint8
-    buffer."""
+def checksum(buffer: torch.Tensor, num_bytes: int, offset_bytes: int = 0,
+             workers: int | None = None) -> str:
+    """The checksum (CHECKSUM_ALGORITHM) of bytes [offset_bytes, offset_bytes + num_bytes) of a
+    host uint8 buffer, hashed on up to `workers` threads (default: every core, at most four)."""
     if num_bytes < 0 or offset_bytes < 0:
         raise ValueError(f"num_bytes {num_bytes} or offset_bytes {offset_bytes} < 0")
     _check_buffer(buffer, offset_bytes + num_bytes)
     if buffer.device.type != "cpu":
         raise ValueError(f"checksum needs a host buffer, got one on {buffer.device}")
-    # memoryview over the tensor's memory: no copy; xxhash releases the GIL for large inputs.
-    return xxhash.xxh3_128(memoryview(buffer[offset_bytes:offset_bytes + num_bytes].numpy())
-                           ).hexdigest()
+    return range_checksum(num_bytes, [(0, buffer[offset_bytes:offset_bytes + num_bytes])], workers)
 
 
 def combine_checksums(digests: tuple[str, ...] | list[str]) -> str:
@@ -335,29 +335,16 @@ def _round_pieces(layout: WeightLayout, rnd: BucketRound) -> list[tuple[int, Ten
 
 
 def round_checksums(layout: WeightLayout, plan: BucketPlan,
-                    state_dict: Mapping[str, torch.Tensor], workers: int = 1) -> tuple[str, ...]:
+                    state_dict: Mapping[str, torch.Tensor], workers: int | None = None
+                    ) -> tuple[str, ...]:
     """The checksum each round will have once staged (zero padding included), hashed straight from
-    the state dict without staging it; rounds are hashed on up to `workers` threads (xxhash
-    releases the GIL)."""
+    the state dict without staging it, each round's blocks on up to `workers` threads (default:
+    every core, at most four)."""
     layout.check(state_dict)
-
-    def digest(rnd: BucketRound) -> str:
-        hasher = xxhash.xxh3_128()
-        cursor = 0
-        for offset, slot in _round_pieces(layout, rnd):
-            if offset > cursor:
-                hasher.update(bytes(offset - cursor))
-            if slot.size_bytes:
-                hasher.update(memoryview(_host_bytes(state_dict[slot.name]).numpy()))
-            cursor = max(cursor, offset + slot.size_bytes)
-        if rnd.size_bytes > cursor:
-            hasher.update(bytes(rnd.size_bytes - cursor))
-        return hasher.hexdigest()
-
-    if workers <= 1 or len(plan.rounds) == 1:
-        return tuple(digest(rnd) for rnd in plan.rounds)
-    with ThreadPoolExecutor(min(workers, len(plan.rounds)), thread_name_prefix="round-hash") as pool:
-        return tuple(pool.map(digest, plan.rounds))
+    return tuple(
+        range_checksum(rnd.size_bytes, [(offset, _host_bytes(state_dict[slot.name]))
+                                        for offset, slot in _round_pieces(layout, rnd)], workers)
+        for rnd in plan.rounds)
 
 
 def stage_round(layout: WeightLayout, rnd: BucketRound, state_dict: Mapping[str, torch.Tensor],

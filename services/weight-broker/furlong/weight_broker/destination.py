@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-import xxhash
 
+from furlong.core.block_checksum import range_checksum
 from furlong.core.weight_shards import (
     PieceCopy, ShardLayout, ShardPiece, ShardTensor, digest_copies, plan_shards)
 from furlong.core.weights import BucketRound, Manifest, WeightLayout, checksum
@@ -67,10 +67,14 @@ class BufferDestination:
     def round_bytes(self, rnd: BucketRound) -> int:
         return rnd.size_bytes
 
-    def pull(self, lane: Lane, rnd: BucketRound, holds_all_rounds: bool, timeout_s: float) -> float:
+    def pull(self, lane: Lane, rnd: BucketRound, holds_all_rounds: bool,
+             timeout_s: float) -> tuple[float, str]:
         dst = self.buffer[rnd.offset_bytes:rnd.end_bytes]
-        return lane.read(rnd.offset_bytes if holds_all_rounds else rnd.bucket_offset_bytes, dst,
-                         timeout_s)
+        src_offset = rnd.offset_bytes if holds_all_rounds else rnd.bucket_offset_bytes
+        read_hashed = getattr(lane, "read_hashed", None)
+        if read_hashed is not None:
+            return read_hashed(rnd.size_bytes, [(0, src_offset, dst)], timeout_s)
+        return lane.read(src_offset, dst, timeout_s), ""
 
     def digest(self, rnd: BucketRound) -> str:
         return checksum(self.buffer, rnd.size_bytes, rnd.offset_bytes)
@@ -124,10 +128,20 @@ class PieceDestination:
     def round_bytes(self, rnd: BucketRound) -> int:
         return self.plan.rounds[rnd.index].size_bytes
 
-    def pull(self, lane: Lane, rnd: BucketRound, holds_all_rounds: bool, timeout_s: float) -> float:
+    def pull(self, lane: Lane, rnd: BucketRound, holds_all_rounds: bool,
+             timeout_s: float) -> tuple[float, str]:
         copies = self.plan.rounds[rnd.index].copies
-        return lane.read_copies(_region_offset(rnd, holds_all_rounds), copies, self._raw,
-                                timeout_s, cache_key=("round", rnd.index, holds_all_rounds))
+        region = _region_offset(rnd, holds_all_rounds)
+        read_hashed = getattr(lane, "read_hashed", None)
+        whole = not self._own_layout and all(c.num_rows == 1 for c in copies)
+        if read_hashed is not None and whole:
+            # whole published tensors, one contiguous piece each: hashed like the round checksum
+            pieces = [(c.src_offset_bytes - rnd.offset_bytes, c.src_offset_bytes - region,
+                       self._raw[c.dst_name][c.dst_offset_bytes:c.dst_offset_bytes + c.size_bytes])
+                      for c in sorted(copies, key=lambda c: c.src_offset_bytes)]
+            return read_hashed(rnd.size_bytes, pieces, timeout_s)
+        return lane.read_copies(region, copies, self._raw, timeout_s,
+                                cache_key=("round", rnd.index, holds_all_rounds)), ""
 
     def digest(self, rnd: BucketRound) -> str:
         copies = self.plan.rounds[rnd.index].copies
@@ -152,19 +166,10 @@ def _round_digest(rnd: BucketRound, copies: tuple[PieceCopy, ...],
                   raw: Mapping[str, torch.Tensor]) -> str:
     """The round checksum of whole published tensors held apart: their bytes in source order with
     the zero padding of the staged round between them (see furlong.core.weights.round_checksums)."""
-    hasher = xxhash.xxh3_128()
-    cursor = 0
-    for copy in sorted(copies, key=lambda c: c.src_offset_bytes):
-        offset = copy.src_offset_bytes - rnd.offset_bytes
-        if offset > cursor:
-            hasher.update(bytes(offset - cursor))
-        if copy.size_bytes:
-            hasher.update(memoryview(raw[copy.dst_name][copy.dst_offset_bytes:copy.dst_offset_bytes
-                                                         + copy.size_bytes].numpy()))
-        cursor = max(cursor, offset + copy.size_bytes)
-    if rnd.size_bytes > cursor:
-        hasher.update(bytes(rnd.size_bytes - cursor))
-    return hasher.hexdigest()
+    return range_checksum(rnd.size_bytes, [
+        (c.src_offset_bytes - rnd.offset_bytes,
+         raw[c.dst_name][c.dst_offset_bytes:c.dst_offset_bytes + c.size_bytes])
+        for c in sorted(copies, key=lambda c: c.src_offset_bytes)])
 
 
 def _check_params(layout: WeightLayout, params: Mapping[str, torch.Tensor]) -> None:

@@ -2,7 +2,9 @@
 publisher's staging bucket into a local host buffer.
 
 - `nixl`: a one-sided NIXL (UCX) READ into a buffer registered with the engine's agent.
-- `shm`: the bucket is a POSIX shared-memory object on this host; map it and copy.
+- `shm`: the bucket is a POSIX shared-memory object on this host; map it and copy. It also offers
+  `read_hashed`: the copy and the checksum of what landed in one pass (see
+  furlong.core.block_checksum.copy_checksum), which destinations use when the lane has it.
 - `grpc`: stream the range from the publisher's WeightStream server (slowest; works anywhere).
 
 `connect_lane` picks the first lane of a preference list that can reach a source and logs the
@@ -19,6 +21,7 @@ import grpc
 import numpy as np
 import torch
 
+from furlong.core.block_checksum import copy_checksum
 from furlong.core.errors import UnavailableError
 from furlong.core.weight_shards import PieceCopy, copy_rows
 from furlong.rpc import channel, error_from_rpc
@@ -156,6 +159,23 @@ class ShmLane:
         for copy in copies:
             copy_rows(src, region_offset_bytes, copy, dst[copy.dst_name])
         return time.perf_counter() - started
+
+    def read_hashed(self, size_bytes: int, pieces: Sequence[tuple[int, int, torch.Tensor]],
+                    timeout_s: float) -> tuple[float, str]:
+        """Copy `pieces` (offset within a range of size_bytes, offset in the bucket, destination:
+        a contiguous 1-D uint8 host tensor) out of the bucket; returns the seconds it took and the
+        checksum of the range as it landed (zeros between pieces), hashed while copying."""
+        src = self._shm.tensor
+        if src is None:
+            raise UnavailableError(f"shared memory {self._shm.name} is closed")
+        for _, src_offset, dst in pieces:
+            if src_offset < 0 or src_offset + dst.numel() > src.numel():
+                raise ValueError(f"read of {dst.numel()} bytes at {src_offset} exceeds the "
+                                 f"{src.numel()}-byte shared buffer {self._shm.name}")
+        started = time.perf_counter()
+        digest = copy_checksum(size_bytes, [(offset, src[at:at + dst.numel()], dst)
+                                            for offset, at, dst in pieces])
+        return time.perf_counter() - started, digest
 
     def close(self) -> None:
         self._shm.close()

@@ -182,11 +182,18 @@ class WeightRelay:
         dst = bucket[rnd.offset_bytes:rnd.end_bytes]
         src_offset = rnd.offset_bytes if current.src_holds_all_rounds else rnd.bucket_offset_bytes
         try:
+            read_hashed = getattr(current.lane, "read_hashed", None)
             for _ in range(_PULLS_PER_ROUND):
-                current.seconds += current.lane.read(src_offset, dst,
-                                                     self._config.transfer_timeout_s)
+                timeout_s = self._config.transfer_timeout_s
+                if read_hashed is not None:   # hashed while copied
+                    seconds, digest = read_hashed(rnd.size_bytes, [(0, src_offset, dst)],
+                                                  timeout_s)
+                else:
+                    seconds = current.lane.read(src_offset, dst, timeout_s)
+                    digest = checksum(bucket, rnd.size_bytes, rnd.offset_bytes)
+                current.seconds += seconds
                 current.num_bytes += rnd.size_bytes
-                if checksum(bucket, rnd.size_bytes, rnd.offset_bytes) == rnd.checksum:
+                if digest == rnd.checksum:
                     break
             else:
                 raise IntegrityError(f"checksum mismatch for version {version} round {index}")

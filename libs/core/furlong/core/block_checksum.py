@@ -1,0 +1,148 @@
+"""Checksums of byte ranges, hashed block by block so that they run on several threads and can be
+taken while the bytes are copied.
+
+The checksum of a range of `size` bytes (CHECKSUM_ALGORITHM): cut it into consecutive blocks of
+BLOCK_BYTES (8 MiB; the last one may be shorter), take the xxh3-128 digest of each block, and take
+xxh3-128 of the concatenated 16-byte block digests (hex). Blocks are independent, so:
+
+- `range_checksum` hashes a range's blocks on up to `workers` threads (xxhash releases the GIL);
+- `copy_checksum` copies a range into its destination and hashes each piece right after copying
+  it, while it is still in the CPU cache (COPY_CHUNK_BYTES at a time), so checking what arrived
+  costs no second pass over memory; blocks are split between threads the same way.
+
+A range is given as segments: (offset within the range, 1-D uint8 host tensor). Segments are
+sorted and do not overlap; bytes no segment covers are zeros (the padding between tensors in a
+staged round). Knows nothing about layouts, rounds or transports.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+import xxhash
+
+CHECKSUM_ALGORITHM = "xxh3-128/8MiB-blocks"
+BLOCK_BYTES = 8 << 20
+COPY_CHUNK_BYTES = 512 << 10     # copied then hashed while still in the (1 MiB per core) L2 cache
+_ZEROS = memoryview(bytes(BLOCK_BYTES))
+
+Segment = tuple[int, torch.Tensor]                       # (offset, bytes)
+CopySegment = tuple[int, torch.Tensor, torch.Tensor]     # (offset, source bytes, destination bytes)
+
+
+def default_workers() -> int:
+    """Threads for hashing: every core, at most four."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="checksum")
+
+
+def _check_bytes(what: str, tensor: torch.Tensor) -> None:
+    if (tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous()
+            or tensor.device.type != "cpu"):
+        raise ValueError(f"{what} must be a contiguous 1-D uint8 host tensor, got {tensor.dtype} "
+                         f"{tuple(tensor.shape)} on {tensor.device}")
+
+
+def _check_segments(size_bytes: int, offsets: Sequence[int], lengths: Sequence[int]) -> None:
+    if size_bytes < 0:
+        raise ValueError(f"range size_bytes {size_bytes} < 0")
+    end = 0
+    for offset, length in zip(offsets, lengths):
+        if offset < end or offset + length > size_bytes:
+            raise ValueError(f"segment [{offset}, {offset + length}) overlaps the previous one or "
+                             f"lies outside the {size_bytes}-byte range")
+        end = offset + length
+
+
+def _parts(lo: int, hi: int, offsets: Sequence[int], lengths: Sequence[int]):
+    """(segment index or -1 for zeros, start within the segment, range offset, length) covering
+    [lo, hi) in order."""
+    cursor = lo
+    index = max(0, bisect.bisect_right(offsets, lo) - 1)
+    while cursor < hi:
+        if index < len(offsets) and offsets[index] + lengths[index] <= cursor:
+            index += 1
+            continue
+        if index >= len(offsets) or offsets[index] >= hi:
+            yield -1, 0, cursor, hi - cursor
+            return
+        if offsets[index] > cursor:
+            yield -1, 0, cursor, offsets[index] - cursor
+            cursor = offsets[index]
+        end = min(hi, offsets[index] + lengths[index])
+        yield index, cursor - offsets[index], cursor, end - cursor
+        cursor = end
+        index += 1
+
+
+def _combine(size_bytes: int, block_digest, workers: int) -> str:
+    blocks = range((size_bytes + BLOCK_BYTES - 1) // BLOCK_BYTES)
+    if workers > 1 and len(blocks) > 1:
+        digests = list(_pool(workers).map(block_digest, blocks))
+    else:
+        digests = [block_digest(k) for k in blocks]
+    return xxhash.xxh3_128(b"".join(digests)).hexdigest()
+
+
+def range_checksum(size_bytes: int, segments: Sequence[Segment], workers: int | None = None) -> str:
+    """The checksum of a `size_bytes` range made of `segments` (zeros between them)."""
+    for _, data in segments:
+        _check_bytes("segment", data)
+    offsets = [offset for offset, _ in segments]
+    lengths = [data.numel() for _, data in segments]
+    _check_segments(size_bytes, offsets, lengths)
+    views = [memoryview(data.numpy()) for _, data in segments]
+
+    def block_digest(k: int) -> bytes:
+        hasher = xxhash.xxh3_128()
+        lo = k * BLOCK_BYTES
+        for index, start, _, length in _parts(lo, min(size_bytes, lo + BLOCK_BYTES), offsets,
+                                              lengths):
+            hasher.update(_ZEROS[:length] if index < 0 else views[index][start:start + length])
+        return hasher.digest()
+
+    return _combine(size_bytes, block_digest, default_workers() if workers is None else workers)
+
+
+def copy_checksum(size_bytes: int, copies: Sequence[CopySegment],
+                  workers: int | None = None) -> str:
+    """Copy every segment's source into its destination (equal lengths, no overlap between them)
+    and return the checksum of the range as it landed: of the destination bytes, each hashed
+    right after it was copied (zeros between segments)."""
+    for _, src, dst in copies:
+        _check_bytes("copy source", src)
+        _check_bytes("copy destination", dst)
+        if src.numel() != dst.numel():
+            raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()} bytes")
+    offsets = [offset for offset, _, _ in copies]
+    lengths = [src.numel() for _, src, _ in copies]
+    _check_segments(size_bytes, offsets, lengths)
+    src_ptrs = [src.data_ptr() for _, src, _ in copies]
+    dst_ptrs = [dst.data_ptr() for _, _, dst in copies]
+    views = [memoryview(dst.numpy()) for _, _, dst in copies]
+
+    def block_digest(k: int) -> bytes:
+        hasher = xxhash.xxh3_128()
+        lo = k * BLOCK_BYTES
+        for index, start, _, length in _parts(lo, min(size_bytes, lo + BLOCK_BYTES), offsets,
+                                              lengths):
+            if index < 0:
+                hasher.update(_ZEROS[:length])
+                continue
+            for at in range(start, start + length, COPY_CHUNK_BYTES):
+                n = min(COPY_CHUNK_BYTES, start + length - at)
+                ctypes.memmove(dst_ptrs[index] + at, src_ptrs[index] + at, n)   # releases the GIL
+                hasher.update(views[index][at:at + n])
+        return hasher.digest()
+
+    return _combine(size_bytes, block_digest, default_workers() if workers is None else workers)
