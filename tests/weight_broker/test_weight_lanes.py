@@ -5,6 +5,7 @@ never answer are fenced while the version commits for the others."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from furlong.core.weights import WeightLayout, plan_buckets
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.core import BrokerCore
-from furlong.weight_broker.lanes import ShmLane, connect_lane
+from furlong.weight_broker.lanes import NixlLane, ShmLane, connect_lane
 from furlong.weight_broker.metrics import BrokerMetrics
 from furlong.weight_broker.publisher import WeightPublisher
 from furlong.weight_broker.receiver import WeightReceiver
@@ -134,41 +135,54 @@ def test_a_corrupted_byte_in_transit_is_detected_and_re_pulled(local):
     assert flaky[0].reads == 3 + 1   # three rounds, the corrupted one pulled twice
 
 
-class TornShmLane(ShmLane):
-    """The shared-memory lane that hashes while it copies, with one byte of the bucket flipped
-    while the first `corrupt` pulls copy it (and put back after): what landed is wrong."""
+class Torn:
+    """A lane that hashes while it pulls, with one byte of the publisher's bucket flipped while
+    its first `corrupt` pulls read it (and put back after): what landed is wrong. The publisher
+    runs in this process, so the bucket is at the source's address here."""
 
-    def __init__(self, source, corrupt: int) -> None:
-        super().__init__(source)
-        self.corrupt = corrupt
-        self.reads = 0
+    corrupt = 0
+    reads = 0
 
-    def read_hashed(self, size_bytes, pieces, timeout_s):
+    def read_hashed(self, size_bytes, pieces, timeout_s, cache_key=None):
         self.reads += 1
-        bucket = self._shm.tensor
-        at = pieces[0][1]
-        if self.reads <= self.corrupt:
-            bucket[at] ^= 0x40
+        torn = self.reads <= self.corrupt
+        cell = ctypes.c_uint8.from_address(self.torn_source.base_address + pieces[0][1])
+        if torn:
+            cell.value ^= 0x40
         try:
-            return super().read_hashed(size_bytes, pieces, timeout_s)
+            return super().read_hashed(size_bytes, pieces, timeout_s, cache_key)
         finally:
-            if self.reads <= self.corrupt:
-                bucket[at] ^= 0x40
+            if torn:
+                cell.value ^= 0x40
 
 
+class TornShmLane(Torn, ShmLane):
+    pass
+
+
+class TornNixlLane(Torn, NixlLane):
+    pass
+
+
+@pytest.mark.parametrize("lane", ["shm", "nixl"])
 @pytest.mark.parametrize("into", ["buffer", "params"])
-def test_the_shm_lane_hashes_what_it_copies_and_a_torn_copy_is_re_pulled(local, into):
+def test_a_lane_hashes_what_it_pulls_and_a_torn_pull_is_re_pulled(local, lane, into):
     client, open_, _ = local
-    lanes: list[TornShmLane] = []
+    lanes: list[Torn] = []
+    receivers: list[WeightReceiver] = []
 
     def connect(source):
-        lanes.append(TornShmLane(source, corrupt=1))
-        return lanes[-1]
+        torn = (TornShmLane(source) if lane == "shm" else
+                TornNixlLane(receivers[0]._endpoint, source))
+        torn.torn_source, torn.corrupt = source, 1
+        lanes.append(torn)
+        return torn
 
     engine = Engine()
     params = {n: torch.zeros_like(t) for n, t in policy(0).items()} if into == "params" else None
-    open_(WeightReceiver, "e1", engine.apply, config=TransferConfig(lanes=("shm",)),
-          connect=connect, params=params).start()
+    receivers.append(open_(WeightReceiver, "e1", engine.apply,
+                           config=TransferConfig(lanes=(lane,)), connect=connect, params=params))
+    receivers[0].start()
     publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-torn",
                       config=BUCKET)
     publisher.publish(1, policy(1))

@@ -85,33 +85,60 @@ def _parts(lo: int, hi: int, offsets: Sequence[int], lengths: Sequence[int]):
         index += 1
 
 
+class RangeHasher:
+    """The checksum of a `size_bytes` range made of `segments` (zeros between them), block by
+    block: `block_digest(k)` may be called from any thread, in any order, as soon as block k's
+    bytes are in place (a lane that fills a range block by block hashes each block right after it
+    arrived); `combine` makes the range checksum of all block digests in order."""
+
+    def __init__(self, size_bytes: int, segments: Sequence[Segment]) -> None:
+        for _, data in segments:
+            _check_bytes("segment", data)
+        self.size_bytes = size_bytes
+        self._offsets = [offset for offset, _ in segments]
+        self._lengths = [data.numel() for _, data in segments]
+        _check_segments(size_bytes, self._offsets, self._lengths)
+        self._views = [memoryview(data.numpy()) for _, data in segments]
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.size_bytes + BLOCK_BYTES - 1) // BLOCK_BYTES
+
+    def segment_parts(self, k: int) -> list[tuple[int, int, int]]:
+        """(segment index, start within the segment, length) of the segment bytes in block k, in
+        order (the zeros between segments left out)."""
+        lo = k * BLOCK_BYTES
+        return [(index, start, length) for index, start, _, length in
+                _parts(lo, min(self.size_bytes, lo + BLOCK_BYTES), self._offsets, self._lengths)
+                if index >= 0 and length]
+
+    def block_digest(self, k: int) -> bytes:
+        hasher = xxhash.xxh3_128()
+        lo = k * BLOCK_BYTES
+        for index, start, _, length in _parts(lo, min(self.size_bytes, lo + BLOCK_BYTES),
+                                              self._offsets, self._lengths):
+            hasher.update(_ZEROS[:length] if index < 0 else self._views[index][start:start + length])
+        return hasher.digest()
+
+    @staticmethod
+    def combine(digests: Sequence[bytes]) -> str:
+        return xxhash.xxh3_128(b"".join(digests)).hexdigest()
+
+
 def _combine(size_bytes: int, block_digest, workers: int) -> str:
     blocks = range((size_bytes + BLOCK_BYTES - 1) // BLOCK_BYTES)
     if workers > 1 and len(blocks) > 1:
         digests = list(_pool(workers).map(block_digest, blocks))
     else:
         digests = [block_digest(k) for k in blocks]
-    return xxhash.xxh3_128(b"".join(digests)).hexdigest()
+    return RangeHasher.combine(digests)
 
 
 def range_checksum(size_bytes: int, segments: Sequence[Segment], workers: int | None = None) -> str:
     """The checksum of a `size_bytes` range made of `segments` (zeros between them)."""
-    for _, data in segments:
-        _check_bytes("segment", data)
-    offsets = [offset for offset, _ in segments]
-    lengths = [data.numel() for _, data in segments]
-    _check_segments(size_bytes, offsets, lengths)
-    views = [memoryview(data.numpy()) for _, data in segments]
-
-    def block_digest(k: int) -> bytes:
-        hasher = xxhash.xxh3_128()
-        lo = k * BLOCK_BYTES
-        for index, start, _, length in _parts(lo, min(size_bytes, lo + BLOCK_BYTES), offsets,
-                                              lengths):
-            hasher.update(_ZEROS[:length] if index < 0 else views[index][start:start + length])
-        return hasher.digest()
-
-    return _combine(size_bytes, block_digest, default_workers() if workers is None else workers)
+    hasher = RangeHasher(size_bytes, segments)
+    return _combine(size_bytes, hasher.block_digest,
+                    default_workers() if workers is None else workers)
 
 
 def copy_checksum(size_bytes: int, copies: Sequence[CopySegment],

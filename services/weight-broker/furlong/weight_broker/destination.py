@@ -73,7 +73,8 @@ class BufferDestination:
         src_offset = rnd.offset_bytes if holds_all_rounds else rnd.bucket_offset_bytes
         read_hashed = getattr(lane, "read_hashed", None)
         if read_hashed is not None:
-            return read_hashed(rnd.size_bytes, [(0, src_offset, dst)], timeout_s)
+            return read_hashed(rnd.size_bytes, [(0, src_offset, dst)], timeout_s,
+                               ("round", rnd.index, holds_all_rounds))
         return lane.read(src_offset, dst, timeout_s), ""
 
     def digest(self, rnd: BucketRound) -> str:
@@ -139,7 +140,8 @@ class PieceDestination:
             pieces = [(c.src_offset_bytes - rnd.offset_bytes, c.src_offset_bytes - region,
                        self._raw[c.dst_name][c.dst_offset_bytes:c.dst_offset_bytes + c.size_bytes])
                       for c in sorted(copies, key=lambda c: c.src_offset_bytes)]
-            return read_hashed(rnd.size_bytes, pieces, timeout_s)
+            return read_hashed(rnd.size_bytes, pieces, timeout_s,
+                               ("round", rnd.index, holds_all_rounds))
         return lane.read_copies(region, copies, self._raw, timeout_s,
                                 cache_key=("round", rnd.index, holds_all_rounds)), ""
 

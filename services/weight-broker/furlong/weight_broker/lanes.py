@@ -2,9 +2,12 @@
 publisher's staging bucket into a local host buffer.
 
 - `nixl`: a one-sided NIXL (UCX) READ into a buffer registered with the engine's agent.
-- `shm`: the bucket is a POSIX shared-memory object on this host; map it and copy. It also offers
-  `read_hashed`: the copy and the checksum of what landed in one pass (see
-  furlong.core.block_checksum.copy_checksum), which destinations use when the lane has it.
+- `shm`: the bucket is a POSIX shared-memory object on this host; map it and copy.
+
+`nixl` and `shm` also offer `read_hashed`: the pull and the checksum of what landed at once (shm:
+each piece hashed right after it is copied, furlong.core.block_checksum.copy_checksum; nixl: each
+checksum block hashed as soon as its READ landed, while the next block is read). Destinations use
+it when a lane has it.
 - `grpc`: stream the range from the publisher's WeightStream server (slowest; works anywhere).
 
 `connect_lane` picks the first lane of a preference list that can reach a source and logs the
@@ -21,7 +24,7 @@ import grpc
 import numpy as np
 import torch
 
-from furlong.core.block_checksum import copy_checksum
+from furlong.core.block_checksum import RangeHasher, copy_checksum
 from furlong.core.errors import UnavailableError
 from furlong.core.weight_shards import PieceCopy, copy_rows
 from furlong.rpc import channel, error_from_rpc
@@ -81,6 +84,7 @@ class NixlLane:
         self._source = source
         # Descriptor lists by cache_key: the same pieces land in the same memory every version.
         self._descs: dict[Hashable, tuple[np.ndarray, np.ndarray]] = {}
+        self._blocks: dict[Hashable, list[tuple[np.ndarray, np.ndarray] | None]] = {}
 
     def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
         return self._endpoint.read(self._source, dst, dst.numel(), timeout_s, src_offset_bytes)
@@ -100,6 +104,40 @@ class NixlLane:
             if cache_key is not None:
                 self._descs[cache_key] = descs
         return self._endpoint.read_descs(self._source, *descs, timeout_s, cache_key)
+
+    def read_hashed(self, size_bytes: int, pieces: Sequence[tuple[int, int, torch.Tensor]],
+                    timeout_s: float, cache_key: Hashable) -> tuple[float, str]:
+        """READ `pieces` (offset within a range of size_bytes, offset in the source's region,
+        destination: a contiguous 1-D uint8 tensor registered with the endpoint) one checksum
+        block at a time, hashing each block as soon as it landed while the next one is read;
+        returns the seconds it took and the checksum of the range as it landed. The block
+        descriptors are built once per cache_key (pieces must then be the same on every call)."""
+        hasher = RangeHasher(size_bytes, [(offset, dst) for offset, _, dst in pieces])
+        blocks = self._blocks.get(cache_key)
+        if blocks is None:
+            blocks = [self._block_descs(hasher.segment_parts(k), pieces)
+                      for k in range(hasher.num_blocks)]
+            self._blocks[cache_key] = blocks
+        digests = [b""] * hasher.num_blocks
+
+        def landed(k: int) -> None:
+            digests[k] = hasher.block_digest(k)
+
+        seconds = self._endpoint.read_blocks(self._source, blocks, timeout_s, landed,
+                                             ("hashed", cache_key))
+        return seconds, RangeHasher.combine(digests)
+
+    def _block_descs(self, parts: Sequence[tuple[int, int, int]],
+                     pieces: Sequence[tuple[int, int, torch.Tensor]]
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
+        if not parts:
+            return None
+        local = np.array([[pieces[i][2].data_ptr() + start, length, 0]
+                          for i, start, length in parts], dtype=np.uint64)
+        remote = np.array([[self._source.base_address + pieces[i][1] + start, length,
+                            self._source.device_id] for i, start, length in parts],
+                          dtype=np.uint64)
+        return local, remote
 
     def _build_descs(self, region_offset_bytes: int, copies: Sequence[PieceCopy],
                      dst: Mapping[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
@@ -161,7 +199,7 @@ class ShmLane:
         return time.perf_counter() - started
 
     def read_hashed(self, size_bytes: int, pieces: Sequence[tuple[int, int, torch.Tensor]],
-                    timeout_s: float) -> tuple[float, str]:
+                    timeout_s: float, cache_key: Hashable = None) -> tuple[float, str]:
         """Copy `pieces` (offset within a range of size_bytes, offset in the bucket, destination:
         a contiguous 1-D uint8 host tensor) out of the bucket; returns the seconds it took and the
         checksum of the range as it landed (zeros between pieces), hashed while copying."""

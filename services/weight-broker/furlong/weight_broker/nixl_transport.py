@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -108,6 +108,54 @@ class NixlEndpoint:
         source's region) into row i of `local` (registered here). With a cache_key, the transfer
         request is built once and posted again on later calls with the same key and source: the
         descriptor lists are the same every version. Returns the seconds the transfer took."""
+        started = time.perf_counter()
+        key, handle, num_bytes = self._request(source, local, remote, cache_key)
+        self._post(key, handle, source, num_bytes)
+        self._finish(key, handle, num_bytes, source, started + timeout_s, cache_key is not None)
+        return time.perf_counter() - started
+
+    def read_blocks(self, source: WeightSourceInfo,
+                    blocks: Sequence[tuple[np.ndarray, np.ndarray] | None], timeout_s: float,
+                    on_block: Callable[[int], None], cache_key: Hashable) -> float:
+        """READs of several blocks (each a (local, remote) descriptor pair as for read_descs, or
+        None for nothing to read), one after the other, calling on_block(k) once block k landed
+        while block k + 1 is already being read (a caller hashes each block while it is still in
+        the CPU cache). Requests are kept under (cache_key, k). Returns the seconds it all took;
+        on a failure, nothing is left in flight."""
+        started = time.perf_counter()
+        deadline = started + timeout_s
+        requests = [None if b is None else self._request(source, b[0], b[1], (cache_key, k))
+                    for k, b in enumerate(blocks)]
+        posted: set[int] = set()
+
+        def post(k: int) -> None:
+            if requests[k] is not None:
+                key, handle, num_bytes = requests[k]
+                self._post(key, handle, source, num_bytes)
+                posted.add(k)
+
+        try:
+            if requests:
+                post(0)
+            for k, request in enumerate(requests):
+                if request is not None:
+                    posted.discard(k)
+                    self._finish(*request, source, deadline, True)
+                if k + 1 < len(requests):
+                    post(k + 1)
+                on_block(k)
+        except BaseException:
+            for k in posted:   # let a READ in flight end before its memory is reused
+                try:
+                    self._finish(*requests[k], source, deadline, True)
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    log.warning("NIXL agent %s: a READ in flight failed too", self.agent_name)
+            raise
+        return time.perf_counter() - started
+
+    def _request(self, source: WeightSourceInfo, local: np.ndarray, remote: np.ndarray,
+                 cache_key: Hashable | None) -> tuple[tuple, object, int]:
+        """(cache key, transfer request, bytes) for a READ, built now or taken from the cache."""
         if local.shape != remote.shape or local.ndim != 2 or local.shape[1] != 3 or not len(local):
             raise ValueError(f"descriptor lists of shapes {local.shape} and {remote.shape} are "
                              f"not two equal non-empty Nx3 arrays")
@@ -122,7 +170,6 @@ class NixlEndpoint:
         key = (source.agent_name, source.agent_metadata, cache_key)
         handle = self._handles.get(key) if cache_key is not None else None
         num_bytes = int(local[:, 1].sum())
-        started = time.perf_counter()
         if handle is None:
             try:
                 handle = self._agent.initialize_xfer(
@@ -134,14 +181,29 @@ class NixlEndpoint:
                                        f"{source.agent_name}: {exc!r}") from exc
             if cache_key is not None:
                 self._handles[key] = handle
+        return key, handle, num_bytes
+
+    def _post(self, key, handle, source: WeightSourceInfo, num_bytes: int) -> None:
         try:
-            self._wait(handle, source, num_bytes, started + timeout_s)
+            state = self._agent.transfer(handle)
+        except BaseException:
+            self._drop_handle(key, handle)
+            raise
+        if state not in ("PROC", "DONE"):
+            self._drop_handle(key, handle)
+            raise UnavailableError(f"NIXL READ of {num_bytes} bytes from {source.agent_name} could "
+                                   f"not start (state {state})")
+
+    def _finish(self, key, handle, num_bytes: int, source: WeightSourceInfo, deadline: float,
+                keep: bool) -> None:
+        """Wait for a posted request; a failed one, or one not kept, is released."""
+        try:
+            self._wait(handle, source, num_bytes, deadline)
         except BaseException:
             self._drop_handle(key, handle)   # a failed request is not posted again
             raise
-        if cache_key is None:
+        if not keep:
             self._drop_handle(key, handle)
-        return time.perf_counter() - started
 
     def _drop_handle(self, key, handle) -> None:
         if self._handles.get(key) is handle:
@@ -167,7 +229,7 @@ class NixlEndpoint:
                                cache_key=("range", dst.data_ptr(), src_offset_bytes, num_bytes))
 
     def _wait(self, handle, source: WeightSourceInfo, num_bytes: int, deadline: float) -> None:
-        state = self._agent.transfer(handle)
+        state = self._agent.check_xfer_state(handle)
         pause_s = _POLL_MIN_S
         while state == "PROC":
             if time.perf_counter() > deadline:

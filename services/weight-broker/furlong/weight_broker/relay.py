@@ -187,7 +187,7 @@ class WeightRelay:
                 timeout_s = self._config.transfer_timeout_s
                 if read_hashed is not None:   # hashed while copied
                     seconds, digest = read_hashed(rnd.size_bytes, [(0, src_offset, dst)],
-                                                  timeout_s)
+                                                  timeout_s, ("relay", index, src_offset))
                 else:
                     seconds = current.lane.read(src_offset, dst, timeout_s)
                     digest = checksum(bucket, rnd.size_bytes, rnd.offset_bytes)
