@@ -117,7 +117,8 @@ class RangeHasher:
         lo = k * BLOCK_BYTES
         for index, start, _, length in _parts(lo, min(self.size_bytes, lo + BLOCK_BYTES),
                                               self._offsets, self._lengths):
-            hasher.update(_ZEROS[:length] if index < 0 else self._views[index][start:start + length])
+            view = _ZEROS if index < 0 else self._views[index][start:]
+            hasher.update(view[:length])
         return hasher.digest()
 
     @staticmethod
