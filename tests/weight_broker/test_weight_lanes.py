@@ -124,15 +124,25 @@ def test_a_corrupted_byte_in_transit_is_detected_and_re_pulled(local):
         flaky.append(FlakyLane(connect_lane(source, ("shm",), None, 1 << 20), corrupt=1))
         return flaky[-1]
 
+    _one_version_arrives(client, open_, "shm", connect)
+    assert flaky[0].reads == 3 + 1   # three rounds, the corrupted one pulled twice
+
+
+def _one_version_arrives(client, open_, lane: str, connect, params=None,
+                         receivers: list | None = None) -> None:
+    """An engine pulling over `lane` (through `connect`; the receiver is appended to receivers
+    before it starts) takes version 1 bit for bit."""
     engine = Engine()
-    open_(WeightReceiver, "e1", engine.apply, config=TransferConfig(lanes=("shm",)),
-          connect=connect).start()
-    publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-flaky",
+    receiver = open_(WeightReceiver, "e1", engine.apply, config=TransferConfig(lanes=(lane,)),
+                     connect=connect, params=params)
+    if receivers is not None:
+        receivers.append(receiver)
+    receiver.start()
+    publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-lane",
                       config=BUCKET)
     publisher.publish(1, policy(1))
     assert client.wait_committed(RUN, 1, 20.0).committed_version == 1
     engine.assert_has(1, policy(1))
-    assert flaky[0].reads == 3 + 1   # three rounds, the corrupted one pulled twice
 
 
 class Torn:
@@ -169,7 +179,7 @@ class TornNixlLane(Torn, NixlLane):
 def test_a_lane_hashes_what_it_pulls_and_a_torn_pull_is_re_pulled(local, lane, into):
     client, open_, _ = local
     lanes: list[Torn] = []
-    receivers: list[WeightReceiver] = []
+    receivers: list[WeightReceiver] = []   # the lane is connected once the receiver exists
 
     def connect(source):
         torn = (TornShmLane(source) if lane == "shm" else
@@ -178,16 +188,8 @@ def test_a_lane_hashes_what_it_pulls_and_a_torn_pull_is_re_pulled(local, lane, i
         lanes.append(torn)
         return torn
 
-    engine = Engine()
     params = {n: torch.zeros_like(t) for n, t in policy(0).items()} if into == "params" else None
-    receivers.append(open_(WeightReceiver, "e1", engine.apply,
-                           config=TransferConfig(lanes=(lane,)), connect=connect, params=params))
-    receivers[0].start()
-    publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-torn",
-                      config=BUCKET)
-    publisher.publish(1, policy(1))
-    assert client.wait_committed(RUN, 1, 20.0).committed_version == 1
-    engine.assert_has(1, policy(1))
+    _one_version_arrives(client, open_, lane, connect, params, receivers)
     assert lanes[0].reads == 3 + 1   # three rounds, the torn one pulled twice
 
 
