@@ -3,12 +3,12 @@ publisher's staging bucket into a local host buffer.
 
 - `nixl`: a one-sided NIXL (UCX) READ into a buffer registered with the engine's agent.
 - `shm`: the bucket is a POSIX shared-memory object on this host; map it and copy.
+- `grpc`: stream the range from the publisher's WeightStream server (slowest; works anywhere).
 
 `nixl` and `shm` also offer `read_hashed`: the pull and the checksum of what landed at once (shm:
 each piece hashed right after it is copied, furlong.core.block_checksum.copy_checksum; nixl: each
 checksum block hashed as soon as its READ landed, while the next block is read). Destinations use
 it when a lane has it.
-- `grpc`: stream the range from the publisher's WeightStream server (slowest; works anywhere).
 
 `connect_lane` picks the first lane of a preference list that can reach a source and logs the
 choice and why the others could not. Knows nothing about versions, rounds or checksums.
