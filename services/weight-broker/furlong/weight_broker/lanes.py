@@ -11,7 +11,8 @@ checksum block hashed as soon as its READ landed, while the next block is read).
 it when a lane has it.
 
 `connect_lane` picks the first lane of a preference list that can reach a source and logs the
-choice and why the others could not. Knows nothing about versions, rounds or checksums.
+choice and why the others could not. Knows nothing about versions or rounds, nor what a checksum
+should be (only how to take it while pulling).
 """
 
 from __future__ import annotations
