@@ -4,6 +4,8 @@ landed, so a difference anywhere in the source shows."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 import xxhash
@@ -78,3 +80,13 @@ def test_bad_segments_are_refused():
         range_checksum(100, [(0, torch.zeros(10))])
     with pytest.raises(ValueError, match="10 bytes into 9"):
         copy_checksum(100, [(0, data, torch.zeros(9, dtype=torch.uint8))])
+
+
+def test_a_forked_child_hashes_on_threads_of_its_own():
+    """The parent's pool has threads; a child made by fork must not wait on them forever."""
+    data = _random(3 * BLOCK_BYTES, 9)
+    expected = range_checksum(data.numel(), [(0, data)], workers=2)   # the pool now exists
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply_async(range_checksum, (data.numel(), [(0, data)], 2)).get(timeout=60)
+    assert got == expected

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -41,9 +41,19 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-@functools.lru_cache(maxsize=None)
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
 def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(workers, thread_name_prefix="checksum")
+    """One pool per size and process: a forked child gets its own (the parent's threads are not
+    there)."""
+    key = (os.getpid(), workers)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = ThreadPoolExecutor(workers, thread_name_prefix="checksum")
+        return pool
 
 
 def _check_bytes(what: str, tensor: torch.Tensor) -> None:
