@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from furlong.core.weight_shards import expected_shards, llama_tensor_parallel
 from furlong.core.weights import WeightLayout, plan_buckets
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.config import TransferConfig
@@ -15,6 +16,7 @@ from furlong.weight_broker.core import BrokerCore
 from furlong.weight_broker.publisher import WeightPublisher
 from furlong.weight_broker.receiver import WeightReceiver
 from furlong.weight_broker.relay import WeightRelay, upstream_run_id
+from llama_state import assert_bytes_equal, llama
 from polling import wait_until
 
 pytestmark = pytest.mark.integration
@@ -72,6 +74,49 @@ def test_the_relay_frees_the_trainer_and_serves_late_engines(double_buffer):
         if late_receiver is not None:
             late_receiver.close()
         first.close()
+        trainer.close()
+        relay.close()
+        client.close()
+
+
+def test_engines_with_their_own_shard_layout_take_relayed_versions():
+    """The trainer hashes digests for the layouts of the relayed run's engines (the broker lists
+    them as destinations of the upstream run); the relay passes them on with the manifest, and
+    each engine pulls exactly its pieces out of the relay's bucket, straight into its parameters,
+    also after the trainer is gone."""
+    client = InProcessBrokerClient(BrokerCore())
+    relay = WeightRelay(client, RUN, "relay-shards")
+    layout = WeightLayout.from_state_dict(llama(0))
+    tp1 = llama_tensor_parallel(layout, 1, 2, fuse=True)
+    engines, opened = {}, []
+
+    def engine(engine_id: str) -> dict[str, torch.Tensor]:
+        params = {n: torch.zeros_like(t) for n, t in expected_shards(tp1, llama(0)).items()}
+        receiver = WeightReceiver(client, RUN, engine_id, lambda v, t: None, shard_layout=tp1,
+                                  params=params)
+        opened.append(receiver)
+        receiver.start()
+        return params
+
+    trainer = WeightPublisher(client, upstream_run_id(RUN), layout, "trainer-shards",
+                              config=TransferConfig(bucket_size_bytes=2048))
+    try:
+        relay.start()
+        engines["tp1"] = engine("engine-tp1")
+        assert [x.layout_id for x in client.destinations(upstream_run_id(RUN))] == [tp1.layout_id]
+        for version in (1, 2):
+            trainer.publish(version, llama(version))
+            status = client.wait_committed(RUN, version, 20.0)
+            assert status.committed_version == version and status.engine_ids == ("engine-tp1",)
+            assert_bytes_equal(engines["tp1"], expected_shards(tp1, llama(version)))
+        trainer.close()   # a late engine of the same layout catches up from the relay alone
+        late = engine("engine-tp1-late")
+        wait_until(lambda: torch.equal(late["model.norm.weight"],
+                                       expected_shards(tp1, llama(2))["model.norm.weight"]))
+        assert_bytes_equal(late, expected_shards(tp1, llama(2)))
+    finally:
+        for receiver in opened:
+            receiver.close()
         trainer.close()
         relay.close()
         client.close()

@@ -8,7 +8,8 @@ publishes there) and the publisher of R (the engines watch R). It forwards round
 bucket, which holds the whole version, verified against the upstream checksum, acknowledged upstream
 and staged downstream at once, so engines pull round r from the relay while the relay pulls round
 r+1 from the trainer. The downstream version carries the upstream manifest unchanged (same rounds,
-same checksums). A new version overwrites the bucket only after the served one committed (or failed)
+same checksums, and digests for the shard layouts of the downstream engines, which the trainer
+computes because the broker lists those layouts as destinations of the upstream run). A new version overwrites the bucket only after the served one committed (or failed)
 downstream; until then the relay does not take it, which holds the trainer back instead of tearing
 what engines are reading.
 
@@ -26,13 +27,12 @@ from furlong.core.weights import Manifest, WeightLayout, checksum
 from furlong.weight_broker.bucket import StagingBucket
 from furlong.weight_broker.client import BrokerClient, VersionWatch
 from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.core import EventKind, VersionEventInfo
+from furlong.weight_broker.core import UPSTREAM_SUFFIX, EventKind, VersionEventInfo
 from furlong.weight_broker.lanes import Lane, connect_lane
 from furlong.weight_broker.destination import layout_mismatch
 
 log = logging.getLogger(__name__)
 
-UPSTREAM_SUFFIX = "~upstream"
 RELAY_ENGINE_ID = "relay"
 _PULLS_PER_ROUND = 2
 

@@ -42,6 +42,9 @@ from furlong.weight_broker.core.versions import (
 log = logging.getLogger(__name__)
 
 _MAX_REMEMBERED_FAILURES = 64
+# A relayed run R is published to R + UPSTREAM_SUFFIX (furlong.weight_broker.relay), where the relay
+# is the engine; the engines of R pull from the relay.
+UPSTREAM_SUFFIX = "~upstream"
 
 
 class BrokerObserver(Protocol):
@@ -147,11 +150,17 @@ class BrokerCore:
 
     def destinations(self, run_id: str) -> list[ShardLayout]:
         """The distinct shard layouts of the run's registered engines (by layout id), for which a
-        version must carry round digests (Manifest.destinations)."""
+        version must carry round digests (Manifest.destinations). For the upstream run of a
+        relayed run, the layouts of the relayed run's engines too: the relay passes the manifest
+        on unchanged, so their digests must come from the trainer."""
         with self._lock:
-            run = self._run(run_id)
-            found = {layout.layout_id: layout for engine_id, layout in run.layouts.items()
-                     if engine_id in run.engines}
+            runs = [self._run(run_id)]
+            if run_id.endswith(UPSTREAM_SUFFIX):
+                relayed = self._runs.get(run_id[:-len(UPSTREAM_SUFFIX)])
+                if relayed is not None:
+                    runs.append(relayed)
+            found = {layout.layout_id: layout for run in runs
+                     for engine_id, layout in run.layouts.items() if engine_id in run.engines}
             return [found[key] for key in sorted(found)]
 
     def _drop_engine(self, run: Run, engine_id: str, why: str) -> None:
