@@ -11,18 +11,13 @@ from furlong.core.weight_shards import (
     llama_tensor_parallel, plan_shards, shard_checksums, split_piece)
 from furlong.core.weights import WeightLayout, plan_buckets
 
+import llama_state
+
 pytestmark = pytest.mark.unit
 
 
 def llama(seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    p = "model.layers.0."
-    shapes = {"model.embed_tokens.weight": (12, 8), p + "self_attn.q_proj.weight": (8, 8),
-              p + "self_attn.k_proj.weight": (4, 8), p + "self_attn.v_proj.weight": (4, 8),
-              p + "self_attn.o_proj.weight": (8, 8), p + "mlp.gate_proj.weight": (16, 8),
-              p + "mlp.up_proj.weight": (16, 8), p + "mlp.down_proj.weight": (8, 16),
-              p + "input_layernorm.weight": (8,), "model.norm.weight": (8,)}
-    return {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in shapes.items()}
+    return llama_state.llama(seed, hidden=8)
 
 
 def received(source: dict[str, torch.Tensor], bucket_bytes: int, shards: ShardLayout
