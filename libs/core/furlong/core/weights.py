@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 import xxhash
 
-from furlong.core.block_checksum import CHECKSUM_ALGORITHM, copy_checksum, range_checksum
+from furlong.core.block_checksum import CHECKSUM_ALGORITHM, range_checksum
 
 # xxh3-128 hashes at ~14 GB/s on one core (blake2b: ~0.6 GB/s), in 8 MiB blocks on every core
 # (furlong.core.block_checksum): the check never dominates a transfer.
@@ -341,41 +341,28 @@ def round_checksums(layout: WeightLayout, plan: BucketPlan,
     the state dict without staging it, each round's blocks on up to `workers` threads (default:
     every core, at most four)."""
     layout.check(state_dict)
-    return tuple(round_checksum(layout, rnd, state_dict, workers) for rnd in plan.rounds)
-
-
-def round_checksum(layout: WeightLayout, rnd: BucketRound, state_dict: Mapping[str, torch.Tensor],
-                   workers: int | None = None) -> str:
-    """One round's checksum (see round_checksums); state_dict must match the layout."""
-    return range_checksum(rnd.size_bytes, [(offset, _host_bytes(state_dict[slot.name]))
-                                           for offset, slot in _round_pieces(layout, rnd)], workers)
+    return tuple(
+        range_checksum(rnd.size_bytes, [(offset, _host_bytes(state_dict[slot.name]))
+                                        for offset, slot in _round_pieces(layout, rnd)], workers)
+        for rnd in plan.rounds)
 
 
 def stage_round(layout: WeightLayout, rnd: BucketRound, state_dict: Mapping[str, torch.Tensor],
-                bucket: torch.Tensor) -> str:
+                bucket: torch.Tensor) -> None:
     """Copy the round's tensors into its place in the bucket (rnd.bucket_offset_bytes on, at their
     offsets within the round) and zero the padding between them, so that those bytes hash to the
-    round's checksum; returns the checksum of what was staged. Tensors in host memory are copied
-    and hashed in one pass (furlong.core.block_checksum.copy_checksum); others (GPU) are copied
-    into the bucket and the staged bytes hashed after."""
+    round's checksum."""
     _check_buffer(bucket, rnd.bucket_offset_bytes + rnd.size_bytes)
     bucket = bucket[rnd.bucket_offset_bytes:rnd.bucket_offset_bytes + rnd.size_bytes]
-    pieces = _round_pieces(layout, rnd)
     cursor = 0
     with torch.no_grad():
-        for offset, slot in pieces:
+        for offset, slot in _round_pieces(layout, rnd):
             if offset > cursor:
                 bucket[cursor:offset].zero_()
-            cursor = max(cursor, offset + slot.size_bytes)
-        tensors = [state_dict[slot.name].detach() for _, slot in pieces]
-        if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-            return copy_checksum(rnd.size_bytes, [
-                (offset, t.reshape(-1).view(torch.uint8), bucket[offset:offset + slot.size_bytes])
-                for (offset, slot), t in zip(pieces, tensors)])
-        for (offset, slot), tensor in zip(pieces, tensors):
             if slot.size_bytes:
-                bucket[offset:offset + slot.size_bytes].view(slot.dtype).copy_(tensor.reshape(-1))
-    return range_checksum(rnd.size_bytes, [(0, bucket)])
+                bucket[offset:offset + slot.size_bytes].view(slot.dtype).copy_(
+                    state_dict[slot.name].detach().reshape(-1))
+            cursor = max(cursor, offset + slot.size_bytes)
 
 
 @dataclass(frozen=True)

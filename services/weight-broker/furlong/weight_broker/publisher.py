@@ -3,16 +3,14 @@ bucket and announce each round to the broker. Engines read the bucket directly (
 or the gRPC stream); the broker never sees the bytes.
 
 Memory: the bucket (sized by the bucket plan, allocated and registered once) is the only copy of
-weights the publisher makes. Round 0 is hashed while it is staged (before the version is
-announced), the other rounds straight from the state dict; every round staged later is hashed as it
-is copied and checked against the manifest, so a state dict that changes while it is being
-published is an IntegrityError, not a torn version.
+weights the publisher makes; checksums are hashed straight from the state dict.
 Knows nothing about models or optimizers: it takes a state dict that matches its layout.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -20,11 +18,10 @@ from typing import Mapping
 
 import torch
 
-from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
+from furlong.core.errors import ConflictError, NotFoundError
 from furlong.core.weight_shards import ShardPlan, plan_shards, shard_checksums
 from furlong.core.weights import (
-    BucketRound, Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksum,
-    stage_round)
+    Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums, stage_round)
 from furlong.weight_broker.bucket import StagingBucket
 from furlong.weight_broker.client import BrokerClient
 from furlong.weight_broker.config import TransferConfig
@@ -110,24 +107,17 @@ class WeightPublisher:
             if previous is not None:
                 self._wait_previous(previous, commit_timeout_s)
             started = time.perf_counter()
-            # Engines wait for the manifest meanwhile. Round 0 is staged now and hashed as it is
-            # copied; the other rounds are hashed straight from the state dict, on every core.
-            # (The bucket is free: the previous version committed or failed.)
-            bucket = self._bucket.tensor
-            assert bucket is not None
-            first = stage_round(self._layout, self._plan.rounds[0], state_dict, bucket)
-            digests = (first, *(round_checksum(self._layout, rnd, state_dict)
-                                for rnd in self._plan.rounds[1:]))
+            # Engines wait for the manifest meanwhile: hash rounds on every core.
+            digests = round_checksums(self._layout, self._plan, state_dict,
+                                      workers=min(4, os.cpu_count() or 1))
             manifest = Manifest(version, self._layout, combine_checksums(digests),
                                 self._plan.with_checksums(digests),
                                 destinations=self._destination_checksums(state_dict))
             engines = self._broker.begin_version(self._run_id, manifest, self.source)
-            fenced, torn = self._stage_rounds(manifest, state_dict)
+            fenced = self._stage_rounds(manifest, state_dict)
             # Only a fully staged version counts: after a broker restart mid-publish (an
             # UnavailableError above), the same version can be published again.
             self._last_version = version
-            if torn:
-                raise IntegrityError(torn)
             stage_seconds = time.perf_counter() - started
         log.info("run %s: version %d staged in %.3f s (%d bytes, %d rounds), engines: %s, fenced: "
                  "%s", self._run_id, version, stage_seconds, self._layout.total_bytes,
@@ -159,32 +149,28 @@ class WeightPublisher:
             out.append((layout.layout_id, shard_checksums(self._layout, plan, state_dict)))
         return tuple(out)
 
-    def _stage_rounds(self, manifest: Manifest, state_dict: Mapping[str, torch.Tensor]
-                      ) -> tuple[list[str], str]:
-        """Announce the rounds in order, staging each one first (round 0 is staged already);
-        returns the engines fenced meanwhile and why the staged bytes differ from the manifest
-        ("" when they do not). Round i is announced once every engine pulled round i - 1 (the
-        broker's rule). With a double-buffered plan, round i + 1 is copied into the other half of
-        the bucket right after round i is announced, while the engines pull round i: that half
-        held round i - 1, which every engine has pulled by then. A round whose staged bytes differ
-        from the manifest (the state dict changed while it was published) is announced all the
-        same: engines refuse it, so the version fails instead of waiting for them."""
+    def _stage_rounds(self, manifest: Manifest, state_dict: Mapping[str, torch.Tensor]) -> list[str]:
+        """Stage and announce the rounds in order. Round i is announced once every engine pulled
+        round i - 1 (the broker's rule). With a double-buffered plan, round i + 1 is copied into
+        the other half of the bucket right after round i is announced, while the engines pull
+        round i: that half held round i - 1, which every engine has pulled by then."""
         fenced: list[str] = []
-        torn = ""
+        bucket = self._bucket.tensor
+        assert bucket is not None
         rounds = manifest.rounds
-        staged_ahead = 0
+        staged_ahead = -1
         for rnd in rounds:
             try:
                 if rnd.index > 0:
                     fenced = self._broker.wait_round(self._run_id, manifest.version, rnd.index - 1,
                                                      self._config.round_timeout_s)
                 if staged_ahead != rnd.index:
-                    torn = torn or self._stage(manifest, rnd, state_dict)
+                    stage_round(self._layout, rnd, state_dict, bucket)
                 self._broker.stage_round(self._run_id, manifest.version, rnd.index)
                 following = rounds[rnd.index + 1] if rnd.index + 1 < len(rounds) else None
                 if following is not None and \
                         following.bucket_offset_bytes != rnd.bucket_offset_bytes:
-                    torn = torn or self._stage(manifest, following, state_dict)
+                    stage_round(self._layout, following, state_dict, bucket)
                     staged_ahead = following.index
             except ConflictError as exc:
                 # The version failed (every engine fenced): nobody reads further rounds. The
@@ -192,21 +178,7 @@ class WeightPublisher:
                 log.error("run %s: version %d failed while staging round %d: %s", self._run_id,
                           manifest.version, rnd.index, exc)
                 break
-        return fenced, torn
-
-    def _stage(self, manifest: Manifest, rnd: BucketRound,
-               state_dict: Mapping[str, torch.Tensor]) -> str:
-        """Stage a round; why its bytes differ from the manifest, or ""."""
-        bucket = self._bucket.tensor
-        assert bucket is not None
-        staged = stage_round(self._layout, rnd, state_dict, bucket)
-        if staged == rnd.checksum:
-            return ""
-        torn = (f"run {self._run_id}: round {rnd.index} of version {manifest.version} staged bytes "
-                f"with checksum {staged}, not the {rnd.checksum} announced: the state dict "
-                f"changed while it was being published")
-        log.error("%s", torn)
-        return torn
+        return fenced
 
     def _wait_previous(self, previous: int, timeout_s: float) -> None:
         try:
