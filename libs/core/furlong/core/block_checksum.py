@@ -114,19 +114,21 @@ class RangeHasher:
     def num_blocks(self) -> int:
         return (self.size_bytes + BLOCK_BYTES - 1) // BLOCK_BYTES
 
-    def segment_parts(self, k: int) -> list[tuple[int, int, int]]:
-        """(segment index, start within the segment, length) of the segment bytes in block k, in
-        order (the zeros between segments left out)."""
-        lo = k * BLOCK_BYTES
-        return [(index, start, length) for index, start, _, length in
-                _parts(lo, min(self.size_bytes, lo + BLOCK_BYTES), self._offsets, self._lengths)
-                if index >= 0 and length]
-
-    def block_digest(self, k: int) -> bytes:
-        hasher = xxhash.xxh3_128()
+    def _block_parts(self, k: int):
+        """(segment index or -1 for zeros, start within the segment, length) covering block k."""
         lo = k * BLOCK_BYTES
         for index, start, _, length in _parts(lo, min(self.size_bytes, lo + BLOCK_BYTES),
                                               self._offsets, self._lengths):
+            yield index, start, length
+
+    def segment_parts(self, k: int) -> list[tuple[int, int, int]]:
+        """(segment index, start within the segment, length) of the segment bytes in block k, in
+        order (the zeros between segments left out)."""
+        return [part for part in self._block_parts(k) if part[0] >= 0 and part[2]]
+
+    def block_digest(self, k: int) -> bytes:
+        hasher = xxhash.xxh3_128()
+        for index, start, length in self._block_parts(k):
             view = _ZEROS if index < 0 else self._views[index][start:]
             hasher.update(view[:length])
         return hasher.digest()
@@ -136,8 +138,9 @@ class RangeHasher:
         return xxhash.xxh3_128(b"".join(digests)).hexdigest()
 
 
-def _combine(size_bytes: int, block_digest, workers: int) -> str:
-    blocks = range((size_bytes + BLOCK_BYTES - 1) // BLOCK_BYTES)
+def _combine(hasher: RangeHasher, block_digest, workers: int | None) -> str:
+    blocks = range(hasher.num_blocks)
+    workers = default_workers() if workers is None else workers
     if workers > 1 and len(blocks) > 1:
         digests = list(_pool(workers).map(block_digest, blocks))
     else:
@@ -148,8 +151,7 @@ def _combine(size_bytes: int, block_digest, workers: int) -> str:
 def range_checksum(size_bytes: int, segments: Sequence[Segment], workers: int | None = None) -> str:
     """The checksum of a `size_bytes` range made of `segments` (zeros between them)."""
     hasher = RangeHasher(size_bytes, segments)
-    return _combine(size_bytes, hasher.block_digest,
-                    default_workers() if workers is None else workers)
+    return _combine(hasher, hasher.block_digest, workers)
 
 
 def copy_checksum(size_bytes: int, copies: Sequence[CopySegment],
@@ -159,28 +161,22 @@ def copy_checksum(size_bytes: int, copies: Sequence[CopySegment],
     right after it was copied (zeros between segments)."""
     for _, src, dst in copies:
         _check_bytes("copy source", src)
-        _check_bytes("copy destination", dst)
         if src.numel() != dst.numel():
             raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()} bytes")
-    offsets = [offset for offset, _, _ in copies]
-    lengths = [src.numel() for _, src, _ in copies]
-    _check_segments(size_bytes, offsets, lengths)
+    hasher = RangeHasher(size_bytes, [(offset, dst) for offset, _, dst in copies])
     src_ptrs = [src.data_ptr() for _, src, _ in copies]
     dst_ptrs = [dst.data_ptr() for _, _, dst in copies]
-    views = [memoryview(dst.numpy()) for _, _, dst in copies]
 
     def block_digest(k: int) -> bytes:
-        hasher = xxhash.xxh3_128()
-        lo = k * BLOCK_BYTES
-        for index, start, _, length in _parts(lo, min(size_bytes, lo + BLOCK_BYTES), offsets,
-                                              lengths):
+        digest = xxhash.xxh3_128()
+        for index, start, length in hasher._block_parts(k):
             if index < 0:
-                hasher.update(_ZEROS[:length])
+                digest.update(_ZEROS[:length])
                 continue
             for at in range(start, start + length, COPY_CHUNK_BYTES):
                 n = min(COPY_CHUNK_BYTES, start + length - at)
                 ctypes.memmove(dst_ptrs[index] + at, src_ptrs[index] + at, n)   # releases the GIL
-                hasher.update(views[index][at:at + n])
-        return hasher.digest()
+                digest.update(hasher._views[index][at:at + n])
+        return digest.digest()
 
-    return _combine(size_bytes, block_digest, default_workers() if workers is None else workers)
+    return _combine(hasher, block_digest, workers)

@@ -10,7 +10,6 @@ Knows nothing about models or optimizers: it takes a state dict that matches its
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -107,9 +106,8 @@ class WeightPublisher:
             if previous is not None:
                 self._wait_previous(previous, commit_timeout_s)
             started = time.perf_counter()
-            # Engines wait for the manifest meanwhile: hash rounds on every core.
-            digests = round_checksums(self._layout, self._plan, state_dict,
-                                      workers=min(4, os.cpu_count() or 1))
+            # Engines wait for the manifest meanwhile: rounds are hashed on every core.
+            digests = round_checksums(self._layout, self._plan, state_dict)
             manifest = Manifest(version, self._layout, combine_checksums(digests),
                                 self._plan.with_checksums(digests),
                                 destinations=self._destination_checksums(state_dict))
