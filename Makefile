@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DISTS := libs/core libs/proto services/weight-broker services/trainer services/rollout services/dashboard services/controller
 
-.PHONY: setup proto proto-check test example clean
+.PHONY: setup proto proto-check lint test example clean
 
 $(VENV)/.installed: requirements.txt $(foreach d,$(DISTS),$(d)/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ proto: setup
 
 proto-check: setup
 	$(PY) tools/proto_gen.py --check
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: setup
 	$(PY) -m pytest -q

@@ -63,8 +63,7 @@ class _Connection:
         head = await self.reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         status = int(lines[0].split(" ")[1])
-        fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:]
-                                                              if ln)}
+        fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
         if "content-length" in fields:
             await self.reader.readexactly(int(fields["content-length"]))
         elif fields.get("transfer-encoding") == "chunked":
@@ -83,8 +82,9 @@ class _Connection:
             self.writer = None
 
 
-async def _client(url: str, headers: str, path: str, until: float, latencies: list[float],
-                  errors: list[str]) -> None:
+async def _client(
+    url: str, headers: str, path: str, until: float, latencies: list[float], errors: list[str]
+) -> None:
     host, port = url.removeprefix("http://").split(":")
     conn = _Connection(host, int(port), headers)
     while time.monotonic() < until:
@@ -107,19 +107,20 @@ async def run_phase(url: str, token: str, path: str, clients: int, seconds: floa
     latencies: list[float] = []
     errors: list[str] = []
     warm_until = time.monotonic() + min(2.0, seconds / 5)
-    await asyncio.gather(*(_client(url, headers, path, warm_until, [], [])
-                           for _ in range(clients)))
+    await asyncio.gather(*(_client(url, headers, path, warm_until, [], []) for _ in range(clients)))
     started = time.monotonic()
     until = started + seconds
-    await asyncio.gather(*(_client(url, headers, path, until, latencies, errors)
-                           for _ in range(clients)))
+    await asyncio.gather(*(_client(url, headers, path, until, latencies, errors) for _ in range(clients)))
     elapsed = time.monotonic() - started
-    return {"requests": len(latencies) + len(errors), "errors": len(errors),
-            "error_kinds": sorted(set(errors))[:5],
-            "p50_ms": round(percentile(latencies, 0.50), 2),
-            "p99_ms": round(percentile(latencies, 0.99), 2),
-            "mean_ms": round(statistics.fmean(latencies), 2) if latencies else None,
-            "rps": round(len(latencies) / elapsed, 1)}
+    return {
+        "requests": len(latencies) + len(errors),
+        "errors": len(errors),
+        "error_kinds": sorted(set(errors))[:5],
+        "p50_ms": round(percentile(latencies, 0.50), 2),
+        "p99_ms": round(percentile(latencies, 0.99), 2),
+        "mean_ms": round(statistics.fmean(latencies), 2) if latencies else None,
+        "rps": round(len(latencies) / elapsed, 1),
+    }
 
 
 def start_controller(tmp: Path, redis_url: str, token: str) -> tuple[subprocess.Popen, str]:
@@ -129,10 +130,28 @@ def start_controller(tmp: Path, redis_url: str, token: str) -> tuple[subprocess.
     port = free_port()
     absent = "127.0.0.1:1"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "furlong.controller", "--port", str(port), "--redis-url", redis_url,
-         "--trainer", absent, "--rollout", absent, "--broker", absent, "--token-file",
-         str(token_file), "--log-level", "WARNING"],
-        stdout=open(tmp / "controller.log", "wb"), stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "furlong.controller",
+            "--port",
+            str(port),
+            "--redis-url",
+            redis_url,
+            "--trainer",
+            absent,
+            "--rollout",
+            absent,
+            "--broker",
+            absent,
+            "--token-file",
+            str(token_file),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=open(tmp / "controller.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -148,8 +167,9 @@ def start_controller(tmp: Path, redis_url: str, token: str) -> tuple[subprocess.
 
 def finished_run(url: str, token: str) -> str:
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-    run_id = http.post("/v1/runs", json={"name": "load", "model": "/absent/model",
-                                         "task": "addition", "steps": 1}).json()["run_id"]
+    run_id = http.post(
+        "/v1/runs", json={"name": "load", "model": "/absent/model", "task": "addition", "steps": 1}
+    ).json()["run_id"]
     deadline = time.monotonic() + 60
     while http.get(f"/v1/runs/{run_id}").json()["state"] not in ("failed", "succeeded", "cancelled"):
         if time.monotonic() > deadline:
@@ -177,10 +197,10 @@ def main() -> None:
             run_id = finished_run(url, token)
             phases = {
                 "healthz": asyncio.run(run_phase(url, token, "/healthz", args.clients, seconds)),
-                "get_run": asyncio.run(run_phase(url, token, f"/v1/runs/{run_id}", args.clients,
-                                                 seconds)),
-                "events": asyncio.run(run_phase(url, token, f"/v1/runs/{run_id}/events",
-                                                args.clients, seconds)),
+                "get_run": asyncio.run(run_phase(url, token, f"/v1/runs/{run_id}", args.clients, seconds)),
+                "events": asyncio.run(
+                    run_phase(url, token, f"/v1/runs/{run_id}/events", args.clients, seconds)
+                ),
             }
         finally:
             if proc is not None:
@@ -188,24 +208,39 @@ def main() -> None:
                 proc.wait(30)
             redis.stop()
     base = phases["healthz"]
-    metrics = {f"{name}_{key}": value for name, phase in phases.items()
-               for key, value in phase.items() if key != "error_kinds"}
-    ratios = {f"{name}_vs_healthz_p50": round(base["p50_ms"] / phases[name]["p50_ms"], 3)
-              for name in ("get_run", "events")}
-    ratios.update({f"{name}_vs_healthz_rps": round(phases[name]["rps"] / base["rps"], 3)
-                   for name in ("get_run", "events")})
-    result = {"bench": "api_load", "machine": {"cpus": os.cpu_count(), "gpu": None},
-              "params": {"clients": args.clients, "seconds_per_phase": seconds,
-                         "quick": args.quick},
-              "metrics": metrics, "ratios": ratios,
-              "notes": "200 concurrent keep-alive clients per phase against one controller "
-                       "process; healthz is the baseline measured in the same run; events = full "
-                       "SSE replay of a finished run per request; error kinds: "
-                       + json.dumps({n: p["error_kinds"] for n, p in phases.items()})}
+    metrics = {
+        f"{name}_{key}": value
+        for name, phase in phases.items()
+        for key, value in phase.items()
+        if key != "error_kinds"
+    }
+    ratios = {
+        f"{name}_vs_healthz_p50": round(base["p50_ms"] / phases[name]["p50_ms"], 3)
+        for name in ("get_run", "events")
+    }
+    ratios.update(
+        {
+            f"{name}_vs_healthz_rps": round(phases[name]["rps"] / base["rps"], 3)
+            for name in ("get_run", "events")
+        }
+    )
+    result = {
+        "bench": "api_load",
+        "machine": {"cpus": os.cpu_count(), "gpu": None},
+        "params": {"clients": args.clients, "seconds_per_phase": seconds, "quick": args.quick},
+        "metrics": metrics,
+        "ratios": ratios,
+        "notes": "200 concurrent keep-alive clients per phase against one controller "
+        "process; healthz is the baseline measured in the same run; events = full "
+        "SSE replay of a finished run per request; error kinds: "
+        + json.dumps({n: p["error_kinds"] for n, p in phases.items()}),
+    }
     if not args.json:
         for name, phase in phases.items():
-            print(f"{name:8s} {phase['requests']:7d} req  {phase['errors']} errors  "
-                  f"p50 {phase['p50_ms']} ms  p99 {phase['p99_ms']} ms  {phase['rps']} req/s")
+            print(
+                f"{name:8s} {phase['requests']:7d} req  {phase['errors']} errors  "
+                f"p50 {phase['p50_ms']} ms  p99 {phase['p99_ms']} ms  {phase['rps']} req/s"
+            )
     print(json.dumps(result))
 
 

@@ -71,8 +71,9 @@ def build_source(root: Path, shards: int, experts: int, rows: int, cols: int) ->
             scales = (120 - rng.integers(0, 15, (rows, cols // 32))).astype(np.uint8)
             tensors[name + ".weight"] = torch.from_numpy(packed).view(torch.float4_e2m1fn_x2)
             scales_all[name + ".scale"] = torch.from_numpy(scales).view(torch.float8_e8m0fnu)
-        tensors[f"model.layers.{s}.self_attn.o_proj.weight"] = torch.randn(
-            rows // 4, cols // 4).to(torch.bfloat16)
+        tensors[f"model.layers.{s}.self_attn.o_proj.weight"] = torch.randn(rows // 4, cols // 4).to(
+            torch.bfloat16
+        )
         shard = f"model-{s + 1:05d}-of-{shards + 1:05d}.safetensors"
         write_file(src / shard, tensors)
         weight_map.update({name: shard for name in tensors})
@@ -80,8 +81,7 @@ def build_source(root: Path, shards: int, experts: int, rows: int, cols: int) ->
     write_file(src / shard, scales_all)
     weight_map.update({name: shard for name in scales_all})
     write_index(src, weight_map, 0)
-    (src / "config.json").write_text(json.dumps({"model_type": "deepseek_v4",
-                                                 "expert_dtype": "fp4"}))
+    (src / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "expert_dtype": "fp4"}))
     return src
 
 
@@ -104,7 +104,7 @@ def write_files(out: Path, sizes: list[int], data: np.ndarray, chunk_bytes: int)
     for i, size in enumerate(sizes):
         with open(out / f"{i}.bin", "wb") as f:
             for start in range(0, size, chunk_bytes):
-                f.write(memoryview(data)[start:min(size, start + chunk_bytes)])
+                f.write(memoryview(data)[start : min(size, start + chunk_bytes)])
 
 
 def main() -> None:
@@ -130,15 +130,15 @@ def main() -> None:
 
         a = np.ones(src_bytes, np.uint8)
         b = np.empty_like(a)
-        convert_s = timed(lambda: convert_mxfp4_to_fp8(src, root / "dst", options), reps,
-                          remove("dst"))
+        convert_s = timed(lambda: convert_mxfp4_to_fp8(src, root / "dst", options), reps, remove("dst"))
         out_sizes = [p.stat().st_size for p in (root / "dst").iterdir()]
         out_bytes = sum(out_sizes)
         data = np.ones(max(out_sizes), np.uint8)
         memcpy_s = timed(lambda: np.copyto(b, a), reps)
         copy_s = timed(lambda: shutil.copytree(src, root / "copy"), reps, remove("copy"))
-        write_s = timed(lambda: write_files(root / "write", out_sizes, data, options.chunk_bytes),
-                        reps, remove("write"))
+        write_s = timed(
+            lambda: write_files(root / "write", out_sizes, data, options.chunk_bytes), reps, remove("write")
+        )
         shutil.rmtree(root / "dst", ignore_errors=True)
         peak_cmd = [sys.executable, "-c", _PEAK_SCRIPT, str(src), str(root / "dst"), args.kernel]
         out = subprocess.run(peak_cmd, check=True, capture_output=True, text=True).stdout.split()
@@ -147,25 +147,37 @@ def main() -> None:
     result = {
         "bench": "convert",
         "machine": {"cpus": os.cpu_count(), "gpu": None},
-        "params": {"shards": shards + 1, "fp4_tensors": shards * experts, "kernel": kernel,
-                   "fp4_shape": [rows, cols], "source_bytes": src_bytes, "output_bytes": out_bytes,
-                   "largest_shard_bytes": largest, "repetitions": reps, "quick": args.quick},
-        "metrics": {"convert_gbps": round(gbps(convert_s), 3),
-                    "memcpy_gbps": round(gbps(memcpy_s), 3),
-                    "file_copy_gbps": round(gbps(copy_s), 3),
-                    "output_write_gbps": round(out_bytes / write_s / 1e9, 3),
-                    "peak_mem_vs_largest_shard": round((peak - before) / largest, 3)},
-        "ratios": {"convert_vs_memcpy": round(memcpy_s / convert_s, 4),
-                   "convert_vs_file_copy": round(copy_s / convert_s, 4),
-                   "convert_vs_output_write": round(write_s / convert_s, 4),
-                   "peak_mem_vs_largest_shard": round((peak - before) / largest, 3)},
+        "params": {
+            "shards": shards + 1,
+            "fp4_tensors": shards * experts,
+            "kernel": kernel,
+            "fp4_shape": [rows, cols],
+            "source_bytes": src_bytes,
+            "output_bytes": out_bytes,
+            "largest_shard_bytes": largest,
+            "repetitions": reps,
+            "quick": args.quick,
+        },
+        "metrics": {
+            "convert_gbps": round(gbps(convert_s), 3),
+            "memcpy_gbps": round(gbps(memcpy_s), 3),
+            "file_copy_gbps": round(gbps(copy_s), 3),
+            "output_write_gbps": round(out_bytes / write_s / 1e9, 3),
+            "peak_mem_vs_largest_shard": round((peak - before) / largest, 3),
+        },
+        "ratios": {
+            "convert_vs_memcpy": round(memcpy_s / convert_s, 4),
+            "convert_vs_file_copy": round(copy_s / convert_s, 4),
+            "convert_vs_output_write": round(write_s / convert_s, 4),
+            "peak_mem_vs_largest_shard": round((peak - before) / largest, 3),
+        },
         "notes": f"convert = read + check tiles + FP4->e4m3 ({kernel} kernel) + write, every "
-                 "shard, source bytes per second; memcpy = numpy copyto of as many bytes; file "
-                 "copy = shutil.copytree of the source; output write = writing the output's byte "
-                 "count from memory into files of the output's sizes (time ratio, so "
-                 "convert_vs_output_write is the share of the I/O floor reached); peak memory = "
-                 "VmHWM (reset after imports and kernel warm-up) minus RSS before converting, in a "
-                 "fresh process; medians after one warm-up; removing old outputs is untimed.",
+        "shard, source bytes per second; memcpy = numpy copyto of as many bytes; file "
+        "copy = shutil.copytree of the source; output write = writing the output's byte "
+        "count from memory into files of the output's sizes (time ratio, so "
+        "convert_vs_output_write is the share of the I/O floor reached); peak memory = "
+        "VmHWM (reset after imports and kernel warm-up) minus RSS before converting, in a "
+        "fresh process; medians after one warm-up; removing old outputs is untimed.",
     }
     if not args.json:
         print(f"converted {src_bytes / 1e6:.1f} MB in {convert_s * 1e3:.1f} ms")

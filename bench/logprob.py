@@ -108,6 +108,29 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def measure_train(vocab: int, reps: int) -> tuple[float, float, float, float, float]:
+    """Peak-memory and timing medians of forward + backward at 4k rows.
+
+    The case's tensors are locals, so they are freed when this returns.
+    """
+    logits, targets, support = make_case(4096, vocab)
+    mem_masked = median_of(reps, lambda: extra_peak_bytes(lambda: train_pass(logits, targets, support)))
+    mem_plain = median_of(reps, lambda: extra_peak_bytes(lambda: train_pass(logits, targets, None)))
+    mem_naive = median_of(reps, lambda: extra_peak_bytes(lambda: naive_pass(logits, targets, support)))
+    t_masked = median_of(reps, lambda: timed(lambda: train_pass(logits, targets, support)))
+    t_plain = median_of(reps, lambda: timed(lambda: train_pass(logits, targets, None)))
+    return mem_masked, mem_plain, mem_naive, t_masked, t_plain
+
+
+def measure_score(rows: int, vocab: int, reps: int) -> float:
+    """Median extra peak memory of no-grad scoring with the support at `rows` rows.
+
+    The case's tensors are locals, so they are freed when this returns.
+    """
+    logits, targets, support = make_case(rows, vocab, seed=rows)
+    return median_of(reps, lambda: extra_peak_bytes(lambda: score_pass(logits, targets, support)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
@@ -120,25 +143,20 @@ def main() -> None:
     reps = 3 if args.quick else 5
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
-    logits, targets, support = make_case(4096, vocab)
-    mem_masked = median_of(reps, lambda: extra_peak_bytes(lambda: train_pass(logits, targets, support)))
-    mem_plain = median_of(reps, lambda: extra_peak_bytes(lambda: train_pass(logits, targets, None)))
-    mem_naive = median_of(reps, lambda: extra_peak_bytes(lambda: naive_pass(logits, targets, support)))
-    t_masked = median_of(reps, lambda: timed(lambda: train_pass(logits, targets, support)))
-    t_plain = median_of(reps, lambda: timed(lambda: train_pass(logits, targets, None)))
-    del logits, targets, support
-
-    growth = {}
-    for rows in (1024, 16384):
-        logits, targets, support = make_case(rows, vocab, seed=rows)
-        growth[rows] = median_of(reps, lambda: extra_peak_bytes(lambda: score_pass(logits, targets, support)))
-        del logits, targets, support
+    mem_masked, mem_plain, mem_naive, t_masked, t_plain = measure_train(vocab, reps)
+    growth = {rows: measure_score(rows, vocab, reps) for rows in (1024, 16384)}
 
     result = {
         "bench": "logprob",
         "machine": {"cpus": os.cpu_count(), "gpu": None},
-        "params": {"vocab": vocab, "rows": 4096, "growth_rows": [1024, 16384], "chunk_rows": 256,
-                   "temperature": TEMPERATURE, "quick": args.quick},
+        "params": {
+            "vocab": vocab,
+            "rows": 4096,
+            "growth_rows": [1024, 16384],
+            "chunk_rows": 256,
+            "temperature": TEMPERATURE,
+            "quick": args.quick,
+        },
         "metrics": {
             "masked_train_extra_peak_mib": mem_masked / 2**20,
             "unmasked_train_extra_peak_mib": mem_plain / 2**20,
@@ -155,7 +173,7 @@ def main() -> None:
             "naive_vs_chunked_peak_mem": mem_naive / mem_masked,
         },
         "notes": "extra peak RSS (VmHWM - VmRSS after clear_refs) of one call; inputs not counted; "
-                 "train = forward + backward incl. the logits gradient; growth = no-grad scoring",
+        "train = forward + backward incl. the logits gradient; growth = no-grad scoring",
     }
     if not args.json:
         for key, value in {**result["metrics"], **result["ratios"]}.items():

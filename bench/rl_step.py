@@ -47,8 +47,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from furlong import rpc
-from furlong.controller.clients import (GenerationPrompt, GrpcBrokerClient, GrpcRolloutClient,
-                                        GrpcTrainerClient)
+from furlong.controller.clients import (
+    GenerationPrompt,
+    GrpcBrokerClient,
+    GrpcRolloutClient,
+    GrpcTrainerClient,
+)
 from furlong.controller.core.step_record import sampling_seed
 from furlong.controller.local_stack import StackConfig, start_stack, stop_stack
 from furlong.controller.run_spec import AlgorithmSpec, SamplingSpec
@@ -64,19 +68,36 @@ WAIT_S = 600.0
 
 def build_model(tokenizer: CharTokenizer, hidden: int, layers: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden, intermediate_size=hidden * 1376 // 512,
-                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=128, pad_token_id=tokenizer.pad_id,
-                         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 1376 // 512,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_id,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config).eval()
 
 
-def run_ours(model_dir: Path, tmp: Path, prompts_per_step: int, samples: int, max_new: int, steps: int,
-             torch_threads: int) -> dict:
+def run_ours(
+    model_dir: Path,
+    tmp: Path,
+    prompts_per_step: int,
+    samples: int,
+    max_new: int,
+    steps: int,
+    torch_threads: int,
+) -> dict:
     """Start the stack, run `steps` synchronous steps through it over gRPC, stop it."""
     started = time.perf_counter()
-    stack = start_stack(StackConfig(state_dir=tmp / "stack", services=STACK_SERVICES,
-                                    torch_threads=torch_threads))
+    stack = start_stack(
+        StackConfig(state_dir=tmp / "stack", services=STACK_SERVICES, torch_threads=torch_threads)
+    )
     out: dict = {"startup_s": time.perf_counter() - started, "steps": []}
     clients = []
     try:
@@ -91,16 +112,26 @@ def run_ours(model_dir: Path, tmp: Path, prompts_per_step: int, samples: int, ma
         sampling = SamplingSpec(temperature=1.0, max_new_tokens=max_new)
         configured = time.perf_counter()
         rollout.configure_run("bench", str(model_dir), FORMAT_INTEGER, 1, 0, WAIT_S)
-        version = trainer.configure_run("bench", str(model_dir), AlgorithmSpec(name="grpo", learning_rate=LR),
-                                        0, steps, sampling.temperature, WAIT_S)
+        version = trainer.configure_run(
+            "bench",
+            str(model_dir),
+            AlgorithmSpec(name="grpo", learning_rate=LR),
+            0,
+            steps,
+            sampling.temperature,
+            WAIT_S,
+        )
         out["configure_s"] = time.perf_counter() - configured
         task = get_task("addition")
         for step in range(1, steps + 1):
-            prompts = [GenerationPrompt(p.prompt_id, p.text, p.answer)
-                       for p in task.prompts(0, step, prompts_per_step)]
+            prompts = [
+                GenerationPrompt(p.prompt_id, p.text, p.answer)
+                for p in task.prompts(0, step, prompts_per_step)
+            ]
             t0 = time.perf_counter()
-            gen = rollout.generate("bench", step, prompts, samples, sampling, sampling_seed(0, step), version,
-                                   WAIT_S)
+            gen = rollout.generate(
+                "bench", step, prompts, samples, sampling, sampling_seed(0, step), version, WAIT_S
+            )
             t1 = time.perf_counter()
             train = trainer.train_step("bench", step, prompts_per_step, WAIT_S)
             t2 = time.perf_counter()
@@ -110,11 +141,18 @@ def run_ours(model_dir: Path, tmp: Path, prompts_per_step: int, samples: int, ma
             if status.committed_version != train.policy_version:
                 raise RuntimeError(f"step {step}: version {train.policy_version} not committed: {status}")
             version = train.policy_version
-            out["steps"].append({"step_s": t3 - t0, "generate_s": t1 - t0, "train_s": t2 - t1,
-                                 "sync_s": t3 - t2, "completion_tokens": gen.num_tokens / gen.num_samples,
-                                 "reward_mean": gen.reward_mean,
-                                 "trained_samples": train.metrics.get("num_trained_samples")})
-        for client, name in ((rollout, "rollout"), (trainer, "trainer"), (broker, "broker")):
+            out["steps"].append(
+                {
+                    "step_s": t3 - t0,
+                    "generate_s": t1 - t0,
+                    "train_s": t2 - t1,
+                    "sync_s": t3 - t2,
+                    "completion_tokens": gen.num_tokens / gen.num_samples,
+                    "reward_mean": gen.reward_mean,
+                    "trained_samples": train.metrics.get("num_trained_samples"),
+                }
+            )
+        for client, _name in ((rollout, "rollout"), (trainer, "trainer"), (broker, "broker")):
             client.end_run("bench", 30.0)
     finally:
         for client in clients:
@@ -131,21 +169,34 @@ def hf_tokenizer(tokenizer: CharTokenizer):
     vocab.update({ch: tokenizer.encode(ch, add_bos=False)[0] for ch in tokenizer.chars})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tokenizer.bos_id)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tokenizer.bos_id)]
+    )
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", padding_side="left"
+    )
 
 
-def run_trl(model: LlamaForCausalLM, tokenizer: CharTokenizer, tmp: Path, prompts_per_step: int, samples: int,
-            max_new: int, steps: int):
+def run_trl(
+    model: LlamaForCausalLM,
+    tokenizer: CharTokenizer,
+    tmp: Path,
+    prompts_per_step: int,
+    samples: int,
+    max_new: int,
+    steps: int,
+):
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     task = get_task("addition")
-    rows = [{"prompt": p.text, "answer": p.answer} for step in range(1, steps + 1)
-            for p in task.prompts(0, step, prompts_per_step)]
+    rows = [
+        {"prompt": p.text, "answer": p.answer}
+        for step in range(1, steps + 1)
+        for p in task.prompts(0, step, prompts_per_step)
+    ]
 
     def reward(prompts, completions, answer, **_):
         return [format_integer_reward(c, a) for c, a in zip(completions, answer)]
@@ -164,14 +215,33 @@ def run_trl(model: LlamaForCausalLM, tokenizer: CharTokenizer, tmp: Path, prompt
                 lengths.append(float(logs["completions/mean_length"]))
                 rewards.append(float(logs.get("reward", "nan")))
 
-    config = GRPOConfig(output_dir=str(tmp / "trl"), per_device_train_batch_size=prompts_per_step * samples,
-                        gradient_accumulation_steps=1, num_generations=samples, max_completion_length=max_new,
-                        temperature=1.0, beta=0.0, learning_rate=LR, max_steps=steps, logging_steps=1,
-                        report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
-                        shuffle_dataset=False)
+    config = GRPOConfig(
+        output_dir=str(tmp / "trl"),
+        per_device_train_batch_size=prompts_per_step * samples,
+        gradient_accumulation_steps=1,
+        num_generations=samples,
+        max_completion_length=max_new,
+        temperature=1.0,
+        beta=0.0,
+        learning_rate=LR,
+        max_steps=steps,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        shuffle_dataset=False,
+    )
     started = time.perf_counter()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
-                          processing_class=hf_tokenizer(tokenizer), callbacks=[Timer()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=hf_tokenizer(tokenizer),
+        callbacks=[Timer()],
+    )
     setup_s = time.perf_counter() - started
     trainer.train()
     return times, lengths, rewards, setup_s
@@ -185,9 +255,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--torch-threads", type=int, default=1,
-                   help="torch threads of the trainer and rollout processes (`furlong up "
-                        "--torch-threads`, default 1) and of TRL's process")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch threads of the trainer and rollout processes (`furlong up "
+        "--torch-threads`, default 1) and of TRL's process",
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     hidden, layers, prompts, max_new, steps = (128, 2, 4, 32, 3) if args.quick else (512, 6, 16, 64, 4)
@@ -201,44 +275,63 @@ def main() -> None:
         ours = run_ours(tmp / "model", tmp, prompts, samples, max_new, steps, args.torch_threads)
         try:
             import trl  # noqa: F401
+
             trl_version = trl.__version__
         except ImportError:
             trl_version = None
         trl_t, trl_len, trl_reward, trl_setup = [], [], [], None
         if trl_version:
             torch.set_num_threads(args.torch_threads)  # the same threads as each of our processes
-            trl_t, trl_len, trl_reward, trl_setup = run_trl(model, tokenizer, tmp, prompts, samples, max_new, steps)
+            trl_t, trl_len, trl_reward, trl_setup = run_trl(
+                model, tokenizer, tmp, prompts, samples, max_new, steps
+            )
     batch = prompts * samples
     measured = ours["steps"][1:]
     ours_step = _median([s["step_s"] for s in measured])
     ours_sps = batch / ours_step
     trl_step = _median(trl_t[1:])
     trl_sps = batch / trl_step if trl_step else None
-    notes = ("ours: Redis, weight broker, trainer, rollout and controller as processes (local_stack), steps "
-             f"driven over authenticated gRPC (Generate, TrainStep, PublishWeights, WaitCommitted), "
-             f"{args.torch_threads} torch thread(s) per trainer/rollout process and for TRL; TRL: GRPOTrainer in one "
-             "process, same weights, prompts and sampling; medians after one warm-up step; start-up excluded")
+    notes = (
+        "ours: Redis, weight broker, trainer, rollout and controller as processes (local_stack), steps "
+        f"driven over authenticated gRPC (Generate, TrainStep, PublishWeights, WaitCommitted), "
+        f"{args.torch_threads} torch thread(s) per trainer/rollout process and for TRL; TRL: GRPOTrainer in "
+        "one process, same weights, prompts and sampling; medians after one warm-up step; start-up excluded"
+    )
     if trl_version is None:
         notes = "TRL IS NOT INSTALLED: rl_step_vs_trl not measured (pip install trl). " + notes
     result = {
         "bench": "rl_step",
         "machine": {"cpus": os.cpu_count(), "gpu": None},
-        "params": {"hidden": hidden, "layers": layers, "num_parameters": num_params, "prompts": prompts,
-                   "samples_per_prompt": samples, "max_new_tokens": max_new, "steps": steps,
-                   "torch_threads": args.torch_threads, "trl": trl_version, "quick": args.quick},
-        "metrics": {"ours_samples_per_s": ours_sps, "trl_samples_per_s": trl_sps,
-                    "ours_step_s": ours_step, "trl_step_s": trl_step,
-                    "ours_generate_s": _median([s["generate_s"] for s in measured]),
-                    "ours_train_s": _median([s["train_s"] for s in measured]),
-                    "ours_sync_s": _median([s["sync_s"] for s in measured]),
-                    "ours_warmup_step_s": ours["steps"][0]["step_s"],
-                    "trl_warmup_step_s": trl_t[0] if trl_t else None,
-                    "ours_stack_startup_s": ours["startup_s"], "ours_configure_s": ours["configure_s"],
-                    "trl_setup_s": trl_setup,
-                    "ours_mean_completion_tokens": statistics.mean(s["completion_tokens"] for s in ours["steps"]),
-                    "trl_mean_completion_tokens": statistics.mean(trl_len) if trl_len else None,
-                    "ours_reward_mean": statistics.mean(s["reward_mean"] for s in ours["steps"]),
-                    "trl_reward_mean": statistics.mean(trl_reward) if trl_reward else None},
+        "params": {
+            "hidden": hidden,
+            "layers": layers,
+            "num_parameters": num_params,
+            "prompts": prompts,
+            "samples_per_prompt": samples,
+            "max_new_tokens": max_new,
+            "steps": steps,
+            "torch_threads": args.torch_threads,
+            "trl": trl_version,
+            "quick": args.quick,
+        },
+        "metrics": {
+            "ours_samples_per_s": ours_sps,
+            "trl_samples_per_s": trl_sps,
+            "ours_step_s": ours_step,
+            "trl_step_s": trl_step,
+            "ours_generate_s": _median([s["generate_s"] for s in measured]),
+            "ours_train_s": _median([s["train_s"] for s in measured]),
+            "ours_sync_s": _median([s["sync_s"] for s in measured]),
+            "ours_warmup_step_s": ours["steps"][0]["step_s"],
+            "trl_warmup_step_s": trl_t[0] if trl_t else None,
+            "ours_stack_startup_s": ours["startup_s"],
+            "ours_configure_s": ours["configure_s"],
+            "trl_setup_s": trl_setup,
+            "ours_mean_completion_tokens": statistics.mean(s["completion_tokens"] for s in ours["steps"]),
+            "trl_mean_completion_tokens": statistics.mean(trl_len) if trl_len else None,
+            "ours_reward_mean": statistics.mean(s["reward_mean"] for s in ours["steps"]),
+            "trl_reward_mean": statistics.mean(trl_reward) if trl_reward else None,
+        },
         "ratios": {"rl_step_vs_trl": ours_sps / trl_sps if trl_sps else None},
         "notes": notes,
     }

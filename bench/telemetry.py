@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from furlong.dashboard.exporter import build_registry, exposition
 from furlong.dashboard.host_provider import HostTelemetryProvider
@@ -55,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     reps, batch = (15, 10) if args.quick else (51, 20)
     # A few children that look like Furlong services, so the tick reports real processes.
-    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "-m",
-                                  f"furlong.{name}"]) for name in ("trainer", "rollout", "weight_broker")]
+    children = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "-m", f"furlong.{name}"])
+        for name in ("trainer", "rollout", "weight_broker")
+    ]
     try:
         watched = HostTelemetryProvider([c.pid for c in children])
         discover = HostTelemetryProvider()
@@ -76,19 +78,29 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "bench": "telemetry",
         "machine": {"cpus": os.cpu_count(), "gpu": None, "platform": platform.platform()},
-        "params": {"reps": reps, "batch": batch, "watched_pids": len(children),
-                   "proc_entries": num_processes, "quick": args.quick},
+        "params": {
+            "reps": reps,
+            "batch": batch,
+            "watched_pids": len(children),
+            "proc_entries": num_processes,
+            "quick": args.quick,
+        },
         "metrics": metrics,
-        "ratios": {"host_tick_vs_raw_proc_read_cpu_ms":
-                   round(metrics["host_tick_cpu_ms"] / max(metrics["raw_proc_read_cpu_ms"], 1e-6), 2)},
+        "ratios": {
+            "host_tick_vs_raw_proc_read_cpu_ms": round(
+                metrics["host_tick_cpu_ms"] / max(metrics["raw_proc_read_cpu_ms"], 1e-6), 2
+            )
+        },
         "notes": "CPU time (process_time) per host-provider snapshot, median of batches after warm-up; "
-                 "host_tick = 3 watched pids + self; discover = scan every process's cmdline; "
-                 "ratio is lower-is-better (cost relative to reading /proc/stat+/proc/meminfo raw).",
+        "host_tick = 3 watched pids + self; discover = scan every process's cmdline; "
+        "ratio is lower-is-better (cost relative to reading /proc/stat+/proc/meminfo raw).",
     }
     if not args.json:
-        print(f"host tick {metrics['host_tick_cpu_ms']:.3f} ms CPU "
-              f"(discovery {metrics['host_tick_discover_cpu_ms']:.3f} ms, "
-              f"raw /proc read {metrics['raw_proc_read_cpu_ms']:.4f} ms)")
+        print(
+            f"host tick {metrics['host_tick_cpu_ms']:.3f} ms CPU "
+            f"(discovery {metrics['host_tick_discover_cpu_ms']:.3f} ms, "
+            f"raw /proc read {metrics['raw_proc_read_cpu_ms']:.4f} ms)"
+        )
     print(json.dumps(result))
     return 0
 

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from furlong.core.sampling_mask import RolloutSamplingMask
 from furlong.core.samples import Sample, SampleGroup
+from furlong.core.sampling_mask import RolloutSamplingMask
 from furlong.trainer.core.learner import Learner, LearnerConfig
 from furlong.trainer.core.objectives import group_advantages
 
@@ -39,9 +39,16 @@ VOCAB, TEMPERATURE = 512, 0.8
 
 def build_model(hidden: int, layers: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=128, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -61,11 +68,18 @@ def make_batch(groups: int, per_group: int, seed: int = 0) -> list[SampleGroup]:
                 else:
                     kept = set(rng.choice(VOCAB, size=40, replace=False).tolist()) | {tok}
                     rows.append(sorted(kept))
-            samples.append(Sample(
-                sample_id=f"g{g}s{i}", prompt_token_ids=prompt, response_token_ids=response,
-                response_logprobs=(-rng.uniform(0.5, 4.0, size=n)).tolist(),
-                sampling_support=RolloutSamplingMask.from_lists(rows, VOCAB),
-                reward=float(rng.integers(0, 2)), policy_version=0, finish_reason="length"))
+            samples.append(
+                Sample(
+                    sample_id=f"g{g}s{i}",
+                    prompt_token_ids=prompt,
+                    response_token_ids=response,
+                    response_logprobs=(-rng.uniform(0.5, 4.0, size=n)).tolist(),
+                    sampling_support=RolloutSamplingMask.from_lists(rows, VOCAB),
+                    reward=float(rng.integers(0, 2)),
+                    policy_version=0,
+                    finish_reason="length",
+                )
+            )
         out.append(SampleGroup("bench", 1, f"p{g}", samples))
     return out
 
@@ -87,11 +101,11 @@ class PlainLoop:
         for i, s in enumerate(samples):
             seq = s.prompt_token_ids + s.response_token_ids
             p, r = len(s.prompt_token_ids), len(s.response_token_ids)
-            ids[i, :len(seq) - 1] = torch.tensor(seq[:-1])
-            attn[i, :len(seq) - 1] = 1
-            targets[i, :len(seq) - 1] = torch.tensor(seq[1:])
-            old[i, p - 1:p - 1 + r] = torch.tensor(s.response_logprobs)
-            mask[i, p - 1:p - 1 + r] = 1
+            ids[i, : len(seq) - 1] = torch.tensor(seq[:-1])
+            attn[i, : len(seq) - 1] = 1
+            targets[i, : len(seq) - 1] = torch.tensor(seq[1:])
+            old[i, p - 1 : p - 1 + r] = torch.tensor(s.response_logprobs)
+            mask[i, p - 1 : p - 1 + r] = 1
         self.optimizer.zero_grad(set_to_none=True)
         logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
         logp = torch.log_softmax(logits.float() / TEMPERATURE, -1).gather(-1, targets[..., None])[..., 0]
@@ -115,7 +129,9 @@ def main() -> None:
     batch = make_batch(groups, 8)
     tokens = sum(len(s.response_token_ids) for g in batch for s in g.samples)
     ours_model, plain_model = build_model(hidden, layers), build_model(hidden, layers)
-    learner = Learner(ours_model, LearnerConfig(learning_rate=1e-5, temperature=TEMPERATURE, max_grad_norm=1.0))
+    learner = Learner(
+        ours_model, LearnerConfig(learning_rate=1e-5, temperature=TEMPERATURE, max_grad_norm=1.0)
+    )
     plain = PlainLoop(plain_model, 1e-5)
 
     def run_ours() -> float:
@@ -138,14 +154,26 @@ def main() -> None:
     result = {
         "bench": "train_step",
         "machine": {"cpus": os.cpu_count(), "gpu": None},
-        "params": {"hidden": hidden, "layers": layers, "vocab": VOCAB, "groups": groups, "samples_per_group": 8,
-                   "response_tokens": tokens, "num_parameters": sum(p.numel() for p in ours_model.parameters()),
-                   "reps": reps, "quick": args.quick},
-        "metrics": {"ours_tokens_per_s": ours_tps, "plain_torch_tokens_per_s": plain_tps,
-                    "ours_step_s": statistics.median(ours_s), "plain_torch_step_s": statistics.median(plain_s)},
+        "params": {
+            "hidden": hidden,
+            "layers": layers,
+            "vocab": VOCAB,
+            "groups": groups,
+            "samples_per_group": 8,
+            "response_tokens": tokens,
+            "num_parameters": sum(p.numel() for p in ours_model.parameters()),
+            "reps": reps,
+            "quick": args.quick,
+        },
+        "metrics": {
+            "ours_tokens_per_s": ours_tps,
+            "plain_torch_tokens_per_s": plain_tps,
+            "ours_step_s": statistics.median(ours_s),
+            "plain_torch_step_s": statistics.median(plain_s),
+        },
         "ratios": {"train_step_vs_plain_torch": ours_tps / plain_tps},
         "notes": "same model init and batch; ours replays sampling supports (half the tokens top-k-like), "
-                 "the plain loop scores the full vocabulary; medians of alternating repetitions",
+        "the plain loop scores the full vocabulary; medians of alternating repetitions",
     }
     if not args.json:
         for key, value in {**result["metrics"], **result["ratios"]}.items():

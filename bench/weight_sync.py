@@ -56,8 +56,8 @@ from furlong.rpc import check_health, start_server
 from furlong.weight_broker.bucket import STREAM_SERVICE_NAME, WeightStreamServicer
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.host_memory import host_buffer
 from furlong.weight_broker.core import WeightSourceInfo
+from furlong.weight_broker.host_memory import host_buffer
 from furlong.weight_broker.nixl_transport import NixlEndpoint
 from furlong.weight_broker.publisher import WeightPublisher
 from furlong.weight_broker.relay import upstream_run_id
@@ -69,11 +69,13 @@ log = logging.getLogger("bench.weight_sync")
 
 # -- child roles -------------------------------------------------------------------------------------
 
+
 def engine_main(args) -> int:
     """A rollout engine stand-in: parameters in its own tensors (shaped like the trainer's), a
     WeightReceiver that pulls each version straight into them (--into params), or into a receive
     buffer that apply copies into them (--into buffer)."""
     from furlong.weight_broker.receiver import WeightReceiver
+
     model = {name: torch.zeros_like(t) for name, t in make_state(args.size, seed=None).items()}
 
     def copy_in(version, tensors) -> None:
@@ -85,8 +87,9 @@ def engine_main(args) -> int:
     client = GrpcBrokerClient(args.broker)
     config = TransferConfig(lanes=tuple(args.lanes.split(",")), pull_lock_wait_s=args.pull_lock_wait_s)
     if args.into == "params":
-        receiver = WeightReceiver(client, args.run_id, args.engine_id, lambda v, t: None,
-                                  config=config, params=model)
+        receiver = WeightReceiver(
+            client, args.run_id, args.engine_id, lambda v, t: None, config=config, params=model
+        )
     else:
         receiver = WeightReceiver(client, args.run_id, args.engine_id, copy_in, config=config)
     receiver.start()
@@ -100,8 +103,7 @@ def engine_main(args) -> int:
 def raw_main(args) -> int:
     """Raw NIXL READs of the whole region described in --meta into a registered buffer."""
     meta = json.loads(Path(args.meta).read_text())
-    source = WeightSourceInfo(meta["agent"], bytes.fromhex(meta["metadata"]), meta["address"],
-                              meta["size"])
+    source = WeightSourceInfo(meta["agent"], bytes.fromhex(meta["metadata"]), meta["address"], meta["size"])
     endpoint = NixlEndpoint(f"raw-reader-{os.getpid()}")
     dst = host_buffer(meta["size"])
     endpoint.register(dst)
@@ -114,18 +116,23 @@ def raw_main(args) -> int:
 def naive_main(args) -> int:
     """Stream torch.save bytes over gRPC and torch.load them, --reps times after a warm-up."""
     import numpy as np
+
     from furlong.rpc import channel
-    from furlong.v1 import weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
+    from furlong.v1 import weight_broker_pb2 as pb
+    from furlong.v1 import weight_broker_pb2_grpc as pb_grpc
+
     stub = pb_grpc.WeightStreamStub(channel(args.address))
     times = []
     for _ in range(args.reps + 1):
         started = time.perf_counter()
         data = bytearray(args.size)
         view = np.frombuffer(data, dtype=np.uint8)
-        for chunk in stub.ReadRange(pb.ReadRangeRequest(offset_bytes=0, size_bytes=args.size,
-                                                        chunk_bytes=MIB), timeout=300):
-            view[chunk.offset_bytes:chunk.offset_bytes + len(chunk.data)] = np.frombuffer(
-                chunk.data, dtype=np.uint8)
+        for chunk in stub.ReadRange(
+            pb.ReadRangeRequest(offset_bytes=0, size_bytes=args.size, chunk_bytes=MIB), timeout=300
+        ):
+            view[chunk.offset_bytes : chunk.offset_bytes + len(chunk.data)] = np.frombuffer(
+                chunk.data, dtype=np.uint8
+            )
         state = torch.load(io.BytesIO(data), weights_only=True)
         assert state
         times.append(time.perf_counter() - started)
@@ -135,17 +142,21 @@ def naive_main(args) -> int:
 
 # -- trainer side ------------------------------------------------------------------------------------
 
+
 def make_state(size_bytes: int, seed: int | None = 0) -> dict[str, torch.Tensor]:
     """bf16 tensors of 32 MiB (2 MiB below 512 MiB); seed None: shapes only (zeros)."""
     per = 32 * MIB if size_bytes >= 512 * MIB else 2 * MIB
     cols = 1024 if per == 2 * MIB else 4096
     shape = (per // 2 // cols, cols)
     if seed is None:
-        return {f"layers.{i}.weight": torch.zeros(shape, dtype=torch.bfloat16)
-                for i in range(size_bytes // per)}
+        return {
+            f"layers.{i}.weight": torch.zeros(shape, dtype=torch.bfloat16) for i in range(size_bytes // per)
+        }
     gen = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.weight": torch.randn(shape, generator=gen).to(torch.bfloat16)
-            for i in range(size_bytes // per)}
+    return {
+        f"layers.{i}.weight": torch.randn(shape, generator=gen).to(torch.bfloat16)
+        for i in range(size_bytes // per)
+    }
 
 
 def rss_bytes() -> int:
@@ -176,8 +187,12 @@ def child(role: str, *extra: str, log_path: Path) -> subprocess.Popen:
     # Engine parameters on transparent huge pages, like the buffers the broker allocates itself
     # (furlong.weight_broker.host_memory); the raw reference reads between such buffers too.
     env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
-    return subprocess.Popen([sys.executable, __file__, "--role", role, *extra],
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(
+        [sys.executable, __file__, "--role", role, *extra],
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -212,7 +227,7 @@ class Memcpy:
             started = time.perf_counter()
             for k, v in self.state.items():
                 self.dst[k].copy_(v)
-            if rep:     # the first copy warms up
+            if rep:  # the first copy warms up
                 self.times.append(time.perf_counter() - started)
 
     def gbps(self, pick=statistics.median) -> float:
@@ -225,10 +240,26 @@ def measure_raw(size: int, reps: int, tmp: Path) -> float:
     src.copy_(torch.randint(0, 255, (size,), dtype=torch.uint8))
     endpoint.register(src)
     meta = tmp / "raw.json"
-    meta.write_text(json.dumps({"agent": endpoint.agent_name, "metadata": endpoint.metadata.hex(),
-                                "address": src.data_ptr(), "size": size}))
-    proc = child("raw", "--meta", str(meta), "--reps", str(reps), "--out", str(tmp / "raw.out"),
-                 log_path=tmp / "raw.log")
+    meta.write_text(
+        json.dumps(
+            {
+                "agent": endpoint.agent_name,
+                "metadata": endpoint.metadata.hex(),
+                "address": src.data_ptr(),
+                "size": size,
+            }
+        )
+    )
+    proc = child(
+        "raw",
+        "--meta",
+        str(meta),
+        "--reps",
+        str(reps),
+        "--out",
+        str(tmp / "raw.out"),
+        log_path=tmp / "raw.log",
+    )
     proc.wait(600)
     endpoint.close()
     return statistics.median(json.loads((tmp / "raw.out").read_text()))
@@ -244,55 +275,100 @@ def measure_naive(state, reps: int, tmp: Path) -> float:
         blob = buf.getvalue()
         save_times.append(time.perf_counter() - started)
     data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    server = start_server([WeightStreamServicer(data).add_to_server], [STREAM_SERVICE_NAME],
-                          max_workers=4)
-    proc = child("naive", "--address", f"127.0.0.1:{server.port}", "--size", str(len(blob)),
-                 "--reps", str(reps), "--out", str(tmp / "naive.out"), log_path=tmp / "naive.log")
+    server = start_server([WeightStreamServicer(data).add_to_server], [STREAM_SERVICE_NAME], max_workers=4)
+    proc = child(
+        "naive",
+        "--address",
+        f"127.0.0.1:{server.port}",
+        "--size",
+        str(len(blob)),
+        "--reps",
+        str(reps),
+        "--out",
+        str(tmp / "naive.out"),
+        log_path=tmp / "naive.log",
+    )
     proc.wait(900)
     server.stop(0.5)
-    return statistics.median(save_times[1:]) + statistics.median(
-        json.loads((tmp / "naive.out").read_text()))
+    return statistics.median(save_times[1:]) + statistics.median(json.loads((tmp / "naive.out").read_text()))
 
 
-def measure_lane(lane: str, mode: str, state, args, broker: str, metrics_port: int,
-                 tmp: Path, into: str = "params", pull_lock: bool = True, tag: str = "") -> dict:
-    run_id = f"bench-{lane}-{mode}" + ("" if into == "params" else f"-{into}") + (
-        "" if pull_lock else "-concurrent") + tag
+def measure_lane(
+    lane: str,
+    mode: str,
+    state,
+    args,
+    broker: str,
+    metrics_port: int,
+    tmp: Path,
+    into: str = "params",
+    pull_lock: bool = True,
+    tag: str = "",
+) -> dict:
+    run_id = (
+        f"bench-{lane}-{mode}"
+        + ("" if into == "params" else f"-{into}")
+        + ("" if pull_lock else "-concurrent")
+        + tag
+    )
     publish_run = upstream_run_id(run_id) if mode == "relay" else run_id
-    engines = [child("engine", "--broker", broker, "--run-id", run_id, "--engine-id", e,
-                     "--lanes", lane, "--size", str(len_bytes(state)), "--into", into,
-                     "--pull-lock-wait-s", "5" if pull_lock else "0",
-                     log_path=tmp / f"{run_id}-{e}.log") for e in ENGINES]
+    engines = [
+        child(
+            "engine",
+            "--broker",
+            broker,
+            "--run-id",
+            run_id,
+            "--engine-id",
+            e,
+            "--lanes",
+            lane,
+            "--size",
+            str(len_bytes(state)),
+            "--into",
+            into,
+            "--pull-lock-wait-s",
+            "5" if pull_lock else "0",
+            log_path=tmp / f"{run_id}-{e}.log",
+        )
+        for e in ENGINES
+    ]
     client = GrpcBrokerClient(broker)
     publisher = None
     try:
         wait_for(lambda: _engines(client, run_id) == ENGINES, 120.0, "engines registered")
         rss_before = rss_bytes()
-        config = TransferConfig(bucket_size_bytes=args.bucket_mib * MIB, lanes=(lane,),
-                                round_timeout_s=300.0, transfer_timeout_s=300.0)
-        publisher = WeightPublisher(client, publish_run, WeightLayout.from_state_dict(state),
-                                    f"bench-trainer-{run_id}", config=config)
+        config = TransferConfig(
+            bucket_size_bytes=args.bucket_mib * MIB,
+            lanes=(lane,),
+            round_timeout_s=300.0,
+            transfer_timeout_s=300.0,
+        )
+        publisher = WeightPublisher(
+            client, publish_run, WeightLayout.from_state_dict(state), f"bench-trainer-{run_id}", config=config
+        )
         bytes0 = seconds0 = 0.0
         switch, free = [], []
         with PeakRss() as peak:
             for version in range(1, args.reps + 2):
-                if version == 2:   # version 1 warmed up connections and buffers
+                if version == 2:  # version 1 warmed up connections and buffers
                     bytes0 = metric(metrics_port, f'furlong_broker_transfer_bytes_total{{lane="{lane}"}}')
-                    seconds0 = metric(metrics_port,
-                                      f'furlong_broker_transfer_seconds_total{{lane="{lane}"}}')
+                    seconds0 = metric(metrics_port, f'furlong_broker_transfer_seconds_total{{lane="{lane}"}}')
                 started = time.perf_counter()
                 publisher.publish(version, state, commit_timeout_s=300.0)
                 client.wait_committed(publish_run, version, 300.0)
-                free.append(time.perf_counter() - started)   # the trainer may move on
+                free.append(time.perf_counter() - started)  # the trainer may move on
                 client.wait_committed(run_id, version, 300.0)
                 switch.append(time.perf_counter() - started)
         moved = metric(metrics_port, f'furlong_broker_transfer_bytes_total{{lane="{lane}"}}') - bytes0
         spent = metric(metrics_port, f'furlong_broker_transfer_seconds_total{{lane="{lane}"}}') - seconds0
-        return {"switch_seconds": statistics.median(switch[1:]),
-                "trainer_free_seconds": statistics.median(free[1:]),
-                "per_engine_gbps": moved / spent / 1e9 if spent else 0.0,
-                "rss_delta_bytes": peak.peak - rss_before,
-                "bucket_bytes": publisher.bucket_size_bytes}
+        return {
+            "switch_seconds": statistics.median(switch[1:]),
+            "trainer_free_seconds": statistics.median(free[1:]),
+            "per_engine_gbps": moved / spent / 1e9 if spent else 0.0,
+            "rss_delta_bytes": peak.peak - rss_before,
+            "bucket_bytes": publisher.bucket_size_bytes,
+        }
     finally:
         if publisher is not None:
             publisher.close()
@@ -309,8 +385,10 @@ def measure_lane(lane: str, mode: str, state, args, broker: str, metrics_port: i
 
 def combine(results: list[dict]) -> dict:
     """Several measure_lane results of one configuration: means, and the largest memory growth."""
-    out = {key: statistics.mean(r[key] for r in results)
-           for key in ("switch_seconds", "trainer_free_seconds", "per_engine_gbps")}
+    out = {
+        key: statistics.mean(r[key] for r in results)
+        for key in ("switch_seconds", "trainer_free_seconds", "per_engine_gbps")
+    }
     out["rss_delta_bytes"] = max(r["rss_delta_bytes"] for r in results)
     out["bucket_bytes"] = results[0]["bucket_bytes"]
     return out
@@ -353,10 +431,24 @@ def main() -> int:
         tmp = Path(tmpdir)
         port, metrics_port = free_port(), free_port()
         broker_proc = subprocess.Popen(
-            [sys.executable, "-m", "furlong.weight_broker", "--port", str(port), "--metrics-port",
-             str(metrics_port), "--log-level", "WARNING", "--relay-run", "bench-nixl-relay",
-             "--relay-lanes", "nixl"],
-            stdout=open(tmp / "broker.log", "w"), stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "furlong.weight_broker",
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+                "--log-level",
+                "WARNING",
+                "--relay-run",
+                "bench-nixl-relay",
+                "--relay-lanes",
+                "nixl",
+            ],
+            stdout=open(tmp / "broker.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
         broker = f"127.0.0.1:{port}"
         try:
             wait_for(lambda: check_health(broker), 60.0, "broker serving")
@@ -369,15 +461,17 @@ def main() -> int:
             memcpy.sample(args.reps)
             runs: dict[bool, list[dict]] = {True: [], False: []}
             for i, lock in enumerate((True, False, False, True)):
-                runs[lock].append(measure_lane("nixl", "direct", state, args, broker, metrics_port,
-                                               tmp, pull_lock=lock, tag=f"-{i}"))
+                runs[lock].append(
+                    measure_lane(
+                        "nixl", "direct", state, args, broker, metrics_port, tmp, pull_lock=lock, tag=f"-{i}"
+                    )
+                )
             lanes["nixl"], concurrent = combine(runs[True]), combine(runs[False])
             memcpy.sample(args.reps)
             lanes["shm"] = measure_lane("shm", "direct", state, args, broker, metrics_port, tmp)
             memcpy.sample(args.reps)
             relay = measure_lane("nixl", "relay", state, args, broker, metrics_port, tmp)
-            buffered = measure_lane("nixl", "direct", state, args, broker, metrics_port, tmp,
-                                    into="buffer")
+            buffered = measure_lane("nixl", "direct", state, args, broker, metrics_port, tmp, into="buffer")
             naive_s = measure_naive(state, args.reps, tmp)
             memcpy_gbps = memcpy.gbps()
         finally:
@@ -387,8 +481,13 @@ def main() -> int:
     result = {
         "bench": "weight_sync",
         "machine": {"cpus": os.cpu_count(), "gpu": None},
-        "params": {"size_bytes": size, "engines": len(ENGINES), "dtype": "bfloat16",
-                   "bucket_bytes": direct["bucket_bytes"], "reps": args.reps},
+        "params": {
+            "size_bytes": size,
+            "engines": len(ENGINES),
+            "dtype": "bfloat16",
+            "bucket_bytes": direct["bucket_bytes"],
+            "reps": args.reps,
+        },
         "metrics": {
             "memcpy_gbps": round(memcpy_gbps, 3),
             "memcpy_gbps_lowest": round(memcpy.gbps(max), 3),
@@ -415,22 +514,23 @@ def main() -> int:
             "raw_vs_switch": round(raw_s / direct["switch_seconds"], 3),
             "raw_vs_switch_relay": round(raw_s / relay["switch_seconds"], 3),
             "params_vs_buffer_switch": round(buffered["switch_seconds"] / direct["switch_seconds"], 3),
-            "turns_vs_concurrent_switch": round(concurrent["switch_seconds"] /
-                                                direct["switch_seconds"], 3),
+            "turns_vs_concurrent_switch": round(concurrent["switch_seconds"] / direct["switch_seconds"], 3),
             "vs_naive": round(naive_s / direct["switch_seconds"], 3),
             "vs_naive_relay": round(naive_s / relay["switch_seconds"], 3),
             "publish_mem_vs_bucket": round(direct["rss_delta_bytes"] / direct["bucket_bytes"], 3),
         },
-        "notes": ("bf16 state, one trainer process -> two engine processes, broker as a process; "
-                  "medians of reps after one warm-up. Engines pull straight into their parameters "
-                  "(direct_buffer: into a receive buffer plus an apply copy, for comparison). "
-                  "nixl/shm_gbps: per-engine rate from the "
-                  "engines' acknowledged bytes and seconds of their pulls; engines on one host take "
-                  "turns pulling (host pull lock), except in the _concurrent figures. switch: publish "
-                  "start -> broker commit (both engines verified and applied v+1). raw: one NIXL READ "
-                  "of the whole state into one engine process. naive: torch.save + gRPC stream + "
-                  "torch.load into one engine. publish_mem_vs_bucket: peak RSS growth of the "
-                  "trainer while publishing / bucket bytes (lower is better)."),
+        "notes": (
+            "bf16 state, one trainer process -> two engine processes, broker as a process; "
+            "medians of reps after one warm-up. Engines pull straight into their parameters "
+            "(direct_buffer: into a receive buffer plus an apply copy, for comparison). "
+            "nixl/shm_gbps: per-engine rate from the "
+            "engines' acknowledged bytes and seconds of their pulls; engines on one host take "
+            "turns pulling (host pull lock), except in the _concurrent figures. switch: publish "
+            "start -> broker commit (both engines verified and applied v+1). raw: one NIXL READ "
+            "of the whole state into one engine process. naive: torch.save + gRPC stream + "
+            "torch.load into one engine. publish_mem_vs_bucket: peak RSS growth of the "
+            "trainer while publishing / bucket bytes (lower is better)."
+        ),
     }
     if not args.json:
         for key, value in {**result["metrics"], **result["ratios"]}.items():

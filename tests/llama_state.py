@@ -9,12 +9,18 @@ import torch
 def llama(seed: int = 0, hidden: int = 16) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     h, p = hidden, "model.layers.0."
-    shapes = {"model.embed_tokens.weight": (3 * h // 2, h),
-              p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (h // 2, h),
-              p + "self_attn.v_proj.weight": (h // 2, h), p + "self_attn.o_proj.weight": (h, h),
-              p + "mlp.gate_proj.weight": (2 * h, h), p + "mlp.up_proj.weight": (2 * h, h),
-              p + "mlp.down_proj.weight": (h, 2 * h), p + "input_layernorm.weight": (h,),
-              "model.norm.weight": (h,)}
+    shapes = {
+        "model.embed_tokens.weight": (3 * h // 2, h),
+        p + "self_attn.q_proj.weight": (h, h),
+        p + "self_attn.k_proj.weight": (h // 2, h),
+        p + "self_attn.v_proj.weight": (h // 2, h),
+        p + "self_attn.o_proj.weight": (h, h),
+        p + "mlp.gate_proj.weight": (2 * h, h),
+        p + "mlp.up_proj.weight": (2 * h, h),
+        p + "mlp.down_proj.weight": (h, 2 * h),
+        p + "input_layernorm.weight": (h,),
+        "model.norm.weight": (h,),
+    }
     return {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in shapes.items()}
 
 

@@ -35,27 +35,79 @@ def make_ca(directory: Path, name: str) -> CertFiles:
     """A self-signed CA certificate and key under directory."""
     directory.mkdir(parents=True, exist_ok=True)
     ca = CertFiles(directory / f"{name}.crt", directory / f"{name}.key")
-    _run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-         "-keyout", ca.key, "-out", ca.cert, "-days", "1", "-subj", f"/CN={name}",
-         "-addext", "basicConstraints=critical,CA:TRUE",
-         "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    _run(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        ca.key,
+        "-out",
+        ca.cert,
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
     return ca
 
 
-def make_cert(ca: CertFiles, directory: Path, name: str,
-              dns: tuple[str, ...] = ("localhost",), ips: tuple[str, ...] = ("127.0.0.1",)) -> CertFiles:
+def make_cert(
+    ca: CertFiles,
+    directory: Path,
+    name: str,
+    dns: tuple[str, ...] = ("localhost",),
+    ips: tuple[str, ...] = ("127.0.0.1",),
+) -> CertFiles:
     """A certificate for name signed by ca, usable as TLS server and client, with the given DNS
     names and IP addresses as subject alternative names."""
     out = CertFiles(directory / f"{name}.crt", directory / f"{name}.key")
     csr = directory / f"{name}.csr"
     ext = directory / f"{name}.ext"
     sans = [f"DNS:{d}" for d in dns] + [f"IP:{i}" for i in ips]
-    ext.write_text(f"subjectAltName={','.join(sans)}\n"
-                   "basicConstraints=CA:FALSE\n"
-                   "keyUsage=critical,digitalSignature,keyEncipherment\n"
-                   "extendedKeyUsage=serverAuth,clientAuth\n")
-    _run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-         "-keyout", out.key, "-out", csr, "-subj", f"/CN={name}")
-    _run("x509", "-req", "-in", csr, "-CA", ca.cert, "-CAkey", ca.key,
-         "-set_serial", str(secrets.randbits(63)), "-days", "1", "-extfile", ext, "-out", out.cert)
+    ext.write_text(
+        f"subjectAltName={','.join(sans)}\n"
+        "basicConstraints=CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    _run(
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        out.key,
+        "-out",
+        csr,
+        "-subj",
+        f"/CN={name}",
+    )
+    _run(
+        "x509",
+        "-req",
+        "-in",
+        csr,
+        "-CA",
+        ca.cert,
+        "-CAkey",
+        ca.key,
+        "-set_serial",
+        str(secrets.randbits(63)),
+        "-days",
+        "1",
+        "-extfile",
+        ext,
+        "-out",
+        out.cert,
+    )
     return out

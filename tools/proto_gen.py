@@ -28,7 +28,9 @@ def generate(out_root: Path) -> list[Path]:
     if not protos:
         raise SystemExit(f"no .proto files under {PROTO_ROOT / PACKAGE_DIR}")
     cmd = [
-        sys.executable, "-m", "grpc_tools.protoc",
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
         f"-I{PROTO_ROOT}",
         f"--python_out={out_root}",
         f"--pyi_out={out_root}",

@@ -40,12 +40,12 @@ MAX_POSITIONS = 32
 BATCH = 128
 LEARNING_RATE = 3e-3
 BETAS = (0.9, 0.98)
-LABEL_SMOOTHING = 0.3     # share of each target spread uniformly over the output tokens
+LABEL_SMOOTHING = 0.3  # share of each target spread uniformly over the output tokens
 MAX_STEPS = 2500
 MIN_STEPS = 1000
 EVAL_EVERY = 100
 EVAL_PROMPTS = 512
-EVAL_SEED = 10_000        # never a training seed of a run, so eval prompts differ from RL prompts
+EVAL_SEED = 10_000  # never a training seed of a run, so eval prompts differ from RL prompts
 GREEDY_TARGET = 0.95
 MAX_NEW_TOKENS = 8
 
@@ -55,18 +55,32 @@ log = logging.getLogger("make_checkpoint")
 def build_model(tokenizer: CharTokenizer) -> LlamaForCausalLM:
     # Every numeric choice is written out, so config.json declares it instead of inheriting a default.
     config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-        head_dim=HIDDEN // HEADS, hidden_act="silu", max_position_embeddings=MAX_POSITIONS,
-        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        attention_bias=False, attention_dropout=0.0, mlp_bias=False, tie_word_embeddings=False,
-        initializer_range=0.02, pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id,
-        eos_token_id=tokenizer.eos_id)
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        head_dim=HIDDEN // HEADS,
+        hidden_act="silu",
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        attention_bias=False,
+        attention_dropout=0.0,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        pad_token_id=tokenizer.pad_id,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+    )
     return LlamaForCausalLM(config)
 
 
-def make_batch(task: AdditionTask, tokenizer: CharTokenizer, rng: random.Random
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_batch(
+    task: AdditionTask, tokenizer: CharTokenizer, rng: random.Random
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, attention_mask, answer_mask) for one batch of fresh problems."""
     seqs, answer_starts = [], []
     for _ in range(BATCH):
@@ -80,14 +94,19 @@ def make_batch(task: AdditionTask, tokenizer: CharTokenizer, rng: random.Random
     attention = torch.zeros(BATCH, width, dtype=torch.long)
     answer_mask = torch.zeros(BATCH, width, dtype=torch.bool)
     for i, (seq, start) in enumerate(zip(seqs, answer_starts)):
-        ids[i, :len(seq)] = torch.tensor(seq)
-        attention[i, :len(seq)] = 1
-        answer_mask[i, start:len(seq)] = True
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+        answer_mask[i, start : len(seq)] = True
     return ids, attention, answer_mask
 
 
-def sft_loss(model: LlamaForCausalLM, ids: torch.Tensor, attention: torch.Tensor,
-             answer_mask: torch.Tensor, first_output_id: int) -> torch.Tensor:
+def sft_loss(
+    model: LlamaForCausalLM,
+    ids: torch.Tensor,
+    attention: torch.Tensor,
+    answer_mask: torch.Tensor,
+    first_output_id: int,
+) -> torch.Tensor:
     """Cross-entropy on answer tokens against (1 - s) * one-hot + s * uniform(output tokens)."""
     logits = model(input_ids=ids[:, :-1], attention_mask=attention[:, :-1], use_cache=False).logits
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -99,8 +118,13 @@ def sft_loss(model: LlamaForCausalLM, ids: torch.Tensor, attention: torch.Tensor
 
 
 @torch.no_grad()
-def answer_accuracy(model: LlamaForCausalLM, tokenizer: CharTokenizer, task: AdditionTask,
-                    temperature: float | None, generator: torch.Generator) -> float:
+def answer_accuracy(
+    model: LlamaForCausalLM,
+    tokenizer: CharTokenizer,
+    task: AdditionTask,
+    temperature: float | None,
+    generator: torch.Generator,
+) -> float:
     """Exact-match accuracy (answer then <eos>) on EVAL_PROMPTS held-out prompts; greedy when
     temperature is None. Prompts of one length are decoded together, so no padding is needed."""
     prompts = task.prompts(EVAL_SEED, 0, EVAL_PROMPTS)
@@ -121,7 +145,7 @@ def answer_accuracy(model: LlamaForCausalLM, tokenizer: CharTokenizer, task: Add
             ids = torch.cat([ids, nxt[:, None]], dim=1)
         for p, row in zip(group, ids[:, start:].tolist()):
             if tokenizer.eos_id in row:
-                text = tokenizer.decode(row[:row.index(tokenizer.eos_id)])
+                text = tokenizer.decode(row[: row.index(tokenizer.eos_id)])
                 correct += exact_match_reward(text, p.answer)
     return correct / len(prompts)
 
@@ -139,8 +163,13 @@ def train(out_dir: Path, seed: int, console: Console) -> dict[str, float]:
     first_output_id = tokenizer.eos_id  # <eos> and every character; never <pad> or <bos>
     result = {"steps": 0.0, "greedy": 0.0, "sampled": 0.0}
     started = time.perf_counter()
-    columns = (TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[status]}"))
+    columns = (
+        TextColumn("SFT"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+    )
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task("sft", total=MAX_STEPS, status="")
         for step in range(1, MAX_STEPS + 1):
@@ -150,14 +179,20 @@ def train(out_dir: Path, seed: int, console: Console) -> dict[str, float]:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            progress.update(bar, advance=1, status=f"loss {loss.item():.3f} "
-                            f"greedy {result['greedy']:.2f} sampled {result['sampled']:.2f}")
+            progress.update(
+                bar,
+                advance=1,
+                status=f"loss {loss.item():.3f} "
+                f"greedy {result['greedy']:.2f} sampled {result['sampled']:.2f}",
+            )
             if step % EVAL_EVERY:
                 continue
             model.eval()
-            result = {"steps": float(step),
-                      "greedy": answer_accuracy(model, tokenizer, task, None, eval_generator),
-                      "sampled": answer_accuracy(model, tokenizer, task, 1.0, eval_generator)}
+            result = {
+                "steps": float(step),
+                "greedy": answer_accuracy(model, tokenizer, task, None, eval_generator),
+                "sampled": answer_accuracy(model, tokenizer, task, 1.0, eval_generator),
+            }
             if step >= MIN_STEPS and result["greedy"] >= GREEDY_TARGET:
                 progress.update(bar, total=step)
                 break
@@ -178,8 +213,10 @@ def main() -> None:
     torch.set_num_threads(1)
     console = Console()
     result = train(args.out, args.seed, console)
-    console.print(f"wrote {args.out} after {int(result['steps'])} steps in {result['seconds']:.0f} s: "
-                  f"exact match greedy {result['greedy']:.3f}, temperature 1 {result['sampled']:.3f}")
+    console.print(
+        f"wrote {args.out} after {int(result['steps'])} steps in {result['seconds']:.0f} s: "
+        f"exact match greedy {result['greedy']:.3f}, temperature 1 {result['sampled']:.3f}"
+    )
 
 
 if __name__ == "__main__":

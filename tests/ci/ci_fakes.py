@@ -31,9 +31,7 @@ class FakeGitHub:
     def get_comment(self, repository: str, comment_id: int) -> dict[str, Any]:
         self.calls.append(("get_comment", repository, comment_id))
         if comment_id not in self.comments:
-            raise GitHubApiError(
-                "GET", f"/repos/{repository}/issues/comments/{comment_id}", 404, ""
-            )
+            raise GitHubApiError("GET", f"/repos/{repository}/issues/comments/{comment_id}", 404, "")
         return copy.deepcopy(self.comments[comment_id])
 
     def create_comment(self, repository: str, issue_number: int, body: str) -> dict[str, Any]:
@@ -51,9 +49,7 @@ class FakeGitHub:
     def update_comment(self, repository: str, comment_id: int, body: str) -> dict[str, Any]:
         self.calls.append(("update_comment", repository, comment_id, body))
         if comment_id not in self.comments:
-            raise GitHubApiError(
-                "PATCH", f"/repos/{repository}/issues/comments/{comment_id}", 404, ""
-            )
+            raise GitHubApiError("PATCH", f"/repos/{repository}/issues/comments/{comment_id}", 404, "")
         self.comments[comment_id]["body"] = self._stored(body)
         return copy.deepcopy(self.comments[comment_id])
 

@@ -107,9 +107,7 @@ def test_finalize_without_announce_output_fails_closed(api, tmp_path):
 
 
 def test_resolve_writes_string_outputs_and_names_who(api, tmp_path, caplog):
-    api.pulls[(REPO, 42)] = pull(
-        REPO, 42, SHA, body="ci-megatron-pr: " + MEGATRON_SHA, author="bob"
-    )
+    api.pulls[(REPO, 42)] = pull(REPO, 42, SHA, body="ci-megatron-pr: " + MEGATRON_SHA, author="bob")
     api.commits.add(("NVIDIA/Megatron-LM", MEGATRON_SHA))
     summary = tmp_path / "summary.md"
     env = run_env(tmp_path, GITHUB_STEP_SUMMARY=str(summary))
@@ -158,8 +156,6 @@ def test_check_suite_inputs(tmp_path, env, ok):
 def test_check_baseline_command(tmp_path):
     before, after = tmp_path / "before.txt", tmp_path / "after.txt"
     before.write_text("sglang==0.5.23\ntorch==2.14.1\n")
-    after.write_text(
-        "sglang @ git+https://github.com/sgl-project/sglang.git@" + SHA + "\ntorch==2.14.1\n"
-    )
+    after.write_text("sglang @ git+https://github.com/sgl-project/sglang.git@" + SHA + "\ntorch==2.14.1\n")
     assert cli.main(["check-baseline", str(before), str(after), "--override", "sglang"], {}) == 0
     assert cli.main(["check-baseline", str(before), str(after)], {}) == 1

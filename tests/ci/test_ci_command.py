@@ -126,9 +126,7 @@ def _git(repo: Path, *args: str) -> str:
         "GIT_COMMITTER_NAME": "t",
         "GIT_COMMITTER_EMAIL": "t@example.invalid",
     }
-    out = subprocess.run(
-        ["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True
-    )
+    out = subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True)
     return out.stdout.strip()
 
 

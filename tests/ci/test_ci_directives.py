@@ -142,9 +142,7 @@ def test_body_directive_needs_an_author():
 
 def upstream_api() -> FakeGitHub:
     api = FakeGitHub()
-    api.pulls[("sgl-project/sglang", 123)] = pull(
-        "sgl-project/sglang", 123, SHA_A, head_repo="x/sglang"
-    )
+    api.pulls[("sgl-project/sglang", 123)] = pull("sgl-project/sglang", 123, SHA_A, head_repo="x/sglang")
     api.branches[("NVIDIA/Megatron-LM", "feature/weights-v2")] = SHA_B
     api.commits.add(("NVIDIA/Megatron-LM", SHA_B))
     return api
@@ -163,8 +161,7 @@ def test_pin_resolves_every_form_and_outputs_strings():
     }
     lines = describe(pinned)
     assert lines[0] == (
-        "sglang: ci-sglang-pr #123 named by @bob in the pull request body"
-        f" -> sgl-project/sglang@{SHA_A}"
+        f"sglang: ci-sglang-pr #123 named by @bob in the pull request body -> sgl-project/sglang@{SHA_A}"
     )
     assert "feature/weights-v2 named by @bob" in lines[1]
     commit_only = pin(choose(None, {"megatron": SHA_B}, None, "carol"), api)

@@ -31,9 +31,7 @@ class Recorder(BaseHTTPRequestHandler):
                 "version": self.headers.get("X-GitHub-Api-Version"),
             }
         )
-        status, payload = self.routes.get(
-            (self.command, self.path), (404, b'{"message": "Not Found"}')
-        )
+        status, payload = self.routes.get((self.command, self.path), (404, b'{"message": "Not Found"}'))
         self.send_response(status)
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()

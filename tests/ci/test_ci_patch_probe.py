@@ -95,18 +95,14 @@ def test_real_patch_already_applied_upstream(tmp_path, images):
     result = probe(repo, MEGATRON_PATCH)
     assert result.state is PatchState.ALREADY_APPLIED
     assert result.reverse_error == "" and "patch does not apply" in result.forward_error
-    assert (
-        ensure_applied(repo, MEGATRON_PATCH, "NVIDIA/Megatron-LM@new") is PatchState.ALREADY_APPLIED
-    )
+    assert ensure_applied(repo, MEGATRON_PATCH, "NVIDIA/Megatron-LM@new") is PatchState.ALREADY_APPLIED
     assert git(repo, "status", "--porcelain") == ""  # nothing touched
 
 
 def test_real_patch_incompatible_fails_with_an_actionable_error(tmp_path, images):
     files = {p: before for p, (before, _) in images.items()}
     utils = "megatron/core/utils.py"
-    files[utils] = files[utils].replace(
-        "device=torch.cuda.current_device(),", "device=self.device,"
-    )
+    files[utils] = files[utils].replace("device=torch.cuda.current_device(),", "device=self.device,")
     repo = make_repo(tmp_path / "mlm", files)
     result = probe(repo, MEGATRON_PATCH)
     assert result.state is PatchState.INCOMPATIBLE

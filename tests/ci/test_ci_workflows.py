@@ -104,9 +104,7 @@ def test_cpu_workflow_installs_redis_then_runs_the_readme_test_command():
 def test_gpu_workflows_resolve_first_then_gate_and_pass_booleans(name, vendor):
     doc = load(name)
     assert "pull_request" in doc["on"] and "workflow_dispatch" in doc["on"]
-    assert set(doc["on"]["workflow_dispatch"]["inputs"]) == {
-        f"{k}_ref" for k in directives.UPSTREAMS
-    }
+    assert set(doc["on"]["workflow_dispatch"]["inputs"]) == {f"{k}_ref" for k in directives.UPSTREAMS}
     resolve, suite = doc["jobs"]["resolve"], doc["jobs"]["suite"]
     assert resolve["runs-on"] == "ubuntu-latest"  # decided before any GPU runner is claimed
     assert "github.event.pull_request.head.repo.full_name == github.repository" in resolve["if"]
@@ -170,10 +168,7 @@ def test_gpu_suite_inputs_are_typed_and_steps_ordered():
     for i in installs:
         if i != venv:
             assert "--no-deps" in s[i]["run"]  # overrides never pull other dependencies
-    assert (
-        "--override megatron-core" in s[baseline]["run"]
-        and "--override sglang" in s[baseline]["run"]
-    )
+    assert "--override megatron-core" in s[baseline]["run"] and "--override sglang" in s[baseline]["run"]
     makefile = (ROOT / "Makefile").read_text()
     dists = re.search(r"^DISTS := (.+)$", makefile, re.M).group(1).split()
     assert re.findall(r"-e (\S+)", s[venv]["run"]) == dists
@@ -186,18 +181,14 @@ def test_rerun_gateway_accepts_only_pr_comments_and_dispatches_from_default_bran
     job = doc["jobs"]["gateway"]
     assert "github.event.issue.pull_request" in job["if"]
     assert "startsWith(github.event.comment.body, '/rerun-test')" in job["if"]
-    checkout = job["steps"][
-        index(job["steps"], lambda st: "actions/checkout" in st.get("uses", ""))
-    ]
+    checkout = job["steps"][index(job["steps"], lambda st: "actions/checkout" in st.get("uses", ""))]
     assert "ref" not in checkout.get("with", {})  # the default branch, never the PR's code
     step = job["steps"][index(job["steps"], runs("tools.ci gateway"))]
     assert step["env"]["COMMENT_BODY"] == "${{ github.event.comment.body }}"
     assert step["env"]["DEFAULT_BRANCH"] == "${{ github.event.repository.default_branch }}"
     dispatched = load(gateway.RERUN_WORKFLOW)["on"]
     assert list(dispatched) == ["workflow_dispatch"]
-    required = {
-        k for k, v in dispatched["workflow_dispatch"]["inputs"].items() if v.get("required")
-    }
+    required = {k for k, v in dispatched["workflow_dispatch"]["inputs"].items() if v.get("required")}
     assert required == {"pr_number", "head_sha", "test_path", "requested_by"}
 
 
@@ -214,9 +205,7 @@ def test_rerun_run_owns_one_comment_and_always_finalizes_it():
     check_resolver_outputs(jobs["resolve"])
     check_suite_call(jobs["test"]["with"])
 
-    announce_step = jobs["announce"]["steps"][
-        index(jobs["announce"]["steps"], runs("tools.ci announce"))
-    ]
+    announce_step = jobs["announce"]["steps"][index(jobs["announce"]["steps"], runs("tools.ci announce"))]
     assert announce_step["id"] == "announce"
     assert jobs["announce"]["outputs"] == {
         "comment_id": "${{ steps.announce.outputs.comment_id }}",

@@ -13,15 +13,27 @@ import threading
 from dataclasses import dataclass, field
 
 from furlong import rpc
-from furlong.core.errors import ConflictError, NotFoundError
-from furlong.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from furlong.v1 import weight_broker_pb2, weight_broker_pb2_grpc
-
-from furlong.controller.clients import (BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE,
-                                        CheckpointResult, GenerateResult, GenerationPrompt, TrainResult,
-                                        VersionStatus)
+from furlong.controller.clients import (
+    BROKER_SERVICE,
+    ROLLOUT_SERVICE,
+    TRAINER_SERVICE,
+    CheckpointResult,
+    GenerateResult,
+    GenerationPrompt,
+    TrainResult,
+    VersionStatus,
+)
 from furlong.controller.engines import EngineInfo
 from furlong.controller.run_spec import AlgorithmSpec, SamplingSpec
+from furlong.core.errors import ConflictError, NotFoundError
+from furlong.v1 import (
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+    weight_broker_pb2,
+    weight_broker_pb2_grpc,
+)
 
 
 @dataclass
@@ -53,8 +65,7 @@ class FakeBroker:
     def wait_committed(self, run_id: str, version: int, wait_s: float) -> VersionStatus:
         self.faults.hit("wait_committed")
         committed = self.committed.get(run_id, -1)
-        return VersionStatus(latest_version=committed, committed_version=committed,
-                             engine_ids=("engine-0",))
+        return VersionStatus(latest_version=committed, committed_version=committed, engine_ids=("engine-0",))
 
     def end_run(self, run_id: str, timeout_s: float) -> None:
         self.faults.hit("broker.end_run")
@@ -69,12 +80,26 @@ class FakeTrainer:
         self.configured: dict[str, dict] = {}
         self.ended: list[str] = []
 
-    def configure_run(self, run_id: str, model_dir: str, algorithm: AlgorithmSpec, seed: int,
-                      total_steps: int, sampling_temperature: float, timeout_s: float) -> int:
+    def configure_run(
+        self,
+        run_id: str,
+        model_dir: str,
+        algorithm: AlgorithmSpec,
+        seed: int,
+        total_steps: int,
+        sampling_temperature: float,
+        timeout_s: float,
+    ) -> int:
         self.faults.hit("trainer.configure_run")
-        self.runs[run_id] = {"model_dir": model_dir, "algorithm": algorithm, "seed": seed,
-                             "total_steps": total_steps, "temperature": sampling_temperature,
-                             "step": 0, "version": 0}
+        self.runs[run_id] = {
+            "model_dir": model_dir,
+            "algorithm": algorithm,
+            "seed": seed,
+            "total_steps": total_steps,
+            "temperature": sampling_temperature,
+            "step": 0,
+            "version": 0,
+        }
         self.configured[run_id] = dict(self.runs[run_id])
         return 0
 
@@ -89,9 +114,15 @@ class FakeTrainer:
         if step != run["step"] + 1:
             raise ConflictError(f"step {step} after {run['step']}")
         run["step"], run["version"] = step, run["version"] + 1
-        return TrainResult(step=step, loss=1.0 / step, policy_version=run["version"],
-                           num_samples=num_groups * 2, num_groups=num_groups, step_seconds=0.001,
-                           metrics={"grad_norm": 0.5 * step, "clip_fraction": 0.0})
+        return TrainResult(
+            step=step,
+            loss=1.0 / step,
+            policy_version=run["version"],
+            num_samples=num_groups * 2,
+            num_groups=num_groups,
+            step_seconds=0.001,
+            metrics={"grad_norm": 0.5 * step, "clip_fraction": 0.0},
+        )
 
     def publish_weights(self, run_id: str, version: int, timeout_s: float) -> None:
         self.faults.hit("publish_weights")
@@ -108,8 +139,9 @@ class FakeTrainer:
     def checkpoint(self, run_id: str, timeout_s: float) -> CheckpointResult:
         self.faults.hit("trainer.checkpoint")
         run = self._run(run_id)
-        return CheckpointResult(step=run["step"], path=f"/checkpoints/{run_id}",
-                                policy_version=run["version"])
+        return CheckpointResult(
+            step=run["step"], path=f"/checkpoints/{run_id}", policy_version=run["version"]
+        )
 
 
 class FakeRollout:
@@ -119,29 +151,56 @@ class FakeRollout:
         self.generate_calls: list[dict] = []
         self.ended: list[str] = []
 
-    def configure_run(self, run_id: str, model_dir: str, reward: str, num_engines: int, seed: int,
-                      timeout_s: float) -> int:
+    def configure_run(
+        self, run_id: str, model_dir: str, reward: str, num_engines: int, seed: int, timeout_s: float
+    ) -> int:
         self.faults.hit("rollout.configure_run")
-        self.configured[run_id] = {"model_dir": model_dir, "reward": reward,
-                                   "num_engines": num_engines, "seed": seed}
+        self.configured[run_id] = {
+            "model_dir": model_dir,
+            "reward": reward,
+            "num_engines": num_engines,
+            "seed": seed,
+        }
         return 0
 
-    def generate(self, run_id, step, prompts, samples_per_prompt, sampling: SamplingSpec,
-                 sampling_seed, min_policy_version, wait_s, max_refill_rounds=0,
-                 keep_groups=0) -> GenerateResult:
+    def generate(
+        self,
+        run_id,
+        step,
+        prompts,
+        samples_per_prompt,
+        sampling: SamplingSpec,
+        sampling_seed,
+        min_policy_version,
+        wait_s,
+        max_refill_rounds=0,
+        keep_groups=0,
+    ) -> GenerateResult:
         self.faults.hit("generate")
         if run_id not in self.configured:
             raise NotFoundError(f"rollout has no run {run_id}")
-        self.generate_calls.append({"step": step, "prompt_ids": [p.prompt_id for p in prompts],
-                                    "samples_per_prompt": samples_per_prompt, "sampling": sampling,
-                                    "seed": sampling_seed, "min_policy_version": min_policy_version,
-                                    "max_refill_rounds": max_refill_rounds,
-                                    "keep_groups": keep_groups})
+        self.generate_calls.append(
+            {
+                "step": step,
+                "prompt_ids": [p.prompt_id for p in prompts],
+                "samples_per_prompt": samples_per_prompt,
+                "sampling": sampling,
+                "seed": sampling_seed,
+                "min_policy_version": min_policy_version,
+                "max_refill_rounds": max_refill_rounds,
+                "keep_groups": keep_groups,
+            }
+        )
         groups = min(keep_groups, len(prompts)) if keep_groups else len(prompts)
         n = groups * samples_per_prompt
-        return GenerateResult(num_groups=groups, num_samples=n, reward_mean=step / 10,
-                              policy_version=min_policy_version, num_tokens=3 * n,
-                              generate_seconds=0.001)
+        return GenerateResult(
+            num_groups=groups,
+            num_samples=n,
+            reward_mean=step / 10,
+            policy_version=min_policy_version,
+            num_tokens=3 * n,
+            generate_seconds=0.001,
+        )
 
     def end_run(self, run_id: str, timeout_s: float) -> None:
         self.faults.hit("rollout.end_run")
@@ -158,8 +217,10 @@ class FakePrompts:
 
     def prompts(self, task: str, seed: int, step: int, count: int) -> list[GenerationPrompt]:
         self.reward_name(task)
-        return [GenerationPrompt(prompt_id=f"s{seed}-t{step}-{i}", text=f"{i}+{step}=",
-                                 answer=str(i + step)) for i in range(count)]
+        return [
+            GenerationPrompt(prompt_id=f"s{seed}-t{step}-{i}", text=f"{i}+{step}=", answer=str(i + step))
+            for i in range(count)
+        ]
 
 
 class FakeEngines:
@@ -173,9 +234,15 @@ class FakeEngines:
     def engines(self, run_id: str, timeout_s: float) -> list[EngineInfo]:
         if run_id not in self._rollout.configured:
             raise NotFoundError(f"rollout: unknown run {run_id!r}")
-        return [EngineInfo(engine_id=f"{run_id}-engine-{i}", policy_version=0, healthy=True,
-                           state="drained" if f"{run_id}-engine-{i}" in self.drained else "serving")
-                for i in range(self._per_run)]
+        return [
+            EngineInfo(
+                engine_id=f"{run_id}-engine-{i}",
+                policy_version=0,
+                healthy=True,
+                state="drained" if f"{run_id}-engine-{i}" in self.drained else "serving",
+            )
+            for i in range(self._per_run)
+        ]
 
     def drain(self, run_id: str, engine_id: str, timeout_s: float) -> EngineInfo:
         found = [e for e in self.engines(run_id, timeout_s) if e.engine_id == engine_id]
@@ -197,11 +264,17 @@ class FakeStack:
 def fake_stack() -> FakeStack:
     faults = Faults()
     broker = FakeBroker(faults)
-    return FakeStack(trainer=FakeTrainer(broker, faults), rollout=FakeRollout(faults),
-                     broker=broker, prompts=FakePrompts(), faults=faults)
+    return FakeStack(
+        trainer=FakeTrainer(broker, faults),
+        rollout=FakeRollout(faults),
+        broker=broker,
+        prompts=FakePrompts(),
+        faults=faults,
+    )
 
 
 # ---- the same fakes behind the real gRPC contract -------------------------------------------
+
 
 class _TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, fake: FakeTrainer) -> None:
@@ -210,22 +283,41 @@ class _TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @rpc.rpc_errors
     def ConfigureRun(self, request, context):
         a = request.algorithm
-        algo = AlgorithmSpec(name=a.name, learning_rate=a.learning_rate, clip_eps=a.clip_eps,
-                             weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
-                             epochs_per_batch=a.epochs_per_batch,
-                             micro_batch_size=a.micro_batch_size, adam_beta1=a.adam_beta1,
-                             adam_beta2=a.adam_beta2)
-        version = self.fake.configure_run(request.run_id, request.model_dir, algo, request.seed,
-                                          request.total_steps, request.sampling_temperature, 1.0)
+        algo = AlgorithmSpec(
+            name=a.name,
+            learning_rate=a.learning_rate,
+            clip_eps=a.clip_eps,
+            weight_decay=a.weight_decay,
+            max_grad_norm=a.max_grad_norm,
+            epochs_per_batch=a.epochs_per_batch,
+            micro_batch_size=a.micro_batch_size,
+            adam_beta1=a.adam_beta1,
+            adam_beta2=a.adam_beta2,
+        )
+        version = self.fake.configure_run(
+            request.run_id,
+            request.model_dir,
+            algo,
+            request.seed,
+            request.total_steps,
+            request.sampling_temperature,
+            1.0,
+        )
         return trainer_pb2.ConfigureRunResponse(run_id=request.run_id, policy_version=version)
 
     @rpc.rpc_errors
     def TrainStep(self, request, context):
         r = self.fake.train_step(request.run_id, request.step, request.num_groups, request.timeout_s)
         return trainer_pb2.TrainStepResponse(
-            run_id=request.run_id, step=r.step, loss=r.loss, policy_version=r.policy_version,
-            num_samples=r.num_samples, num_groups=r.num_groups, step_seconds=r.step_seconds,
-            metrics=r.metrics)
+            run_id=request.run_id,
+            step=r.step,
+            loss=r.loss,
+            policy_version=r.policy_version,
+            num_samples=r.num_samples,
+            num_groups=r.num_groups,
+            step_seconds=r.step_seconds,
+            metrics=r.metrics,
+        )
 
     @rpc.rpc_errors
     def PublishWeights(self, request, context):
@@ -240,8 +332,9 @@ class _TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @rpc.rpc_errors
     def Checkpoint(self, request, context):
         r = self.fake.checkpoint(request.run_id, 1.0)
-        return trainer_pb2.CheckpointResponse(run_id=request.run_id, path=r.path, step=r.step,
-                                              policy_version=r.policy_version)
+        return trainer_pb2.CheckpointResponse(
+            run_id=request.run_id, path=r.path, step=r.step, policy_version=r.policy_version
+        )
 
 
 class _RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -250,23 +343,40 @@ class _RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @rpc.rpc_errors
     def ConfigureRun(self, request, context):
-        version = self.fake.configure_run(request.run_id, request.model_dir, request.reward,
-                                          request.num_engines, request.seed, 1.0)
-        return rollout_pb2.ConfigureRolloutResponse(run_id=request.run_id, policy_version=version,
-                                                    engine_ids=["engine-0"])
+        version = self.fake.configure_run(
+            request.run_id, request.model_dir, request.reward, request.num_engines, request.seed, 1.0
+        )
+        return rollout_pb2.ConfigureRolloutResponse(
+            run_id=request.run_id, policy_version=version, engine_ids=["engine-0"]
+        )
 
     @rpc.rpc_errors
     def Generate(self, request, context):
         s = request.sampling
-        sampling = SamplingSpec(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                max_new_tokens=s.max_new_tokens)
+        sampling = SamplingSpec(
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens
+        )
         prompts = [GenerationPrompt(p.prompt_id, p.text, p.answer) for p in request.prompts]
-        r = self.fake.generate(request.run_id, request.step, prompts, request.samples_per_prompt,
-                               sampling, s.seed, request.min_policy_version, request.timeout_s)
+        r = self.fake.generate(
+            request.run_id,
+            request.step,
+            prompts,
+            request.samples_per_prompt,
+            sampling,
+            s.seed,
+            request.min_policy_version,
+            request.timeout_s,
+        )
         return rollout_pb2.GenerateResponse(
-            run_id=request.run_id, step=request.step, num_groups=r.num_groups,
-            num_samples=r.num_samples, reward_mean=r.reward_mean, policy_version=r.policy_version,
-            num_tokens=r.num_tokens, generate_seconds=r.generate_seconds)
+            run_id=request.run_id,
+            step=request.step,
+            num_groups=r.num_groups,
+            num_samples=r.num_samples,
+            reward_mean=r.reward_mean,
+            policy_version=r.policy_version,
+            num_tokens=r.num_tokens,
+            generate_seconds=r.generate_seconds,
+        )
 
     @rpc.rpc_errors
     def EndRun(self, request, context):
@@ -282,8 +392,11 @@ class _BrokerServicer(weight_broker_pb2_grpc.WeightBrokerServicer):
     def WaitCommitted(self, request, context):
         s = self.fake.wait_committed(request.run_id, request.version, request.timeout_s)
         return weight_broker_pb2.VersionStatus(
-            run_id=request.run_id, latest_version=s.latest_version,
-            committed_version=s.committed_version, engine_ids=list(s.engine_ids))
+            run_id=request.run_id,
+            latest_version=s.latest_version,
+            committed_version=s.committed_version,
+            engine_ids=list(s.engine_ids),
+        )
 
     @rpc.rpc_errors
     def EndRun(self, request, context):
@@ -306,19 +419,37 @@ class FakeGrpcServices:
 
 def serve_fakes(stack: FakeStack) -> FakeGrpcServices:
     """Each fake on its own gRPC server on 127.0.0.1 with grpc.health.v1, like the real services."""
+
     def one(add, service_name):
         return rpc.start_server([add], [service_name])
 
     servers = {
-        "trainer": one(lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(
-            _TrainerServicer(stack.trainer), s), TRAINER_SERVICE),
-        "rollout": one(lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(
-            _RolloutServicer(stack.rollout), s), ROLLOUT_SERVICE),
-        "broker": one(lambda s: weight_broker_pb2_grpc.add_WeightBrokerServicer_to_server(
-            _BrokerServicer(stack.broker), s), BROKER_SERVICE),
+        "trainer": one(
+            lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(_TrainerServicer(stack.trainer), s),
+            TRAINER_SERVICE,
+        ),
+        "rollout": one(
+            lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(_RolloutServicer(stack.rollout), s),
+            ROLLOUT_SERVICE,
+        ),
+        "broker": one(
+            lambda s: weight_broker_pb2_grpc.add_WeightBrokerServicer_to_server(
+                _BrokerServicer(stack.broker), s
+            ),
+            BROKER_SERVICE,
+        ),
     }
     return FakeGrpcServices(stack=stack, servers=servers)
 
 
-__all__ = ["Faults", "FakeBroker", "FakeTrainer", "FakeRollout", "FakePrompts", "FakeStack",
-           "fake_stack", "serve_fakes", "FakeGrpcServices"]
+__all__ = [
+    "Faults",
+    "FakeBroker",
+    "FakeTrainer",
+    "FakeRollout",
+    "FakePrompts",
+    "FakeStack",
+    "fake_stack",
+    "serve_fakes",
+    "FakeGrpcServices",
+]

@@ -9,11 +9,19 @@ import json
 import httpx
 import pytest
 import redis
+from polling import wait_until
+from tiny_policy import write_tiny_checkpoint
 
 from furlong import rpc
 from furlong.controller.auth import ApiTokens
-from furlong.controller.clients import (BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE,
-                                        GrpcBrokerClient, GrpcRolloutClient, GrpcTrainerClient)
+from furlong.controller.clients import (
+    BROKER_SERVICE,
+    ROLLOUT_SERVICE,
+    TRAINER_SERVICE,
+    GrpcBrokerClient,
+    GrpcRolloutClient,
+    GrpcTrainerClient,
+)
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.prompt_source import TaskPromptSource
 from furlong.controller.run_store import RunStore
@@ -27,8 +35,6 @@ from furlong.trainer.train_checkpoint import MANIFEST
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
 from furlong.weight_broker.server import WeightBrokerServicer
-from polling import wait_until
-from tiny_policy import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -44,8 +50,9 @@ def services(tmp_path, redis_url):
     core = BrokerCore()
     broker = InProcessBrokerClient(core)
     rollout = RolloutService(client, broker_receiver_factory(broker))
-    trainer = TrainerService(client, broker, consumer_name="trainer-0",
-                             checkpoint_root=tmp_path / "checkpoints")
+    trainer = TrainerService(
+        client, broker, consumer_name="trainer-0", checkpoint_root=tmp_path / "checkpoints"
+    )
     servers = {
         "trainer": rpc.start_server([register_trainer(trainer)], [TRAINER_SERVICE]),
         "rollout": rpc.start_server([RolloutServicer(rollout).add_to_server], [ROLLOUT_SERVICE]),
@@ -64,20 +71,35 @@ def services(tmp_path, redis_url):
 def test_checkpoint_mid_run_is_written_by_the_trainer(services, tmp_path, redis_url):
     model = write_tiny_checkpoint(tmp_path / "model")
     store = RunStore.from_url(redis_url)
-    clients = (GrpcTrainerClient(services["trainer"]), GrpcRolloutClient(services["rollout"]),
-               GrpcBrokerClient(services["broker"]))
-    controller = build_controller(store, *clients, TaskPromptSource(),
-                                  ApiTokens(admin=(ADMIN,), viewer=(VIEWER,)),
-                                  lambda: {"redis": True}, DriverTimeouts(end_s=10.0))
+    clients = (
+        GrpcTrainerClient(services["trainer"]),
+        GrpcRolloutClient(services["rollout"]),
+        GrpcBrokerClient(services["broker"]),
+    )
+    controller = build_controller(
+        store,
+        *clients,
+        TaskPromptSource(),
+        ApiTokens(admin=(ADMIN,), viewer=(VIEWER,)),
+        lambda: {"redis": True},
+        DriverTimeouts(end_s=10.0),
+    )
     server = HttpServer(controller.app).start()
-    http = httpx.Client(base_url=server.url, timeout=120,
-                        headers={"Authorization": f"Bearer {ADMIN}"})
+    http = httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": f"Bearer {ADMIN}"})
     try:
-        spec = {"name": "ckpt", "model": str(model), "task": "addition", "steps": 200, "seed": 0,
-                "prompts_per_step": 2, "samples_per_prompt": 2,
-                "sampling": {"temperature": 1.0, "max_new_tokens": 4},
-                "algorithm": {"name": "grpo", "learning_rate": 0.001, "micro_batch_size": 8}}
+        spec = {
+            "name": "ckpt",
+            "model": str(model),
+            "task": "addition",
+            "steps": 200,
+            "seed": 0,
+            "prompts_per_step": 2,
+            "samples_per_prompt": 2,
+            "sampling": {"temperature": 1.0, "max_new_tokens": 4},
+            "algorithm": {"name": "grpo", "learning_rate": 0.001, "micro_batch_size": 8},
+        }
         run_id = http.post("/v1/runs", json=spec).json()["run_id"]
+
         def stepped() -> bool:
             run = http.get(f"/v1/runs/{run_id}").json()
             assert run["state"] in ("pending", "starting", "running"), run["reason"]
@@ -90,8 +112,11 @@ def test_checkpoint_mid_run_is_written_by_the_trainer(services, tmp_path, redis_
         # paused, so the trainer's own per-step checkpoints cannot overwrite this one before the
         # manifest is read
         assert http.post(f"/v1/runs/{run_id}/pause").status_code == 200
-        wait_until(lambda: http.get(f"/v1/runs/{run_id}").json()["state"] == "paused",
-                   timeout_s=120, what="the run to pause")
+        wait_until(
+            lambda: http.get(f"/v1/runs/{run_id}").json()["state"] == "paused",
+            timeout_s=120,
+            what="the run to pause",
+        )
         taken = http.post(f"/v1/runs/{run_id}/checkpoint")
         assert taken.status_code == 200, taken.text
         checkpoint = taken.json()["checkpoint"]
@@ -101,8 +126,11 @@ def test_checkpoint_mid_run_is_written_by_the_trainer(services, tmp_path, redis_
         assert manifest["step"] == checkpoint["step"], manifest
 
         assert http.post(f"/v1/runs/{run_id}/stop").status_code == 200
-        wait_until(lambda: http.get(f"/v1/runs/{run_id}").json()["state"] == "cancelled",
-                   timeout_s=120, what="the run to be cancelled")
+        wait_until(
+            lambda: http.get(f"/v1/runs/{run_id}").json()["state"] == "cancelled",
+            timeout_s=120,
+            what="the run to be cancelled",
+        )
         after = http.post(f"/v1/runs/{run_id}/checkpoint")
         assert after.status_code == 409 and "cancelled" in after.json()["detail"]
         assert http.get(f"/v1/runs/{run_id}").json()["checkpoint"] == checkpoint

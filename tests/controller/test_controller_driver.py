@@ -6,8 +6,7 @@ import threading
 import time
 
 import pytest
-
-from furlong.core.errors import UnavailableError
+from controller_fakes import fake_stack
 
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.core.run_state import RunState
@@ -18,16 +17,24 @@ from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.prompt_source import TaskPromptSource
 from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.run_store import RunStore
-
-from controller_fakes import fake_stack
+from furlong.core.errors import UnavailableError
 
 pytestmark = pytest.mark.integration
 
 
 def make_spec(steps: int = 3, **extra):
-    return parse_run_spec({"name": "add", "model": "/models/tiny", "task": "addition",
-                           "steps": steps, "seed": 7, "prompts_per_step": 4,
-                           "samples_per_prompt": 2, **extra})
+    return parse_run_spec(
+        {
+            "name": "add",
+            "model": "/models/tiny",
+            "task": "addition",
+            "steps": steps,
+            "seed": 7,
+            "prompts_per_step": 4,
+            "samples_per_prompt": 2,
+            **extra,
+        }
+    )
 
 
 @pytest.fixture
@@ -35,8 +42,9 @@ def env(redis_url):
     store = RunStore.from_url(redis_url)
     fakes = fake_stack()
     metrics = ControllerMetrics()
-    driver = RunDriver(store, fakes.trainer, fakes.rollout, fakes.broker, fakes.prompts,
-                       DriverTimeouts(end_s=1.0), metrics)
+    driver = RunDriver(
+        store, fakes.trainer, fakes.rollout, fakes.broker, fakes.prompts, DriverTimeouts(end_s=1.0), metrics
+    )
     yield store, fakes, driver, metrics
     store.close()
 
@@ -62,12 +70,19 @@ def test_steps_advance_and_metrics_are_recorded(env):
     for s in steps:
         assert s.step_seconds >= s.generate_seconds + s.train_seconds + s.sync_seconds - 1e-9
     # what the services were asked
-    assert fakes.rollout.configured[run.run_id] == {"model_dir": "/models/tiny",
-                                                    "reward": "addition_exact_match",
-                                                    "num_engines": 1, "seed": 7}
+    assert fakes.rollout.configured[run.run_id] == {
+        "model_dir": "/models/tiny",
+        "reward": "addition_exact_match",
+        "num_engines": 1,
+        "seed": 7,
+    }
     trainer_cfg = fakes.trainer.configured[run.run_id]
-    assert (trainer_cfg["model_dir"], trainer_cfg["seed"], trainer_cfg["total_steps"],
-            trainer_cfg["temperature"]) == ("/models/tiny", 7, 3, 1.0)
+    assert (
+        trainer_cfg["model_dir"],
+        trainer_cfg["seed"],
+        trainer_cfg["total_steps"],
+        trainer_cfg["temperature"],
+    ) == ("/models/tiny", 7, 3, 1.0)
     assert trainer_cfg["algorithm"] == run.spec.algorithm
     calls = fakes.rollout.generate_calls
     assert [c["min_policy_version"] for c in calls] == [0, 1, 2]
@@ -215,7 +230,7 @@ def test_a_service_that_goes_away_once_is_recovered_from(env):
     def flaky(run_id, step, num_groups, wait_s):
         if step == 2 and not failures:
             failures.append(step)
-            fakes.trainer.runs.pop(run_id)   # the trainer "restarted": it forgot the run
+            fakes.trainer.runs.pop(run_id)  # the trainer "restarted": it forgot the run
             raise UnavailableError("trainer went away")
         return real_train_step(run_id, step, num_groups, wait_s)
 
@@ -239,8 +254,10 @@ def test_a_service_that_stays_away_fails_the_run_after_max_attempts(env):
     run = store.create(make_spec(recovery={"max_attempts": 2, "timeout_s": 5.0}))
     final = driver.execute(run.run_id)
     assert final.state == RunState.FAILED
-    assert final.reason == ("step 1 trainer.TrainStep: UnavailableError: trainer went away "
-                            "(after 2 recoveries; recovery.max_attempts=2)")
+    assert final.reason == (
+        "step 1 trainer.TrainStep: UnavailableError: trainer went away "
+        "(after 2 recoveries; recovery.max_attempts=2)"
+    )
 
 
 def test_recovery_times_out_naming_the_service_that_did_not_come_back(env):
@@ -257,9 +274,11 @@ def test_recovery_times_out_naming_the_service_that_did_not_come_back(env):
     run = store.create(make_spec(recovery={"max_attempts": 1, "timeout_s": 1.0}))
     final = driver.execute(run.run_id)
     assert final.state == RunState.FAILED
-    assert final.reason.startswith("step 2 trainer.TrainStep: UnavailableError: rollout is down; "
-                                   "the services were not back within recovery.timeout_s=1: "
-                                   "UnavailableError: rollout is down"), final.reason
+    assert final.reason.startswith(
+        "step 2 trainer.TrainStep: UnavailableError: rollout is down; "
+        "the services were not back within recovery.timeout_s=1: "
+        "UnavailableError: rollout is down"
+    ), final.reason
 
 
 def test_closing_executor_stops_the_active_run_and_leaves_queued_ones_pending(env):
@@ -301,7 +320,7 @@ def test_over_sampling_asks_for_more_prompts_and_trains_the_first_to_complete(en
     final = driver.execute(run.run_id)
     assert final.state == RunState.SUCCEEDED, final.reason
     calls = fakes.rollout.generate_calls
-    assert [len(c["prompt_ids"]) for c in calls] == [6, 6]          # ceil(4 x 1.5)
+    assert [len(c["prompt_ids"]) for c in calls] == [6, 6]  # ceil(4 x 1.5)
     assert [c["keep_groups"] for c in calls] == [4, 4]
     assert [c["max_refill_rounds"] for c in calls] == [2, 2]
     assert [s.samples for s in store.metrics(run.run_id)] == [8, 8]  # 4 groups x 2 trained
@@ -317,12 +336,15 @@ def test_no_over_sampling_sends_no_keep_groups(env):
     assert [c["keep_groups"] for c in fakes.rollout.generate_calls] == [0]
 
 
-@pytest.mark.parametrize("rollout, field", [
-    ({"over_sampling": 0.5}, "rollout.over_sampling"),
-    ({"over_sampling": 5.0}, "rollout.over_sampling"),
-    ({"max_refill_rounds": -1}, "rollout.max_refill_rounds"),
-    ({"max_refill_rounds": 17}, "rollout.max_refill_rounds"),
-])
+@pytest.mark.parametrize(
+    "rollout, field",
+    [
+        ({"over_sampling": 0.5}, "rollout.over_sampling"),
+        ({"over_sampling": 5.0}, "rollout.over_sampling"),
+        ({"max_refill_rounds": -1}, "rollout.max_refill_rounds"),
+        ({"max_refill_rounds": 17}, "rollout.max_refill_rounds"),
+    ],
+)
 def test_bad_rollout_filters_are_named(rollout, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         make_spec(rollout=rollout)

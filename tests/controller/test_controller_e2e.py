@@ -16,10 +16,10 @@ import httpx
 import psutil
 import pytest
 import yaml
+from tiny_policy import write_tiny_checkpoint
 
 from furlong import rpc
 from furlong.v1 import trainer_pb2, trainer_pb2_grpc
-from tiny_policy import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -32,10 +32,17 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def spec(model: str, name: str = "e2e-addition", steps: int = 2) -> dict:
-    return {"name": name, "model": model, "task": "addition", "steps": steps, "seed": 0,
-            "prompts_per_step": 2, "samples_per_prompt": 2,
-            "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 4},
-            "algorithm": {"name": "grpo", "learning_rate": 0.001, "micro_batch_size": 8}}
+    return {
+        "name": name,
+        "model": model,
+        "task": "addition",
+        "steps": steps,
+        "seed": 0,
+        "prompts_per_step": 2,
+        "samples_per_prompt": 2,
+        "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 4},
+        "algorithm": {"name": "grpo", "learning_rate": 0.001, "micro_batch_size": 8},
+    }
 
 
 def all_gone(pids) -> bool:
@@ -60,20 +67,28 @@ def wait_state(http: httpx.Client, run_id: str, states: set[str], timeout_s: flo
 
 def test_up_rest_down(checkpoint, tmp_path):
     state_dir = tmp_path / "state"
-    up = subprocess.run([FURLONG, "up", "--state-dir", str(state_dir)], capture_output=True,
-                        text=True, timeout=300)
+    up = subprocess.run(
+        [FURLONG, "up", "--state-dir", str(state_dir)], capture_output=True, text=True, timeout=300
+    )
     stack = json.loads((state_dir / "stack.json").read_text()) if up.returncode == 0 else None
     pids = [p["pid"] for p in stack["processes"]] if stack else []
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        assert [p["name"] for p in stack["processes"]] == \
-            ["redis", "weight_broker", "trainer", "rollout", "controller", "dashboard"]
+        assert [p["name"] for p in stack["processes"]] == [
+            "redis",
+            "weight_broker",
+            "trainer",
+            "rollout",
+            "controller",
+            "dashboard",
+        ]
         token = (state_dir / "token").read_text().strip()
         assert stack["rest_url"] in up.stdout and token in up.stdout
         assert httpx.get(f"{stack['rest_url']}/readyz").json()["ready"] is True
         assert httpx.get(f"{stack['rest_url']}/v1/runs").status_code == 401
-        http = httpx.Client(base_url=stack["rest_url"], timeout=30,
-                            headers={"Authorization": f"Bearer {token}"})
+        http = httpx.Client(
+            base_url=stack["rest_url"], timeout=30, headers={"Authorization": f"Bearer {token}"}
+        )
         bad = http.post("/v1/runs", json=spec(str(tmp_path / "no-such-checkpoint"), name="bad"))
         assert bad.status_code == 201
         failed = wait_state(http, bad.json()["run_id"], {"failed", "succeeded", "cancelled"})
@@ -113,38 +128,45 @@ def test_up_rest_down(checkpoint, tmp_path):
         assert f'furlong_host_process_rss_bytes{{pid="{trainer_pid}",service="trainer"}}' in host
         check_roles_events_and_service_auth(stack, state_dir, run["run_id"], str(checkpoint))
     finally:
-        down = subprocess.run([FURLONG, "down", "--state-dir", str(state_dir)], capture_output=True,
-                              text=True, timeout=120)
+        down = subprocess.run(
+            [FURLONG, "down", "--state-dir", str(state_dir)], capture_output=True, text=True, timeout=120
+        )
     assert down.returncode == 0, down.stderr
     assert all_gone(pids)
     assert not (state_dir / "stack.json").exists()
-    secrets_ = [(state_dir / name).read_text().strip()
-                for name in ("token", "viewer-token", "internal-token")]
+    secrets_ = [
+        (state_dir / name).read_text().strip() for name in ("token", "viewer-token", "internal-token")
+    ]
     logs = list(state_dir.rglob("*.log"))
-    assert {p.name for p in logs} >= {"controller.log", "trainer.log", "rollout.log",
-                                      "weight_broker.log", "dashboard.log", "redis.log"}
+    assert {p.name for p in logs} >= {
+        "controller.log",
+        "trainer.log",
+        "rollout.log",
+        "weight_broker.log",
+        "dashboard.log",
+        "redis.log",
+    }
     for path in logs:
         text = path.read_text(errors="replace")
         assert not any(secret in text for secret in secrets_), f"a token is in {path}"
 
 
-def check_roles_events_and_service_auth(stack: dict, state_dir: Path, run_id: str,
-                                        model: str) -> None:
+def check_roles_events_and_service_auth(stack: dict, state_dir: Path, run_id: str, model: str) -> None:
     viewer = {"Authorization": f"Bearer {(state_dir / 'viewer-token').read_text().strip()}"}
     rest = stack["rest_url"]
     assert httpx.get(f"{rest}/v1/runs/{run_id}", headers=viewer).json()["state"] == "succeeded"
     assert httpx.post(f"{rest}/v1/runs", json=spec(model), headers=viewer).status_code == 403
     with httpx.stream("GET", f"{rest}/v1/runs/{run_id}/events", headers=viewer, timeout=30) as resp:
-        data = [json.loads(line[len("data: "):]) for line in resp.iter_lines()
-                if line.startswith("data: ")]
+        data = [json.loads(line[len("data: ") :]) for line in resp.iter_lines() if line.startswith("data: ")]
     assert [d["state"] for d in data if d["type"] != "step"][-1] == "succeeded"
     assert [d["current_step"] for d in data if d["type"] == "step"] == ["1", "2"]
     internal = (state_dir / "internal-token").read_text().strip()
     for token, refused in ((None, True), ("not-the-internal-token-0123", True), (internal, False)):
         ch = rpc.channel(stack["addresses"]["trainer"], auth_token=token)
         try:
-            rpc.call(trainer_pb2_grpc.TrainerStub(ch).EndRun,
-                     trainer_pb2.EndRunRequest(run_id="no-such-run"), 10)
+            rpc.call(
+                trainer_pb2_grpc.TrainerStub(ch).EndRun, trainer_pb2.EndRunRequest(run_id="no-such-run"), 10
+            )
             outcome = None
         except Exception as exc:  # noqa: BLE001 - the kind of error is what is checked
             outcome = exc
@@ -161,24 +183,35 @@ def test_run_starts_and_stops_its_own_stack(checkpoint, tmp_path):
     config.write_text(yaml.safe_dump(spec(os.path.relpath(checkpoint, config_dir))))
     state_dir, out = tmp_path / "state", tmp_path / "out"
     before = {p.pid for p in psutil.process_iter()}
-    result = subprocess.run([FURLONG, "run", str(config), "--out", str(out), "--state-dir",
-                             str(state_dir)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [FURLONG, "run", str(config), "--out", str(out), "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]
-    assert all({"step", "reward_mean", "loss", "policy_version", "samples", "step_seconds"} <= set(x)
-               for x in lines)
+    assert all(
+        {"step", "reward_mean", "loss", "policy_version", "samples", "step_seconds"} <= set(x) for x in lines
+    )
     run = json.loads((out / "run.json").read_text())
     assert run["state"] == "succeeded" and run["spec"]["model"] == str(checkpoint.resolve())
     assert not (state_dir / "stack.json").exists()
-    started = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
-               and str(state_dir) in " ".join(p.info["cmdline"] or [])]
+    started = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if p.pid not in before and str(state_dir) in " ".join(p.info["cmdline"] or [])
+    ]
     assert all_gone([p.pid for p in started])
 
 
 def started_by(state_dir: Path, before: set[int]) -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if p.pid not in before
-            and str(state_dir) in " ".join(p.info["cmdline"] or [])]
+    return [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if p.pid not in before and str(state_dir) in " ".join(p.info["cmdline"] or [])
+    ]
 
 
 def test_failed_run_exits_nonzero_and_leaves_nothing(tmp_path):
@@ -186,9 +219,12 @@ def test_failed_run_exits_nonzero_and_leaves_nothing(tmp_path):
     config.write_text(yaml.safe_dump(spec("no-such-checkpoint")))
     state_dir = tmp_path / "state"
     before = {p.pid for p in psutil.process_iter()}
-    result = subprocess.run([FURLONG, "run", str(config), "--out", str(tmp_path / "out"),
-                             "--state-dir", str(state_dir)], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [FURLONG, "run", str(config), "--out", str(tmp_path / "out"), "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     unwrapped = "".join((result.stdout + result.stderr).split())  # rich wraps long lines
     assert "rollout.ConfigureRun" in unwrapped and "no-such-checkpointdoesnotexist" in unwrapped
@@ -201,9 +237,12 @@ def test_ctrl_c_cancels_the_run_and_stops_the_stack(checkpoint, tmp_path):
     config.write_text(yaml.safe_dump(spec(str(checkpoint), name="interrupted", steps=500)))
     state_dir, out = tmp_path / "state", tmp_path / "out"
     before = {p.pid for p in psutil.process_iter()}
-    proc = subprocess.Popen([FURLONG, "run", str(config), "--out", str(out), "--state-dir",
-                             str(state_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [FURLONG, "run", str(config), "--out", str(out), "--state-dir", str(state_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         metrics = out / "metrics.jsonl"

@@ -9,20 +9,19 @@ from __future__ import annotations
 import httpx
 import pytest
 import redis
+from controller_fakes import fake_stack
+from tiny_policy import write_tiny_checkpoint
 
-from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.controller.auth import ApiTokens
 from furlong.controller.engines import GrpcEngineStatus
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
+from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import Prompt
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import start_server
-
-from controller_fakes import fake_stack
-from tiny_policy import write_tiny_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -47,9 +46,16 @@ def stack(redis_url, tmp_path):
     engines = GrpcEngineStatus(f"127.0.0.1:{grpc_server.port}")
     fakes = fake_stack()
     store = RunStore.from_url(redis_url)
-    controller = build_controller(store, fakes.trainer, fakes.rollout, fakes.broker, fakes.prompts,
-                                  ApiTokens(admin=(ADMIN,), viewer=(VIEWER,)),
-                                  lambda: {"redis": True}, engines=engines)
+    controller = build_controller(
+        store,
+        fakes.trainer,
+        fakes.rollout,
+        fakes.broker,
+        fakes.prompts,
+        ApiTokens(admin=(ADMIN,), viewer=(VIEWER,)),
+        lambda: {"redis": True},
+        engines=engines,
+    )
     http = HttpServer(controller.app).start()
     checkpoint = str(write_tiny_checkpoint(tmp_path / "policy"))
     try:
@@ -72,21 +78,27 @@ def test_drain_an_engine_over_rest(stack):
     target = f"/v1/engines/{RUN}-engine-1/drain"
 
     assert httpx.post(url + target, params={"run_id": RUN}).status_code == 401
-    assert "viewer" in problem(httpx.post(url + target, params={"run_id": RUN}, headers=viewer),
-                               403)["detail"]
+    assert (
+        "viewer" in problem(httpx.post(url + target, params={"run_id": RUN}, headers=viewer), 403)["detail"]
+    )
     assert [e.state.value for e in service.status(RUN).engines] == ["serving", "serving"]
 
     drained = admin.post(target, params={"run_id": RUN})
     assert drained.status_code == 200, drained.text
-    assert drained.json() == {"engine_id": f"{RUN}-engine-1", "policy_version": 0, "healthy": True,
-                              "state": "drained"}   # nothing was in flight
-    assert admin.post(target, params={"run_id": RUN}).json()["state"] == "drained"   # idempotent
+    assert drained.json() == {
+        "engine_id": f"{RUN}-engine-1",
+        "policy_version": 0,
+        "healthy": True,
+        "state": "drained",
+    }  # nothing was in flight
+    assert admin.post(target, params={"run_id": RUN}).json()["state"] == "drained"  # idempotent
     listed = httpx.get(url + "/v1/engines", params={"run_id": RUN}, headers=viewer).json()
     assert [(e["engine_id"], e["state"]) for e in listed["engines"]] == [
-        (f"{RUN}-engine-0", "serving"), (f"{RUN}-engine-1", "drained")]
+        (f"{RUN}-engine-0", "serving"),
+        (f"{RUN}-engine-1", "drained"),
+    ]
 
-    assert "nope" in problem(admin.post("/v1/engines/nope/drain", params={"run_id": RUN}),
-                             404)["detail"]
+    assert "nope" in problem(admin.post("/v1/engines/nope/drain", params={"run_id": RUN}), 404)["detail"]
     assert "other-run" in problem(admin.post(target, params={"run_id": "other-run"}), 404)["detail"]
     assert "no run is being executed" in problem(admin.post(target), 404)["detail"]
 
@@ -102,6 +114,7 @@ def test_drain_an_engine_over_rest(stack):
     def responses(run_id: str) -> list[list[int]]:
         groups = [SampleGroup.decode(f[STREAM_FIELD]) for _, f in red.xrange(stream_key(run_id))]
         return [s.response_token_ids for g in groups for s in g.samples]
+
     assert responses(RUN) == responses("solo")
     states = service.status(RUN)
     assert [e.in_flight for e in states.engines] == [0, 0]

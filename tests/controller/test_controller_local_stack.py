@@ -14,13 +14,19 @@ import httpx
 import psutil
 import pytest
 import yaml
-
-from furlong.controller import cli
-from furlong.controller.local_stack import (StackConfig, StackRunningError, StackStartError,
-                                            load_stack, running_stack, start_stack, stop_stack)
-
 from controller_fakes import fake_stack, serve_fakes
 from polling import wait_until as wait_for
+
+from furlong.controller import cli
+from furlong.controller.local_stack import (
+    StackConfig,
+    StackRunningError,
+    StackStartError,
+    load_stack,
+    running_stack,
+    start_stack,
+    stop_stack,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -33,6 +39,7 @@ def gone(pids) -> bool:
             return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return True
+
     return all(dead(p) for p in pids)
 
 
@@ -44,15 +51,23 @@ def fakes():
 
 
 def external(fakes):
-    return tuple((name, fakes.address(key)) for name, key in
-                 (("weight_broker", "broker"), ("trainer", "trainer"), ("rollout", "rollout")))
+    return tuple(
+        (name, fakes.address(key))
+        for name, key in (("weight_broker", "broker"), ("trainer", "trainer"), ("rollout", "rollout"))
+    )
 
 
 @pytest.fixture(scope="module")
 def stack(fakes, tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("stack")
-    info = start_stack(StackConfig(state_dir=state_dir, services=("redis", "controller", "dashboard"),
-                                   external=external(fakes), ready_timeout_s=60))
+    info = start_stack(
+        StackConfig(
+            state_dir=state_dir,
+            services=("redis", "controller", "dashboard"),
+            external=external(fakes),
+            ready_timeout_s=60,
+        )
+    )
     yield info
     stop_stack(state_dir)
     assert gone([p.pid for p in info.processes])
@@ -60,8 +75,15 @@ def stack(fakes, tmp_path_factory):
 
 def write_config(directory: Path, **overrides) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    spec = {"name": "addition-fake", "model": "ckpt/tiny", "task": "addition", "steps": 3,
-            "prompts_per_step": 2, "samples_per_prompt": 2, **overrides}
+    spec = {
+        "name": "addition-fake",
+        "model": "ckpt/tiny",
+        "task": "addition",
+        "steps": 3,
+        "prompts_per_step": 2,
+        "samples_per_prompt": 2,
+        **overrides,
+    }
     path = directory / "run.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -84,16 +106,21 @@ def test_stack_is_recorded_healthy_and_ready(stack, fakes):
     assert f'pid="{by_name["redis"]}",service="redis-server"' in rss
     assert f'pid="{by_name["controller"]}",service="controller"' in rss
     with pytest.raises(StackRunningError):
-        start_stack(StackConfig(state_dir=state_dir, services=("redis", "controller"),
-                                external=external(fakes)))
+        start_stack(
+            StackConfig(state_dir=state_dir, services=("redis", "controller"), external=external(fakes))
+        )
 
 
 def test_cli_run_against_the_running_stack(stack, fakes, tmp_path, capsys):
-    config = write_config(tmp_path / "cfg", sampling={"temperature": 0.7, "max_new_tokens": 5},
-                          algorithm={"learning_rate": 0.01, "micro_batch_size": 3})
+    config = write_config(
+        tmp_path / "cfg",
+        sampling={"temperature": 0.7, "max_new_tokens": 5},
+        algorithm={"learning_rate": 0.01, "micro_batch_size": 3},
+    )
     out = tmp_path / "out"
-    code = cli.main(["run", str(config), "--out", str(out), "--state-dir", stack.state_dir,
-                     "--poll-s", "0.1"])
+    code = cli.main(
+        ["run", str(config), "--out", str(out), "--state-dir", stack.state_dir, "--poll-s", "0.1"]
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -116,13 +143,11 @@ def test_cli_run_against_the_running_stack(stack, fakes, tmp_path, capsys):
 
     assert cli.main(["runs", "--state-dir", stack.state_dir, "list"]) == 0
     assert run["run_id"] in capsys.readouterr().out
-    assert cli.main(["runs", "--url", stack.rest_url, "--token", stack.token(), "show",
-                     run["run_id"]]) == 0
+    assert cli.main(["runs", "--url", stack.rest_url, "--token", stack.token(), "show", run["run_id"]]) == 0
     assert "reward 0.3000" in capsys.readouterr().out
     assert cli.main(["runs", "--state-dir", stack.state_dir, "stop", run["run_id"]]) == 1
     assert "already finished" in capsys.readouterr().err
-    assert cli.main(["runs", "--url", stack.rest_url, "--token", "wrong-token-xxxxxxxxxxxx",
-                     "list"]) == 1
+    assert cli.main(["runs", "--url", stack.rest_url, "--token", "wrong-token-xxxxxxxxxxxx", "list"]) == 1
 
 
 def test_cli_run_rejects_a_bad_config_before_starting_anything(tmp_path, capsys):
@@ -134,8 +159,9 @@ def test_cli_run_rejects_a_bad_config_before_starting_anything(tmp_path, capsys)
 
 
 def stop_was_requested(stack, name: str) -> bool:
-    runs = httpx.get(f"{stack.rest_url}/v1/runs",
-                     headers={"Authorization": f"Bearer {stack.token()}"}).json()["runs"]
+    runs = httpx.get(
+        f"{stack.rest_url}/v1/runs", headers={"Authorization": f"Bearer {stack.token()}"}
+    ).json()["runs"]
     return any(r["stop_requested"] for r in runs if r["name"] == name)
 
 
@@ -146,9 +172,22 @@ def test_ctrl_c_stops_the_run_via_rest(stack, fakes, tmp_path):
     entered.clear()
     config = write_config(tmp_path, name="interrupted", steps=50)
     try:
-        cli_proc = subprocess.Popen([FURLONG, "run", str(config), "--out", str(tmp_path / "out"),
-                                     "--state-dir", stack.state_dir, "--poll-s", "0.1"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cli_proc = subprocess.Popen(
+            [
+                FURLONG,
+                "run",
+                str(config),
+                "--out",
+                str(tmp_path / "out"),
+                "--state-dir",
+                stack.state_dir,
+                "--poll-s",
+                "0.1",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert entered.wait(30), "the run never reached Generate"
         cli_proc.send_signal(signal.SIGINT)
         wait_for(lambda: stop_was_requested(stack, "interrupted"), what="stop request")
@@ -163,31 +202,45 @@ def test_ctrl_c_stops_the_run_via_rest(stack, fakes, tmp_path):
 
 def test_a_service_that_dies_at_startup_stops_everything(fakes, tmp_path):
     wrapper = tmp_path / "python-wrapper"
-    wrapper.write_text("#!/bin/sh\n"
-                       'if [ "$2" = "furlong.dashboard" ]; then echo "boom: no dashboard today"; exit 3; fi\n'
-                       f'exec {sys.executable} "$@"\n')
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'if [ "$2" = "furlong.dashboard" ]; then echo "boom: no dashboard today"; exit 3; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
     wrapper.chmod(0o755)
     state_dir = tmp_path / "state"
     with pytest.raises(StackStartError) as err:
-        start_stack(StackConfig(state_dir=state_dir, services=("redis", "controller", "dashboard"),
-                                external=external(fakes), python=str(wrapper), ready_timeout_s=60))
+        start_stack(
+            StackConfig(
+                state_dir=state_dir,
+                services=("redis", "controller", "dashboard"),
+                external=external(fakes),
+                python=str(wrapper),
+                ready_timeout_s=60,
+            )
+        )
     assert err.value.service == "dashboard"
     assert "boom: no dashboard today" in err.value.tail
     assert load_stack(state_dir) is None
     redis_log = (state_dir / "redis" / "redis.log").read_text()
     assert "ready to accept connections" in redis_log.lower()
     # redis (--dir STATE/redis) and the controller (--token-file STATE/token) were stopped again
-    left = [p.pid for p in psutil.process_iter(["cmdline"])
-            if str(state_dir) in " ".join(p.info["cmdline"] or []) and not gone([p.pid])]
+    left = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if str(state_dir) in " ".join(p.info["cmdline"] or []) and not gone([p.pid])
+    ]
     assert left == []
 
 
 def test_down_stops_a_stack_started_by_the_cli_process(fakes, tmp_path):
     state_dir = tmp_path / "state"
-    script = ("from pathlib import Path\n"
-              "from furlong.controller.local_stack import StackConfig, start_stack\n"
-              f"start_stack(StackConfig(state_dir=Path({str(state_dir)!r}), "
-              f"services=('redis', 'controller'), external={external(fakes)!r}))\n")
+    script = (
+        "from pathlib import Path\n"
+        "from furlong.controller.local_stack import StackConfig, start_stack\n"
+        f"start_stack(StackConfig(state_dir=Path({str(state_dir)!r}), "
+        f"services=('redis', 'controller'), external={external(fakes)!r}))\n"
+    )
     code = subprocess.run([sys.executable, "-c", script], timeout=120).returncode
     assert code == 0
     info = load_stack(state_dir)

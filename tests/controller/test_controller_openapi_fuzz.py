@@ -8,14 +8,13 @@ import httpx
 import pytest
 import redis
 import schemathesis
+from controller_fakes import FakeEngines, fake_stack
 from hypothesis import HealthCheck, given, settings
 
 from furlong.controller.auth import ApiTokens
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
-
-from controller_fakes import FakeEngines, fake_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -30,9 +29,17 @@ def server(redis_server_url):
     redis.Redis.from_url(redis_server_url).flushall()
     fakes = fake_stack()
     store = RunStore.from_url(redis_server_url)
-    controller = build_controller(store, fakes.trainer, fakes.rollout, fakes.broker, fakes.prompts,
-                                  ApiTokens(admin=(ADMIN,)), lambda: {"redis": True},
-                                  DriverTimeouts(end_s=1.0), engines=FakeEngines(fakes.rollout))
+    controller = build_controller(
+        store,
+        fakes.trainer,
+        fakes.rollout,
+        fakes.broker,
+        fakes.prompts,
+        ApiTokens(admin=(ADMIN,)),
+        lambda: {"redis": True},
+        DriverTimeouts(end_s=1.0),
+        engines=FakeEngines(fakes.rollout),
+    )
     http = HttpServer(controller.app).start()
     yield http
     controller.close(10)
@@ -47,17 +54,26 @@ def test_api_conforms_to_its_openapi_document(server):
     assert len(operations) == 15
 
     for operation in operations:
+
         @given(case=operation.as_strategy())
-        @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck), database=None)
+        @settings(
+            max_examples=EXAMPLES_PER_OPERATION,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+        )
         def check(case):
             response = case.call(base_url=server.url, headers=headers, timeout=10)
             calls.append(response.status_code)
             assert response.status_code < 500, (case.method, case.path, response.text)
-            case.validate_response(response, excluded_checks=[
-                # schema-valid bodies can still be semantically invalid (ranges, unknown task)
-                schemathesis.checks.positive_data_acceptance,
-            ])
+            case.validate_response(
+                response,
+                excluded_checks=[
+                    # schema-valid bodies can still be semantically invalid (ranges, unknown task)
+                    schemathesis.checks.positive_data_acceptance,
+                ],
+            )
 
         check()
 

@@ -8,23 +8,27 @@ import threading
 import httpx
 import pytest
 import redis
-
-from furlong.core.errors import NotFoundError
+from controller_fakes import fake_stack
+from polling import wait_until as wait_for
 
 from furlong.controller.client import HttpControllerClient, InProcessControllerClient
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.run_spec import SpecError
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
-
-from controller_fakes import fake_stack
-from polling import wait_until as wait_for
+from furlong.core.errors import NotFoundError
 
 pytestmark = pytest.mark.integration
 
 TOKEN = "test-token-0123456789abcdef"
-SPEC = {"name": "addition-grpo", "model": "/models/tiny", "task": "addition", "steps": 3,
-        "prompts_per_step": 2, "samples_per_prompt": 2}
+SPEC = {
+    "name": "addition-grpo",
+    "model": "/models/tiny",
+    "task": "addition",
+    "steps": 3,
+    "prompts_per_step": 2,
+    "samples_per_prompt": 2,
+}
 
 
 class Env:
@@ -33,8 +37,15 @@ class Env:
         self.store = RunStore.from_url(redis_url)
         self.ready = ready
         self.controller = build_controller(
-            self.store, self.fakes.trainer, self.fakes.rollout, self.fakes.broker,
-            self.fakes.prompts, TOKEN, lambda: dict(self.ready), DriverTimeouts(end_s=1.0))
+            self.store,
+            self.fakes.trainer,
+            self.fakes.rollout,
+            self.fakes.broker,
+            self.fakes.prompts,
+            TOKEN,
+            lambda: dict(self.ready),
+            DriverTimeouts(end_s=1.0),
+        )
         self.server = HttpServer(self.controller.app).start()
         self.http = httpx.Client(base_url=self.server.url, timeout=10.0)
         self.auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -64,8 +75,13 @@ def env(redis_url):
     e.close()
 
 
-ROUTES = [("POST", "/v1/runs"), ("GET", "/v1/runs"), ("GET", "/v1/runs/x"),
-          ("POST", "/v1/runs/x/stop"), ("GET", "/v1/runs/x/metrics")]
+ROUTES = [
+    ("POST", "/v1/runs"),
+    ("GET", "/v1/runs"),
+    ("GET", "/v1/runs/x"),
+    ("POST", "/v1/runs/x/stop"),
+    ("GET", "/v1/runs/x/metrics"),
+]
 BAD_HEADERS = [None, "Bearer wrong-token-0123456789", f"Basic {TOKEN}", "Bearer", f"Bearer {TOKEN}x"]
 
 
@@ -88,12 +104,16 @@ def test_malformed_spec_is_422_naming_the_field_and_creates_nothing(env, redis_u
     assert resp.json()["field"] == "sampling.top_p"
     assert "sampling.top_p" in resp.json()["detail"]
     assert resp.headers["content-type"] == "application/problem+json"
-    for body, field in [({**SPEC, "task": "sorting"}, "task"), ({**SPEC, "foo": 1}, "foo"),
-                        ({k: v for k, v in SPEC.items() if k != "model"}, "model")]:
+    for body, field in [
+        ({**SPEC, "task": "sorting"}, "task"),
+        ({**SPEC, "foo": 1}, "foo"),
+        ({k: v for k, v in SPEC.items() if k != "model"}, "model"),
+    ]:
         resp = env.post("/v1/runs", json=body)
         assert (resp.status_code, resp.json()["field"]) == (422, field)
-    resp = env.http.post("/v1/runs", content=b"{not json",
-                         headers={**env.auth, "content-type": "application/json"})
+    resp = env.http.post(
+        "/v1/runs", content=b"{not json", headers={**env.auth, "content-type": "application/json"}
+    )
     assert (resp.status_code, resp.json()["field"]) == (422, "body")
     assert env.get("/v1/runs").json()["runs"] == []
     assert redis.Redis.from_url(redis_url).keys("furlong:runs:*") == []
@@ -101,8 +121,11 @@ def test_malformed_spec_is_422_naming_the_field_and_creates_nothing(env, redis_u
 
 
 def test_unknown_run_is_404(env):
-    for resp in (env.get("/v1/runs/nope-1"), env.post("/v1/runs/nope-1/stop"),
-                 env.get("/v1/runs/nope-1/metrics")):
+    for resp in (
+        env.get("/v1/runs/nope-1"),
+        env.post("/v1/runs/nope-1/stop"),
+        env.get("/v1/runs/nope-1/metrics"),
+    ):
         assert resp.status_code == 404 and "nope-1" in resp.json()["detail"]
 
 
@@ -124,8 +147,17 @@ def test_create_list_get_metrics(env):
     steps = env.get(f"/v1/runs/{run_id}/metrics").json()["steps"]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert [s["reward_mean"] for s in steps] == pytest.approx([0.1, 0.2, 0.3])
-    assert set(steps[0]) >= {"step", "reward_mean", "loss", "policy_version", "samples",
-                             "step_seconds", "generate_seconds", "train_seconds", "sync_seconds"}
+    assert set(steps[0]) >= {
+        "step",
+        "reward_mean",
+        "loss",
+        "policy_version",
+        "samples",
+        "step_seconds",
+        "generate_seconds",
+        "train_seconds",
+        "sync_seconds",
+    }
     tail = env.get(f"/v1/runs/{run_id}/metrics", params={"since": 2}).json()["steps"]
     assert [s["step"] for s in tail] == [3]
     stop_done = env.post(f"/v1/runs/{run_id}/stop")
@@ -153,8 +185,10 @@ def test_failed_run_shows_its_reason(env):
     env.fakes.faults.raise_in["publish_weights"] = ValueError("version 1 is stale")
     run_id = env.post("/v1/runs", json=SPEC).json()["run_id"]
     wait_for(lambda: env.state(run_id) == "failed", what="run to fail")
-    assert env.get(f"/v1/runs/{run_id}").json()["reason"] == \
-        "step 1 trainer.PublishWeights: ValueError: version 1 is stale"
+    assert (
+        env.get(f"/v1/runs/{run_id}").json()["reason"]
+        == "step 1 trainer.PublishWeights: ValueError: version 1 is stale"
+    )
 
 
 def test_health_ready_and_prometheus(env):
@@ -164,8 +198,7 @@ def test_health_ready_and_prometheus(env):
     env.ready["trainer"] = False
     not_ready = env.http.get("/readyz")
     assert not_ready.status_code == 503
-    assert not_ready.json()["checks"] == {"redis": True, "trainer": False, "rollout": True,
-                                          "broker": True}
+    assert not_ready.json()["checks"] == {"redis": True, "trainer": False, "rollout": True, "broker": True}
     run_id = env.post("/v1/runs", json=SPEC).json()["run_id"]
     wait_for(lambda: env.state(run_id) == "succeeded", what="run to succeed")
     metrics = env.http.get("/metrics", follow_redirects=False)
@@ -182,7 +215,9 @@ def test_http_client_and_in_process_twin_agree(env):
     twin = InProcessControllerClient(env.controller.service)
     for client in (http, twin):
         run = client.create_run(SPEC)
-        wait_for(lambda: client.get_run(run["run_id"])["state"] == "succeeded", what="run")
+        wait_for(
+            lambda client=client, run=run: client.get_run(run["run_id"])["state"] == "succeeded", what="run"
+        )
         assert [s["step"] for s in client.run_metrics(run["run_id"], since=1)] == [2, 3]
         with pytest.raises(SpecError) as err:
             client.create_run({**SPEC, "steps": 0})

@@ -10,21 +10,26 @@ import time
 
 import httpx
 import pytest
+from controller_fakes import FakeEngines, fake_stack
+from polling import wait_until as wait_for
 
 from furlong.controller.auth import ApiTokens
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
 
-from controller_fakes import FakeEngines, fake_stack
-from polling import wait_until as wait_for
-
 pytestmark = pytest.mark.integration
 
 ADMIN = "admin-token-0123456789abcdef"
 VIEWER = "viewer-token-0123456789abcdef"
-SPEC = {"name": "ops", "model": "/models/tiny", "task": "addition", "steps": 3,
-        "prompts_per_step": 2, "samples_per_prompt": 2}
+SPEC = {
+    "name": "ops",
+    "model": "/models/tiny",
+    "task": "addition",
+    "steps": 3,
+    "prompts_per_step": 2,
+    "samples_per_prompt": 2,
+}
 
 
 class Env:
@@ -32,13 +37,20 @@ class Env:
         self.fakes = fake_stack()
         self.store = RunStore.from_url(redis_url)
         self.controller = build_controller(
-            self.store, self.fakes.trainer, self.fakes.rollout, self.fakes.broker,
-            self.fakes.prompts, ApiTokens(admin=(ADMIN,), viewer=(VIEWER,)),
-            lambda: {"redis": True}, DriverTimeouts(end_s=1.0, pause_poll_s=0.02),
-            engines=FakeEngines(self.fakes.rollout))
+            self.store,
+            self.fakes.trainer,
+            self.fakes.rollout,
+            self.fakes.broker,
+            self.fakes.prompts,
+            ApiTokens(admin=(ADMIN,), viewer=(VIEWER,)),
+            lambda: {"redis": True},
+            DriverTimeouts(end_s=1.0, pause_poll_s=0.02),
+            engines=FakeEngines(self.fakes.rollout),
+        )
         self.server = HttpServer(self.controller.app).start()
-        self.http = httpx.Client(base_url=self.server.url, timeout=10.0,
-                                 headers={"Authorization": f"Bearer {ADMIN}"})
+        self.http = httpx.Client(
+            base_url=self.server.url, timeout=10.0, headers={"Authorization": f"Bearer {ADMIN}"}
+        )
 
     def state(self, run_id: str) -> str:
         return self.http.get(f"/v1/runs/{run_id}").json()["state"]
@@ -88,8 +100,7 @@ def test_idempotency_key_same_body_same_run_other_body_409(env):
 def test_cursor_pages_and_state_filter(env):
     gate = threading.Event()
     env.fakes.faults.gates["generate"] = gate
-    ids = [env.http.post("/v1/runs", json={**SPEC, "name": f"p{i}"}).json()["run_id"]
-           for i in range(7)]
+    ids = [env.http.post("/v1/runs", json={**SPEC, "name": f"p{i}"}).json()["run_id"] for i in range(7)]
     seen, cursor, pages = [], None, 0
     while True:
         params = {"limit": 3, **({"cursor": cursor} if cursor else {})}
@@ -150,19 +161,27 @@ def test_checkpoint_of_a_running_or_paused_run_is_recorded(env):
     taken = env.http.post(f"/v1/runs/{run_id}/checkpoint")
     assert taken.status_code == 200, taken.text
     checkpoint = taken.json()["checkpoint"]
-    assert (checkpoint["step"], checkpoint["path"], checkpoint["policy_version"]) == \
-        (0, f"/checkpoints/{run_id}", 0)
+    assert (checkpoint["step"], checkpoint["path"], checkpoint["policy_version"]) == (
+        0,
+        f"/checkpoints/{run_id}",
+        0,
+    )
     env.http.post(f"/v1/runs/{run_id}/pause")
     gate.set()
     wait_for(lambda: env.state(run_id) == "paused", what="run to pause")
     paused = env.http.post(f"/v1/runs/{run_id}/checkpoint").json()
-    assert (paused["state"], paused["checkpoint"]["step"], paused["checkpoint"]["policy_version"]) \
-        == ("paused", 1, 1)
+    assert (paused["state"], paused["checkpoint"]["step"], paused["checkpoint"]["policy_version"]) == (
+        "paused",
+        1,
+        1,
+    )
     assert env.http.get(f"/v1/runs/{run_id}").json()["checkpoint"] == paused["checkpoint"]
     # what the trainer answers decides the status: it cannot (409), lost the run (409), is gone (503)
-    for error, status, words in ((ConflictError("run is offloaded"), 409, "cannot checkpoint"),
-                                 (NotFoundError("no run"), 409, "no state of this run"),
-                                 (UnavailableError("trainer down"), 503, "trainer down")):
+    for error, status, words in (
+        (ConflictError("run is offloaded"), 409, "cannot checkpoint"),
+        (NotFoundError("no run"), 409, "no state of this run"),
+        (UnavailableError("trainer down"), 503, "trainer down"),
+    ):
         env.fakes.faults.raise_in["trainer.checkpoint"] = error
         assert words in is_problem(env.http.post(f"/v1/runs/{run_id}/checkpoint"), status)["detail"]
     del env.fakes.faults.raise_in["trainer.checkpoint"]
@@ -170,12 +189,14 @@ def test_checkpoint_of_a_running_or_paused_run_is_recorded(env):
     env.http.post(f"/v1/runs/{run_id}/resume")
     wait_for(lambda: env.state(run_id) == "succeeded", what="run to finish")
     finished = env.http.get(f"/v1/runs/{run_id}").json()
-    assert finished["checkpoint"] == paused["checkpoint"]   # kept after the run ends
+    assert finished["checkpoint"] == paused["checkpoint"]  # kept after the run ends
     assert "succeeded" in is_problem(env.http.post(f"/v1/runs/{run_id}/checkpoint"), 409)["detail"]
     events = [json.loads(e["data"]) for e in read_sse(env.http, f"/v1/runs/{run_id}/events")]
     taken_events = [e for e in events if e["type"] == "checkpoint"]
-    assert [(e["checkpoint_step"], e["checkpoint_path"]) for e in taken_events] == \
-        [("0", f"/checkpoints/{run_id}"), ("1", f"/checkpoints/{run_id}")]
+    assert [(e["checkpoint_step"], e["checkpoint_path"]) for e in taken_events] == [
+        ("0", f"/checkpoints/{run_id}"),
+        ("1", f"/checkpoints/{run_id}"),
+    ]
 
 
 def test_stop_a_paused_run_cancels_it_and_delete_removes_it(env, redis_url):
@@ -193,8 +214,10 @@ def test_stop_a_paused_run_cancels_it_and_delete_removes_it(env, redis_url):
     is_problem(env.http.get(f"/v1/runs/{run_id}"), 404)
     is_problem(env.http.delete(f"/v1/runs/{run_id}"), 404)
     import redis as redis_lib
-    assert [k for k in redis_lib.Redis.from_url(redis_url).keys("furlong:runs:*")
-            if run_id.encode() in k] == []
+
+    assert [
+        k for k in redis_lib.Redis.from_url(redis_url).keys("furlong:runs:*") if run_id.encode() in k
+    ] == []
 
 
 def read_sse(client: httpx.Client, path: str, headers: dict | None = None) -> list[dict]:
@@ -242,9 +265,14 @@ def test_roles_401_without_token_403_for_viewer_changes(env):
     run_id = env.http.post("/v1/runs", json=SPEC).json()["run_id"]
     viewer = {"Authorization": f"Bearer {VIEWER}"}
     reads = [("GET", "/v1/runs"), ("GET", f"/v1/runs/{run_id}"), ("GET", f"/v1/runs/{run_id}/metrics")]
-    changes = [("POST", "/v1/runs"), ("POST", f"/v1/runs/{run_id}/stop"),
-               ("POST", f"/v1/runs/{run_id}/pause"), ("POST", f"/v1/runs/{run_id}/resume"),
-               ("POST", f"/v1/runs/{run_id}/checkpoint"), ("DELETE", f"/v1/runs/{run_id}")]
+    changes = [
+        ("POST", "/v1/runs"),
+        ("POST", f"/v1/runs/{run_id}/stop"),
+        ("POST", f"/v1/runs/{run_id}/pause"),
+        ("POST", f"/v1/runs/{run_id}/resume"),
+        ("POST", f"/v1/runs/{run_id}/checkpoint"),
+        ("DELETE", f"/v1/runs/{run_id}"),
+    ]
     for method, path in reads + changes + [("GET", f"/v1/runs/{run_id}/events")]:
         resp = httpx.request(method, env.server.url + path, json=SPEC)
         assert is_problem(resp, 401) and resp.headers["www-authenticate"] == "Bearer"
@@ -265,13 +293,15 @@ def test_engines_of_the_active_or_a_named_run(env):
     wait_for(lambda: env.state(run_id) == "running", what="run to run")
     viewer = {"Authorization": f"Bearer {VIEWER}"}
     listed = httpx.get(env.server.url + "/v1/engines", headers=viewer).json()
-    assert listed == {"run_id": run_id, "engines": [
-        {"engine_id": f"{run_id}-engine-{i}", "policy_version": 0, "healthy": True,
-         "state": "serving"}
-        for i in range(2)]}
+    assert listed == {
+        "run_id": run_id,
+        "engines": [
+            {"engine_id": f"{run_id}-engine-{i}", "policy_version": 0, "healthy": True, "state": "serving"}
+            for i in range(2)
+        ],
+    }
     assert env.http.get("/v1/engines", params={"run_id": run_id}).json() == listed
-    assert "nope-1" in is_problem(env.http.get("/v1/engines", params={"run_id": "nope-1"}),
-                                  404)["detail"]
+    assert "nope-1" in is_problem(env.http.get("/v1/engines", params={"run_id": "nope-1"}), 404)["detail"]
     gate.set()
     wait_for(lambda: env.state(run_id) == "succeeded", what="run to finish")
     wait_for(lambda: env.http.get("/v1/engines").json()["run_id"] is None, what="idle")
@@ -280,8 +310,9 @@ def test_engines_of_the_active_or_a_named_run(env):
 def test_engines_without_a_status_source_is_503(redis_url):
     fakes = fake_stack()
     store = RunStore.from_url(redis_url)
-    controller = build_controller(store, fakes.trainer, fakes.rollout, fakes.broker, fakes.prompts,
-                                  ADMIN, lambda: {})
+    controller = build_controller(
+        store, fakes.trainer, fakes.rollout, fakes.broker, fakes.prompts, ADMIN, lambda: {}
+    )
     server = HttpServer(controller.app).start()
     try:
         resp = httpx.get(server.url + "/v1/engines", headers={"Authorization": f"Bearer {ADMIN}"})
@@ -301,20 +332,27 @@ def test_errors_are_problem_json_and_bodies_are_limited(env):
     def chunks():
         for _ in range(40):
             yield b" " * 65536
-    is_problem(env.http.post("/v1/runs", content=chunks(),
-                             headers={"content-type": "application/json"}), 413)
+
+    is_problem(env.http.post("/v1/runs", content=chunks(), headers={"content-type": "application/json"}), 413)
     assert env.http.get("/v1/runs").json()["runs"] == []
 
 
 def test_openapi_document_is_served_and_complete(env):
     doc = httpx.get(env.server.url + "/openapi.json").json()
     paths = doc["paths"]
-    expected = {("/v1/runs", "post"), ("/v1/runs", "get"), ("/v1/runs/{run_id}", "get"),
-                ("/v1/runs/{run_id}", "delete"), ("/v1/runs/{run_id}/metrics", "get"),
-                ("/v1/runs/{run_id}/events", "get"), ("/healthz", "get"), ("/readyz", "get"),
-                ("/metrics", "get"), ("/v1/engines", "get"),
-                ("/v1/engines/{engine_id}/drain", "post")} | {(f"/v1/runs/{{run_id}}/{op}", "post")
-                                        for op in ("stop", "pause", "resume", "checkpoint")}
+    expected = {
+        ("/v1/runs", "post"),
+        ("/v1/runs", "get"),
+        ("/v1/runs/{run_id}", "get"),
+        ("/v1/runs/{run_id}", "delete"),
+        ("/v1/runs/{run_id}/metrics", "get"),
+        ("/v1/runs/{run_id}/events", "get"),
+        ("/healthz", "get"),
+        ("/readyz", "get"),
+        ("/metrics", "get"),
+        ("/v1/engines", "get"),
+        ("/v1/engines/{engine_id}/drain", "post"),
+    } | {(f"/v1/runs/{{run_id}}/{op}", "post") for op in ("stop", "pause", "resume", "checkpoint")}
     assert {(p, m) for p, ops in paths.items() for m in ops} == expected
     body = paths["/v1/runs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["required"] == ["name", "model", "task", "steps"]

@@ -9,42 +9,67 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from furlong.controller.run_spec import (AlgorithmSpec, RolloutSpec, RunSpec, SamplingSpec,
-                                         SpecError, parse_run_spec)
+from furlong.controller.run_spec import (
+    AlgorithmSpec,
+    RolloutSpec,
+    RunSpec,
+    SamplingSpec,
+    SpecError,
+    parse_run_spec,
+)
 
 pytestmark = pytest.mark.unit
 
 KNOWN_PATHS = {f.name for f in dataclasses.fields(RunSpec)} | {
-    f"{section}.{f.name}" for section, cls in (("sampling", SamplingSpec),
-                                               ("algorithm", AlgorithmSpec),
-                                               ("rollout", RolloutSpec))
-    for f in dataclasses.fields(cls)}
+    f"{section}.{f.name}"
+    for section, cls in (("sampling", SamplingSpec), ("algorithm", AlgorithmSpec), ("rollout", RolloutSpec))
+    for f in dataclasses.fields(cls)
+}
 
-json_scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | \
-    st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) |
-                           st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=12)
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
 
 field_names = st.sampled_from(sorted(f.name for f in dataclasses.fields(RunSpec))) | st.text(max_size=8)
 section_values = st.dictionaries(
     st.sampled_from(sorted({p.split(".")[1] for p in KNOWN_PATHS if "." in p})) | st.text(max_size=6),
-    json_scalars, max_size=4)
+    json_scalars,
+    max_size=4,
+)
 spec_like = st.dictionaries(field_names, json_scalars | section_values, max_size=12)
 
-valid_specs = st.fixed_dictionaries({
-    "name": st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
-    "model": st.from_regex(r"/[a-z0-9/_.-]{1,30}", fullmatch=True),
-    "task": st.sampled_from(["addition", "other-task"]),
-    "steps": st.integers(1, 10**6),
-}, optional={
-    "seed": st.integers(0, 2**40),
-    "prompts_per_step": st.integers(1, 4096),
-    "samples_per_prompt": st.integers(1, 64),
-    "sampling": st.fixed_dictionaries({}, optional={
-        "temperature": st.floats(1e-3, 10.0), "top_k": st.integers(0, 1000),
-        "top_p": st.floats(1e-3, 1.0), "max_new_tokens": st.integers(1, 4096)}),
-    "rollout": st.fixed_dictionaries({}, optional={"num_engines": st.integers(1, 64)}),
-})
+valid_specs = st.fixed_dictionaries(
+    {
+        "name": st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
+        "model": st.from_regex(r"/[a-z0-9/_.-]{1,30}", fullmatch=True),
+        "task": st.sampled_from(["addition", "other-task"]),
+        "steps": st.integers(1, 10**6),
+    },
+    optional={
+        "seed": st.integers(0, 2**40),
+        "prompts_per_step": st.integers(1, 4096),
+        "samples_per_prompt": st.integers(1, 64),
+        "sampling": st.fixed_dictionaries(
+            {},
+            optional={
+                "temperature": st.floats(1e-3, 10.0),
+                "top_k": st.integers(0, 1000),
+                "top_p": st.floats(1e-3, 1.0),
+                "max_new_tokens": st.integers(1, 4096),
+            },
+        ),
+        "rollout": st.fixed_dictionaries({}, optional={"num_engines": st.integers(1, 64)}),
+    },
+)
 
 
 def _outcome(data):
@@ -63,9 +88,12 @@ def test_any_json_is_a_spec_or_a_spec_error_naming_a_known_field(data):
         top, _, rest = outcome.field.partition(".")
         section = data.get(top) if isinstance(data, dict) else None
         section_keys = set(map(str, section)) if isinstance(section, dict) else set()
-        assert outcome.field in KNOWN_PATHS or outcome.field == "spec" \
-            or outcome.field in given_keys or (top in given_keys and rest in section_keys), \
-            (outcome.field, data)
+        assert (
+            outcome.field in KNOWN_PATHS
+            or outcome.field == "spec"
+            or outcome.field in given_keys
+            or (top in given_keys and rest in section_keys)
+        ), (outcome.field, data)
         assert str(outcome).startswith(f"{outcome.field}: ")
     else:
         assert isinstance(outcome, RunSpec)
@@ -85,10 +113,25 @@ WRONG = {"string": (True, 3, None, ["x"], {"a": 1}), "int": (True, 1.5, "3", Non
 
 
 @settings(max_examples=300, deadline=None)
-@given(valid_specs, st.sampled_from(["name", "model", "task", "steps", "seed", "prompts_per_step",
-                                     "samples_per_prompt", "sampling.top_k", "sampling.top_p",
-                                     "sampling.max_new_tokens", "rollout.num_engines"]),
-       st.integers(0, 4))
+@given(
+    valid_specs,
+    st.sampled_from(
+        [
+            "name",
+            "model",
+            "task",
+            "steps",
+            "seed",
+            "prompts_per_step",
+            "samples_per_prompt",
+            "sampling.top_k",
+            "sampling.top_p",
+            "sampling.max_new_tokens",
+            "rollout.num_engines",
+        ]
+    ),
+    st.integers(0, 4),
+)
 def test_one_wrongly_typed_field_is_named(data, path, pick):
     kind = "string" if path in ("name", "model", "task") else "int"
     bad = WRONG[kind][pick]

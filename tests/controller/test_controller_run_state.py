@@ -6,18 +6,27 @@ import itertools
 
 import pytest
 
-from furlong.core.errors import ConflictError
-
 from furlong.controller.core.run_state import TRANSITIONS, Run, RunState, check_transition
 from furlong.controller.run_spec import parse_run_spec
+from furlong.core.errors import ConflictError
 
 S = RunState
 LEGAL = {
-    (S.PENDING, S.STARTING), (S.PENDING, S.CANCELLED), (S.PENDING, S.FAILED),
-    (S.STARTING, S.RUNNING), (S.STARTING, S.STOPPING), (S.STARTING, S.FAILED),
-    (S.RUNNING, S.PAUSED), (S.RUNNING, S.STOPPING), (S.RUNNING, S.FAILED),
-    (S.PAUSED, S.RUNNING), (S.PAUSED, S.STOPPING), (S.PAUSED, S.FAILED),
-    (S.STOPPING, S.SUCCEEDED), (S.STOPPING, S.FAILED), (S.STOPPING, S.CANCELLED),
+    (S.PENDING, S.STARTING),
+    (S.PENDING, S.CANCELLED),
+    (S.PENDING, S.FAILED),
+    (S.STARTING, S.RUNNING),
+    (S.STARTING, S.STOPPING),
+    (S.STARTING, S.FAILED),
+    (S.RUNNING, S.PAUSED),
+    (S.RUNNING, S.STOPPING),
+    (S.RUNNING, S.FAILED),
+    (S.PAUSED, S.RUNNING),
+    (S.PAUSED, S.STOPPING),
+    (S.PAUSED, S.FAILED),
+    (S.STOPPING, S.SUCCEEDED),
+    (S.STOPPING, S.FAILED),
+    (S.STOPPING, S.CANCELLED),
 }
 
 
@@ -55,8 +64,12 @@ def test_transitioned_stamps_times_and_reason():
     started = run.transitioned(S.STARTING, 110.0)
     assert (started.state, started.started_at, started.finished_at) == (S.STARTING, 110.0, None)
     failed = started.transitioned(S.FAILED, 120.0, reason="boom")
-    assert (failed.state, failed.reason, failed.finished_at, failed.started_at) == \
-        (S.FAILED, "boom", 120.0, 110.0)
+    assert (failed.state, failed.reason, failed.finished_at, failed.started_at) == (
+        S.FAILED,
+        "boom",
+        120.0,
+        110.0,
+    )
     with pytest.raises(ConflictError):
         failed.transitioned(S.RUNNING, 130.0)
 

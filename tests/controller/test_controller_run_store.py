@@ -7,12 +7,11 @@ import threading
 import pytest
 import redis
 
-from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
-
 from furlong.controller.core.run_state import RunState
 from furlong.controller.core.step_record import StepRecord
 from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.run_store import INDEX_KEY, RunStore, run_key
+from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 
 pytestmark = pytest.mark.integration
 
@@ -31,9 +30,18 @@ def spec(name: str = "addition", steps: int = 3):
 
 
 def record(step: int, version: int) -> StepRecord:
-    return StepRecord(step=step, reward_mean=0.5, loss=0.25, policy_version=version, samples=8,
-                      step_seconds=1.0, generate_seconds=0.5, train_seconds=0.4, sync_seconds=0.1,
-                      trainer_metrics={"grad_norm": 2.0})
+    return StepRecord(
+        step=step,
+        reward_mean=0.5,
+        loss=0.25,
+        policy_version=version,
+        samples=8,
+        step_seconds=1.0,
+        generate_seconds=0.5,
+        train_seconds=0.4,
+        sync_seconds=0.1,
+        trainer_metrics={"grad_norm": 2.0},
+    )
 
 
 @pytest.fixture
@@ -134,11 +142,16 @@ def test_concurrent_updates_are_not_lost(store):
 
 
 def test_unreachable_redis_is_unavailable():
-    from furlong.core.redis_server import free_port
     from redis.backoff import NoBackoff
     from redis.retry import Retry
-    s = RunStore(redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5,
-                             retry=Retry(NoBackoff(), 0)))
+
+    from furlong.core.redis_server import free_port
+
+    s = RunStore(
+        redis.Redis(
+            host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)
+        )
+    )
     assert s.ping() is False
     with pytest.raises(UnavailableError, match="redis"):
         s.get("x")

@@ -8,11 +8,10 @@ import threading
 import pytest
 import redis
 
-from furlong.core.errors import ConflictError
-
 from furlong.controller.core.run_state import RunState
 from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.run_store import RunStore, decode_cursor, encode_cursor
+from furlong.core.errors import ConflictError
 
 pytestmark = pytest.mark.integration
 
@@ -55,14 +54,20 @@ def test_every_change_is_an_event_in_order(store):
     run = store.create(spec())
     store.transition(run.run_id, RunState.STARTING)
     store.request_pause(run.run_id)
-    store.request_pause(run.run_id)        # idempotent: no second event
+    store.request_pause(run.run_id)  # idempotent: no second event
     store.request_resume(run.run_id)
     store.request_stop(run.run_id)
-    kinds = [(f["type"], f["state"], f["pause_requested"], f["stop_requested"])
-             for _, f in store.events(run.run_id)]
-    assert kinds == [("created", "pending", "0", "0"), ("state", "starting", "0", "0"),
-                     ("request", "starting", "1", "0"), ("request", "starting", "0", "0"),
-                     ("request", "starting", "0", "1")]
+    kinds = [
+        (f["type"], f["state"], f["pause_requested"], f["stop_requested"])
+        for _, f in store.events(run.run_id)
+    ]
+    assert kinds == [
+        ("created", "pending", "0", "0"),
+        ("state", "starting", "0", "0"),
+        ("request", "starting", "1", "0"),
+        ("request", "starting", "0", "0"),
+        ("request", "starting", "0", "1"),
+    ]
     first_id = store.events(run.run_id)[0][0]
     assert len(store.events(run.run_id, after=first_id)) == 4
     assert len(store.events(run.run_id, count=2)) == 2

@@ -10,14 +10,13 @@ import pytest
 import torch
 import xxhash
 
-from furlong.core.block_checksum import (
-    BLOCK_BYTES, COPY_CHUNK_BYTES, copy_checksum, range_checksum)
+from furlong.core.block_checksum import BLOCK_BYTES, COPY_CHUNK_BYTES, copy_checksum, range_checksum
 
 pytestmark = pytest.mark.unit
 
 
 def _flat_digest(data: bytes) -> str:
-    blocks = [data[i:i + BLOCK_BYTES] for i in range(0, len(data), BLOCK_BYTES)]
+    blocks = [data[i : i + BLOCK_BYTES] for i in range(0, len(data), BLOCK_BYTES)]
     return xxhash.xxh3_128(b"".join(xxhash.xxh3_128(b).digest() for b in blocks)).hexdigest()
 
 
@@ -28,8 +27,13 @@ def _random(n: int, seed: int) -> torch.Tensor:
 
 # Segments that straddle block borders, start and end mid-block, leave gaps (also a gap that spans
 # a whole block) and include an empty one.
-LAYOUT = [(0, 1000), (1000, BLOCK_BYTES), (BLOCK_BYTES + 5000, 17),
-          (BLOCK_BYTES + 6000, 0), (3 * BLOCK_BYTES + 1, BLOCK_BYTES // 2 + COPY_CHUNK_BYTES + 3)]
+LAYOUT = [
+    (0, 1000),
+    (1000, BLOCK_BYTES),
+    (BLOCK_BYTES + 5000, 17),
+    (BLOCK_BYTES + 6000, 0),
+    (3 * BLOCK_BYTES + 1, BLOCK_BYTES // 2 + COPY_CHUNK_BYTES + 3),
+]
 SIZE = 4 * BLOCK_BYTES + 77
 
 
@@ -40,7 +44,7 @@ def _segments():
 def _flat(segments) -> bytes:
     flat = bytearray(SIZE)
     for offset, data in segments:
-        flat[offset:offset + data.numel()] = data.numpy().tobytes()
+        flat[offset : offset + data.numel()] = data.numpy().tobytes()
     return bytes(flat)
 
 
@@ -66,8 +70,8 @@ def test_copy_checksum_copies_every_byte_and_hashes_what_landed(workers):
     assert digest == range_checksum(SIZE, segments)
     for (_, data), dst in zip(segments, dsts):
         assert torch.equal(data, dst)
-    segments[4][1][BLOCK_BYTES // 4] ^= 1        # one flipped bit in the source ...
-    assert copy_checksum(SIZE, copies, workers) != digest   # ... shows in the copy's checksum
+    segments[4][1][BLOCK_BYTES // 4] ^= 1  # one flipped bit in the source ...
+    assert copy_checksum(SIZE, copies, workers) != digest  # ... shows in the copy's checksum
 
 
 def test_bad_segments_are_refused():
@@ -85,7 +89,7 @@ def test_bad_segments_are_refused():
 def test_a_forked_child_hashes_on_threads_of_its_own():
     """The parent's pool has threads; a child made by fork must not wait on them forever."""
     data = _random(3 * BLOCK_BYTES, 9)
-    expected = range_checksum(data.numel(), [(0, data)], workers=2)   # the pool now exists
+    expected = range_checksum(data.numel(), [(0, data)], workers=2)  # the pool now exists
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
         got = pool.apply_async(range_checksum, (data.numel(), [(0, data)], 2)).get(timeout=60)

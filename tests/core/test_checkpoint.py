@@ -21,9 +21,16 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "addition" / "check
 
 def tiny_model(vocab_size: int = 15, tie: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                         tie_word_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -101,14 +108,17 @@ def test_save_refuses_a_tokenizer_that_does_not_fit(tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("breakage, problem", [
-    (lambda p: (p / "config.json").unlink(), r"config\.json does not exist"),
-    (lambda p: (p / "config.json").write_text("{"), "not valid JSON"),
-    (lambda p: (p / "config.json").write_text('{"model_type": "gpt2"}'), "model_type 'gpt2'"),
-    (lambda p: (p / "model.safetensors").unlink(), r"model\.safetensors do not exist"),
-    (lambda p: (p / "model.safetensors").write_bytes(b"garbage"), "cannot be read"),
-    (lambda p: (p / "tokenizer.json").unlink(), r"tokenizer\.json does not exist"),
-])
+@pytest.mark.parametrize(
+    "breakage, problem",
+    [
+        (lambda p: (p / "config.json").unlink(), r"config\.json does not exist"),
+        (lambda p: (p / "config.json").write_text("{"), "not valid JSON"),
+        (lambda p: (p / "config.json").write_text('{"model_type": "gpt2"}'), "model_type 'gpt2'"),
+        (lambda p: (p / "model.safetensors").unlink(), r"model\.safetensors do not exist"),
+        (lambda p: (p / "model.safetensors").write_bytes(b"garbage"), "cannot be read"),
+        (lambda p: (p / "tokenizer.json").unlink(), r"tokenizer\.json does not exist"),
+    ],
+)
 def test_broken_checkpoint_files_are_clear_errors(saved, breakage, problem):
     breakage(saved[0])
     with pytest.raises(ValueError, match=problem):
@@ -131,7 +141,7 @@ def test_example_checkpoint_is_small_and_adds():
         for _ in range(task.max_answer_chars + 1):
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     correct = 0
-    for p, row in zip(prompts, ids[:, task.prompt_chars + 1:].tolist()):
+    for p, row in zip(prompts, ids[:, task.prompt_chars + 1 :].tolist()):
         if tok.eos_id in row:
-            correct += tok.decode(row[:row.index(tok.eos_id)]) == p.answer
+            correct += tok.decode(row[: row.index(tok.eos_id)]) == p.answer
     assert correct >= 0.8 * len(prompts)

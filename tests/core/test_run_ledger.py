@@ -16,15 +16,20 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def client(redis_url):
     c = redis.Redis.from_url(redis_url)
-    c.delete(*ledger_keys("run"), stream_key("run"))   # the server is shared by the session
+    c.delete(*ledger_keys("run"), stream_key("run"))  # the server is shared by the session
     yield c
     c.close()
 
 
 def _group(run_id: str, step: int, prompt_id: str, version: int = 0) -> bytes:
-    return json.dumps({"run_id": run_id, "step": step, "prompt_id": prompt_id,
-                       "samples": [{"sample_id": f"{prompt_id}/0", "policy_version": version}]}
-                      ).encode()
+    return json.dumps(
+        {
+            "run_id": run_id,
+            "step": step,
+            "prompt_id": prompt_id,
+            "samples": [{"sample_id": f"{prompt_id}/0", "policy_version": version}],
+        }
+    ).encode()
 
 
 def test_ids_are_deterministic_and_checked():
@@ -57,7 +62,7 @@ def test_a_second_entry_for_an_id_is_a_duplicate(client):
     ledger = RunLedger(client, "run")
     assert ledger.claim("5-0", 2, "p1") == "ok"
     assert ledger.claim("6-0", 2, "p1") == "duplicate:5-0"
-    assert ledger.claim("5-0", 2, "p1") == "ok"      # the owner itself may be read again
+    assert ledger.claim("5-0", 2, "p1") == "ok"  # the owner itself may be read again
     assert ledger.audit().duplicates_refused == 1
 
 
@@ -65,7 +70,7 @@ def test_non_durable_steps_do_not_move_the_checkpoint(client):
     ledger = RunLedger(client, "run")
     ledger.commit_trained(["2/p0"], 2, 2)
     ledger.commit_trained(["3/p0"], -1, 3)
-    ledger.commit_trained(["1/p0"], 1, 1, reconcile=True)   # an older checkpoint never wins
+    ledger.commit_trained(["1/p0"], 1, 1, reconcile=True)  # an older checkpoint never wins
     assert ledger.checkpoint() == (2, 2)
 
 
@@ -76,7 +81,7 @@ def test_scan_records_generated_groups_once_with_their_versions(client):
     client.xadd(key, {STREAM_FIELD: b"not json"})
     assert ledger.scan_stream() == 2
     client.xadd(key, {STREAM_FIELD: _group("run", 1, "p1", version=0)})
-    client.xadd(key, {STREAM_FIELD: _group("run", 1, "p0", version=7)})   # a duplicate
+    client.xadd(key, {STREAM_FIELD: _group("run", 1, "p0", version=7)})  # a duplicate
     assert ledger.scan_stream() == 2
     assert ledger.scan_stream() == 0
     assert ledger.generated_ids(1, ["p0", "p1", "p2"]) == {"p0", "p1"}
@@ -89,17 +94,17 @@ def test_audit_counts_lost_ids_and_uncommitted_versions(client, capsys, redis_ur
     ledger = RunLedger(client, "run")
     ledger.submit(1, ["p0", "p1"])
     ledger.submit(2, ["p0", "p1"])
-    ledger.submit(2, ["p1"])                        # resubmitted after a recovery
+    ledger.submit(2, ["p1"])  # resubmitted after a recovery
     ledger.record_committed(0)
     ledger.claim("1-0", 1, "p0", [0])
-    ledger.claim("1-1", 1, "p1", [1])               # drawn with a version never committed
+    ledger.claim("1-1", 1, "p1", [1])  # drawn with a version never committed
     ledger.commit_trained(["1/p0"], 1, 1)
     result = ledger.audit()
     assert (result.finished_step, result.submitted, result.resubmitted) == (1, 4, 1)
     assert (result.lost, result.lost_ids) == (1, ["1/p1"])
     assert result.uncommitted_sample_versions == [1] and not result.versions_ok
     assert ledger.audit(finished_step=2).lost == 3
-    assert main(["run", "--redis-url", redis_url]) == 3   # the CLI fails on a bad audit
+    assert main(["run", "--redis-url", redis_url]) == 3  # the CLI fails on a bad audit
     printed = json.loads(capsys.readouterr().out)
     assert printed["lost_ids"] == ["1/p1"]
 

@@ -54,14 +54,17 @@ def test_full_mask():
     assert not _mask().is_full()
 
 
-@pytest.mark.parametrize("ids, offsets, vocab, match", [
-    ([1, 2], [1, 2], 8, "start at 0"),
-    ([1, 2], [0, 1], 8, "end at len"),
-    ([1, 2], [0, 0, 2], 8, "strictly increasing"),
-    ([1, 9], [0, 1, 2], 8, "token id 9 outside"),
-    ([1, -1], [0, 1, 2], 8, "token id -1 outside"),
-    ([1], [0, 1], 0, "vocab_size"),
-])
+@pytest.mark.parametrize(
+    "ids, offsets, vocab, match",
+    [
+        ([1, 2], [1, 2], 8, "start at 0"),
+        ([1, 2], [0, 1], 8, "end at len"),
+        ([1, 2], [0, 0, 2], 8, "strictly increasing"),
+        ([1, 9], [0, 1, 2], 8, "token id 9 outside"),
+        ([1, -1], [0, 1, 2], 8, "token id -1 outside"),
+        ([1], [0, 1], 0, "vocab_size"),
+    ],
+)
 def test_invariants_rejected(ids, offsets, vocab, match):
     with pytest.raises(ValueError, match=match):
         RolloutSamplingMask(np.asarray(ids, dtype=np.int32), np.asarray(offsets, dtype=np.int64), vocab)

@@ -9,7 +9,8 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from furlong.core.sampling_mask import RolloutSamplingMask
 
@@ -22,8 +23,11 @@ HEADER = struct.Struct("<4sIQQ")
 @st.composite
 def masks(draw) -> RolloutSamplingMask:
     vocab = draw(st.integers(1, 300))
-    rows = draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12, unique=True),
-                         min_size=0, max_size=20))
+    rows = draw(
+        st.lists(
+            st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12, unique=True), min_size=0, max_size=20
+        )
+    )
     return RolloutSamplingMask.from_lists(rows, vocab)
 
 
@@ -68,8 +72,9 @@ def test_garbage_bytes_are_refused_with_value_error(data):
 
 
 @FUZZ
-@given(st.binary(max_size=128), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1),
-       st.integers(0, 2**64 - 1))
+@given(
+    st.binary(max_size=128), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)
+)
 def test_headers_with_any_counts_never_read_past_the_buffer(body, vocab, rows, nnz):
     data = HEADER.pack(b"FSM1", vocab, rows, nnz) + body
     decode_or_value_error(data)
@@ -79,8 +84,9 @@ def test_headers_with_any_counts_never_read_past_the_buffer(body, vocab, rows, n
 @given(masks(), st.data())
 def test_mutated_encodings_decode_to_valid_masks_or_value_error(mask, data):
     raw = bytearray(mask.encode())
-    edits = data.draw(st.lists(st.tuples(st.integers(0, max(len(raw) - 1, 0)), st.integers(0, 255)),
-                               min_size=1, max_size=6))
+    edits = data.draw(
+        st.lists(st.tuples(st.integers(0, max(len(raw) - 1, 0)), st.integers(0, 255)), min_size=1, max_size=6)
+    )
     for position, value in edits:
         if raw:
             raw[position] = value
@@ -92,18 +98,26 @@ def test_mutated_encodings_decode_to_valid_masks_or_value_error(mask, data):
 
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True)
     | st.text(max_size=5),
-    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=5), children,
-                                                                       max_size=3),
-    max_leaves=12)
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=5), children, max_size=3)
+    ),
+    max_leaves=12,
+)
 
 
 @FUZZ
-@given(st.fixed_dictionaries({}, optional={"token_ids": JSON_VALUES, "offsets": JSON_VALUES,
-                                           "vocab_size": JSON_VALUES}))
-@example({"token_ids": [1.5], "offsets": [0, 1], "vocab_size": 4})      # not truncated to 1
-@example({"token_ids": ["1"], "offsets": [0, 1], "vocab_size": 4})      # not parsed
+@given(
+    st.fixed_dictionaries(
+        {}, optional={"token_ids": JSON_VALUES, "offsets": JSON_VALUES, "vocab_size": JSON_VALUES}
+    )
+)
+@example({"token_ids": [1.5], "offsets": [0, 1], "vocab_size": 4})  # not truncated to 1
+@example({"token_ids": ["1"], "offsets": [0, 1], "vocab_size": 4})  # not parsed
 @example({"token_ids": [1], "offsets": [0, 1], "vocab_size": 4.0})
 @example({"token_ids": [2**40], "offsets": [0, 1], "vocab_size": 4})
 @example({"token_ids": [[1]], "offsets": [0, 1], "vocab_size": 4})

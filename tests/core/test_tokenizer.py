@@ -69,18 +69,29 @@ def test_load_missing_file_names_it(tmp_path):
         CharTokenizer.load(tmp_path)
 
 
-@pytest.mark.parametrize("content, problem", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    ('{"type": "bpe", "version": 1}', "type is 'bpe'"),
-    ('{"type": "furlong-char", "version": 9}', "format version 9"),
-    ('{"type": "furlong-char", "version": 1, "special_tokens": {"<pad>": 0}, "chars": "ab"}',
-     "special_tokens"),
-    ('{"type": "furlong-char", "version": 1, "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2}, '
-     '"chars": 5}', "chars must be a string"),
-    ('{"type": "furlong-char", "version": 1, "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2}, '
-     '"chars": "aa"}', "repeats character"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"type": "bpe", "version": 1}', "type is 'bpe'"),
+        ('{"type": "furlong-char", "version": 9}', "format version 9"),
+        (
+            '{"type": "furlong-char", "version": 1, "special_tokens": {"<pad>": 0}, "chars": "ab"}',
+            "special_tokens",
+        ),
+        (
+            '{"type": "furlong-char", "version": 1, "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2}, '
+            '"chars": 5}',
+            "chars must be a string",
+        ),
+        (
+            '{"type": "furlong-char", "version": 1, "special_tokens": {"<pad>": 0, "<bos>": 1, "<eos>": 2}, '
+            '"chars": "aa"}',
+            "repeats character",
+        ),
+    ],
+)
 def test_load_malformed_file_is_a_clear_error(tmp_path, content, problem):
     (tmp_path / "tokenizer.json").write_text(content)
     with pytest.raises(ValueError, match=problem):

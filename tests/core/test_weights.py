@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import xxhash
 
 from furlong.core.block_checksum import BLOCK_BYTES
 from furlong.core.weights import (
-    CHECKSUM_ALGORITHM, BucketPlan, Manifest, TensorSlot, WeightLayout, checksum, combine_checksums,
-    dtype_from_name, dtype_name, plan_buckets, round_checksums, stage_round)
+    CHECKSUM_ALGORITHM,
+    BucketPlan,
+    Manifest,
+    TensorSlot,
+    WeightLayout,
+    checksum,
+    combine_checksums,
+    dtype_from_name,
+    dtype_name,
+    plan_buckets,
+    round_checksums,
+    stage_round,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -87,7 +97,7 @@ def test_buffer_checks():
 
 def _blocks_digest(data: bytes) -> str:
     """The documented definition, written out: xxh3-128 over the 8 MiB blocks' xxh3-128 digests."""
-    blocks = [data[i:i + BLOCK_BYTES] for i in range(0, len(data), BLOCK_BYTES)]
+    blocks = [data[i : i + BLOCK_BYTES] for i in range(0, len(data), BLOCK_BYTES)]
     return xxhash.xxh3_128(b"".join(xxhash.xxh3_128(b).digest() for b in blocks)).hexdigest()
 
 
@@ -97,13 +107,16 @@ def test_checksum_is_xxh3_128_over_the_digests_of_8_mib_blocks():
     assert CHECKSUM_ALGORITHM == "xxh3-128/8MiB-blocks"
     assert checksum(buffer, 100) == expected
     assert checksum(buffer, 50, offset_bytes=10) == _blocks_digest(bytes(range(10, 60)))
-    buffer[150] = 0   # beyond the prefix: same digest
+    buffer[150] = 0  # beyond the prefix: same digest
     assert checksum(buffer, 100) == expected
     buffer[5] += 1
     assert checksum(buffer, 100) != expected
     big = torch.randint(0, 256, (2 * BLOCK_BYTES + 12345,), dtype=torch.uint8)
-    assert checksum(big, big.numel(), workers=1) == checksum(big, big.numel(), workers=3) == \
-        _blocks_digest(big.numpy().tobytes())
+    assert (
+        checksum(big, big.numel(), workers=1)
+        == checksum(big, big.numel(), workers=3)
+        == _blocks_digest(big.numpy().tobytes())
+    )
     with pytest.raises(ValueError):
         checksum(buffer, 500)
 
@@ -148,13 +161,14 @@ def test_manifest_validation_and_equality():
 
 # -- bucket plan -----------------------------------------------------------------------------------
 
+
 def _sized(*sizes: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(sum(sizes))
     return {f"t{i}": torch.randn(n, generator=gen).to(dtype) for i, n in enumerate(sizes)}
 
 
 def test_plan_keeps_order_and_fills_rounds_up_to_the_bucket():
-    layout = WeightLayout.from_state_dict(_sized(16, 16, 16, 16, 16))   # 64 bytes each, packed
+    layout = WeightLayout.from_state_dict(_sized(16, 16, 16, 16, 16))  # 64 bytes each, packed
     plan = plan_buckets(layout, bucket_size_bytes=128)
     assert [r.names for r in plan.rounds] == [("t0", "t1"), ("t2", "t3"), ("t4",)]
     assert [(r.offset_bytes, r.size_bytes) for r in plan.rounds] == [(0, 128), (128, 128), (256, 64)]
@@ -170,23 +184,27 @@ def test_plan_fits_the_whole_model_in_one_round_and_shrinks_the_bucket_to_it():
 
 
 def test_a_tensor_larger_than_the_bucket_grows_it_once_and_gets_its_own_round():
-    layout = WeightLayout.from_state_dict(_sized(4, 100, 4))   # 16, 400, 16 bytes
+    layout = WeightLayout.from_state_dict(_sized(4, 100, 4))  # 16, 400, 16 bytes
     plan = plan_buckets(layout, bucket_size_bytes=64)
     assert [r.names for r in plan.rounds] == [("t0",), ("t1",), ("t2",)]
     assert plan.bucket_size_bytes == 400
-    assert all(r.size_bytes > 0 for r in plan.rounds)   # no empty round
+    assert all(r.size_bytes > 0 for r in plan.rounds)  # no empty round
 
 
 def test_double_buffered_plan_alternates_halves_of_the_same_bucket():
-    layout = WeightLayout.from_state_dict(_sized(16, 16, 16, 16, 16))   # 64 bytes each, packed
+    layout = WeightLayout.from_state_dict(_sized(16, 16, 16, 16, 16))  # 64 bytes each, packed
     plan = plan_buckets(layout, bucket_size_bytes=128, double_buffer=True)
     assert [r.names for r in plan.rounds] == [("t0",), ("t1",), ("t2",), ("t3",), ("t4",)]
     assert [r.bucket_offset_bytes for r in plan.rounds] == [0, 64, 0, 64, 0]
     assert plan.bucket_size_bytes == 128 and plan.double_buffered
     assert [n for r in plan.rounds for n in r.names] == [s.name for s in layout.slots]
     # Whatever the sizes: rounds never overlap inside the bucket, never exceed it, keep order.
-    sd = {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.zeros(5, dtype=torch.float64),
-          "c": torch.zeros(7, dtype=torch.bfloat16), "d": torch.zeros(9, dtype=torch.int32)}
+    sd = {
+        "a": torch.zeros(3, dtype=torch.uint8),
+        "b": torch.zeros(5, dtype=torch.float64),
+        "c": torch.zeros(7, dtype=torch.bfloat16),
+        "d": torch.zeros(9, dtype=torch.int32),
+    }
     odd = WeightLayout.from_state_dict(sd, alignment_bytes=8)
     for bucket in (96, 100, 200):
         split = plan_buckets(odd, bucket, double_buffer=True)
@@ -199,24 +217,29 @@ def test_double_buffered_plan_alternates_halves_of_the_same_bucket():
             assert rnd.bucket_offset_bytes % 16 == 0
             for name in rnd.names:
                 slot = odd.slot(name)
-                assert (rnd.bucket_offset_bytes + slot.offset_bytes - rnd.offset_bytes) \
-                    % slot.dtype.itemsize == 0
+                assert (
+                    rnd.bucket_offset_bytes + slot.offset_bytes - rnd.offset_bytes
+                ) % slot.dtype.itemsize == 0
 
 
 def test_double_buffering_is_skipped_where_it_would_grow_the_bucket_or_gain_nothing():
     fits = WeightLayout.from_state_dict(_sized(3, 5, 7))
-    assert not plan_buckets(fits, 1 << 20, double_buffer=True).double_buffered   # one round
-    big = WeightLayout.from_state_dict(_sized(4, 100, 4))   # 400 bytes > half of 256
+    assert not plan_buckets(fits, 1 << 20, double_buffer=True).double_buffered  # one round
+    big = WeightLayout.from_state_dict(_sized(4, 100, 4))  # 400 bytes > half of 256
     plan = plan_buckets(big, 256, double_buffer=True)
     assert not plan.double_buffered and plan == plan_buckets(big, 256)
-    large = WeightLayout.from_state_dict(_sized(*[1 << 19] * 8))   # 8 x 2 MiB, 4 MiB bucket
+    large = WeightLayout.from_state_dict(_sized(*[1 << 19] * 8))  # 8 x 2 MiB, 4 MiB bucket
     plan = plan_buckets(large, 4 << 20, double_buffer=True)
-    assert [r.bucket_offset_bytes for r in plan.rounds] == [0, 2 << 20] * 4   # page-aligned half
+    assert [r.bucket_offset_bytes for r in plan.rounds] == [0, 2 << 20] * 4  # page-aligned half
 
 
 def test_every_tensor_is_aligned_for_its_dtype_inside_the_bucket():
-    sd = {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.zeros(5, dtype=torch.float64),
-          "c": torch.zeros(7, dtype=torch.bfloat16), "d": torch.zeros(9, dtype=torch.int32)}
+    sd = {
+        "a": torch.zeros(3, dtype=torch.uint8),
+        "b": torch.zeros(5, dtype=torch.float64),
+        "c": torch.zeros(7, dtype=torch.bfloat16),
+        "d": torch.zeros(9, dtype=torch.int32),
+    }
     layout = WeightLayout.from_state_dict(sd, alignment_bytes=8)
     for bucket in (8, 40, 64, 1000):
         plan = plan_buckets(layout, bucket)
@@ -236,27 +259,25 @@ def test_staged_rounds_hash_to_the_precomputed_checksums_and_rebuild_the_tensors
     plan = plan_buckets(layout, bucket_size_bytes=100)
     assert len(plan.rounds) > 1
     digests = round_checksums(layout, plan, sd)
-    bucket = torch.full((plan.bucket_size_bytes,), 0xAB, dtype=torch.uint8)   # stale bytes
+    bucket = torch.full((plan.bucket_size_bytes,), 0xAB, dtype=torch.uint8)  # stale bytes
     received = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     for rnd, digest in zip(plan.rounds, digests):
         stage_round(layout, rnd, sd, bucket)
         assert checksum(bucket, rnd.size_bytes) == digest
-        received[rnd.offset_bytes:rnd.end_bytes].copy_(bucket[:rnd.size_bytes])
+        received[rnd.offset_bytes : rnd.end_bytes].copy_(bucket[: rnd.size_bytes])
     for name, tensor in layout.views(received).items():
         assert torch.equal(tensor.view(torch.uint8), sd[name].view(torch.uint8)), name
     # Double-buffered: each round lands in its half, the other half keeps the previous round.
     split = plan_buckets(layout, bucket_size_bytes=160, double_buffer=True)
     assert split.double_buffered
-    assert round_checksums(layout, split, sd) == tuple(
-        round_checksums(layout, split, sd, workers=2))
+    assert round_checksums(layout, split, sd) == tuple(round_checksums(layout, split, sd, workers=2))
     bucket = torch.full((split.bucket_size_bytes,), 0xAB, dtype=torch.uint8)
     previous = None
     for rnd, digest in zip(split.rounds, round_checksums(layout, split, sd)):
         stage_round(layout, rnd, sd, bucket)
         assert checksum(bucket, rnd.size_bytes, rnd.bucket_offset_bytes) == digest
         if previous is not None:
-            assert checksum(bucket, previous[0].size_bytes,
-                            previous[0].bucket_offset_bytes) == previous[1]
+            assert checksum(bucket, previous[0].size_bytes, previous[0].bucket_offset_bytes) == previous[1]
         previous = (rnd, digest)
     whole = checksum(received, layout.total_bytes)
     single = Manifest(1, layout, whole)

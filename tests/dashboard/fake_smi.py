@@ -29,10 +29,10 @@ class NvGpu:
     util_percent: int
     mem_used_bytes: int
     mem_total_bytes: int
-    power_mw: int | None = None           # None: NVML_ERROR_NOT_SUPPORTED
+    power_mw: int | None = None  # None: NVML_ERROR_NOT_SUPPORTED
     temp_c: int = 40
     procs: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, usedGpuMemory bytes)
-    fail: bool = False                    # every read raises (e.g. GPU fell off the bus)
+    fail: bool = False  # every read raises (e.g. GPU fell off the bus)
 
 
 def make_pynvml(gpus: list[NvGpu], init_error: Exception | None = None) -> types.ModuleType:
@@ -63,7 +63,8 @@ def make_pynvml(gpus: list[NvGpu], init_error: Exception | None = None) -> types
     m.nvmlDeviceGetName = lambda h: h.name
     m.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=gpu(h).util_percent, memory=0)
     m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
-        total=gpu(h).mem_total_bytes, used=h.mem_used_bytes, free=h.mem_total_bytes - h.mem_used_bytes)
+        total=gpu(h).mem_total_bytes, used=h.mem_used_bytes, free=h.mem_total_bytes - h.mem_used_bytes
+    )
 
     def power(h):
         if gpu(h).power_mw is None:
@@ -73,8 +74,11 @@ def make_pynvml(gpus: list[NvGpu], init_error: Exception | None = None) -> types
     m.nvmlDeviceGetPowerUsage = power
     m.nvmlDeviceGetTemperature = lambda h, sensor: gpu(h).temp_c
     m.nvmlDeviceGetComputeRunningProcesses = lambda h: [
-        types.SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF,
-                              computeInstanceId=0xFFFFFFFF) for pid, used in gpu(h).procs]
+        types.SimpleNamespace(
+            pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF
+        )
+        for pid, used in gpu(h).procs
+    ]
     return m
 
 
@@ -97,7 +101,7 @@ class AmdGpu:
     bdf: str
     uuid: str | bytes
     market_name: str | bytes
-    gfx_activity: Any            # percent, or "N/A"
+    gfx_activity: Any  # percent, or "N/A"
     vram_used_mib: Any
     vram_total_mib: Any
     power_info: dict[str, Any] = field(default_factory=dict)
@@ -108,9 +112,14 @@ class AmdGpu:
 
 def amd_proc(pid: int, vram_bytes: int, name: str = "python") -> dict:
     """amdsmi_get_gpu_process_list's ROCm 6.x entry shape."""
-    return {"name": name, "pid": pid, "mem": vram_bytes, "engine_usage": {"gfx": 0, "enc": 0},
-            "memory_usage": {"gtt_mem": 4096, "cpu_mem": 8192, "vram_mem": vram_bytes},
-            "cu_occupancy": "N/A"}
+    return {
+        "name": name,
+        "pid": pid,
+        "mem": vram_bytes,
+        "engine_usage": {"gfx": 0, "enc": 0},
+        "memory_usage": {"gtt_mem": 4096, "cpu_mem": 8192, "vram_mem": vram_bytes},
+        "cu_occupancy": "N/A",
+    }
 
 
 def make_amdsmi(gpus: list[AmdGpu], init_error: Exception | None = None) -> types.ModuleType:
@@ -135,12 +144,21 @@ def make_amdsmi(gpus: list[AmdGpu], init_error: Exception | None = None) -> type
     m.amdsmi_get_processor_handles = lambda: list(gpus)
     m.amdsmi_get_gpu_device_bdf = lambda h: h.bdf
     m.amdsmi_get_gpu_device_uuid = lambda h: h.uuid
-    m.amdsmi_get_gpu_asic_info = lambda h: {"market_name": h.market_name, "vendor_id": "0x1002",
-                                            "device_id": "0x74a1", "asic_serial": "0x1"}
-    m.amdsmi_get_gpu_activity = lambda h: {"gfx_activity": gpu(h).gfx_activity,
-                                           "umc_activity": 0, "mm_activity": "N/A"}
-    m.amdsmi_get_gpu_vram_usage = lambda h: {"vram_total": gpu(h).vram_total_mib,
-                                             "vram_used": h.vram_used_mib}
+    m.amdsmi_get_gpu_asic_info = lambda h: {
+        "market_name": h.market_name,
+        "vendor_id": "0x1002",
+        "device_id": "0x74a1",
+        "asic_serial": "0x1",
+    }
+    m.amdsmi_get_gpu_activity = lambda h: {
+        "gfx_activity": gpu(h).gfx_activity,
+        "umc_activity": 0,
+        "mm_activity": "N/A",
+    }
+    m.amdsmi_get_gpu_vram_usage = lambda h: {
+        "vram_total": gpu(h).vram_total_mib,
+        "vram_used": h.vram_used_mib,
+    }
     m.amdsmi_get_power_info = lambda h: dict(gpu(h).power_info)
 
     def temp(h, sensor, metric):

@@ -13,10 +13,10 @@ METRICS_DOC = ROOT / "docs" / "metrics.md"
 @dataclass(frozen=True)
 class MetricDoc:
     name: str
-    type: str      # counter, gauge, histogram
+    type: str  # counter, gauge, histogram
     labels: str
-    when: str      # always, run, gpu
-    check: str     # >0, >=0, 0..1, =1, finite
+    when: str  # always, run, gpu
+    check: str  # >0, >=0, 0..1, =1, finite
 
     def series_names(self) -> list[str]:
         """The names Prometheus stores for this metric."""
@@ -30,8 +30,13 @@ class MetricDoc:
     def sane(self, value: float) -> bool:
         if not math.isfinite(value):
             return False
-        return {">0": value > 0, ">=0": value >= 0, "0..1": 0 <= value <= 1, "=1": value == 1,
-                "finite": True}[self.check]
+        return {
+            ">0": value > 0,
+            ">=0": value >= 0,
+            "0..1": 0 <= value <= 1,
+            "=1": value == 1,
+            "finite": True,
+        }[self.check]
 
 
 def documented_metrics() -> dict[str, MetricDoc]:

@@ -7,13 +7,24 @@ import json
 import re
 
 import pytest
-
 from metrics_doc import ROOT, documented_metrics
 
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 PROMQL_WORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-    "offset", "inf", "nan", "le",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+    "le",
 }
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
 _MATCHERS = re.compile(r"\{[^{}]*\}")
@@ -28,8 +39,9 @@ def metric_names(promql: str) -> set[str]:
     text = _MATCHERS.sub("", text)
     text = _RANGE.sub("", text)
     text = _GROUPING.sub("", text)
-    return {m.group(1) for m in _IDENT.finditer(text)
-            if not m.group(2) and m.group(1).lower() not in PROMQL_WORDS}
+    return {
+        m.group(1) for m in _IDENT.finditer(text) if not m.group(2) and m.group(1).lower() not in PROMQL_WORDS
+    }
 
 
 def walk(panels: list[dict]):
@@ -39,8 +51,9 @@ def walk(panels: list[dict]):
 
 
 def expressions(dashboard: dict) -> list[str]:
-    out = [t["expr"] for p in walk(dashboard.get("panels", [])) for t in p.get("targets", [])
-           if t.get("expr")]
+    out = [
+        t["expr"] for p in walk(dashboard.get("panels", [])) for t in p.get("targets", []) if t.get("expr")
+    ]
     for var in dashboard.get("templating", {}).get("list", []):
         if var.get("type") == "query":
             query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
@@ -58,8 +71,9 @@ def exported_series() -> set[str]:
 
 @pytest.mark.unit
 def test_promql_metric_name_extraction():
-    assert metric_names('histogram_quantile(0.95, sum by (le, phase) (rate(a_bucket{x=~"$v"}'
-                        '[$__rate_interval])))') == {"a_bucket"}
+    assert metric_names(
+        'histogram_quantile(0.95, sum by (le, phase) (rate(a_bucket{x=~"$v"}[$__rate_interval])))'
+    ) == {"a_bucket"}
     assert metric_names("max by (run_id) (b) - on (run_id) c * 1024") == {"b", "c"}
     assert metric_names('sum(rate(d_total[5m])) / ignoring(lane) e{lane="nixl"} > bool 0') == {"d_total", "e"}
 

@@ -12,8 +12,13 @@ import psutil
 import pytest
 
 from furlong.core.redis_server import free_port
-from furlong.dashboard.core.host_telemetry import (CpuTimes, HostSnapshot, ProcessSample,
-                                                   cpu_utilization, service_from_cmdline)
+from furlong.dashboard.core.host_telemetry import (
+    CpuTimes,
+    HostSnapshot,
+    ProcessSample,
+    cpu_utilization,
+    service_from_cmdline,
+)
 from furlong.dashboard.exporter import build_registry, exposition
 from furlong.dashboard.host_provider import HostTelemetryProvider
 
@@ -29,36 +34,41 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def times(**seconds) -> CpuTimes:
-    return CpuTimes(seconds={"user": 0.0, "system": 0.0, "idle": 0.0, "iowait": 0.0,
-                             "guest": 0.0, **seconds})
+    return CpuTimes(seconds={"user": 0.0, "system": 0.0, "idle": 0.0, "iowait": 0.0, "guest": 0.0, **seconds})
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("before, after, expected", [
-    (times(user=10, idle=10), times(user=13, idle=11), 0.75),
-    (times(user=10, idle=10), times(user=10, idle=14), 0.0),
-    (times(user=1, system=1, idle=1), times(user=3, system=3, idle=1), 1.0),
-    (times(user=10, idle=10, iowait=0), times(user=11, idle=11, iowait=2), 0.25),  # iowait is idle
-    (times(user=10, idle=10, guest=0), times(user=12, idle=12, guest=2), 0.5),     # guest not twice
-    (times(user=10, idle=10), times(user=10, idle=10), None),
-    (times(user=10, idle=10), times(user=9, idle=9), None),
-])
+@pytest.mark.parametrize(
+    "before, after, expected",
+    [
+        (times(user=10, idle=10), times(user=13, idle=11), 0.75),
+        (times(user=10, idle=10), times(user=10, idle=14), 0.0),
+        (times(user=1, system=1, idle=1), times(user=3, system=3, idle=1), 1.0),
+        (times(user=10, idle=10, iowait=0), times(user=11, idle=11, iowait=2), 0.25),  # iowait is idle
+        (times(user=10, idle=10, guest=0), times(user=12, idle=12, guest=2), 0.5),  # guest not twice
+        (times(user=10, idle=10), times(user=10, idle=10), None),
+        (times(user=10, idle=10), times(user=9, idle=9), None),
+    ],
+)
 def test_cpu_utilization(before, after, expected):
     assert cpu_utilization(before, after) == (None if expected is None else pytest.approx(expected))
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("cmdline, service", [
-    (["/v/bin/python", "-m", "furlong.trainer", "--port", "1"], "trainer"),
-    (["python3", "-u", "-m", "furlong.weight_broker"], "weight_broker"),
-    (["python", "-m", "furlong.dashboard.extra"], "dashboard"),
-    (["/v/bin/python", "/v/bin/furlong", "run", "x.yaml"], "cli"),
-    (["/v/bin/furlong", "up"], "cli"),
-    (["redis-server", "127.0.0.1:6379"], None),
-    (["python", "-m", "pytest"], None),
-    (["python", "-m"], None),
-    ([], None),
-])
+@pytest.mark.parametrize(
+    "cmdline, service",
+    [
+        (["/v/bin/python", "-m", "furlong.trainer", "--port", "1"], "trainer"),
+        (["python3", "-u", "-m", "furlong.weight_broker"], "weight_broker"),
+        (["python", "-m", "furlong.dashboard.extra"], "dashboard"),
+        (["/v/bin/python", "/v/bin/furlong", "run", "x.yaml"], "cli"),
+        (["/v/bin/furlong", "up"], "cli"),
+        (["redis-server", "127.0.0.1:6379"], None),
+        (["python", "-m", "pytest"], None),
+        (["python", "-m"], None),
+        ([], None),
+    ],
+)
 def test_service_from_cmdline(cmdline, service):
     assert service_from_cmdline(cmdline) == service
 
@@ -73,8 +83,12 @@ def test_snapshot_rejects_impossible_values():
 
 class FixedProvider:
     def snapshot(self) -> HostSnapshot:
-        return HostSnapshot(cpu_utilization_ratio=0.25, memory_total_bytes=8_000, memory_used_bytes=3_000,
-                            processes=(ProcessSample(11, "trainer", 1_000), ProcessSample(12, "redis-server", 2_000)))
+        return HostSnapshot(
+            cpu_utilization_ratio=0.25,
+            memory_total_bytes=8_000,
+            memory_used_bytes=3_000,
+            processes=(ProcessSample(11, "trainer", 1_000), ProcessSample(12, "redis-server", 2_000)),
+        )
 
 
 @pytest.mark.unit
@@ -94,8 +108,10 @@ def spawn(code: str, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code, *extra], stdout=subprocess.PIPE, text=True)
 
 
-HOLD_64MIB = "b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); " \
-             "import time; time.sleep(60)"
+HOLD_64MIB = (
+    "b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); "
+    "import time; time.sleep(60)"
+)
 
 
 @pytest.mark.integration
@@ -132,8 +148,19 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> http
 def test_dashboard_process_serves_metrics_over_http():
     child = spawn(HOLD_64MIB)
     port = free_port()
-    dash = subprocess.Popen([sys.executable, "-m", "furlong.dashboard", "--host", "127.0.0.1",
-                             "--port", str(port), "--watch-pid", str(child.pid)])
+    dash = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "furlong.dashboard",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--watch-pid",
+            str(child.pid),
+        ]
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         health = wait_http(f"http://127.0.0.1:{port}/healthz", dash)

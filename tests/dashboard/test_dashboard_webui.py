@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 import uvicorn
+from test_dashboard_telemetry import FixedProvider
 
 from furlong.core.redis_server import free_port
 from furlong.dashboard.app import create_app
@@ -17,14 +18,23 @@ from furlong.dashboard.core.run_series import run_series
 from furlong.dashboard.exporter import build_registry
 from furlong.dashboard.run_source import StaticRuns
 from furlong.dashboard.telemetry_history import TelemetryHistory
-from test_dashboard_telemetry import FixedProvider
 
 
 def record(step, version, sampled, **extra):
-    base = {"step": step, "reward_mean": 0.1 * step, "loss": 1.0 / step, "policy_version": version,
-            "samples": 4, "step_seconds": 2.0, "generate_seconds": 1.0, "train_seconds": 0.5,
-            "sync_seconds": 0.5, "num_tokens": 100 * step, "sampled_policy_version": sampled,
-            "trainer_metrics": {"approx_kl": 0.01 * step, "ratio_mean": 1.0 + 0.1 * step}}
+    base = {
+        "step": step,
+        "reward_mean": 0.1 * step,
+        "loss": 1.0 / step,
+        "policy_version": version,
+        "samples": 4,
+        "step_seconds": 2.0,
+        "generate_seconds": 1.0,
+        "train_seconds": 0.5,
+        "sync_seconds": 0.5,
+        "num_tokens": 100 * step,
+        "sampled_policy_version": sampled,
+        "trainer_metrics": {"approx_kl": 0.01 * step, "ratio_mean": 1.0 + 0.1 * step},
+    }
     return {**base, **extra}
 
 
@@ -34,14 +44,16 @@ def test_run_series_from_step_records():
     out = run_series(steps)
     s = out["series"]
     assert s["reward"] == [[1, 0.1], [2, 0.2], [3, pytest.approx(0.3)]]
-    assert s["loss"] == [[1, 1.0], [2, 0.5]]                 # NaN is a gap, not a point
-    assert s["kl"] == [[1, 0.01], [2, 0.02]]                 # step 3 has no trainer metrics
+    assert s["loss"] == [[1, 1.0], [2, 0.5]]  # NaN is a gap, not a point
+    assert s["kl"] == [[1, 0.01], [2, 0.02]]  # step 3 has no trainer metrics
     assert s["mismatch"] == [[1, pytest.approx(0.1)], [2, pytest.approx(0.2)]]
-    assert s["staleness"] == [[1, 0], [2, 1], [3, 0]]        # version at step start - sampled
+    assert s["staleness"] == [[1, 0], [2, 1], [3, 0]]  # version at step start - sampled
     assert s["throughput"] == [[1, 100.0], [2, 200.0], [3, 300.0]]
-    assert out["weight_sync"] == [{"step": 1, "start_s": 1.5, "seconds": 0.5},
-                                  {"step": 2, "start_s": 3.5, "seconds": 0.5},
-                                  {"step": 3, "start_s": 5.5, "seconds": 0.5}]
+    assert out["weight_sync"] == [
+        {"step": 1, "start_s": 1.5, "seconds": 0.5},
+        {"step": 2, "start_s": 3.5, "seconds": 0.5},
+        {"step": 3, "start_s": 5.5, "seconds": 0.5},
+    ]
 
 
 @pytest.mark.unit
@@ -49,8 +61,10 @@ def test_lanes_are_bounded_and_reject_impossible_ratios():
     lanes = UtilizationLanes(max_points=3)
     for t in range(5):
         lanes.add(float(t), {"cpu": 0.5, "gpu0": t / 10})
-    assert lanes.snapshot() == {"cpu": [[2.0, 0.5], [3.0, 0.5], [4.0, 0.5]],
-                                "gpu0": [[2.0, 0.2], [3.0, 0.3], [4.0, 0.4]]}
+    assert lanes.snapshot() == {
+        "cpu": [[2.0, 0.5], [3.0, 0.5], [4.0, 0.5]],
+        "gpu0": [[2.0, 0.2], [3.0, 0.3], [4.0, 0.4]],
+    }
     with pytest.raises(ValueError, match="lane 'gpu0': utilisation 1.5"):
         lanes.add(5.0, {"gpu0": 1.5})
 
@@ -68,15 +82,31 @@ def test_history_tick_samples_cpu_lane():
 
 @pytest.fixture
 def served():
-    runs = StaticRuns([{"run_id": "r-1", "name": "r", "state": "running", "current_step": 2,
-                        "policy_version": 2, "spec": {"big": "not sent"}}],
-                      {"r-1": [record(1, 1, 0), record(2, 2, 1)]})
+    runs = StaticRuns(
+        [
+            {
+                "run_id": "r-1",
+                "name": "r",
+                "state": "running",
+                "current_step": 2,
+                "policy_version": 2,
+                "spec": {"big": "not sent"},
+            }
+        ],
+        {"r-1": [record(1, 1, 0), record(2, 2, 1)]},
+    )
     lanes = UtilizationLanes()
     lanes.add(10.0, {"cpu": 0.25})
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(build_registry(FixedProvider()), runs, lanes),
-                                           host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(build_registry(FixedProvider()), runs, lanes),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="off",
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -92,8 +122,17 @@ def test_routes_over_http(served):
     page = httpx.get(f"{served}/")
     assert page.status_code == 200 and 'id="chart-reward"' in page.text
     runs = httpx.get(f"{served}/api/runs").json()
-    assert runs["runs"] == [{"run_id": "r-1", "name": "r", "state": "running", "current_step": 2,
-                             "policy_version": 2, "created_at": None, "reason": None}]
+    assert runs["runs"] == [
+        {
+            "run_id": "r-1",
+            "name": "r",
+            "state": "running",
+            "current_step": 2,
+            "policy_version": 2,
+            "created_at": None,
+            "reason": None,
+        }
+    ]
     series = httpx.get(f"{served}/api/runs/r-1/series").json()
     assert series["num_steps"] == 2 and series["series"]["staleness"] == [[1, 0], [2, 0]]
     assert httpx.get(f"{served}/api/runs/nope/series").status_code == 404

@@ -6,28 +6,39 @@ import logging
 import sys
 
 import pytest
-
 from fake_smi import AmdGpu, NvGpu, NVMLError_LibraryNotFound, amd_proc, make_amdsmi, make_pynvml
-from furlong.dashboard.core.gpu_telemetry import (GpuReading, amd_power_watts, amd_value,
-                                                  decode_text)
+
+from furlong.dashboard.core.gpu_telemetry import GpuReading, amd_power_watts, amd_value, decode_text
 from furlong.dashboard.gpu_backends import AmdSmiBackend, NvmlBackend
-from furlong.dashboard.gpu_providers import (GpuTelemetry, GpuTelemetryUnavailable,
-                                             open_gpu_telemetry)
+from furlong.dashboard.gpu_providers import GpuTelemetry, GpuTelemetryUnavailable, open_gpu_telemetry
 
 GIB = 1 << 30
 MIB = 1 << 20
 
 
 def nv_gpu(i: int, **kw) -> NvGpu:
-    base = dict(uuid=f"GPU-{i:08d}", name="NVIDIA H100 80GB HBM3", util_percent=37,
-                mem_used_bytes=10 * GIB, mem_total_bytes=80 * GIB, power_mw=312_500, temp_c=61)
+    base = dict(
+        uuid=f"GPU-{i:08d}",
+        name="NVIDIA H100 80GB HBM3",
+        util_percent=37,
+        mem_used_bytes=10 * GIB,
+        mem_total_bytes=80 * GIB,
+        power_mw=312_500,
+        temp_c=61,
+    )
     return NvGpu(**{**base, **kw})
 
 
 def amd_gpu(i: int, **kw) -> AmdGpu:
-    base = dict(bdf=f"0000:{0x10 * (i + 1):02x}:00.0", uuid=f"amd-{i}", market_name="AMD Instinct MI300X",
-                gfx_activity=55, vram_used_mib=2048, vram_total_mib=196_592,
-                power_info={"socket_power": 420, "gfx_voltage": "N/A", "power_limit": 750})
+    base = dict(
+        bdf=f"0000:{0x10 * (i + 1):02x}:00.0",
+        uuid=f"amd-{i}",
+        market_name="AMD Instinct MI300X",
+        gfx_activity=55,
+        vram_used_mib=2048,
+        vram_total_mib=196_592,
+        power_info={"socket_power": 420, "gfx_voltage": "N/A", "power_limit": 750},
+    )
     return AmdGpu(**{**base, **kw})
 
 
@@ -46,10 +57,18 @@ def test_nvml_converts_units(no_vendor_modules):
     backend = NvmlBackend()
     [device] = backend.init()
     assert (device.index, device.uuid, device.model_name, device.vendor) == (
-        0, "GPU-00000000", "NVIDIA H100 80GB HBM3", "nvidia")
-    assert backend.read(device) == GpuReading(utilization_ratio=0.37, memory_used_bytes=10 * GIB,
-                                              memory_total_bytes=80 * GIB, power_watts=312.5,
-                                              temperature_celsius=61.0)
+        0,
+        "GPU-00000000",
+        "NVIDIA H100 80GB HBM3",
+        "nvidia",
+    )
+    assert backend.read(device) == GpuReading(
+        utilization_ratio=0.37,
+        memory_used_bytes=10 * GIB,
+        memory_total_bytes=80 * GIB,
+        power_watts=312.5,
+        temperature_celsius=61.0,
+    )
     # usedGpuMemory None (not attributable) is not reported as 0
     assert [(p.pid, p.memory_bytes) for p in backend.processes(device)] == [(4242, 3 * GIB)]
     backend.shutdown()
@@ -59,8 +78,11 @@ def test_nvml_converts_units(no_vendor_modules):
 
 @pytest.mark.unit
 def test_nvml_unsupported_power_is_missing_and_bytes_strings_decode(no_vendor_modules):
-    no_vendor_modules.setitem(sys.modules, "pynvml", make_pynvml(
-        [nv_gpu(0, uuid=b"GPU-bytes\x00", name=b"Tesla T4", power_mw=None)]))
+    no_vendor_modules.setitem(
+        sys.modules,
+        "pynvml",
+        make_pynvml([nv_gpu(0, uuid=b"GPU-bytes\x00", name=b"Tesla T4", power_mw=None)]),
+    )
     backend = NvmlBackend()
     [device] = backend.init()
     assert (device.uuid, device.model_name) == ("GPU-bytes", "Tesla T4")
@@ -76,8 +98,12 @@ def test_amdsmi_converts_units_and_orders_by_bus_id(no_vendor_modules):
     devices = backend.init()
     assert [(d.index, d.uuid, d.vendor) for d in devices] == [(0, "amd-0", "amd"), (1, "amd-1", "amd")]
     assert backend.read(devices[1]) == GpuReading(
-        utilization_ratio=0.55, memory_used_bytes=2048 * MIB, memory_total_bytes=196_592 * MIB,
-        power_watts=420.0, temperature_celsius=50.0)
+        utilization_ratio=0.55,
+        memory_used_bytes=2048 * MIB,
+        memory_total_bytes=196_592 * MIB,
+        power_watts=420.0,
+        temperature_celsius=50.0,
+    )
     # process memory is bytes already; a process holding no VRAM is dropped, as NVML would
     assert [(p.pid, p.memory_bytes) for p in backend.processes(devices[1])] == [(10, 512 * MIB)]
     backend.shutdown()
@@ -85,15 +111,18 @@ def test_amdsmi_converts_units_and_orders_by_bus_id(no_vendor_modules):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("power_info, watts", [
-    ({"socket_power": 300, "current_socket_power": 200, "average_socket_power": 100}, 300.0),
-    ({"socket_power": "N/A", "current_socket_power": 200, "average_socket_power": 100}, 200.0),
-    ({"current_socket_power": 0xFFFF, "average_socket_power": 100}, 100.0),  # ROCm 6.0 MI250
-    ({"current_socket_power": "N/A", "average_socket_power": "N/A"}, None),
-    ({"average_socket_power": 0xFFFF}, None),
-    ({"average_socket_power": b"95"}, 95.0),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "power_info, watts",
+    [
+        ({"socket_power": 300, "current_socket_power": 200, "average_socket_power": 100}, 300.0),
+        ({"socket_power": "N/A", "current_socket_power": 200, "average_socket_power": 100}, 200.0),
+        ({"current_socket_power": 0xFFFF, "average_socket_power": 100}, 100.0),  # ROCm 6.0 MI250
+        ({"current_socket_power": "N/A", "average_socket_power": "N/A"}, None),
+        ({"average_socket_power": 0xFFFF}, None),
+        ({"average_socket_power": b"95"}, 95.0),
+        ({}, None),
+    ],
+)
 def test_amd_power_precedence(power_info, watts):
     assert amd_power_watts(power_info) == watts
 
@@ -101,14 +130,23 @@ def test_amd_power_precedence(power_info, watts):
 @pytest.mark.unit
 def test_amd_unavailable_values_and_decoding():
     assert [amd_value(v) for v in ("N/A", 0xFFFF, None, "n/a", "12", 7, True)] == [
-        None, None, None, None, 12.0, 7.0, None]
+        None,
+        None,
+        None,
+        None,
+        12.0,
+        7.0,
+        None,
+    ]
     assert decode_text(b"MI300X\x00\x00") == "MI300X" and decode_text("x") == "x"
 
 
 @pytest.mark.unit
 def test_amd_power_unavailable_is_missing_and_na_utilisation_skips_device(no_vendor_modules):
-    gpus = [amd_gpu(0, power_info={"average_socket_power": "N/A"}, hotspot_c=None),
-            amd_gpu(1, gfx_activity="N/A")]
+    gpus = [
+        amd_gpu(0, power_info={"average_socket_power": "N/A"}, hotspot_c=None),
+        amd_gpu(1, gfx_activity="N/A"),
+    ]
     no_vendor_modules.setitem(sys.modules, "amdsmi", make_amdsmi(gpus))
     telemetry = open_gpu_telemetry("amdsmi")
     [sample] = telemetry.sample()  # the device without utilisation is skipped, never invented

@@ -6,12 +6,12 @@ from __future__ import annotations
 import re
 
 import pytest
+from metrics_doc import ROOT, documented_metrics
 from prometheus_client import CollectorRegistry
 
 from furlong.rollout.core.types import EngineStatus, RunStatus
 from furlong.rollout.metrics import RolloutMetrics
 from furlong.weight_broker.metrics import BrokerMetrics
-from metrics_doc import ROOT, documented_metrics
 
 
 def value(registry: CollectorRegistry, name: str, **labels) -> float | None:
@@ -26,13 +26,13 @@ def test_broker_engine_lag_and_sync_rate():
     m.ack_received("r", "e1", 1, True, 1.0, 1_000_000_000)
     m.version_committed("r", 1, 1.2)
     m.ack_received("r", "e0", 2, True, 0.25, 1_000_000_000)
-    m.version_committed("r", 2, 0.3)   # e1 never acknowledged 2: one version behind
+    m.version_committed("r", 2, 0.3)  # e1 never acknowledged 2: one version behind
     assert value(registry, "furlong_broker_engine_version_lag", run_id="r", engine="e0") == 0
     assert value(registry, "furlong_broker_engine_version_lag", run_id="r", engine="e1") == 1
     assert value(registry, "furlong_broker_transfer_gbps", lane="nixl") == pytest.approx(4.0)
     assert value(registry, "furlong_broker_weight_sync_seconds_count", lane="nixl") == 3
     assert value(registry, "furlong_broker_weight_sync_seconds_sum", lane="nixl") == pytest.approx(1.75)
-    m.ack_received("r", "e1", 3, False, 9.0, 0)   # a failed ack neither syncs nor catches up
+    m.ack_received("r", "e1", 3, False, 9.0, 0)  # a failed ack neither syncs nor catches up
     assert value(registry, "furlong_broker_weight_sync_seconds_count", lane="nixl") == 3
     assert value(registry, "furlong_broker_engine_version_lag", run_id="r", engine="e1") == 1
     m.run_ended("r")
@@ -44,8 +44,12 @@ def test_rollout_engine_health_read_at_scrape_time():
     registry = CollectorRegistry()
     m = RolloutMetrics(registry)
     engines = {"e0": True, "e1": True}
-    m.watch_engines(lambda run_id: RunStatus(run_id=run_id, engines=[
-        EngineStatus(engine_id=e, policy_version=0, healthy=h) for e, h in engines.items()]))
+    m.watch_engines(
+        lambda run_id: RunStatus(
+            run_id=run_id,
+            engines=[EngineStatus(engine_id=e, policy_version=0, healthy=h) for e, h in engines.items()],
+        )
+    )
     m.version_applied("r", "e0", 0)
     assert value(registry, "furlong_rollout_engine_healthy", run_id="r", engine="e1") == 1
     engines["e1"] = False

@@ -9,8 +9,9 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
@@ -41,14 +42,13 @@ def kubectl() -> str:
 
 
 def render_dir(path: Path) -> list[dict[str, Any]]:
-    result = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         raise AssertionError(f"kubectl kustomize {path} failed:\n{result.stderr}")
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render_overlay_json(name: str) -> str:
     return json.dumps(render_dir(K8S / "overlays" / name))
 
@@ -100,8 +100,11 @@ def selector_matches(selector: dict, labels: dict[str, str]) -> bool:
 
 def pods_selected(selector: dict, objects: list[dict]) -> set[str]:
     """Names of the workloads whose pod template the selector matches."""
-    return {w["metadata"]["name"] for w in workloads(objects)
-            if selector_matches(selector, pod_template(w)["metadata"].get("labels", {}))}
+    return {
+        w["metadata"]["name"]
+        for w in workloads(objects)
+        if selector_matches(selector, pod_template(w)["metadata"].get("labels", {}))
+    }
 
 
 def crd_schemas() -> dict[str, dict]:
@@ -125,8 +128,21 @@ def exported_metric_names() -> set[str]:
     return names | {f"{n}{s}" for n in names for s in ("_bucket", "_sum", "_count")}
 
 
-_PROMQL_KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
-                    "group_right", "bool", "offset", "inf", "nan"}
+_PROMQL_KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+}
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 
@@ -135,8 +151,8 @@ def promql_metric_names(expr: str) -> set[str]:
     """Metric names an expression selects (identifiers that are neither functions, keywords nor
     label names)."""
     text = _STRING.sub('""', expr)
-    text = re.sub(r"\{[^}]*\}", "", text)        # label matchers
-    text = re.sub(r"\[[^\]]*\]", "", text)       # range and subquery windows
+    text = re.sub(r"\{[^}]*\}", "", text)  # label matchers
+    text = re.sub(r"\[[^\]]*\]", "", text)  # range and subquery windows
     text = _GROUPING.sub(" ", text)
     names = set()
     for match in re.finditer(r"(?<![\w$.])([A-Za-z_:][A-Za-z0-9_:]*)\b(\s*\()?", text):

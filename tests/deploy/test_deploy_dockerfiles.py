@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from k8s_render import OVERLAYS, ROOT, render_overlay, workloads
 
 SERVICES = {  # directory -> module
@@ -101,7 +100,7 @@ def test_images_run_the_service_as_non_root_with_a_health_check(service):
         assert health and " CMD " in f" {health} " and "NONE" not in health.upper().split()
         entry = json.loads(stage.last("ENTRYPOINT"))
         assert entry[0] in ("python", "python3") and entry[1:] == ["-m", SERVICES[service]]
-        health_cmd = json.loads(health[health.index("CMD") + 3:].strip())
+        health_cmd = json.loads(health[health.index("CMD") + 3 :].strip())
         assert health_cmd[0] == entry[0]
         probe = health_cmd[-1]
         assert ("check_health" in probe) or ("/healthz" in probe), probe
@@ -143,8 +142,9 @@ def test_build_context_keeps_what_copy_needs(service):
     assert "requirements.txt" in sources
     for source in sources:
         assert (ROOT / source).exists(), f"{service}: COPY {source} does not exist"
-        assert any(source == inc or source.startswith(inc + "/") or fnmatch.fnmatch(source, inc)
-                   for inc in included), f"{service}: {source} is excluded from the build context"
+        assert any(
+            source == inc or source.startswith(inc + "/") or fnmatch.fnmatch(source, inc) for inc in included
+        ), f"{service}: {source} is excluded from the build context"
 
 
 @pytest.mark.unit
@@ -153,7 +153,7 @@ def test_gpu_variants_are_build_arguments():
         text = (ROOT / "services" / service / "Dockerfile").read_text()
         assert "ARG TORCH_VARIANT=cpu" in text
         assert "rocm" in text and "cu1" in text
-        assert f'https://download.pytorch.org/whl/$TORCH_VARIANT' in text
+        assert "https://download.pytorch.org/whl/$TORCH_VARIANT" in text
     _, stages = parse(ROOT / "services" / "rollout" / "Dockerfile")
     sglang = next(s for s in stages if s.name == "sglang")
     global_args, _ = parse(ROOT / "services" / "rollout" / "Dockerfile")
@@ -168,7 +168,7 @@ def test_manifest_images_are_built_by_a_dockerfile(overlay):
             image = container["image"]
             if not image.startswith("furlong/"):
                 continue
-            service, _, tag = image[len("furlong/"):].partition(":")
+            service, _, tag = image[len("furlong/") :].partition(":")
             assert service in SERVICES, image
             dockerfile = ROOT / "services" / service / "Dockerfile"
             assert dockerfile.is_file(), image

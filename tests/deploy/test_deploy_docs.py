@@ -6,7 +6,6 @@ import json
 import re
 
 import pytest
-
 from k8s_render import K8S, OVERLAYS, ROOT, render_overlay
 
 DOC = ROOT / "docs" / "deploy.md"

@@ -12,10 +12,20 @@ import sys
 import textwrap
 
 import pytest
-
-from k8s_render import (K8S, OVERLAYS, ROOT, exported_metric_names, find, load_yaml, pod_template,
-                        pods_selected, promql_metric_names, render_dir, render_overlay,
-                        selector_matches)
+from k8s_render import (
+    K8S,
+    OVERLAYS,
+    ROOT,
+    exported_metric_names,
+    find,
+    load_yaml,
+    pod_template,
+    pods_selected,
+    promql_metric_names,
+    render_dir,
+    render_overlay,
+    selector_matches,
+)
 
 TOOL = ROOT / "tools" / "k8s_monitoring.py"
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
@@ -25,8 +35,7 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=60)
 
 
 def walk_panels(panels: list[dict]):
@@ -42,10 +51,13 @@ def test_generated_files_match_their_sources():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("source,old", [
-    ("deploy/grafana/dashboards/rl-loop.json", '"title": "Furlong / RL loop"'),
-    ("deploy/prometheus/rules/furlong-alerts.yaml", "for: 2m"),
-])
+@pytest.mark.parametrize(
+    "source,old",
+    [
+        ("deploy/grafana/dashboards/rl-loop.json", '"title": "Furlong / RL loop"'),
+        ("deploy/prometheus/rules/furlong-alerts.yaml", "for: 2m"),
+    ],
+)
 def test_drift_is_detected(tmp_path, source, old):
     for part in ("deploy/grafana", "deploy/prometheus", "deploy/k8s/components/monitoring"):
         shutil.copytree(ROOT / part, tmp_path / part)
@@ -57,7 +69,7 @@ def test_drift_is_detected(tmp_path, source, old):
     result = run_tool("--check", "--root", str(tmp_path))
     assert result.returncode == 1
     assert "out of date" in result.stderr
-    assert run_tool("--root", str(tmp_path)).returncode == 0       # regenerating fixes it
+    assert run_tool("--root", str(tmp_path)).returncode == 0  # regenerating fixes it
     assert run_tool("--check", "--root", str(tmp_path)).returncode == 0
 
 
@@ -65,8 +77,11 @@ def test_drift_is_detected(tmp_path, source, old):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_dashboard_ships_as_a_sidecar_configmap(overlay):
     objects = render_overlay(overlay)
-    maps = [o for o in objects if o["kind"] == "ConfigMap"
-            and o["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    maps = [
+        o
+        for o in objects
+        if o["kind"] == "ConfigMap" and o["metadata"].get("labels", {}).get("grafana_dashboard") == "1"
+    ]
     shipped = {key: text for m in maps for key, text in m["data"].items()}
     assert set(shipped) == {p.name for p in DASHBOARDS}
     for path in DASHBOARDS:
@@ -112,7 +127,7 @@ def test_dashboards_only_query_exported_metrics():
         used = set()
         for expr in exprs:
             label_values = re.fullmatch(r"label_values\((.+),\s*\w+\)", expr)
-            if label_values:   # Grafana's label_values(<selector>, <label>)
+            if label_values:  # Grafana's label_values(<selector>, <label>)
                 expr = label_values.group(1)
             names = promql_metric_names(expr)
             assert names, f"{path.name}: no metric in {expr!r}"
@@ -126,9 +141,15 @@ def test_alert_rules_only_use_exported_metrics_and_cover_the_failure_modes():
     known = exported_metric_names() | {"up"}
     rules = [r for g in load_yaml(RULES)["groups"] for r in g["rules"]]
     names = {r["alert"] for r in rules}
-    assert {"FurlongServiceDown", "FurlongRolloutEnginesMissing", "FurlongWeightVersionLag",
-            "FurlongEngineVersionLag", "FurlongWeightSyncStalled", "FurlongRewardNaN",
-            "FurlongLossNaN"} <= names
+    assert {
+        "FurlongServiceDown",
+        "FurlongRolloutEnginesMissing",
+        "FurlongWeightVersionLag",
+        "FurlongEngineVersionLag",
+        "FurlongWeightSyncStalled",
+        "FurlongRewardNaN",
+        "FurlongLossNaN",
+    } <= names
     for rule in rules:
         used = promql_metric_names(rule["expr"])
         assert used and used <= known, f"{rule['alert']}: unknown {used - known}"
@@ -141,11 +162,13 @@ def test_promtool_accepts_the_rules_and_the_alerts_fire(tmp_path):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (Debian package `prometheus`)")
-    check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True,
-                           text=True, timeout=60)
+    check = subprocess.run(
+        [promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     shutil.copy(RULES, tmp_path / "rules.yaml")
-    (tmp_path / "tests.yaml").write_text(textwrap.dedent("""\
+    (tmp_path / "tests.yaml").write_text(
+        textwrap.dedent("""\
         rule_files: [rules.yaml]
         evaluation_interval: 1m
         tests:
@@ -166,7 +189,8 @@ def test_promtool_accepts_the_rules_and_the_alerts_fire(tmp_path):
                   - exp_labels: {severity: critical, run_id: r1}
                     exp_annotations:
                       summary: "Run r1: the mean reward is NaN"
-                      description: "The reward function returned NaN for the latest step; the run's updates are meaningless."
+                      description: "The reward function returned NaN for the latest step; the run's
+                        updates are meaningless."
               - eval_time: 1m
                 alertname: FurlongRewardNaN
                 exp_alerts: []
@@ -176,7 +200,8 @@ def test_promtool_accepts_the_rules_and_the_alerts_fire(tmp_path):
                   - exp_labels: {severity: critical, job: furlong-rollout, instance: "10.0.0.1:9090"}
                     exp_annotations:
                       summary: "Furlong furlong-rollout is not answering scrapes"
-                      description: "furlong-rollout at 10.0.0.1:9090 has been down for 2 minutes; a run in progress will fail."
+                      description: "furlong-rollout at 10.0.0.1:9090 has been down for 2 minutes; a run
+                        in progress will fail."
               - eval_time: 8m
                 alertname: FurlongWeightVersionLag
                 exp_alerts: []
@@ -186,10 +211,13 @@ def test_promtool_accepts_the_rules_and_the_alerts_fire(tmp_path):
                   - exp_labels: {severity: warning, run_id: r1}
                     exp_annotations:
                       summary: "Run r1: trained policy is 16 versions ahead of the committed one"
-                      description: "The trainer keeps producing versions that the engines have not all acknowledged."
-        """))
-    result = subprocess.run([promtool, "test", "rules", "tests.yaml"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=60)
+                      description: "The trainer keeps producing versions that the engines have not all
+                        acknowledged."
+        """)
+    )
+    result = subprocess.run(
+        [promtool, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -203,16 +231,23 @@ def test_monitors_find_their_targets_and_carry_the_release_label(overlay):
             assert obj["metadata"]["labels"]["release"] == settings["release"], obj["metadata"]["name"]
     services = [o for o in objects if o["kind"] == "Service"]
     for monitor in (o for o in objects if o["kind"] == "ServiceMonitor"):
-        selected = [s for s in services
-                    if selector_matches(monitor["spec"]["selector"], s["metadata"].get("labels", {}))]
+        selected = [
+            s
+            for s in services
+            if selector_matches(monitor["spec"]["selector"], s["metadata"].get("labels", {}))
+        ]
         assert selected, monitor["metadata"]["name"]
         for endpoint in monitor["spec"]["endpoints"]:
             for svc in selected:
                 assert endpoint["port"] in [p["name"] for p in svc["spec"]["ports"]]
-    scraped = {s["metadata"]["name"] for o in objects if o["kind"] == "ServiceMonitor"
-               for s in services if selector_matches(o["spec"]["selector"], s["metadata"]["labels"])}
-    assert scraped == {"furlong-controller", "furlong-trainer", "furlong-rollout",
-                       "furlong-weight-broker"}
+    scraped = {
+        s["metadata"]["name"]
+        for o in objects
+        if o["kind"] == "ServiceMonitor"
+        for s in services
+        if selector_matches(o["spec"]["selector"], s["metadata"]["labels"])
+    }
+    assert scraped == {"furlong-controller", "furlong-trainer", "furlong-rollout", "furlong-weight-broker"}
     pod_monitor = find(objects, "PodMonitor", "furlong-dashboard")
     assert pods_selected(pod_monitor["spec"]["selector"], objects) == {"furlong-dashboard"}
     dashboard = find(objects, "DaemonSet", "furlong-dashboard")
@@ -224,9 +259,11 @@ def test_monitors_find_their_targets_and_carry_the_release_label(overlay):
 def test_release_label_and_prometheus_namespace_are_configurable(tmp_path):
     shutil.copytree(K8S, tmp_path / "k8s")
     settings = tmp_path / "k8s" / "overlays" / "dev" / "monitoring-settings.yaml"
-    settings.write_text(settings.read_text()
-                        .replace("release: kube-prometheus-stack", "release: observability")
-                        .replace("prometheus-namespace: monitoring", "prometheus-namespace: obs"))
+    settings.write_text(
+        settings.read_text()
+        .replace("release: kube-prometheus-stack", "release: observability")
+        .replace("prometheus-namespace: monitoring", "prometheus-namespace: obs")
+    )
     objects = render_dir(tmp_path / "k8s" / "overlays" / "dev")
     labelled = [o for o in objects if o["apiVersion"].startswith("monitoring.coreos.com/")]
     assert len(labelled) == 4

@@ -4,9 +4,16 @@ Kubernetes' ingress semantics (a pod selected by any policy accepts only what so
 from __future__ import annotations
 
 import pytest
-
-from k8s_render import (COMPONENT, OVERLAYS, find, pod_template, pods_selected, render_overlay,
-                        selector_matches, workloads)
+from k8s_render import (
+    COMPONENT,
+    OVERLAYS,
+    find,
+    pod_template,
+    pods_selected,
+    render_overlay,
+    selector_matches,
+    workloads,
+)
 
 NAMESPACE = {"kubernetes.io/metadata.name": "furlong"}
 MONITORING_NS = {"kubernetes.io/metadata.name": "monitoring"}
@@ -14,15 +21,18 @@ ELSEWHERE_NS = {"kubernetes.io/metadata.name": "default"}
 
 
 def labels_of(objects: list[dict], component: str) -> dict[str, str]:
-    matches = [pod_template(w)["metadata"]["labels"] for w in workloads(objects)
-               if pod_template(w)["metadata"]["labels"].get(COMPONENT) == component]
+    matches = [
+        pod_template(w)["metadata"]["labels"]
+        for w in workloads(objects)
+        if pod_template(w)["metadata"]["labels"].get(COMPONENT) == component
+    ]
     assert len(matches) == 1, component
     return matches[0]
 
 
 def _peer_matches(peer: dict, src_labels: dict, src_ns: dict) -> bool:
     if "ipBlock" in peer:
-        return False   # no policy here uses ipBlock; treat as not matching pod traffic
+        return False  # no policy here uses ipBlock; treat as not matching pod traffic
     ns_selector = peer.get("namespaceSelector")
     if ns_selector is None:
         if src_ns != NAMESPACE:
@@ -33,11 +43,14 @@ def _peer_matches(peer: dict, src_labels: dict, src_ns: dict) -> bool:
     return pod_selector is None or selector_matches(pod_selector, src_labels)
 
 
-def ingress_allowed(objects: list[dict], target: dict, src_labels: dict, src_ns: dict,
-                    port: int) -> bool:
-    policies = [p for p in objects if p["kind"] == "NetworkPolicy"
-                and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-                and selector_matches(p["spec"]["podSelector"], target)]
+def ingress_allowed(objects: list[dict], target: dict, src_labels: dict, src_ns: dict, port: int) -> bool:
+    policies = [
+        p
+        for p in objects
+        if p["kind"] == "NetworkPolicy"
+        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+        and selector_matches(p["spec"]["podSelector"], target)
+    ]
     if not policies:
         return True
     for policy in policies:
@@ -61,27 +74,36 @@ def test_policies_select_the_intended_workloads(overlay):
         "furlong-controller-api": {"furlong-controller"},
         "furlong-internal": {"furlong-trainer", "furlong-rollout", "furlong-weight-broker"},
         "furlong-redis": {"furlong-redis"},
-        "furlong-allow-prometheus": {"furlong-trainer", "furlong-rollout", "furlong-weight-broker",
-                                     "furlong-dashboard"},
+        "furlong-allow-prometheus": {
+            "furlong-trainer",
+            "furlong-rollout",
+            "furlong-weight-broker",
+            "furlong-dashboard",
+        },
     }
     policies = {p["metadata"]["name"]: p for p in objects if p["kind"] == "NetworkPolicy"}
     assert set(policies) == set(expected)
     for name, workload_names in expected.items():
         assert pods_selected(policies[name]["spec"]["podSelector"], objects) == workload_names, name
     internal_peers = policies["furlong-internal"]["spec"]["ingress"][0]["from"][0]["podSelector"]
-    assert pods_selected(internal_peers, objects) == {"furlong-controller", "furlong-trainer",
-                                                      "furlong-rollout", "furlong-weight-broker"}
+    assert pods_selected(internal_peers, objects) == {
+        "furlong-controller",
+        "furlong-trainer",
+        "furlong-rollout",
+        "furlong-weight-broker",
+    }
     redis_peers = policies["furlong-redis"]["spec"]["ingress"][0]["from"][0]["podSelector"]
-    assert pods_selected(redis_peers, objects) == {"furlong-controller", "furlong-trainer",
-                                                   "furlong-rollout"}
+    assert pods_selected(redis_peers, objects) == {"furlong-controller", "furlong-trainer", "furlong-rollout"}
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_ingress_matrix(overlay):
     objects = render_overlay(overlay)
-    lab = {c: labels_of(objects, c) for c in ("controller", "trainer", "rollout", "weight-broker",
-                                              "redis", "dashboard")}
+    lab = {
+        c: labels_of(objects, c)
+        for c in ("controller", "trainer", "rollout", "weight-broker", "redis", "dashboard")
+    }
     outsider = {"app": "something-else"}
     prometheus = {"app.kubernetes.io/name": "prometheus"}
 
@@ -92,8 +114,14 @@ def test_ingress_matrix(overlay):
     assert allowed(outsider, ELSEWHERE_NS, "controller", 8080)
     assert allowed(outsider, NAMESPACE, "controller", 8080)
     assert not allowed(outsider, ELSEWHERE_NS, "controller", 9999)
-    for target, port in (("trainer", 50051), ("rollout", 50051), ("weight-broker", 50051),
-                         ("redis", 6379), ("dashboard", 9400), ("trainer", 9090)):
+    for target, port in (
+        ("trainer", 50051),
+        ("rollout", 50051),
+        ("weight-broker", 50051),
+        ("redis", 6379),
+        ("dashboard", 9400),
+        ("trainer", 9090),
+    ):
         assert not allowed(outsider, ELSEWHERE_NS, target, port), (target, port)
         assert not allowed(outsider, NAMESPACE, target, port), (target, port)
     # Redis only from the services that use it.
@@ -111,8 +139,13 @@ def test_ingress_matrix(overlay):
     assert not allowed(lab["dashboard"], NAMESPACE, "trainer", 50051)
     assert not allowed(lab["redis"], NAMESPACE, "trainer", 43127)
     # Prometheus scrapes the metrics ports only, from its own namespace.
-    for target, port in (("trainer", 9090), ("rollout", 9090), ("weight-broker", 9090),
-                         ("dashboard", 9400), ("controller", 8080)):
+    for target, port in (
+        ("trainer", 9090),
+        ("rollout", 9090),
+        ("weight-broker", 9090),
+        ("dashboard", 9400),
+        ("controller", 8080),
+    ):
         assert allowed(prometheus, MONITORING_NS, target, port), target
     assert not allowed(prometheus, MONITORING_NS, "trainer", 50051)
     assert not allowed(prometheus, MONITORING_NS, "redis", 6379)
@@ -132,6 +165,8 @@ def test_policy_ports_are_the_containers_ports():
     redis = find(objects, "NetworkPolicy", "furlong-redis")
     assert [p["port"] for p in redis["spec"]["ingress"][0]["ports"]] == [ports["furlong-redis"]["redis"]]
     scrape = find(objects, "NetworkPolicy", "furlong-allow-prometheus")
-    metric_ports = {ports[n]["metrics"] for n in ("furlong-trainer", "furlong-rollout",
-                                                   "furlong-weight-broker", "furlong-dashboard")}
+    metric_ports = {
+        ports[n]["metrics"]
+        for n in ("furlong-trainer", "furlong-rollout", "furlong-weight-broker", "furlong-dashboard")
+    }
     assert {p["port"] for p in scrape["spec"]["ingress"][0]["ports"]} == metric_ports

@@ -10,11 +10,10 @@ import shutil
 import jsonschema
 import kubernetes_validate
 import pytest
-
 from k8s_render import K8S, OVERLAYS, crd_schemas, find, render_dir, render_overlay
 
 OLDEST_SUPPORTED = "1.30.0"
-NEWEST_BUNDLED = kubernetes_validate.latest_version()   # e.g. "1.37.0"
+NEWEST_BUNDLED = kubernetes_validate.latest_version()  # e.g. "1.37.0"
 CRD_GROUP = "monitoring.coreos.com/"
 
 
@@ -37,8 +36,11 @@ def test_overlay_objects_pass_strict_validation(overlay):
     for obj in objects:
         try:
             validate_object(obj)
-        except (jsonschema.ValidationError, kubernetes_validate.ValidationError,
-                kubernetes_validate.SchemaNotFoundError) as exc:
+        except (
+            jsonschema.ValidationError,
+            kubernetes_validate.ValidationError,
+            kubernetes_validate.SchemaNotFoundError,
+        ) as exc:
             message = getattr(exc, "message", str(exc))
             pytest.fail(f"{overlay}: {obj['kind']}/{obj['metadata']['name']}: {message}")
 
@@ -48,12 +50,19 @@ def test_overlay_objects_pass_strict_validation(overlay):
 def test_overlay_renders_the_whole_stack_into_one_namespace(overlay):
     objects = render_overlay(overlay)
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    for expected in [("Namespace", "furlong"), ("Deployment", "furlong-controller"),
-                     ("Service", "furlong-controller"), ("StatefulSet", "furlong-trainer"),
-                     ("StatefulSet", "furlong-weight-broker"), ("Deployment", "furlong-rollout"),
-                     ("StatefulSet", "furlong-redis"), ("DaemonSet", "furlong-dashboard"),
-                     ("ServiceMonitor", "furlong-services"), ("PodMonitor", "furlong-dashboard"),
-                     ("PrometheusRule", "furlong-alerts")]:
+    for expected in [
+        ("Namespace", "furlong"),
+        ("Deployment", "furlong-controller"),
+        ("Service", "furlong-controller"),
+        ("StatefulSet", "furlong-trainer"),
+        ("StatefulSet", "furlong-weight-broker"),
+        ("Deployment", "furlong-rollout"),
+        ("StatefulSet", "furlong-redis"),
+        ("DaemonSet", "furlong-dashboard"),
+        ("ServiceMonitor", "furlong-services"),
+        ("PodMonitor", "furlong-dashboard"),
+        ("PrometheusRule", "furlong-alerts"),
+    ]:
         assert expected in kinds, f"{overlay} lacks {expected}"
     namespaced = [o for o in objects if o["kind"] != "Namespace"]
     assert {o["metadata"].get("namespace") for o in namespaced} == {"furlong"}
@@ -104,7 +113,8 @@ def test_rdma_component_renders_on_top_of_prod(tmp_path):
     overlay.mkdir()
     (overlay / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        "resources: [../prod]\ncomponents: [../../components/nvidia/rdma]\n")
+        "resources: [../prod]\ncomponents: [../../components/nvidia/rdma]\n"
+    )
     objects = render_dir(overlay)
     for kind, name in (("StatefulSet", "furlong-trainer"), ("Deployment", "furlong-rollout")):
         workload = find(objects, kind, name)

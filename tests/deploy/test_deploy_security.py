@@ -11,22 +11,36 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from furlong import rpc
-from k8s_render import (COMPONENT, K8S, OVERLAYS, containers, find, pod_template, render_dir,
-                        render_overlay, workloads)
+from k8s_render import (
+    COMPONENT,
+    K8S,
+    OVERLAYS,
+    containers,
+    find,
+    pod_template,
+    render_dir,
+    render_overlay,
+    workloads,
+)
 from test_deploy_render import validate_object
 from test_deploy_workloads import expanded_args, flag_value
+
+from furlong import rpc
 
 INTERNAL_SECRET = "furlong-internal-token"
 TLS_SECRET = "furlong-internal-tls"
 # the services that serve gRPC or the REST API, and call each other over gRPC
-API_SERVICES = {"controller": ("Deployment", "furlong-controller"),
-                "trainer": ("StatefulSet", "furlong-trainer"),
-                "rollout": ("Deployment", "furlong-rollout"),
-                "weight-broker": ("StatefulSet", "furlong-weight-broker")}
-GRPC_NAMES = {"trainer": "furlong.v1.Trainer", "rollout": "furlong.v1.Rollout",
-              "weight-broker": "furlong.v1.WeightBroker"}
+API_SERVICES = {
+    "controller": ("Deployment", "furlong-controller"),
+    "trainer": ("StatefulSet", "furlong-trainer"),
+    "rollout": ("Deployment", "furlong-rollout"),
+    "weight-broker": ("StatefulSet", "furlong-weight-broker"),
+}
+GRPC_NAMES = {
+    "trainer": "furlong.v1.Trainer",
+    "rollout": "furlong.v1.Rollout",
+    "weight-broker": "furlong.v1.WeightBroker",
+}
 TLS_FLAGS = ("--tls-ca-file", "--tls-cert-file", "--tls-key-file")
 
 
@@ -53,7 +67,7 @@ def test_every_api_service_reads_the_service_token_from_the_secret(overlay):
         args = expanded_args(pod_template(workload)["spec"]["containers"][0])
         token_file = flag_value(args, "--auth-token-file")
         assert secret_file(workload, token_file) == (INTERNAL_SECRET, "token"), component
-    for workload in workloads(objects):   # no other workload gets the service token
+    for workload in workloads(objects):  # no other workload gets the service token
         if pod_template(workload)["metadata"]["labels"][COMPONENT] in API_SERVICES:
             continue
         volumes = pod_template(workload)["spec"].get("volumes", [])
@@ -66,14 +80,16 @@ def render_with_mtls(tmp_path: Path, overlay: str) -> list[dict]:
     up = Path(os.path.relpath(K8S, tmp_path))
     (tmp_path / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources:\n  - {up / 'overlays' / overlay}\ncomponents:\n  - {up / 'components' / 'mtls'}\n")
+        f"resources:\n  - {up / 'overlays' / overlay}\ncomponents:\n  - {up / 'components' / 'mtls'}\n"
+    )
     return render_dir(tmp_path)
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("overlay", ["dev", "prod"])
 def test_mtls_component_mounts_certificates_and_passes_parsable_flags(overlay, tmp_path):
-    from furlong.controller.__main__ import load_config, parse_args as controller_args
+    from furlong.controller.__main__ import load_config
+    from furlong.controller.__main__ import parse_args as controller_args
     from furlong.rollout.config import RolloutServerConfig
     from furlong.trainer.__main__ import parse_args as trainer_args
     from furlong.weight_broker.config import BrokerConfig
@@ -99,15 +115,15 @@ def test_mtls_component_mounts_certificates_and_passes_parsable_flags(overlay, t
                 assert flag_value(command, "--address") == f"127.0.0.1:{flag_value(args, '--port')}"
                 for flag in (*TLS_FLAGS, "--tls-server-name"):
                     assert flag_value(command, flag) == flag_value(args, flag)
-    expected = rpc.TlsFiles(*(flag_value(parsed["trainer"], f) for f in
-                              (*TLS_FLAGS, "--tls-server-name")))
+    expected = rpc.TlsFiles(*(flag_value(parsed["trainer"], f) for f in (*TLS_FLAGS, "--tls-server-name")))
     assert trainer_args(parsed["trainer"]).tls == expected
     assert RolloutServerConfig.from_args(parsed["rollout"]).tls == expected
     assert BrokerConfig.from_args(parsed["weight-broker"]).tls == expected
     token = tmp_path / "admin-token"
     token.write_text("admin-token-0123456789abcdef")
-    controller_argv = [a if a != "/var/run/secrets/furlong/api-token/token" else str(token)
-                       for a in parsed["controller"]]
+    controller_argv = [
+        a if a != "/var/run/secrets/furlong/api-token/token" else str(token) for a in parsed["controller"]
+    ]
     assert load_config(controller_args(controller_argv)).tls == expected
 
 
@@ -128,6 +144,7 @@ def test_mtls_probe_command_passes_against_a_server_with_the_secret(tmp_path):
     secure = rpc.start_server([], ["furlong.v1.Trainer"], tls=tls)
     plain = rpc.start_server([], ["furlong.v1.Trainer"])
     try:
+
         def run(port: int) -> subprocess.CompletedProcess:
             argv = [sys.executable if c == "python3" else c for c in command]
             argv = [str(files[Path(a).name]) if a.startswith("/var/run/secrets/") else a for a in argv]

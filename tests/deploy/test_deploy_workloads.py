@@ -9,12 +9,24 @@ import re
 from pathlib import Path
 
 import pytest
+from k8s_render import (
+    COMPONENT,
+    OVERLAYS,
+    ROOT,
+    SERVICE_MODULES,
+    containers,
+    find,
+    pod_template,
+    render_overlay,
+    selector_matches,
+    workloads,
+)
 
-from k8s_render import (COMPONENT, OVERLAYS, ROOT, SERVICE_MODULES, containers, find, pod_template,
-                        render_overlay, selector_matches, workloads)
-
-GRPC_SERVICES = {"trainer": "furlong.v1.Trainer", "rollout": "furlong.v1.Rollout",
-                 "weight-broker": "furlong.v1.WeightBroker"}
+GRPC_SERVICES = {
+    "trainer": "furlong.v1.Trainer",
+    "rollout": "furlong.v1.Rollout",
+    "weight-broker": "furlong.v1.WeightBroker",
+}
 HTTP_SERVICES = {"controller", "dashboard"}
 TOKEN_SECRET = "furlong-api-token"
 
@@ -22,8 +34,7 @@ TOKEN_SECRET = "furlong-api-token"
 def parse_quantity(value) -> float:
     """A Kubernetes quantity (cpu or memory) as a float in base units."""
     text = str(value)
-    suffixes = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6,
-                "G": 1e9}
+    suffixes = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
     for suffix, factor in suffixes.items():
         if text.endswith(suffix):
             return float(text[: -len(suffix)]) * factor
@@ -59,6 +70,7 @@ def expanded_args(container: dict) -> list[str]:
         def sub(match: re.Match) -> str:
             assert match.group(1) in env, f"{container['name']}: $({match.group(1)}) is not in env"
             return env[match.group(1)]
+
         return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, arg)
 
     return [expand(a) for a in container.get("args", [])]
@@ -78,10 +90,14 @@ def declared_flags(module: str) -> tuple[set[str], set[str]]:
         if not path.is_file():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "add_argument" and node.args
-                    and isinstance(node.args[0], ast.Constant)
-                    and str(node.args[0].value).startswith("--")):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).startswith("--")
+            ):
                 continue
             flags.add(node.args[0].value)
             for kw in node.keywords:
@@ -117,8 +133,7 @@ def test_long_running_containers_have_probes_of_their_protocol(overlay):
         component = component_of(workload)
         where = f"{overlay}: {workload['metadata']['name']}"
         assert "readinessProbe" in container and "livenessProbe" in container, where
-        probes = [container[k] for k in ("readinessProbe", "livenessProbe", "startupProbe")
-                  if k in container]
+        probes = [container[k] for k in ("readinessProbe", "livenessProbe", "startupProbe") if k in container]
         if component in GRPC_SERVICES:
             grpc_port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
             assert int(flag_value(expanded_args(container), "--port")) == grpc_port, where
@@ -156,7 +171,7 @@ def test_pods_run_as_non_root_with_minimal_privileges(overlay):
 @pytest.mark.integration
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_images_are_pinned(overlay):
-    for workload, container in all_containers(overlay):
+    for _workload, container in all_containers(overlay):
         image = container["image"]
         name, _, tag = image.rpartition(":")
         assert "@sha256:" in image or (name and "/" not in tag and tag), f"{image} has no tag"
@@ -165,15 +180,20 @@ def test_images_are_pinned(overlay):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("overlay,trainer_tag,rollout_tag,gpu", [
-    ("dev", "0.1.0-cpu", "0.1.0-cpu", None),
-    ("prod", "0.1.0-cuda", "0.1.0-sglang", "nvidia.com/gpu"),
-    ("amd", "0.1.0-rocm", "0.1.0-rocm", "amd.com/gpu"),
-])
+@pytest.mark.parametrize(
+    "overlay,trainer_tag,rollout_tag,gpu",
+    [
+        ("dev", "0.1.0-cpu", "0.1.0-cpu", None),
+        ("prod", "0.1.0-cuda", "0.1.0-sglang", "nvidia.com/gpu"),
+        ("amd", "0.1.0-rocm", "0.1.0-rocm", "amd.com/gpu"),
+    ],
+)
 def test_hardware_variant_images_and_devices(overlay, trainer_tag, rollout_tag, gpu):
     objects = render_overlay(overlay)
-    for kind, name, tag in (("StatefulSet", "furlong-trainer", trainer_tag),
-                            ("Deployment", "furlong-rollout", rollout_tag)):
+    for kind, name, tag in (
+        ("StatefulSet", "furlong-trainer", trainer_tag),
+        ("Deployment", "furlong-rollout", rollout_tag),
+    ):
         spec = pod_template(find(objects, kind, name))["spec"]
         container = spec["containers"][0]
         assert container["image"].endswith(f":{tag}")
@@ -241,7 +261,7 @@ def test_service_parsers_accept_the_manifest_args():
 
     trainer = trainer_args(args_of("StatefulSet", "furlong-trainer"))
     assert (trainer.host, trainer.port, trainer.metrics_port) == ("0.0.0.0", 50051, 9090)
-    assert trainer.consumer_name == "furlong-trainer-0"   # the pod name: stable across restarts
+    assert trainer.consumer_name == "furlong-trainer-0"  # the pod name: stable across restarts
     assert trainer.num_threads == 8
     rollout = RolloutServerConfig.from_args(args_of("Deployment", "furlong-rollout"))
     assert (rollout.port, rollout.metrics_port, rollout.num_threads) == (50051, 9090, 8)
@@ -272,10 +292,14 @@ def resolve_address(objects: list[dict], address: str) -> tuple[dict, int]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_addresses_in_args_resolve_to_services_of_the_stack(overlay):
     objects = render_overlay(overlay)
-    expected_target = {"--redis-url": "redis", "--broker": "weight-broker", "--trainer": "trainer",
-                       "--rollout": "rollout"}
+    expected_target = {
+        "--redis-url": "redis",
+        "--broker": "weight-broker",
+        "--trainer": "trainer",
+        "--rollout": "rollout",
+    }
     checked = 0
-    for workload, container in all_containers(overlay):
+    for _workload, container in all_containers(overlay):
         args = expanded_args(container)
         for flag, component in expected_target.items():
             if flag not in args:
@@ -283,11 +307,11 @@ def test_addresses_in_args_resolve_to_services_of_the_stack(overlay):
             value = flag_value(args, flag)
             if flag == "--redis-url":
                 assert value.startswith("redis://") and value.endswith("/0")
-                value = value[len("redis://"):-len("/0")]
+                value = value[len("redis://") : -len("/0")]
             service, _ = resolve_address(objects, value)
             assert service["spec"]["selector"][COMPONENT] == component
             checked += 1
-    assert checked == 8   # controller: 4, trainer: 2, rollout: 2
+    assert checked == 8  # controller: 4, trainer: 2, rollout: 2
 
 
 @pytest.mark.integration
@@ -304,7 +328,7 @@ def test_stateful_pieces_have_budgets_accounts_and_storage(overlay):
         if workload["kind"] in ("Deployment", "StatefulSet"):
             matching = [b for b in budgets if selector_matches(b["spec"]["selector"], labels)]
             assert len(matching) == 1, f"{workload['metadata']['name']}: {len(matching)} budgets"
-            if workload["kind"] == "StatefulSet":   # holds run state: no voluntary eviction
+            if workload["kind"] == "StatefulSet":  # holds run state: no voluntary eviction
                 assert matching[0]["spec"]["maxUnavailable"] == 0
     redis = find(objects, "StatefulSet", "furlong-redis")
     args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -312,4 +336,4 @@ def test_stateful_pieces_have_budgets_accounts_and_storage(overlay):
     assert flag_value(args, "--dir") == "/data"
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     dashboard = find(objects, "DaemonSet", "furlong-dashboard")
-    assert pod_template(dashboard)["spec"]["hostPID"] is True   # process attribution (documented)
+    assert pod_template(dashboard)["spec"]["hostPID"] is True  # process attribution (documented)

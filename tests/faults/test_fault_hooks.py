@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 
 from furlong.weight_broker.core import BrokerCore
-from furlong.weight_broker.fault_hooks import (DROP_BUCKET_ENV, BucketDroppingCore, broker_core,
-                                               parse_drop_bucket)
+from furlong.weight_broker.fault_hooks import (
+    DROP_BUCKET_ENV,
+    BucketDroppingCore,
+    broker_core,
+    parse_drop_bucket,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -24,5 +28,5 @@ def test_the_hook_is_off_unless_its_variable_is_set():
     assert isinstance(core, BucketDroppingCore)
     # a matching round is dropped once (no engine told, nothing staged); others reach the core
     assert core.stage_round("run", 3, 1) == []
-    with pytest.raises(Exception, match="run"):   # the second time it reaches the real core
+    with pytest.raises(Exception, match="run"):  # the second time it reaches the real core
         core.stage_round("run", 3, 1)

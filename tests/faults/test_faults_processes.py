@@ -26,11 +26,16 @@ import httpx
 import pytest
 import redis
 
+from furlong.controller.local_stack import (
+    StackConfig,
+    StackInfo,
+    StackSupervisor,
+    load_stack,
+    start_stack,
+    stop_stack,
+)
 from furlong.core.run_ledger import audit
 from furlong.core.samples import STREAM_FIELD, stream_key
-
-from furlong.controller.local_stack import (StackConfig, StackInfo, StackSupervisor, load_stack,
-                                            start_stack, stop_stack)
 from furlong.trainer.sample_reader import rejected_key
 from furlong.weight_broker.fault_hooks import DROP_BUCKET_ENV
 
@@ -41,7 +46,7 @@ from tiny_policy import write_tiny_checkpoint  # noqa: E402
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 FINAL = {"succeeded", "failed", "cancelled"}
-STEPS = 60                  # a step takes 0.05-0.5 s: the fault lands well before the end
+STEPS = 60  # a step takes 0.05-0.5 s: the fault lands well before the end
 SEED = int(os.environ.get("FURLONG_FAULT_SEED", random.SystemRandom().randrange(1 << 30)))
 ACK_TIMEOUT_S = 8.0
 
@@ -61,8 +66,9 @@ class Stack:
         self.redis = redis.Redis.from_url(info.redis_url)
         self.summary_path = summary_path
         self.summary: dict[str, dict] = {}
-        self.http = httpx.Client(base_url=info.rest_url, timeout=30,
-                                 headers={"Authorization": f"Bearer {info.token()}"})
+        self.http = httpx.Client(
+            base_url=info.rest_url, timeout=30, headers={"Authorization": f"Bearer {info.token()}"}
+        )
 
     def process(self, name: str):
         return {p.name: p for p in load_stack(Path(self.info.state_dir)).processes}[name]
@@ -76,7 +82,7 @@ class Stack:
         try:
             resp = self.http.get(f"/v1/runs/{run_id}")
         except httpx.TransportError:
-            return None   # the controller itself may be restarting
+            return None  # the controller itself may be restarting
         return resp.json() if resp.status_code == 200 else None  # or Redis may be
 
     def wait(self, run_id: str, predicate, timeout_s: float = 240.0) -> dict:
@@ -86,8 +92,9 @@ class Stack:
             if run is not None and predicate(run):
                 return run
             time.sleep(0.1)
-        raise AssertionError(f"run {run_id}: condition not reached in {timeout_s}s "
-                             f"(last seen {self.get(run_id)})")
+        raise AssertionError(
+            f"run {run_id}: condition not reached in {timeout_s}s (last seen {self.get(run_id)})"
+        )
 
     def at_random_point(self, run_id: str) -> dict:
         """Wait for a seeded random step of the run, then a seeded random delay within it."""
@@ -126,12 +133,31 @@ class Stack:
     def record(self, fault: str, run: dict, where: dict, ledger: dict) -> None:
         entry = self.summary.setdefault(fault, {"injected": 0, "runs": []})
         entry["injected"] += 1
-        entry["runs"].append({"run_id": run["run_id"], "state": run["state"],
-                              "reason": run["reason"], "where": where,
-                              "audit": {k: ledger[k] for k in (
-                                  "finished_step", "submitted", "generated", "trained", "lost",
-                                  "trained_twice", "retrain_refused", "duplicates_refused",
-                                  "resubmitted", "recoveries", "rejected", "versions_ok")}})
+        entry["runs"].append(
+            {
+                "run_id": run["run_id"],
+                "state": run["state"],
+                "reason": run["reason"],
+                "where": where,
+                "audit": {
+                    k: ledger[k]
+                    for k in (
+                        "finished_step",
+                        "submitted",
+                        "generated",
+                        "trained",
+                        "lost",
+                        "trained_twice",
+                        "retrain_refused",
+                        "duplicates_refused",
+                        "resubmitted",
+                        "recoveries",
+                        "rejected",
+                        "versions_ok",
+                    )
+                },
+            }
+        )
         self.write_summary()
 
     def write_summary(self) -> None:
@@ -147,9 +173,13 @@ def model(tmp_path_factory) -> str:
 def stack(tmp_path_factory):
     print(f"\nfault suite seed: {SEED} (replay with FURLONG_FAULT_SEED={SEED})")
     state_dir = tmp_path_factory.mktemp("faults")
-    info = start_stack(StackConfig(state_dir=state_dir, broker_ack_timeout_s=ACK_TIMEOUT_S,
-                                   services=("redis", "weight_broker", "trainer", "rollout",
-                                             "controller")))
+    info = start_stack(
+        StackConfig(
+            state_dir=state_dir,
+            broker_ack_timeout_s=ACK_TIMEOUT_S,
+            services=("redis", "weight_broker", "trainer", "rollout", "controller"),
+        )
+    )
     supervisor = StackSupervisor(state_dir).start()
     s = Stack(info, supervisor, state_dir / "fault-summary.json")
     yield s
@@ -185,7 +215,7 @@ def test_kill9_mid_run_the_run_resumes_and_nothing_is_lost(stack, model, service
     stack.record(f"kill -9 {service}", run, where, ledger)
     _sound(ledger)
     _completed(run)
-    assert ledger["trained"] == STEPS * 2            # every prompt of every step, exactly once
+    assert ledger["trained"] == STEPS * 2  # every prompt of every step, exactly once
     assert ledger["recoveries"] >= 1, ledger
     events = stack.http.get(f"/v1/runs/{run_id}/events").text
     assert "recovery" in events
@@ -218,16 +248,15 @@ def test_corrupt_sample_in_redis_is_rejected_by_name_and_nothing_else_dropped(st
     stack.wait_healthy()
     run_id = stack.run(fault_spec(model, "corrupt-sample"))
     where = stack.at_random_point(run_id)
-    (entry_id, fields), = stack.redis.xrevrange(stream_key(run_id), count=1)
+    ((entry_id, fields),) = stack.redis.xrevrange(stream_key(run_id), count=1)
     group = json.loads(fields[STREAM_FIELD])
     bad = group["samples"][0]
     bad["sample_id"] = "corrupted/0"
-    bad["response_token_ids"][0] = 10_000   # outside its sampling support and the vocabulary
+    bad["response_token_ids"][0] = 10_000  # outside its sampling support and the vocabulary
     stack.redis.xadd(stream_key(run_id), {STREAM_FIELD: json.dumps(group).encode()})
     run = stack.wait(run_id, lambda r: r["state"] in FINAL)
     ledger = stack.audit(run_id, finished_step=STEPS)
-    stack.record("corrupt sample in Redis", run, {**where, "copied_entry": entry_id.decode()},
-                 ledger)
+    stack.record("corrupt sample in Redis", run, {**where, "copied_entry": entry_id.decode()}, ledger)
     _sound(ledger)
     _completed(run)
     (rejected,) = stack.redis.xrange(rejected_key(run_id))
@@ -235,8 +264,7 @@ def test_corrupt_sample_in_redis_is_rejected_by_name_and_nothing_else_dropped(st
     assert ledger["rejected"] == 1 and ledger["trained"] == STEPS * 2
 
 
-def test_dropped_weight_bucket_fails_the_run_clearly_and_no_torn_version(stack, model,
-                                                                          monkeypatch):
+def test_dropped_weight_bucket_fails_the_run_clearly_and_no_torn_version(stack, model, monkeypatch):
     # the broker restarted with its fault hook: the first round 0 of version 2 is dropped
     monkeypatch.setenv(DROP_BUCKET_ENV, "2:0")
     stack.kill9("weight_broker")
@@ -248,7 +276,7 @@ def test_dropped_weight_bucket_fails_the_run_clearly_and_no_torn_version(stack, 
     assert run["reason"].startswith("step 2 broker.WaitCommitted: ConflictError"), run["reason"]
     assert "fenced" in run["reason"] and "version 2" in run["reason"], run["reason"]
     assert run["current_step"] == 1 and run["policy_version"] == 1
-    ledger = stack.audit(run_id)     # the steps the trainer made durable lost nothing
+    ledger = stack.audit(run_id)  # the steps the trainer made durable lost nothing
     stack.record("drop a weight bucket", run, {"version": 2, "round": 0}, ledger)
     _sound(ledger)
     assert ledger["uncommitted_sample_versions"] == [] and 2 not in ledger["sample_versions"]

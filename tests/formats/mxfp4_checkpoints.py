@@ -23,8 +23,9 @@ def e8m0_tensor(scales: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(scales)).view(torch.float8_e8m0fnu)
 
 
-def random_mxfp4(rng: np.random.Generator, shape: tuple[int, ...], top: int = 120,
-                 max_spread: int = 14) -> tuple[np.ndarray, np.ndarray]:
+def random_mxfp4(
+    rng: np.random.Generator, shape: tuple[int, ...], top: int = 120, max_spread: int = 14
+) -> tuple[np.ndarray, np.ndarray]:
     """Random packed codes and scales whose blocks lie at most max_spread below `top`; every
     128x128 tile gets one block exactly at `top` so the spreads are what they say."""
     *lead, rows, cols = shape
@@ -44,9 +45,13 @@ def one_block_tile(code: int, spread: int, top: int = 140) -> tuple[np.ndarray, 
     return mxfp4.pack_codes(codes), scales
 
 
-def write_checkpoint(root: Path, shards: dict[str, dict[str, torch.Tensor]],
-                     config: dict | None = None, extra_files: dict[str, str] | None = None,
-                     indexed: bool = True) -> Path:
+def write_checkpoint(
+    root: Path,
+    shards: dict[str, dict[str, torch.Tensor]],
+    config: dict | None = None,
+    extra_files: dict[str, str] | None = None,
+    indexed: bool = True,
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     weight_map = {}
     for shard, tensors in shards.items():
@@ -57,7 +62,8 @@ def write_checkpoint(root: Path, shards: dict[str, dict[str, torch.Tensor]],
     if config is None:
         config = json.loads((FIXTURES / "deepseek-v4-flash-0731.json").read_text())
     (root / "config.json").write_text(json.dumps(config))
-    for name, text in (extra_files or {"tokenizer.json": "{\"v\": 1}",
-                                       "generation_config.json": "{\"temperature\": 1.0}"}).items():
+    for name, text in (
+        extra_files or {"tokenizer.json": '{"v": 1}', "generation_config.json": '{"temperature": 1.0}'}
+    ).items():
         (root / name).write_text(text)
     return root

@@ -9,10 +9,9 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from mxfp4_checkpoints import FIXTURES, e8m0_tensor, fp4_tensor, random_mxfp4, write_checkpoint
 
 from furlong.controller.cli_models import add_commands
-
-from mxfp4_checkpoints import FIXTURES, e8m0_tensor, fp4_tensor, random_mxfp4, write_checkpoint
 
 
 def run(argv: list[str]) -> int:
@@ -26,11 +25,16 @@ def v4_release(tmp_path, spread=14):
     rng = np.random.default_rng(2)
     packed, scales = random_mxfp4(rng, (256, 256), max_spread=spread)
     scales[..., 1, 1] = 120 - spread
-    return write_checkpoint(tmp_path / "v4-0731", {
-        "model-00001-of-00001.safetensors": {
-            "model.layers.0.ffn.experts.0.w1.weight": fp4_tensor(packed),
-            "model.layers.0.ffn.experts.0.w1.scale": e8m0_tensor(scales),
-            "model.embed.weight": torch.randn(8, 4).bfloat16()}})
+    return write_checkpoint(
+        tmp_path / "v4-0731",
+        {
+            "model-00001-of-00001.safetensors": {
+                "model.layers.0.ffn.experts.0.w1.weight": fp4_tensor(packed),
+                "model.layers.0.ffn.experts.0.w1.scale": e8m0_tensor(scales),
+                "model.embed.weight": torch.randn(8, 4).bfloat16(),
+            }
+        },
+    )
 
 
 @pytest.mark.integration
@@ -47,8 +51,13 @@ def test_models_check_prints_what_it_found(tmp_path, capsys):
     assert "rope: default, theta 1e+06" in capsys.readouterr().out
     assert run(["models", "check", str(glm)]) == 1
     config = json.loads((glm / "config.json").read_text())
-    config["rope_scaling"] = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                              "beta_fast": 32, "beta_slow": 1}
+    config["rope_scaling"] = {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
     (glm / "config.json").write_text(json.dumps(config))
     assert run(["models", "check", str(glm), "--config-only"]) == 1
     assert "RoPE type: spec 'default', config 'yarn'" in capsys.readouterr().err
@@ -78,8 +87,7 @@ def test_lossy_release_fails_closed_unless_bf16(tmp_path, capsys):
     assert run(["convert", "mxfp4-to-fp8", str(src), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "model.layers.0.ffn.experts.0.w1.weight" in err and "tile (0, 0)" in err
-    assert run(["convert", "mxfp4-to-fp8", str(src), str(tmp_path / "out"),
-                "--on-lossy", "bf16"]) == 0
+    assert run(["convert", "mxfp4-to-fp8", str(src), str(tmp_path / "out"), "--on-lossy", "bf16"]) == 0
     assert "bf16 (lossy in FP8" in capsys.readouterr().out
     assert run(["convert", "verify", str(src), str(tmp_path / "out")]) == 0
     with pytest.raises(SystemExit):

@@ -19,9 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from furlong.core.models import (AttentionKind, ContractError, ModelSpec, NormKind, RopeSpec,
-                                 RopeType, check_config, config_rope, get_spec, identify,
-                                 load_checked_spec, registered_specs)
+from furlong.core.models import (
+    AttentionKind,
+    ContractError,
+    ModelSpec,
+    NormKind,
+    RopeSpec,
+    RopeType,
+    check_config,
+    config_rope,
+    get_spec,
+    identify,
+    load_checked_spec,
+    registered_specs,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -46,8 +57,13 @@ def test_every_spec_matches_its_checkpoint_config(spec):
 def test_every_spec_rejects_a_flipped_rope_type(spec):
     config = fixture(spec.name)
     if spec.rope.type is RopeType.PLAIN:
-        config["rope_scaling"] = {"type": "yarn", "factor": 40, "original_max_position_embeddings":
-                                  4096, "beta_fast": 32, "beta_slow": 1}
+        config["rope_scaling"] = {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        }
     else:
         config["rope_scaling"] = None
     with pytest.raises(ContractError, match="RoPE type") as info:
@@ -69,18 +85,36 @@ def test_mla_models_with_plain_rope_are_declared_plain(name):
 @pytest.mark.unit
 def test_mla_spec_without_rope_names_model_and_config_field():
     with pytest.raises(ValueError) as info:
-        ModelSpec(name="my-mla", model_type="deepseek_v3", attention=AttentionKind.MLA, rope=None,
-                  rotary_dim=64, norm=NormKind.RMSNORM, norm_eps=1e-6, vocab_size=10,
-                  hidden_size=8, num_hidden_layers=1, max_position_embeddings=16)
+        ModelSpec(
+            name="my-mla",
+            model_type="deepseek_v3",
+            attention=AttentionKind.MLA,
+            rope=None,
+            rotary_dim=64,
+            norm=NormKind.RMSNORM,
+            norm_eps=1e-6,
+            vocab_size=10,
+            hidden_size=8,
+            num_hidden_layers=1,
+            max_position_embeddings=16,
+        )
     message = str(info.value)
     assert "my-mla" in message and "rope_scaling" in message and "rope_theta" in message
     assert "does not imply YaRN" in message
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("field,value", [
-    ("factor", 32), ("original_max_position_embeddings", 8192), ("beta_fast", 16),
-    ("beta_slow", 2), ("mscale", 0.707), ("mscale_all_dim", 0.5)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("factor", 32),
+        ("original_max_position_embeddings", 8192),
+        ("beta_fast", 16),
+        ("beta_slow", 2),
+        ("mscale", 0.707),
+        ("mscale_all_dim", 0.5),
+    ],
+)
 def test_yarn_parameters_must_equal_the_config(field, value):
     config = fixture("deepseek-v3")
     config["rope_scaling"][field] = value
@@ -155,11 +189,19 @@ def test_rope_spec_rejects_parameters_of_another_type():
     with pytest.raises(ValueError, match="default RoPE takes no factor"):
         RopeSpec(RopeType.PLAIN, theta=10000.0, factor=4.0)
     with pytest.raises(ValueError, match="yarn RoPE needs beta_fast"):
-        RopeSpec(RopeType.YARN, theta=10000.0, factor=4.0, original_max_position_embeddings=4096,
-                 beta_slow=1.0)
+        RopeSpec(
+            RopeType.YARN, theta=10000.0, factor=4.0, original_max_position_embeddings=4096, beta_slow=1.0
+        )
     with pytest.raises(ValueError, match="both be stated"):
-        RopeSpec(RopeType.YARN, theta=1e4, factor=4.0, original_max_position_embeddings=4096,
-                 beta_fast=32.0, beta_slow=1.0, mscale=1.0)
+        RopeSpec(
+            RopeType.YARN,
+            theta=1e4,
+            factor=4.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+        )
     with pytest.raises(ValueError, match="theta"):
         RopeSpec(RopeType.PLAIN, theta=float("nan"))
 

@@ -5,19 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from mxfp4_checkpoints import one_block_tile
 
 from furlong.core import mxfp4
 
-from mxfp4_checkpoints import one_block_tile
-
-E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(
-    torch.float8_e4m3fn).to(torch.float64).numpy()
+E4M3 = (
+    torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+)
 
 
 @pytest.mark.unit
 def test_fp4_values_and_nibble_order():
-    assert mxfp4.FP4_VALUES.tolist() == [0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3,
-                                         -4, -6]
+    assert mxfp4.FP4_VALUES.tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
     assert np.signbit(mxfp4.FP4_VALUES[8])
     packed = np.array([[0x21, 0xF8]], np.uint8)  # element 0 = low nibble 1, element 1 = high 2
     assert mxfp4.unpack_codes(packed).tolist() == [[1, 2, 8, 15]]
@@ -78,12 +77,10 @@ def test_fast_and_table_paths_agree_with_torch_cast():
     scales[0, 0] = 100
     fp8, tile_scale = mxfp4.to_fp8(packed, scales)
     spread = 100 - scales.astype(np.int64)
-    values = mxfp4.FP4_VALUES[mxfp4.unpack_codes(packed)] * np.exp2(
-        6 - np.repeat(spread, 32, axis=1))
-    reference = torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn).view(
-        torch.uint8).numpy()
+    values = mxfp4.FP4_VALUES[mxfp4.unpack_codes(packed)] * np.exp2(6 - np.repeat(spread, 32, axis=1))
+    reference = torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
     assert np.array_equal(fp8, reference)
-    assert (spread > 11).any() and (spread <= 11).any()   # both code paths ran
+    assert (spread > 11).any() and (spread <= 11).any()  # both code paths ran
 
 
 @pytest.mark.unit
@@ -103,13 +100,12 @@ def test_lossy_tile_is_named_with_its_block():
 @pytest.mark.unit
 def test_shapes_that_do_not_fill_tiles_and_stacked_experts():
     rng = np.random.default_rng(3)
-    packed = rng.integers(0, 256, (3, 200, 48), dtype=np.uint8)   # 3 experts, 200 x 96
+    packed = rng.integers(0, 256, (3, 200, 48), dtype=np.uint8)  # 3 experts, 200 x 96
     scales = (90 - rng.integers(0, 15, (3, 200, 3))).astype(np.uint8)
     fp8, tile_scales = mxfp4.to_fp8(packed, scales)
     assert fp8.shape == (3, 200, 96) and tile_scales.shape == (3, 2, 1)
     for e in range(3):
         factors = np.repeat(np.repeat(tile_scales[e].astype(np.float64), 128, 0), 128, 1)
-        assert np.array_equal(E4M3[fp8[e]] * factors[:200, :96],
-                              mxfp4.dequantize(packed[e], scales[e]))
+        assert np.array_equal(E4M3[fp8[e]] * factors[:200, :96], mxfp4.dequantize(packed[e], scales[e]))
     with pytest.raises(ValueError, match="needs 3 scales"):
         mxfp4.check_tiles(packed, scales[..., :2])

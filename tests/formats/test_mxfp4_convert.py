@@ -7,17 +7,20 @@ import json
 import numpy as np
 import pytest
 import torch
+from mxfp4_checkpoints import e8m0_tensor, fp4_tensor, random_mxfp4, write_checkpoint
 from safetensors.torch import load_file
 
 from furlong.core import mxfp4
 from furlong.core.errors import IntegrityError
 from furlong.core.formats.checkpoint_dir import CheckpointDir
-from furlong.core.formats.mxfp4_convert import (MARKER_FILE, ConvertOptions,
-                                                LossyConversionError, convert_mxfp4_to_fp8)
+from furlong.core.formats.mxfp4_convert import (
+    MARKER_FILE,
+    ConvertOptions,
+    LossyConversionError,
+    convert_mxfp4_to_fp8,
+)
 from furlong.core.formats.verify import verify_conversion
 from furlong.core.safetensors_io import write_file
-
-from mxfp4_checkpoints import e8m0_tensor, fp4_tensor, random_mxfp4, write_checkpoint
 
 EXPERT = "model.layers.{}.mlp.experts.{}.{}.weight"
 
@@ -34,29 +37,41 @@ def spread_checkpoint(tmp_path, spreads, code=5):
         sc[0, 0] = 140 - s
         weights[f"w{s}.weight"] = fp4_tensor(packed)
         scales[f"w{s}.scale"] = e8m0_tensor(sc)
-    return write_checkpoint(tmp_path / "src", {"model-00001-of-00002.safetensors": weights,
-                                               "model-00002-of-00002.safetensors": scales})
+    return write_checkpoint(
+        tmp_path / "src",
+        {"model-00001-of-00002.safetensors": weights, "model-00002-of-00002.safetensors": scales},
+    )
 
 
 @pytest.mark.integration
 def test_random_round_trip_across_shards_with_a_big_tensor(tmp_path):
     rng = np.random.default_rng(11)
     big_packed, big_scales = random_mxfp4(rng, (2048, 4096), top=130)
-    small = {name: random_mxfp4(rng, shape) for name, shape in (
-        (EXPERT.format(0, 0, "up_proj"), (256, 384)),
-        (EXPERT.format(0, 1, "down_proj"), (200, 96)),
-        ("model.layers.1.mlp.experts.stacked.weight", (4, 128, 256)))}
-    shard1 = {EXPERT.format(1, 0, "gate_proj"): fp4_tensor(big_packed),
-              "model.embed_tokens.weight": torch.randn(64, 32).to(torch.bfloat16)}
+    small = {
+        name: random_mxfp4(rng, shape)
+        for name, shape in (
+            (EXPERT.format(0, 0, "up_proj"), (256, 384)),
+            (EXPERT.format(0, 1, "down_proj"), (200, 96)),
+            ("model.layers.1.mlp.experts.stacked.weight", (4, 128, 256)),
+        )
+    }
+    shard1 = {
+        EXPERT.format(1, 0, "gate_proj"): fp4_tensor(big_packed),
+        "model.embed_tokens.weight": torch.randn(64, 32).to(torch.bfloat16),
+    }
     shard2 = {name: fp4_tensor(p) for name, (p, _) in small.items()}
-    shard2["model.layers.0.self_attn.o_proj.weight"] = torch.randn(32, 32).to(
-        torch.float8_e4m3fn)
+    shard2["model.layers.0.self_attn.o_proj.weight"] = torch.randn(32, 32).to(torch.float8_e4m3fn)
     shard3 = {EXPERT.format(1, 0, "gate_proj")[:-6] + "scale": e8m0_tensor(big_scales)}
     shard3.update({name[:-6] + "scale": e8m0_tensor(s) for name, (_, s) in small.items()})
     shard3["model.norm.weight"] = torch.ones(32)
-    src = write_checkpoint(tmp_path / "src", {"model-00001-of-00003.safetensors": shard1,
-                                              "model-00002-of-00003.safetensors": shard2,
-                                              "model-00003-of-00003.safetensors": shard3})
+    src = write_checkpoint(
+        tmp_path / "src",
+        {
+            "model-00001-of-00003.safetensors": shard1,
+            "model-00002-of-00003.safetensors": shard2,
+            "model-00003-of-00003.safetensors": shard3,
+        },
+    )
     report = convert_mxfp4_to_fp8(src, tmp_path / "dst")
     assert (report.num_fp8, report.num_copied, report.bf16_tensors) == (4, 3, ())
     check = verify_conversion(src, tmp_path / "dst")
@@ -87,7 +102,8 @@ def test_config_tokenizer_and_other_tensors(tmp_path):
     assert (tmp_path / "dst" / "generation_config.json").is_file()
     # the shard that only held scales is gone from the output
     assert sorted(p.name for p in (tmp_path / "dst").glob("*.safetensors")) == [
-        "model-00001-of-00002.safetensors"]
+        "model-00001-of-00002.safetensors"
+    ]
 
 
 @pytest.mark.integration
@@ -158,8 +174,11 @@ def test_nan_scale_is_an_error_naming_the_tensor(tmp_path):
     packed = np.zeros((128, 64), np.uint8)
     scales = np.full((128, 4), 127, np.uint8)
     scales[5, 2] = 255
-    src = write_checkpoint(tmp_path / "src", {"model.safetensors": {
-        "e.weight": fp4_tensor(packed), "e.weight_scale": e8m0_tensor(scales)}}, indexed=False)
+    src = write_checkpoint(
+        tmp_path / "src",
+        {"model.safetensors": {"e.weight": fp4_tensor(packed), "e.weight_scale": e8m0_tensor(scales)}},
+        indexed=False,
+    )
     with pytest.raises(ValueError, match=r"'e.weight'.*NaN"):
         convert_mxfp4_to_fp8(src, tmp_path / "dst")
 
@@ -168,8 +187,11 @@ def test_nan_scale_is_an_error_naming_the_tensor(tmp_path):
 def test_single_file_source_and_custom_scale_suffix(tmp_path):
     rng = np.random.default_rng(5)
     packed, scales = random_mxfp4(rng, (128, 256))
-    src = write_checkpoint(tmp_path / "src", {"model.safetensors": {
-        "x.weight": fp4_tensor(packed), "x.scale": torch.from_numpy(scales)}}, indexed=False)
+    src = write_checkpoint(
+        tmp_path / "src",
+        {"model.safetensors": {"x.weight": fp4_tensor(packed), "x.scale": torch.from_numpy(scales)}},
+        indexed=False,
+    )
     convert_mxfp4_to_fp8(src, tmp_path / "dst", ConvertOptions(scale_suffix="scale"))
     loaded = load_file(tmp_path / "dst" / "model.safetensors")
     assert set(loaded) == {"x.weight", "x.scale"} and loaded["x.scale"].dtype == torch.float32

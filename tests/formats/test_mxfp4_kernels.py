@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mxfp4_checkpoints import e8m0_tensor, fp4_tensor, one_block_tile, random_mxfp4, write_checkpoint
 
 from furlong.core import mxfp4
 from furlong.core.formats.mxfp4_convert import ConvertOptions, convert_mxfp4_to_fp8
-from furlong.core.formats.mxfp4_kernels import (NumbaEncoder, NumpyEncoder,
-                                                numba_unavailable_reason, select_encoder)
-
-from mxfp4_checkpoints import (e8m0_tensor, fp4_tensor, one_block_tile, random_mxfp4,
-                               write_checkpoint)
+from furlong.core.formats.mxfp4_kernels import (
+    NumbaEncoder,
+    NumpyEncoder,
+    numba_unavailable_reason,
+    select_encoder,
+)
 
 pytest.importorskip("numba")
 
@@ -42,8 +44,9 @@ def assert_same_check(got: mxfp4.TileCheck, want: mxfp4.TileCheck) -> None:
     assert (got.num_lossy_tiles, got.lossy) == (want.num_lossy_tiles, want.lossy)
 
 
-def assert_same_bytes(compiled: NumbaEncoder, packed: np.ndarray, scales: np.ndarray,
-                      rows_per_chunk: int) -> np.ndarray:
+def assert_same_bytes(
+    compiled: NumbaEncoder, packed: np.ndarray, scales: np.ndarray, rows_per_chunk: int
+) -> np.ndarray:
     reference = NumpyEncoder()
     want_check = reference.check_tiles(packed, scales)
     got_check = compiled.check_tiles(packed, scales)
@@ -74,10 +77,19 @@ def test_exhaustive_codes_times_spreads_match_the_reference(compiled):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("shape, rows_per_chunk", [
-    ((1, 32), 1), ((127, 96), 5), ((129, 160), 64), ((200, 4128 // 2 * 2), 7),
-    ((3, 200, 96), 33), ((2, 2, 130, 64), 1000), ((0, 64), 4), ((3, 0, 64), 4),
-])
+@pytest.mark.parametrize(
+    "shape, rows_per_chunk",
+    [
+        ((1, 32), 1),
+        ((127, 96), 5),
+        ((129, 160), 64),
+        ((200, 4128 // 2 * 2), 7),
+        ((3, 200, 96), 33),
+        ((2, 2, 130, 64), 1000),
+        ((0, 64), 4),
+        ((3, 0, 64), 4),
+    ],
+)
 def test_random_shapes_and_tails_match_the_reference(compiled, shape, rows_per_chunk):
     rng = np.random.default_rng(sum(shape) + rows_per_chunk)
     packed, scales = random_mxfp4(rng, shape, top=130, max_spread=14)
@@ -149,8 +161,10 @@ def test_both_kernels_write_identical_checkpoints(tmp_path):
         packed, sc = random_mxfp4(rng, shape, top=125)
         weights[f"model.layers.{i}.mlp.experts.w.weight"] = fp4_tensor(packed)
         scales[f"model.layers.{i}.mlp.experts.w.scale"] = e8m0_tensor(sc)
-    src = write_checkpoint(tmp_path / "src", {"model-00001-of-00002.safetensors": weights,
-                                              "model-00002-of-00002.safetensors": scales})
+    src = write_checkpoint(
+        tmp_path / "src",
+        {"model-00001-of-00002.safetensors": weights, "model-00002-of-00002.safetensors": scales},
+    )
     outputs = {}
     for kernel, chunk_bytes in (("numpy", 4 << 20), ("numba", 1000)):
         dst = tmp_path / kernel
@@ -174,8 +188,10 @@ def test_a_bad_weight_after_good_ones_fails_the_conversion(tmp_path, kernel):
             sc[130, 3] = 255
         weights[f"w{i}.weight"] = fp4_tensor(packed)
         scales[f"w{i}.scale"] = e8m0_tensor(sc)
-    src = write_checkpoint(tmp_path / "src", {"model-00001-of-00002.safetensors": weights,
-                                              "model-00002-of-00002.safetensors": scales})
+    src = write_checkpoint(
+        tmp_path / "src",
+        {"model-00001-of-00002.safetensors": weights, "model-00002-of-00002.safetensors": scales},
+    )
     with pytest.raises(ValueError, match=r"'w1.weight'.*NaN.*\(0, 130, 3\)"):
         convert_mxfp4_to_fp8(src, tmp_path / "dst", ConvertOptions(kernel=kernel))
     assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst.partial-*"))

@@ -12,8 +12,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_check(root: Path) -> subprocess.CompletedProcess:
     # grpc_tools runs in a subprocess: it must never be imported next to nixl.
-    return subprocess.run([sys.executable, str(root / "tools" / "proto_gen.py"), "--check"],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(root / "tools" / "proto_gen.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.unit

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -21,10 +20,19 @@ def tokenizer() -> CharTokenizer:
 
 def tiny_model(seed: int, tie: bool = False, vocab_size: int | None = None) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size or tokenizer().vocab_size, hidden_size=32,
-                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=vocab_size or tokenizer().vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         # Wider logits than the default init, so sampling differs visibly between seeds/weights.
@@ -45,8 +53,9 @@ def uncached_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
 
 
-def greedy_uncached(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int,
-                    eos_id: int) -> list[int]:
+def greedy_uncached(
+    model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int, eos_id: int
+) -> list[int]:
     out: list[int] = []
     for _ in range(max_new_tokens):
         tok = int(uncached_logits(model, prompt + out).argmax())
@@ -56,8 +65,9 @@ def greedy_uncached(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: 
     return out
 
 
-def reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
-              min_p: float = 0.0) -> tuple[set[int], dict[int, float]]:
+def reference(
+    logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+) -> tuple[set[int], dict[int, float]]:
     """The support and the log-prob of each supported token, computed independently."""
     z = logits.astype(np.float64) / temperature
     order = np.argsort(-z, kind="stable")

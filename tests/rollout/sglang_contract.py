@@ -43,7 +43,7 @@ def check_generate_records_exact_draws(engine: SGLangEngine) -> list:
         assert g.finish_reason in ("eos", "length", "stop")
         assert g.policy_version == engine.policy_version
     again = engine.generate(PROMPTS * 2, config)
-    assert [g.token_ids for g in again] == [g.token_ids for g in gens]       # sampling_seed holds
+    assert [g.token_ids for g in again] == [g.token_ids for g in gens]  # sampling_seed holds
     return gens
 
 
@@ -71,8 +71,9 @@ def check_bad_request_is_a_value_error(engine: SGLangEngine) -> None:
 def check_pause_holds_generation_until_resumed(engine: SGLangEngine) -> None:
     engine.pause()
     done = threading.Event()
-    worker = threading.Thread(target=lambda: (engine.generate(PROMPTS[:1], SamplingConfig(max_new_tokens=2)),
-                                              done.set()))
+    worker = threading.Thread(
+        target=lambda: (engine.generate(PROMPTS[:1], SamplingConfig(max_new_tokens=2)), done.set())
+    )
     worker.start()
     try:
         assert not done.wait(0.5)
@@ -82,8 +83,9 @@ def check_pause_holds_generation_until_resumed(engine: SGLangEngine) -> None:
     worker.join(10)
 
 
-def check_weight_update_from_disk(engine: SGLangEngine, new_model_dir: str,
-                                  greedy_before: list[list[int]]) -> None:
+def check_weight_update_from_disk(
+    engine: SGLangEngine, new_model_dir: str, greedy_before: list[list[int]]
+) -> None:
     version = engine.policy_version + 1
     engine.update_weights_from_disk(version, new_model_dir)
     assert engine.policy_version == version and engine.wait_for_version(version, 0.0)
@@ -117,8 +119,9 @@ def check_weight_update_from_tensor(engine: SGLangEngine, named_tensors: dict, e
     assert engine.policy_version == version
 
 
-def check_weight_update_from_distributed(engines: list[SGLangEngine], named_tensors: dict,
-                                         expected: list, backend: str = "gloo") -> None:
+def check_weight_update_from_distributed(
+    engines: list[SGLangEngine], named_tensors: dict, expected: list, backend: str = "gloo"
+) -> None:
     """One group over all `engines`: a full update, then a partial one (a single tensor, sent back
     unchanged) that must leave generation as it is; every engine serves each new version."""
     group = WeightUpdateGroup(engines, backend=backend, timeout_s=60.0)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rollout_models import tiny_model
 
 from furlong.rollout.core.llama_runner import LlamaRunner, attention_groups
 from furlong.rollout.core.slot_table import SlotTable
-from rollout_models import tiny_model
 
 pytestmark = pytest.mark.unit
 
@@ -17,9 +17,12 @@ pytestmark = pytest.mark.unit
 def test_ranges_split_only_where_it_saves_reads():
     assert attention_groups([140] * 32, 32) == [(0, 32, 141)]
     assert attention_groups(list(range(271, 15, -8)), 32) == [
-        (0, 8, 272), (8, 16, 208), (16, 24, 144), (24, 32, 80)]
-    assert attention_groups([140] * 8 + [0] * 8 + [140] * 16, 32) == [
-        (0, 8, 141), (8, 16, 1), (16, 32, 141)]
+        (0, 8, 272),
+        (8, 16, 208),
+        (16, 24, 144),
+        (24, 32, 80),
+    ]
+    assert attention_groups([140] * 8 + [0] * 8 + [140] * 16, 32) == [(0, 8, 141), (8, 16, 1), (16, 32, 141)]
     assert attention_groups([5, 3], 2) == [(0, 2, 6)]
     assert attention_groups([], 0) == []
 
@@ -60,8 +63,9 @@ def _mixed_steps(runner: LlamaRunner, prompts, join_prompts) -> list[torch.Tenso
         positions = [p + 1 for p in positions] + [len(p) for p in join_prompts]
         positions[1] = 0
         m = len(positions)
-        third = runner.step(tokens, positions, [(0, m, max(positions) + 1)],
-                            [s for s in range(m) if s != 1], [], [])
+        third = runner.step(
+            tokens, positions, [(0, m, max(positions) + 1)], [s for s in range(m) if s != 1], [], []
+        )
     return [first, second, third]
 
 
@@ -69,7 +73,7 @@ def _mixed_steps(runner: LlamaRunner, prompts, join_prompts) -> list[torch.Tenso
 def test_numba_decode_attention_matches_sdpa(kv_heads):
     pytest.importorskip("numba")
     model = tiny_model(72)
-    if kv_heads != model.config.num_key_value_heads:     # plain multi-head attention
+    if kv_heads != model.config.num_key_value_heads:  # plain multi-head attention
         model.config.num_key_value_heads = kv_heads
         torch.manual_seed(72)
         model = type(model)(model.config).eval()
@@ -88,19 +92,22 @@ def test_decode_attention_choice_is_checked():
         LlamaRunner(model, 2, decode_attention="flash")
     with pytest.raises(ValueError, match="runs float32 models on the CPU, this one is torch.float64"):
         LlamaRunner(model.double(), 2, decode_attention="numba")
-    assert LlamaRunner(model.double(), 2).decode_attention == "sdpa"       # auto falls back
+    assert LlamaRunner(model.double(), 2).decode_attention == "sdpa"  # auto falls back
 
 
 def test_the_engine_generates_the_same_with_either_decode_attention():
     pytest.importorskip("numba")
+    from rollout_models import tokenizer
+
     from furlong.rollout.core.engine import Engine
     from furlong.rollout.core.sampling import SamplingConfig
-    from rollout_models import tokenizer
+
     tok = tokenizer()
     prompts = [tok.encode(t) for t in ("12+7=", "3+4=", "99+99=", "5+51=", "8+8=")]
     config = SamplingConfig(temperature=0.8, top_k=5, max_new_tokens=6, seed=3)
-    fast, slow = (Engine(tiny_model(74), tok, max_batch_size=3, decode_attention=kind)
-                  for kind in ("numba", "sdpa"))
+    fast, slow = (
+        Engine(tiny_model(74), tok, max_batch_size=3, decode_attention=kind) for kind in ("numba", "sdpa")
+    )
     a = fast.generate(prompts, config, max_new_tokens=[2, 6, 3, 6, 4])
     b = slow.generate(prompts, config, max_new_tokens=[2, 6, 3, 6, 4])
     assert [g.token_ids for g in a] == [g.token_ids for g in b]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rollout_models import greedy_uncached, reference, tiny_model, tokenizer, uncached_logits
 
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampling import MAX_STOP_STRINGS, SamplingConfig
 from furlong.rollout.core.stop_strings import StopMatcher, cut_at_stop, first_stop
-from rollout_models import greedy_uncached, reference, tiny_model, tokenizer, uncached_logits
 
 pytestmark = pytest.mark.unit
 
@@ -66,9 +66,9 @@ def test_matcher_finds_strings_across_tokens_and_inside_long_tokens():
     matcher = StopMatcher(["end.", "\n"], lambda ids: "".join(vocab[i] for i in ids))
     assert matcher.push(0, 1) is None
     assert matcher.push(0, 2) is None
-    assert matcher.push(0, 3) == "end."        # " end" + ".\nNext": both occur, "end." first
-    assert matcher.push(1, 6) is None          # rows are independent
-    for _ in range(40):                        # empty tokens widen the window, never miss a match
+    assert matcher.push(0, 3) == "end."  # " end" + ".\nNext": both occur, "end." first
+    assert matcher.push(1, 6) is None  # rows are independent
+    for _ in range(40):  # empty tokens widen the window, never miss a match
         assert matcher.push(1, 5) is None
     assert matcher.push(1, 4) == "\n"
     with pytest.raises(ValueError, match="non-empty strings"):
@@ -82,10 +82,14 @@ def test_greedy_rows_stop_at_the_string_and_the_rest_run_on():
     free = Engine(model, tok, max_batch_size=4).generate(prompts(), config)
     # A stop string that row 0 produces after a few tokens, and that some other row never produces.
     text0 = free[0].text
-    stop = next(text0[i:i + 2] for i in range(2, len(text0) - 1)
-                if any(text0[i:i + 2] not in g.text for g in free[1:]))
-    gens = Engine(model, tok, max_batch_size=4).generate(prompts(), SamplingConfig(
-        top_k=1, max_new_tokens=limit, stop=[stop]))
+    stop = next(
+        text0[i : i + 2]
+        for i in range(2, len(text0) - 1)
+        if any(text0[i : i + 2] not in g.text for g in free[1:])
+    )
+    gens = Engine(model, tok, max_batch_size=4).generate(
+        prompts(), SamplingConfig(top_k=1, max_new_tokens=limit, stop=[stop])
+    )
     for p, f, g in zip(prompts(), free, gens):
         assert g.token_ids == greedy_uncached(model, p, len(g.token_ids), tok.eos_id)
         assert len(g.logprobs) == len(g.full_logprobs) == g.support.num_rows == len(g.token_ids)
@@ -95,7 +99,7 @@ def test_greedy_rows_stop_at_the_string_and_the_rest_run_on():
             assert g.text == f.text and g.stop_string is None
         else:
             # The row ends at the token completing the first occurrence (one char per token here).
-            assert g.token_ids == f.token_ids[:at + len(stop)]
+            assert g.token_ids == f.token_ids[: at + len(stop)]
             assert g.finish_reason == "stop" and g.stop_string == stop
             assert g.text == f.text[:at]
             assert tok.decode(g.token_ids).endswith(stop)
@@ -110,24 +114,24 @@ def test_sampled_stop_keeps_logprobs_and_supports_exact():
     free = Engine(model, tok).generate([prompt], base)[0]
     stop = free.text[5:7]
     at = free.text.find(stop)
-    g = Engine(model, tok).generate([prompt], SamplingConfig(
-        temperature=0.9, top_k=7, top_p=0.95, max_new_tokens=30, seed=9, stop=[stop, "never"]))[0]
+    g = Engine(model, tok).generate(
+        [prompt],
+        SamplingConfig(temperature=0.9, top_k=7, top_p=0.95, max_new_tokens=30, seed=9, stop=[stop, "never"]),
+    )[0]
     assert g.finish_reason == "stop" and g.stop_string == stop
-    assert g.token_ids == free.token_ids[:at + len(stop)]       # one row: the same draws until then
-    assert g.logprobs == free.logprobs[:len(g.token_ids)]
-    assert g.support.to_lists() == free.support.to_lists()[:len(g.token_ids)]
+    assert g.token_ids == free.token_ids[: at + len(stop)]  # one row: the same draws until then
+    assert g.logprobs == free.logprobs[: len(g.token_ids)]
+    assert g.support.to_lists() == free.support.to_lists()[: len(g.token_ids)]
     assert g.text == free.text[:at]
     for pos, t in enumerate(g.token_ids):
-        support, logps = reference(uncached_logits(model, prompt + g.token_ids[:pos]).numpy(),
-                                   0.9, 7, 0.95)
+        support, logps = reference(uncached_logits(model, prompt + g.token_ids[:pos]).numpy(), 0.9, 7, 0.95)
         assert set(g.support.row(pos).tolist()) == support
         assert abs(g.logprobs[pos] - logps[t]) < 1e-4
 
 
 def test_eos_wins_over_stop_strings_it_cannot_complete():
     model, tok = tiny_model(1), tokenizer()
-    gens = Engine(model, tok).generate(prompts(), SamplingConfig(top_k=1, max_new_tokens=20,
-                                                                 stop=["never"]))
+    gens = Engine(model, tok).generate(prompts(), SamplingConfig(top_k=1, max_new_tokens=20, stop=["never"]))
     plain = Engine(model, tok).generate(prompts(), SamplingConfig(top_k=1, max_new_tokens=20))
     assert [g.token_ids for g in gens] == [g.token_ids for g in plain]
     assert [g.finish_reason for g in gens] == [g.finish_reason for g in plain]

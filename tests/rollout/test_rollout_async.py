@@ -11,13 +11,13 @@ from collections import Counter
 
 import pytest
 import redis
+from rollout_models import tiny_model, write_checkpoint
 
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.rollout.core.pacing import StalenessPacer
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import Prompt
-from rollout_models import tiny_model, write_checkpoint
 
 STEPS = 6
 
@@ -35,6 +35,7 @@ class Receivers:
 
             def close(self):
                 pass
+
         return Receiver()
 
 
@@ -67,23 +68,31 @@ def test_async_rollout_is_paced_not_filtered(redis_url, tmp_path):
     service.configure_run("async", checkpoint, "addition_exact_match", 1, 0)
     pacer = StalenessPacer(max_staleness=1)
     sampling = SamplingConfig(temperature=1.0, top_k=6, max_new_tokens=6, seed=1)
-    trained: list[tuple[int, int, SampleGroup]] = []   # (step, trained version, group)
+    trained: list[tuple[int, int, SampleGroup]] = []  # (step, trained version, group)
     errors: list[BaseException] = []
 
     def rollout():
         try:
             for step in range(STEPS):
-                service.generate("async", step, step_prompts(step), 2, sampling,
-                                 min_policy_version=pacer.min_version(step), timeout_s=120.0)
+                service.generate(
+                    "async",
+                    step,
+                    step_prompts(step),
+                    2,
+                    sampling,
+                    min_policy_version=pacer.min_version(step),
+                    timeout_s=120.0,
+                )
         except BaseException as exc:  # noqa: BLE001 - reported by the test thread
             errors.append(exc)
 
     def trainer():
         try:
             last_id, by_step = "0-0", {}
-            new_weights = [{k: v + 0.01 * (i + 1) for k, v in tiny_model(71).state_dict().items()}
-                           for i in range(STEPS)]
-            for step in range(STEPS):                 # the trainer serves version `step` now
+            new_weights = [
+                {k: v + 0.01 * (i + 1) for k, v in tiny_model(71).state_dict().items()} for i in range(STEPS)
+            ]
+            for step in range(STEPS):  # the trainer serves version `step` now
                 deadline = time.monotonic() + 120
                 while len(by_step.get(step, [])) < len(step_prompts(step)):
                     assert time.monotonic() < deadline, f"step {step} never arrived"
@@ -94,7 +103,7 @@ def test_async_rollout_is_paced_not_filtered(redis_url, tmp_path):
                             by_step.setdefault(group.step, []).append(group)
                 for group in by_step[step]:
                     trained.append((step, step, group))
-                time.sleep(0.3)                        # "training": rollout runs ahead meanwhile
+                time.sleep(0.3)  # "training": rollout runs ahead meanwhile
                 for apply in receivers.apply.values():
                     apply(step + 1, new_weights[step])
         except BaseException as exc:  # noqa: BLE001
@@ -114,7 +123,7 @@ def test_async_rollout_is_paced_not_filtered(redis_url, tmp_path):
         pacer.check_trained(version, versions)
         assert all(step - 1 <= v <= step for v in versions)
     staleness = Counter(version - s.policy_version for _, version, g in trained for s in g.samples)
-    assert set(staleness) <= {0, 1} and staleness[1] > 0     # it really ran ahead, by at most one
+    assert set(staleness) <= {0, 1} and staleness[1] > 0  # it really ran ahead, by at most one
 
     submitted = sorted(len(p.text) for s in range(STEPS) for p in step_prompts(s))
     trained_prompts = sorted(g.prompt_id for _, _, g in trained)

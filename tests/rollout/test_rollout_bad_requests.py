@@ -9,6 +9,7 @@ import threading
 import grpc
 import pytest
 import redis
+from rollout_models import write_checkpoint
 
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.rollout.client import RolloutClient
@@ -17,8 +18,9 @@ from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import Prompt
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import channel, start_server
-from furlong.v1 import common_pb2, rollout_pb2 as pb, rollout_pb2_grpc as pb_grpc
-from rollout_models import write_checkpoint
+from furlong.v1 import common_pb2
+from furlong.v1 import rollout_pb2 as pb
+from furlong.v1 import rollout_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -27,8 +29,11 @@ GOOD = SamplingConfig(temperature=1.0, top_k=8, top_p=0.9, min_p=0.01, max_new_t
 
 
 def tokens(client: redis.Redis, run_id: str) -> list[list[int]]:
-    return [s.response_token_ids for _, f in client.xrange(stream_key(run_id))
-            for s in SampleGroup.decode(f[STREAM_FIELD]).samples]
+    return [
+        s.response_token_ids
+        for _, f in client.xrange(stream_key(run_id))
+        for s in SampleGroup.decode(f[STREAM_FIELD]).samples
+    ]
 
 
 def test_bad_requests_fail_clearly_and_leave_a_concurrent_request_alone(redis_url, tmp_path):
@@ -45,22 +50,41 @@ def test_bad_requests_fail_clearly_and_leave_a_concurrent_request_alone(redis_ur
         client.generate("solo", 0, PROMPTS, 4, GOOD, 0, 30.0)
         client.configure_run("busy", checkpoint, "addition_exact_match", 1, 3)
         outcome: dict = {}
-        good = threading.Thread(target=lambda: outcome.update(
-            r=client.generate("busy", 0, PROMPTS, 4, GOOD, 0, 30.0)))
+        good = threading.Thread(
+            target=lambda: outcome.update(r=client.generate("busy", 0, PROMPTS, 4, GOOD, 0, 30.0))
+        )
         good.start()
 
-        base = dict(run_id="busy", step=1, prompts=[pb.Prompt(prompt_id="a", text="1+1=", answer="2")],
-                    samples_per_prompt=2, min_policy_version=0, timeout_s=5.0)
+        base = dict(
+            run_id="busy",
+            step=1,
+            prompts=[pb.Prompt(prompt_id="a", text="1+1=", answer="2")],
+            samples_per_prompt=2,
+            min_policy_version=0,
+            timeout_s=5.0,
+        )
         params = dict(temperature=1.0, top_p=1.0, max_new_tokens=4)
         cases = [
-            (dict(sampling=common_pb2.SamplingParams(**{**params, "max_new_tokens": -3})),
-             "max_new_tokens must be an integer > 0, got -3"),
-            (dict(sampling=common_pb2.SamplingParams(**{**params, "top_p": 1.5})), "top_p must be in (0, 1], got 1.5"),
-            (dict(sampling=common_pb2.SamplingParams(**{**params, "top_p": -0.2})), "top_p must be in (0, 1], got -0.2"),
+            (
+                dict(sampling=common_pb2.SamplingParams(**{**params, "max_new_tokens": -3})),
+                "max_new_tokens must be an integer > 0, got -3",
+            ),
+            (
+                dict(sampling=common_pb2.SamplingParams(**{**params, "top_p": 1.5})),
+                "top_p must be in (0, 1], got 1.5",
+            ),
+            (
+                dict(sampling=common_pb2.SamplingParams(**{**params, "top_p": -0.2})),
+                "top_p must be in (0, 1], got -0.2",
+            ),
             (dict(sampling=common_pb2.SamplingParams(**params), min_p=1.0), "min_p must be in [0, 1)"),
-            (dict(sampling=common_pb2.SamplingParams(**params),
-                  prompts=[pb.Prompt(prompt_id="long", text="1" * 130, answer="")]),
-             "prompt 'long'"),
+            (
+                dict(
+                    sampling=common_pb2.SamplingParams(**params),
+                    prompts=[pb.Prompt(prompt_id="long", text="1" * 130, answer="")],
+                ),
+                "prompt 'long'",
+            ),
         ]
         for change, needle in cases:
             with pytest.raises(grpc.RpcError) as info:
@@ -68,13 +92,24 @@ def test_bad_requests_fail_clearly_and_leave_a_concurrent_request_alone(redis_ur
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, needle
             assert needle in info.value.details(), info.value.details()
         with pytest.raises(grpc.RpcError) as info:
-            stub.Generate(pb.GenerateRequest(**{**base, "sampling": common_pb2.SamplingParams(**params),
-                                                "prompts": [pb.Prompt(prompt_id="long", text="1" * 130)]}),
-                          timeout=60)
+            stub.Generate(
+                pb.GenerateRequest(
+                    **{
+                        **base,
+                        "sampling": common_pb2.SamplingParams(**params),
+                        "prompts": [pb.Prompt(prompt_id="long", text="1" * 130)],
+                    }
+                ),
+                timeout=60,
+            )
         assert "max_position_embeddings 128" in info.value.details()
         with pytest.raises(grpc.RpcError) as info:
-            stub.ConfigureRun(pb.ConfigureRolloutRequest(run_id="busy2", model_dir=checkpoint,
-                                                         reward="no_such_reward", num_engines=1), timeout=60)
+            stub.ConfigureRun(
+                pb.ConfigureRolloutRequest(
+                    run_id="busy2", model_dir=checkpoint, reward="no_such_reward", num_engines=1
+                ),
+                timeout=60,
+            )
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "unknown reward 'no_such_reward'" in info.value.details()
 

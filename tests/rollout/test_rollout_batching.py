@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rollout_models import greedy_uncached, reference, tiny_model, tokenizer, uncached_logits
 
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.llama_runner import check_supported
 from furlong.rollout.core.sampling import SamplingConfig
-from rollout_models import greedy_uncached, tiny_model, tokenizer, uncached_logits, reference
 
 pytestmark = pytest.mark.unit
 
@@ -62,7 +62,8 @@ def test_sampled_rows_joining_late_have_exact_logprobs_and_supports():
     prompts = [tok.encode(t) for t in TEXTS]
     config = SamplingConfig(temperature=0.9, top_k=7, top_p=0.9, max_new_tokens=6, seed=4)
     gens = Engine(model, tok, max_batch_size=3, prefill_min_rows=1).generate(
-        prompts, config, max_new_tokens=[2, 6, 3, 6, 2, 5, 3, 6, 4, 2])
+        prompts, config, max_new_tokens=[2, 6, 3, 6, 2, 5, 3, 6, 4, 2]
+    )
     for p, g in zip(prompts, gens):
         for pos, t in enumerate(g.token_ids):
             support, logps = reference(uncached_logits(model, p + g.token_ids[:pos]).numpy(), 0.9, 7, 0.9)
@@ -73,10 +74,9 @@ def test_sampled_rows_joining_late_have_exact_logprobs_and_supports():
 def test_continuous_needs_fewer_forward_passes_than_static_for_mixed_lengths():
     tok = tokenizer()
     prompts = [tok.encode(t) for t in TEXTS[:8]] * 3
-    limits = [3 if i % 4 else 24 for i in range(len(prompts))]      # one long row in four
+    limits = [3 if i % 4 else 24 for i in range(len(prompts))]  # one long row in four
     config = SamplingConfig(top_k=1)
-    cont = Engine(no_eos_model(23), NoEos(), max_batch_size=8, batching="continuous",
-                  prefill_min_rows=2)
+    cont = Engine(no_eos_model(23), NoEos(), max_batch_size=8, batching="continuous", prefill_min_rows=2)
     static = Engine(no_eos_model(23), NoEos(), max_batch_size=8, batching="static")
     early = Engine(no_eos_model(23), NoEos(), max_batch_size=8, batching="static_early_exit")
     cont_calls, static_calls, early_calls = counted(cont), counted(static), counted(early)
@@ -99,13 +99,13 @@ def test_continuous_needs_fewer_forward_passes_than_static_for_mixed_lengths():
 def test_static_padding_stops_at_the_context_limit():
     """A finished row decodes padding only while its slot has positions left; the long row of
     the batch still runs to its limit."""
-    tok = tokenizer()
     model = no_eos_model(25)
     room = model.config.max_position_embeddings
     long_prompt, short_prompt = [1] + [5] * 3, [1] + [5] * (room - 6)
     limits = [room - len(long_prompt), 2]
     gens = Engine(model, NoEos(), max_batch_size=2, batching="static").generate(
-        [long_prompt, short_prompt], SamplingConfig(top_k=1), max_new_tokens=limits)
+        [long_prompt, short_prompt], SamplingConfig(top_k=1), max_new_tokens=limits
+    )
     assert [len(g.token_ids) for g in gens] == limits
 
 
@@ -115,8 +115,9 @@ def test_per_row_limits_and_configuration_errors():
         engine.generate([[1, 3], [1, 4]], SamplingConfig(), max_new_tokens=[3])
     with pytest.raises(ValueError, match=r"max_new_tokens entries must be integers > 0, got \[0\]"):
         engine.generate([[1, 3], [1, 4]], SamplingConfig(), max_new_tokens=[3, 0])
-    with pytest.raises(ValueError, match="batching must be one of 'continuous', 'static', "
-                                         "'static_early_exit', got 'dynamic'"):
+    with pytest.raises(
+        ValueError, match="batching must be one of 'continuous', 'static', 'static_early_exit', got 'dynamic'"
+    ):
         Engine(tiny_model(24), tokenizer(), batching="dynamic")
     with pytest.raises(ValueError, match="prefill_min_rows"):
         Engine(tiny_model(24), tokenizer(), max_batch_size=2, prefill_min_rows=3)

@@ -9,10 +9,10 @@ import json
 
 import numpy as np
 import pytest
+from rollout_models import greedy_uncached, reference, uncached_logits, write_checkpoint
 
 from furlong.controller.cli_generate import add_commands
 from furlong.core.checkpoint import load_policy
-from rollout_models import greedy_uncached, reference, uncached_logits, write_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -31,9 +31,28 @@ def checkpoint(tmp_path_factory):
 
 
 def test_json_record_matches_an_independent_recomputation(checkpoint):
-    rc, out, err = run(["generate", "--model", str(checkpoint), "--prompt", "12+34=", "--n", "3",
-                        "--max-new-tokens", "8", "--temperature", "0.9", "--top-p", "0.9",
-                        "--top-k", "6", "--seed", "5", "--json"])
+    rc, out, err = run(
+        [
+            "generate",
+            "--model",
+            str(checkpoint),
+            "--prompt",
+            "12+34=",
+            "--n",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0.9",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "6",
+            "--seed",
+            "5",
+            "--json",
+        ]
+    )
     assert rc == 0, err
     record = json.loads(out)
     model, tok = load_policy(checkpoint)
@@ -52,15 +71,46 @@ def test_json_record_matches_an_independent_recomputation(checkpoint):
             z = logits.astype(np.float64) / 0.9
             full_lp = z[t] - (z.max() + np.log(np.exp(z - z.max()).sum()))
             assert abs(s["full_logprobs"][pos] - full_lp) < 1e-4
-    again = run(["generate", "--model", str(checkpoint), "--prompt", "12+34=", "--n", "3",
-                 "--max-new-tokens", "8", "--temperature", "0.9", "--top-p", "0.9", "--top-k", "6",
-                 "--seed", "5", "--json"])[1]
+    again = run(
+        [
+            "generate",
+            "--model",
+            str(checkpoint),
+            "--prompt",
+            "12+34=",
+            "--n",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0.9",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "6",
+            "--seed",
+            "5",
+            "--json",
+        ]
+    )[1]
     assert json.loads(again) == record
 
 
 def test_greedy_gives_singleton_supports_and_the_argmax_path(checkpoint):
-    rc, out, _ = run(["generate", "--model", str(checkpoint), "--prompt", "7+8=", "--top-k", "1",
-                      "--max-new-tokens", "6", "--json"])
+    rc, out, _ = run(
+        [
+            "generate",
+            "--model",
+            str(checkpoint),
+            "--prompt",
+            "7+8=",
+            "--top-k",
+            "1",
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ]
+    )
     assert rc == 0
     sample = json.loads(out)["samples"][0]
     model, tok = load_policy(checkpoint)
@@ -70,26 +120,55 @@ def test_greedy_gives_singleton_supports_and_the_argmax_path(checkpoint):
 
 
 def test_text_output_and_truncated_support(checkpoint):
-    rc, out, _ = run(["generate", "--model", str(checkpoint), "--prompt", "1+1=", "--n", "2",
-                      "--max-new-tokens", "4", "--seed", "3"])
+    rc, out, _ = run(
+        [
+            "generate",
+            "--model",
+            str(checkpoint),
+            "--prompt",
+            "1+1=",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--seed",
+            "3",
+        ]
+    )
     assert rc == 0 and out.startswith("[0] ") and "\n[1] " in out and "support sizes 15-15" in out
-    rc, out, _ = run(["generate", "--model", str(checkpoint), "--prompt", "1+1=", "--max-new-tokens", "4",
-                      "--max-support-size", "4", "--truncate-support", "--json"])
+    rc, out, _ = run(
+        [
+            "generate",
+            "--model",
+            str(checkpoint),
+            "--prompt",
+            "1+1=",
+            "--max-new-tokens",
+            "4",
+            "--max-support-size",
+            "4",
+            "--truncate-support",
+            "--json",
+        ]
+    )
     sample = json.loads(out)["samples"][0]
     assert rc == 0 and sample["truncated_positions"] == list(range(len(sample["token_ids"])))
     assert all(len(row) == 4 for row in sample["support"])
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
-    (["--max-new-tokens", "-2"], "max_new_tokens must be an integer > 0, got -2"),
-    (["--n", "0"], "--n must be an integer >= 1, got 0"),
-    (["--min-p", "1.0"], "min_p must be in [0, 1)"),
-    (["--max-support-size", "4"], "exceeds max_support_size 4"),
-    (["--truncate-support"], "--truncate-support needs --max-support-size > 0"),
-    (["--prompt", "1+x="], "character 'x'"),
-    (["--max-new-tokens", "200"], "max_position_embeddings 128"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+        (["--max-new-tokens", "-2"], "max_new_tokens must be an integer > 0, got -2"),
+        (["--n", "0"], "--n must be an integer >= 1, got 0"),
+        (["--min-p", "1.0"], "min_p must be in [0, 1)"),
+        (["--max-support-size", "4"], "exceeds max_support_size 4"),
+        (["--truncate-support"], "--truncate-support needs --max-support-size > 0"),
+        (["--prompt", "1+x="], "character 'x'"),
+        (["--max-new-tokens", "200"], "max_position_embeddings 128"),
+    ],
+)
 def test_bad_arguments_exit_2_naming_the_value(checkpoint, extra, needle):
     rc, out, err = run(["generate", "--model", str(checkpoint), "--prompt", "1+1=", *extra, "--json"])
     assert rc == 2 and out == ""

@@ -10,24 +10,53 @@ pytestmark = pytest.mark.unit
 
 
 def test_from_args_parses_every_flag():
-    config = RolloutServerConfig.from_args([
-        "--host", "127.0.0.1", "--port", "5001", "--metrics-port", "5002", "--redis-url",
-        "redis://127.0.0.1:6379/0", "--broker", "127.0.0.1:5003", "--num-threads", "1",
-        "--max-batch-size", "64", "--log-level", "debug"])
-    assert config == RolloutServerConfig(redis_url="redis://127.0.0.1:6379/0",
-                                         broker_address="127.0.0.1:5003", host="127.0.0.1",
-                                         port=5001, metrics_port=5002, num_threads=1,
-                                         max_batch_size=64, log_level="DEBUG")
+    config = RolloutServerConfig.from_args(
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "5001",
+            "--metrics-port",
+            "5002",
+            "--redis-url",
+            "redis://127.0.0.1:6379/0",
+            "--broker",
+            "127.0.0.1:5003",
+            "--num-threads",
+            "1",
+            "--max-batch-size",
+            "64",
+            "--log-level",
+            "debug",
+        ]
+    )
+    assert config == RolloutServerConfig(
+        redis_url="redis://127.0.0.1:6379/0",
+        broker_address="127.0.0.1:5003",
+        host="127.0.0.1",
+        port=5001,
+        metrics_port=5002,
+        num_threads=1,
+        max_batch_size=64,
+        log_level="DEBUG",
+    )
     assert config.logging_level == 10
 
 
-@pytest.mark.parametrize("change,needle", [
-    (dict(port=70000), "port 70000"), (dict(metrics_port=-1), "metrics_port -1"),
-    (dict(redis_url="localhost:6379"), "redis_url"), (dict(broker_address="nohost"), "broker_address"),
-    (dict(broker_address="h:0"), "broker_address"), (dict(num_threads=0), "num_threads"),
-    (dict(max_batch_size=0), "max_batch_size"), (dict(log_level="LOUD"), "log_level"),
-    (dict(host=""), "host"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (dict(port=70000), "port 70000"),
+        (dict(metrics_port=-1), "metrics_port -1"),
+        (dict(redis_url="localhost:6379"), "redis_url"),
+        (dict(broker_address="nohost"), "broker_address"),
+        (dict(broker_address="h:0"), "broker_address"),
+        (dict(num_threads=0), "num_threads"),
+        (dict(max_batch_size=0), "max_batch_size"),
+        (dict(log_level="LOUD"), "log_level"),
+        (dict(host=""), "host"),
+    ],
+)
 def test_bad_values_are_named(change, needle):
     base = dict(redis_url="redis://127.0.0.1:6379/0", broker_address="127.0.0.1:1")
     with pytest.raises(ValueError, match=needle):
@@ -35,34 +64,91 @@ def test_bad_values_are_named(change, needle):
 
 
 def test_reward_and_support_flags():
-    config = RolloutServerConfig.from_args([
-        "--port", "0", "--metrics-port", "0", "--redis-url", "redis://127.0.0.1:1", "--broker",
-        "127.0.0.1:2", "--max-support-size", "64", "--user-reward", "mine=pkg.mod:fn",
-        "--user-reward", "two=pkg.other:g", "--reward-timeout-s", "5", "--reward-workers", "2"])
+    config = RolloutServerConfig.from_args(
+        [
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--redis-url",
+            "redis://127.0.0.1:1",
+            "--broker",
+            "127.0.0.1:2",
+            "--max-support-size",
+            "64",
+            "--user-reward",
+            "mine=pkg.mod:fn",
+            "--user-reward",
+            "two=pkg.other:g",
+            "--reward-timeout-s",
+            "5",
+            "--reward-workers",
+            "2",
+        ]
+    )
     assert config.max_support_size == 64 and config.reward_timeout_s == 5.0 and config.reward_workers == 2
     assert config.user_rewards == (("mine", "pkg.mod:fn"), ("two", "pkg.other:g"))
     base = dict(redis_url="redis://127.0.0.1:6379/0", broker_address="127.0.0.1:1")
-    for change, needle in [(dict(max_support_size=-1), "max_support_size"),
-                           (dict(reward_timeout_s=0.0), "reward_timeout_s"),
-                           (dict(reward_workers=0), "reward_workers"),
-                           (dict(user_rewards=(("a", "nocolon"),)), "NAME=package.module:function"),
-                           (dict(user_rewards=(("a", "m:f"), ("a", "m:g"))), "repeat")]:
+    for change, needle in [
+        (dict(max_support_size=-1), "max_support_size"),
+        (dict(reward_timeout_s=0.0), "reward_timeout_s"),
+        (dict(reward_workers=0), "reward_workers"),
+        (dict(user_rewards=(("a", "nocolon"),)), "NAME=package.module:function"),
+        (dict(user_rewards=(("a", "m:f"), ("a", "m:g"))), "repeat"),
+    ]:
         with pytest.raises(ValueError, match=needle):
             RolloutServerConfig(**{**base, **change})
     with pytest.raises(ValueError, match="--user-reward 'nameonly'"):
-        RolloutServerConfig.from_args(["--port", "0", "--metrics-port", "0", "--redis-url",
-                                       "redis://h:1", "--broker", "h:2", "--user-reward", "nameonly"])
+        RolloutServerConfig.from_args(
+            [
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--redis-url",
+                "redis://h:1",
+                "--broker",
+                "h:2",
+                "--user-reward",
+                "nameonly",
+            ]
+        )
 
 
 def test_engine_mode_flags():
-    base = ["--port", "1", "--metrics-port", "2", "--redis-url", "redis://127.0.0.1:6379",
-            "--broker", "127.0.0.1:3"]
+    base = [
+        "--port",
+        "1",
+        "--metrics-port",
+        "2",
+        "--redis-url",
+        "redis://127.0.0.1:6379",
+        "--broker",
+        "127.0.0.1:3",
+    ]
     assert RolloutServerConfig.from_args(base).engines == "inprocess"
-    config = RolloutServerConfig.from_args(base + ["--engines", "process", "--engine-threads", "2",
-                                                   "--engine-max-batch-size", "16", "--chunk-rows",
-                                                   "4", "--engine-work-dir", "/tmp/w"])
-    assert (config.engines, config.engine_threads, config.engine_max_batch_size, config.chunk_rows,
-            config.engine_work_dir) == ("process", 2, 16, 4, "/tmp/w")
+    config = RolloutServerConfig.from_args(
+        base
+        + [
+            "--engines",
+            "process",
+            "--engine-threads",
+            "2",
+            "--engine-max-batch-size",
+            "16",
+            "--chunk-rows",
+            "4",
+            "--engine-work-dir",
+            "/tmp/w",
+        ]
+    )
+    assert (
+        config.engines,
+        config.engine_threads,
+        config.engine_max_batch_size,
+        config.chunk_rows,
+        config.engine_work_dir,
+    ) == ("process", 2, 16, 4, "/tmp/w")
     with pytest.raises(ValueError, match="engines must be one of .*got 'threads'"):
         RolloutServerConfig(redis_url="redis://x", broker_address="h:1", engines="threads")
     with pytest.raises(ValueError, match="chunk_rows must be >= 1, got 0"):

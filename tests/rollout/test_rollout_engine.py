@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from rollout_models import greedy_uncached, reference, tiny_model, tokenizer, uncached_logits
 
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampler import SamplingConfig
-from rollout_models import greedy_uncached, reference, tiny_model, tokenizer, uncached_logits
 
 pytestmark = pytest.mark.unit
 
@@ -71,7 +71,7 @@ def test_rows_stop_at_eos_and_the_rest_continue():
         stopped += eos in f.token_ids
     assert gens[0].token_ids[-1] == eos and len(gens[0].token_ids) < len(full[0].token_ids)
     assert gens[0].finish_reason == "eos"
-    assert stopped < len(gens)           # some rows ran on after others left the batch
+    assert stopped < len(gens)  # some rows ran on after others left the batch
 
 
 def test_sampled_logprobs_and_supports_match_recomputation():
@@ -147,8 +147,14 @@ def test_load_weights_errors_change_nothing():
     cases = [
         ({k: v for k, v in new.items() if k != "model.norm.weight"}, "missing tensor.*model.norm.weight"),
         ({**new, "model.extra.weight": torch.zeros(2)}, "unexpected tensor.*model.extra.weight"),
-        ({**new, "lm_head.weight": torch.zeros(3, 3)}, r"lm_head.weight has shape \(3, 3\), expected \(15, 32\)"),
-        ({**new, "model.norm.weight": torch.zeros(32, dtype=torch.int64)}, "model.norm.weight has dtype torch.int64"),
+        (
+            {**new, "lm_head.weight": torch.zeros(3, 3)},
+            r"lm_head.weight has shape \(3, 3\), expected \(15, 32\)",
+        ),
+        (
+            {**new, "model.norm.weight": torch.zeros(32, dtype=torch.int64)},
+            "model.norm.weight has dtype torch.int64",
+        ),
     ]
     for tensors, pattern in cases:
         with pytest.raises(ValueError, match=pattern):

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from rollout_models import reference, tiny_model
 
 import furlong.rollout.core.engine as engine_module
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampler import SupportBound, SupportOverflowError, sample_step
 from furlong.rollout.core.sampling import SamplingConfig
-from rollout_models import reference, tiny_model
 
 pytestmark = pytest.mark.unit
 
@@ -72,21 +72,21 @@ def test_ten_thousand_tokens_are_drawn_exactly_from_their_supports(monkeypatch):
         expected = independent_supports(logits.numpy(), config.temperature, config.top_k, config.top_p)
         full = torch.log_softmax(logits.double() / config.temperature, dim=-1)
         for r, (kept, logps) in enumerate(expected):
-            got = np.sort(draw.kept_ids[r, :int(draw.kept_counts[r])].numpy())
+            got = np.sort(draw.kept_ids[r, : int(draw.kept_counts[r])].numpy())
             assert np.array_equal(got, kept)
             tok = int(draw.tokens[r])
             assert tok in logps
             assert abs(float(draw.logprobs[r]) - logps[tok]) < 1e-5
             assert abs(float(draw.full_logprobs[r]) - float(full[r, tok])) < 1e-5
             sizes.append(kept.size)
-    assert 1 < np.median(sizes) < 50 and max(sizes) <= 50   # both filters were active
+    assert 1 < np.median(sizes) < 50 and max(sizes) <= 50  # both filters were active
 
     for g in gens:
         assert len(g.full_logprobs) == len(g.logprobs) == g.support.num_rows == len(g.token_ids)
         assert g.truncated_positions == []
         for pos, tok in enumerate(g.token_ids):
             assert g.support.contains(pos, tok)
-            assert g.full_logprobs[pos] <= g.logprobs[pos] + 1e-6   # filtering only renormalises up
+            assert g.full_logprobs[pos] <= g.logprobs[pos] + 1e-6  # filtering only renormalises up
 
 
 @pytest.mark.parametrize("min_p,top_k,top_p", [(0.05, 0, 1.0), (0.2, 20, 1.0), (0.1, 0, 0.9)])
@@ -96,7 +96,7 @@ def test_min_p_support_and_logprobs(min_p, top_k, top_p):
     draw = sample_step(logits, config, torch.Generator().manual_seed(4))
     for r in range(64):
         support, logps = reference(logits[r].numpy(), 0.8, top_k, top_p, min_p)
-        assert set(draw.kept_ids[r, :int(draw.kept_counts[r])].tolist()) == support
+        assert set(draw.kept_ids[r, : int(draw.kept_counts[r])].tolist()) == support
         tok = int(draw.tokens[r])
         assert abs(float(draw.logprobs[r]) - logps[tok]) < 1e-5
     assert int(draw.kept_counts.min()) < int(draw.kept_counts.max())
@@ -109,7 +109,7 @@ def test_min_p_must_be_in_unit_interval():
 
 
 def test_support_bound_error_names_sizes():
-    logits = torch.zeros(3, 40)          # uniform: every token stays under top_p 1.0
+    logits = torch.zeros(3, 40)  # uniform: every token stays under top_p 1.0
     with pytest.raises(SupportOverflowError, match="support of 40 token ids .* exceeds max_support_size 16"):
         sample_step(logits, SamplingConfig(), torch.Generator().manual_seed(0), SupportBound(16))
     draw = sample_step(logits, SamplingConfig(top_k=16), torch.Generator().manual_seed(0), SupportBound(16))
@@ -123,7 +123,7 @@ def test_support_bound_truncates_with_a_flag_and_stays_exact():
     assert draw.truncated is not None and bool(draw.truncated.all())
     assert draw.kept_counts.tolist() == [10] * 32
     for r in range(32):
-        support, logps = reference(logits[r].numpy(), 1.0, 10, 1.0)    # truncation == extra top-k
+        support, logps = reference(logits[r].numpy(), 1.0, 10, 1.0)  # truncation == extra top-k
         assert set(draw.kept_ids[r, :10].tolist()) == support
         assert abs(float(draw.logprobs[r]) - logps[int(draw.tokens[r])]) < 1e-5
     with pytest.raises(ValueError, match="on_overflow must be"):
@@ -143,5 +143,6 @@ def test_engine_flags_truncated_positions_and_errors_when_told_to():
     with pytest.raises(SupportOverflowError, match="64 token ids"):
         Engine(model, ByteTokenizer(), support_bound=SupportBound(8)).generate(prompts, config)
     greedy = Engine(model, ByteTokenizer(), support_bound=SupportBound(1)).generate(
-        prompts, SamplingConfig(top_k=1, max_new_tokens=6))
+        prompts, SamplingConfig(top_k=1, max_new_tokens=6)
+    )
     assert all(g.truncated_positions == [] and g.logprobs == [0.0] * len(g.token_ids) for g in greedy)

@@ -7,6 +7,7 @@ import grpc
 import pytest
 import redis
 from prometheus_client import CollectorRegistry
+from rollout_models import write_checkpoint
 
 from furlong.core.errors import NotFoundError
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
@@ -17,8 +18,9 @@ from furlong.rollout.core.types import Prompt
 from furlong.rollout.metrics import POLICY_VERSION, SAMPLES_TOTAL, TOKENS_TOTAL, RolloutMetrics
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import channel, check_health, start_server
-from furlong.v1 import common_pb2, rollout_pb2 as pb, rollout_pb2_grpc as pb_grpc
-from rollout_models import write_checkpoint
+from furlong.v1 import common_pb2
+from furlong.v1 import rollout_pb2 as pb
+from furlong.v1 import rollout_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -33,8 +35,13 @@ def stack(redis_url, tmp_path):
     server = start_server([RolloutServicer(service).add_to_server], [SERVICE_NAME])
     address = f"127.0.0.1:{server.port}"
     client = RolloutClient(address)
-    yield dict(client=client, address=address, redis=client_redis, registry=registry,
-               checkpoint=str(write_checkpoint(tmp_path / "ckpt", seed=4)))
+    yield dict(
+        client=client,
+        address=address,
+        redis=client_redis,
+        registry=registry,
+        checkpoint=str(write_checkpoint(tmp_path / "ckpt", seed=4)),
+    )
     client.close()
     server.stop(0.5)
     service.close()
@@ -53,13 +60,19 @@ def test_round_trip_over_grpc(stack):
     assert [g.prompt_id for g in groups] == ["a", "b"]
     tokens = sum(len(s.response_token_ids) for g in groups for s in g.samples)
     assert result.num_tokens == tokens
-    assert all(len(s.sampling_support.row(i)) == 6 for g in groups for s in g.samples
-               for i in range(len(s.response_token_ids)))
+    assert all(
+        len(s.sampling_support.row(i)) == 6
+        for g in groups
+        for s in g.samples
+        for i in range(len(s.response_token_ids))
+    )
     assert registry.get_sample_value(SAMPLES_TOTAL, {"run_id": "run-g"}) == 6
     assert registry.get_sample_value(TOKENS_TOTAL, {"run_id": "run-g"}) == tokens
     assert registry.get_sample_value(POLICY_VERSION, {"engine": "run-g-engine-0"}) == 0
     status = client.status("run-g")
-    assert [(e.engine_id, e.policy_version, e.healthy) for e in status.engines] == [("run-g-engine-0", 0, True)]
+    assert [(e.engine_id, e.policy_version, e.healthy) for e in status.engines] == [
+        ("run-g-engine-0", 0, True)
+    ]
     client.end_run("run-g")
     assert registry.get_sample_value(SAMPLES_TOTAL, {"run_id": "run-g"}) is None
     with pytest.raises(NotFoundError, match="run-g"):
@@ -71,12 +84,24 @@ def test_invalid_requests_get_invalid_argument(stack):
     client.configure_run("run-i", stack["checkpoint"], "addition_exact_match", 1, 0)
     ch = channel(stack["address"])
     stub = pb_grpc.RolloutStub(ch)
-    good = dict(run_id="run-i", step=0, prompts=[pb.Prompt(prompt_id="a", text="1+1=", answer="2")],
-                samples_per_prompt=2, min_policy_version=0, timeout_s=2.0,
-                sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4))
+    good = dict(
+        run_id="run-i",
+        step=0,
+        prompts=[pb.Prompt(prompt_id="a", text="1+1=", answer="2")],
+        samples_per_prompt=2,
+        min_policy_version=0,
+        timeout_s=2.0,
+        sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4),
+    )
     cases = [
-        (dict(sampling=common_pb2.SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=4)), "sampling: temperature"),
-        (dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=0.0, max_new_tokens=4)), "sampling: top_p"),
+        (
+            dict(sampling=common_pb2.SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=4)),
+            "sampling: temperature",
+        ),
+        (
+            dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=0.0, max_new_tokens=4)),
+            "sampling: top_p",
+        ),
         (dict(sampling=None), "sampling is required"),
         (dict(samples_per_prompt=0), "samples_per_prompt"),
         (dict(timeout_s=0.0), "timeout_s"),
@@ -88,15 +113,21 @@ def test_invalid_requests_get_invalid_argument(stack):
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, needle
             assert needle in info.value.details()
         with pytest.raises(grpc.RpcError) as info:
-            stub.ConfigureRun(pb.ConfigureRolloutRequest(run_id="run-j", model_dir=stack["checkpoint"],
-                                                         reward="nope", num_engines=1), timeout=30)
+            stub.ConfigureRun(
+                pb.ConfigureRolloutRequest(
+                    run_id="run-j", model_dir=stack["checkpoint"], reward="nope", num_engines=1
+                ),
+                timeout=30,
+            )
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "unknown reward 'nope'; known rewards: addition_exact_match" in info.value.details()
         with pytest.raises(grpc.RpcError) as info:
             stub.EndRun(pb.EndRolloutRequest(run_id="never"), timeout=30)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.RpcError) as info:
-            stub.Generate(pb.GenerateRequest(**{**good, "min_policy_version": 3, "timeout_s": 0.1}), timeout=30)
+            stub.Generate(
+                pb.GenerateRequest(**{**good, "min_policy_version": 3, "timeout_s": 0.1}), timeout=30
+            )
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "min_policy_version 3" in info.value.details()
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import redis
 from prometheus_client import CollectorRegistry
+from rollout_models import write_checkpoint
 
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.rollout.core.groups import OverSampling
@@ -16,7 +17,6 @@ from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import LedgerCounts, Prompt
 from furlong.rollout.ledger import DONE, PENDING, SURPLUS, Ledger
 from furlong.rollout.metrics import GROUPS_SURPLUS_TOTAL, RolloutMetrics
-from rollout_models import write_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -31,16 +31,20 @@ def env(redis_url, tmp_path):
     metrics = RolloutMetrics(registry)
     service = RolloutService(red, None, max_batch_size=8, observer=metrics)
     metrics.watch_engines(service.status)
-    service.configure_run("over", str(write_checkpoint(tmp_path / "policy", seed=81)),
-                          "addition_exact_match", 2, 1)
+    service.configure_run(
+        "over", str(write_checkpoint(tmp_path / "policy", seed=81)), "addition_exact_match", 2, 1
+    )
     yield service, red, registry
     service.close()
     red.close()
 
 
 def written(red, step: int) -> list[SampleGroup]:
-    return [g for g in (SampleGroup.decode(f[STREAM_FIELD]) for _, f in red.xrange(stream_key("over")))
-            if g.step == step]
+    return [
+        g
+        for g in (SampleGroup.decode(f[STREAM_FIELD]) for _, f in red.xrange(stream_key("over")))
+        if g.step == step
+    ]
 
 
 def test_keep_groups_writes_the_first_complete_groups_and_closes_the_rest(env):
@@ -52,12 +56,15 @@ def test_keep_groups_writes_the_first_complete_groups_and_closes_the_rest(env):
     states = Ledger(red, scope="over").states(result.request_id)
     assert result.request_id == "over/0/1"
     assert {s: v for s, v in states.items() if v == SURPLUS} == {
-        f"o{p}/{i}": SURPLUS for p in (4, 5) for i in range(2)}
+        f"o{p}/{i}": SURPLUS for p in (4, 5) for i in range(2)
+    }
     assert sum(v == DONE for v in states.values()) == 8
     assert service.status("over").ledger == LedgerCounts(done=8, surplus=4)
     assert registry.get_sample_value(GROUPS_SURPLUS_TOTAL, {"run_id": "over"}) == 2.0
-    assert registry.get_sample_value("furlong_rollout_ledger_samples",
-                                     {"run_id": "over", "state": "surplus"}) == 4.0
+    assert (
+        registry.get_sample_value("furlong_rollout_ledger_samples", {"run_id": "over", "state": "surplus"})
+        == 4.0
+    )
 
     # Enough groups after engine 0's share: engine 1's rows never start; closed, not in flight.
     early = service.generate("over", 1, PROMPTS, 2, SAMPLING, 0, 30.0, keep_groups=3)
@@ -72,8 +79,9 @@ def test_keep_groups_writes_the_first_complete_groups_and_closes_the_rest(env):
     # Same step again: a new attempt with its own ledger; every sample exactly once.
     again = service.generate("over", 1, PROMPTS[:2], 3, SAMPLING, 0, 30.0)
     assert again.request_id == "over/1/2" and again.num_groups_surplus == 0
-    assert sorted(Ledger(red, scope="over").states(again.request_id)) == \
-        sorted(f"o{p}/{i}" for p in (0, 1) for i in range(3))
+    assert sorted(Ledger(red, scope="over").states(again.request_id)) == sorted(
+        f"o{p}/{i}" for p in (0, 1) for i in range(3)
+    )
 
 
 def test_keep_groups_is_checked(env):
@@ -100,13 +108,13 @@ def test_ledger_counts_and_refusals(redis_url):
     ledger = Ledger(red, scope="s")
     ledger.open("s/0/1", ["a", "b", "c"])
     ledger.dispatch("s/0/1", ["a", "b"], "e0")
-    ledger.dispatch("s/0/1", ["a"], "e1")                 # retried elsewhere: still one in flight
+    ledger.dispatch("s/0/1", ["a"], "e1")  # retried elsewhere: still one in flight
     assert ledger.counts() == LedgerCounts(pending=1, in_flight=2)
     assert ledger.finish("s/0/1", "a") is True
-    assert ledger.finish("s/0/1", "a") is False          # a second result is refused and counted
-    assert ledger.finish("s/0/1", "zz") is False         # never opened: refused, not counted
+    assert ledger.finish("s/0/1", "a") is False  # a second result is refused and counted
+    assert ledger.finish("s/0/1", "zz") is False  # never opened: refused, not counted
     assert ledger.close("s/0/1", ["b", "c"]) == 2
-    assert ledger.finish("s/0/1", "b") is False          # closed as surplus: refused
+    assert ledger.finish("s/0/1", "b") is False  # closed as surplus: refused
     assert ledger.states("s/0/1") == {"a": DONE, "b": SURPLUS, "c": SURPLUS}
     assert ledger.counts() == LedgerCounts(done=1, surplus=2, duplicates_refused=1)
     assert ledger.unfinished("s/0/1") == []

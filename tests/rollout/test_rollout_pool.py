@@ -10,13 +10,13 @@ import threading
 
 import pytest
 import redis
+from polling import wait_until as wait_for
+from rollout_models import tokenizer, write_checkpoint
 
 from furlong.core.errors import UnavailableError
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.ledger import DONE, Ledger, ledger_key
 from furlong.rollout.pool import EnginePool, PoolConfig
-from rollout_models import tokenizer, write_checkpoint
-from polling import wait_until as wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -27,8 +27,14 @@ def test_kill_9_during_a_request_loses_and_duplicates_nothing(redis_url, tmp_pat
     red = redis.Redis.from_url(redis_url)
     ledger = Ledger(red)
     tok = tokenizer()
-    pool = EnginePool(v0, tok, tok.vocab_size, PoolConfig(num_engines=2, chunk_rows=2, max_batch_size=4),
-                      log_dir=tmp_path / "logs", ledger=ledger)
+    pool = EnginePool(
+        v0,
+        tok,
+        tok.vocab_size,
+        PoolConfig(num_engines=2, chunk_rows=2, max_batch_size=4),
+        log_dir=tmp_path / "logs",
+        ledger=ledger,
+    )
     try:
         pool.start()
         pool.update_weights(1, v1)
@@ -39,30 +45,36 @@ def test_kill_9_during_a_request_loses_and_duplicates_nothing(redis_url, tmp_pat
         worker = threading.Thread(target=lambda: outcome.update(r=pool.generate("req-1", rows, config)))
         worker.start()
         victim = "pool-engine-0"
-        wait_for(lambda: f"flight:{victim}".encode() in red.hvals(ledger_key("req-1")), 60,
-                 "a chunk in flight on the victim")
+        wait_for(
+            lambda: f"flight:{victim}".encode() in red.hvals(ledger_key("req-1")),
+            60,
+            "a chunk in flight on the victim",
+        )
         os.kill(pool.pids()[victim], signal.SIGKILL)
         worker.join(180)
         assert not worker.is_alive()
 
         result = outcome["r"]
-        assert sorted(result) == sorted(s for s, _ in rows)          # none lost
+        assert sorted(result) == sorted(s for s, _ in rows)  # none lost
         states = ledger.states("req-1")
         assert set(states.values()) == {DONE} and len(states) == len(rows)
         assert ledger.unfinished("req-1") == []
         assert pool.duplicates_refused == 0
-        for sample_id, g in result.items():
+        for g in result.values():
             assert g.policy_version == 1
             assert all(g.support.contains(i, t) for i, t in enumerate(g.token_ids))
 
-        wait_for(lambda: pool.restarts()[victim] == 1 and all(s.healthy for s in pool.status()), 120,
-                 "the killed engine to be back")
+        wait_for(
+            lambda: pool.restarts()[victim] == 1 and all(s.healthy for s in pool.status()),
+            120,
+            "the killed engine to be back",
+        )
         assert {s.engine_id: s.policy_version for s in pool.status()} == {victim: 1, "pool-engine-1": 1}
         greedy = SamplingConfig(top_k=1, max_new_tokens=6)
         prompts = [p for _, p in rows[:6]]
         back = pool.adapter(victim).generate(prompts, greedy)
         other = pool.adapter("pool-engine-1").generate(prompts, greedy)
-        assert [g.token_ids for g in back] == [g.token_ids for g in other]   # same weights (v1)
+        assert [g.token_ids for g in back] == [g.token_ids for g in other]  # same weights (v1)
 
         again = pool.generate("req-2", rows[:8], config)
         assert sorted(again) == sorted(s for s, _ in rows[:8])
@@ -82,7 +94,7 @@ def test_ledger_refuses_a_second_result(redis_url):
     assert ledger.finish("r", "a") is True
     assert ledger.finish("r", "a") is False
     assert ledger.unfinished("r") == ["b"]
-    ledger.open("r", ["a", "b"])                                 # reopening keeps states
+    ledger.open("r", ["a", "b"])  # reopening keeps states
     assert ledger.states("r")["a"] == DONE
     red.close()
     dead = Ledger(redis.Redis(host="127.0.0.1", port=9, socket_connect_timeout=0.5))

@@ -11,6 +11,8 @@ import urllib.request
 
 import pytest
 import redis
+from polling import wait_until
+from rollout_models import tiny_model, tokenizer, write_checkpoint
 
 from furlong.core.checkpoint import unique_state
 from furlong.core.redis_server import free_port
@@ -23,8 +25,6 @@ from furlong.rollout.core.types import Prompt
 from furlong.rpc import check_health
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.publisher import WeightPublisher
-from rollout_models import tiny_model, tokenizer, write_checkpoint
-from polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -34,7 +34,9 @@ GREEDY = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=6, seed=0)
 
 
 def start(args, log_path):
-    return subprocess.Popen([sys.executable, "-m", *args], stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", *args], stdout=open(log_path, "w"), stderr=subprocess.STDOUT
+    )
 
 
 def stop(proc):
@@ -58,18 +60,39 @@ def test_rollout_process_takes_new_versions_from_the_broker(redis_url, tmp_path)
     broker_port, rollout_port = free_port(), free_port()
     broker_address, rollout_address = f"127.0.0.1:{broker_port}", f"127.0.0.1:{rollout_port}"
     metrics_port = free_port()
-    broker_proc = start(["furlong.weight_broker", "--port", str(broker_port), "--metrics-port",
-                         str(free_port())], tmp_path / "broker.log")
-    rollout_proc = start(["furlong.rollout", "--host", "127.0.0.1", "--port", str(rollout_port),
-                          "--metrics-port", str(metrics_port), "--redis-url", redis_url,
-                          "--broker", broker_address, "--num-threads", "1", "--log-level", "INFO"],
-                         tmp_path / "rollout.log")
+    broker_proc = start(
+        ["furlong.weight_broker", "--port", str(broker_port), "--metrics-port", str(free_port())],
+        tmp_path / "broker.log",
+    )
+    rollout_proc = start(
+        [
+            "furlong.rollout",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(rollout_port),
+            "--metrics-port",
+            str(metrics_port),
+            "--redis-url",
+            redis_url,
+            "--broker",
+            broker_address,
+            "--num-threads",
+            "1",
+            "--log-level",
+            "INFO",
+        ],
+        tmp_path / "rollout.log",
+    )
     broker = GrpcBrokerClient(broker_address)
     client = RolloutClient(rollout_address)
     publisher = None
     try:
-        wait_until(lambda: rollout_proc.poll() is not None or check_health(rollout_address, "furlong.v1.Rollout"),
-                   90.0, "the rollout service to serve")
+        wait_until(
+            lambda: rollout_proc.poll() is not None or check_health(rollout_address, "furlong.v1.Rollout"),
+            90.0,
+            "the rollout service to serve",
+        )
         assert rollout_proc.poll() is None, (tmp_path / "rollout.log").read_text()[-3000:]
         wait_until(lambda: check_health(broker_address, "furlong.v1.WeightBroker"), 60.0, "the broker")
 
@@ -80,7 +103,9 @@ def test_rollout_process_takes_new_versions_from_the_broker(redis_url, tmp_path)
 
         new_model = tiny_model(32)
         state = unique_state(new_model)
-        publisher = WeightPublisher(broker, RUN, WeightLayout.from_state_dict(state), agent_name="trainer-e2e")
+        publisher = WeightPublisher(
+            broker, RUN, WeightLayout.from_state_dict(state), agent_name="trainer-e2e"
+        )
         publisher.publish(1, state)
         result = client.generate(RUN, 0, PROMPTS, 2, GREEDY, min_policy_version=1, timeout_s=60.0)
         assert result.policy_version == 1 and result.num_samples == 4
@@ -96,7 +121,9 @@ def test_rollout_process_takes_new_versions_from_the_broker(redis_url, tmp_path)
             assert {s.policy_version for s in group.samples} == {1}
         assert [e.policy_version for e in client.status(RUN).engines] == [1, 1]
 
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        metrics = (
+            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        )
         assert f'furlong_rollout_policy_version{{engine="{RUN}-engine-1"}} 1.0' in metrics
         assert f'furlong_rollout_samples_total{{run_id="{RUN}"}} 4.0' in metrics
 

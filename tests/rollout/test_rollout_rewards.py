@@ -9,6 +9,7 @@ import time
 import pytest
 import redis
 from prometheus_client import CollectorRegistry
+from rollout_models import write_checkpoint
 
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.rollout.core.groups import DynamicSampling, constant_groups, zero_variance
@@ -16,16 +17,28 @@ from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import Prompt
 from furlong.rollout.metrics import GROUPS_DROPPED_TOTAL, GROUPS_REFILLED_TOTAL, RolloutMetrics
-from furlong.rollout.rewards import (RewardError, check_signature, format_integer_reward,
-                                     format_single_line_reward, get_reward, resolve_user_reward,
-                                     reward_registry, score_all)
-from rollout_models import write_checkpoint
+from furlong.rollout.rewards import (
+    RewardError,
+    check_signature,
+    format_integer_reward,
+    format_single_line_reward,
+    get_reward,
+    resolve_user_reward,
+    reward_registry,
+    score_all,
+)
 
 
 @pytest.mark.unit
 def test_format_rewards():
-    assert [format_integer_reward(t, "") for t in ("42", " -7\n", "4.2", "", "1+1", "x")] == \
-        [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert [format_integer_reward(t, "") for t in ("42", " -7\n", "4.2", "", "1+1", "x")] == [
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    ]
     assert [format_single_line_reward(t, "") for t in ("a b", " ok \n", "a\nb", "  ")] == [1.0, 1.0, 0.0, 0.0]
     assert get_reward("format_integer") is format_integer_reward
 
@@ -72,7 +85,10 @@ def test_score_all_runs_concurrently_and_enforces_the_deadline():
     assert peak[0] == 4 and time.monotonic() - started < 0.35
 
     release = threading.Event()
-    stuck = lambda text, answer: float(release.wait(5.0))
+
+    def stuck(text, answer):
+        return float(release.wait(5.0))
+
     with pytest.raises(RewardError, match="reward 'stuck' did not finish within 0.2 s on sample 0"):
         score_all("stuck", stuck, items[:2], timeout_s=0.2, max_workers=2)
     release.set()
@@ -81,6 +97,7 @@ def test_score_all_runs_concurrently_and_enforces_the_deadline():
         if text == "5":
             raise KeyError("boom")
         return 1.0 if text != "6" else float("inf")
+
     with pytest.raises(RewardError, match="failed on sample 5: KeyError"):
         score_all("f", fails_on_5, items, timeout_s=5.0, max_workers=3)
 
@@ -120,12 +137,14 @@ def test_dynamic_sampling_drops_and_refills_constant_groups(redis_url, tmp_path)
         assert "const" not in [g.prompt_id for g in groups]
         assert all(not zero_variance(g.rewards) for g in groups)
         assert result.num_groups == len(groups) and result.num_groups_dropped == 3 - len(groups)
-        assert result.num_groups_refilled >= 3                      # "const" was drawn 3 more times
+        assert result.num_groups_refilled >= 3  # "const" was drawn 3 more times
         assert calls["n"] == 4 * (3 + result.num_groups_refilled)
         assert result.num_samples == 4 * len(groups)
         assert all(s.sample_id == f"{g.prompt_id}/{i}" for g in groups for i, s in enumerate(g.samples))
         assert registry.get_sample_value(GROUPS_DROPPED_TOTAL, {"run_id": "dyn"}) == result.num_groups_dropped
-        assert registry.get_sample_value(GROUPS_REFILLED_TOTAL, {"run_id": "dyn"}) == result.num_groups_refilled
+        assert (
+            registry.get_sample_value(GROUPS_REFILLED_TOTAL, {"run_id": "dyn"}) == result.num_groups_refilled
+        )
 
         off = service.generate("dyn", 1, prompts, 4, sampling, 0, 30.0)
         assert off.num_groups == 3 and off.num_groups_dropped == 0 and off.num_groups_refilled == 0

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from rollout_models import reference
 
 from furlong.rollout.core.sampler import SamplingConfig, StepDraw, sample_step
 from furlong.rollout.core.trace import DecodeTrace
-from rollout_models import reference
 
 pytestmark = pytest.mark.unit
 
@@ -21,7 +21,7 @@ CONFIGS = [
     SamplingConfig(temperature=0.8, top_k=10, top_p=0.75),
     SamplingConfig(temperature=2.0, top_k=0, top_p=0.3),
     SamplingConfig(temperature=1.0, top_k=1, top_p=1.0),
-    SamplingConfig(temperature=1.0, top_k=50, top_p=1.0),   # top_k == vocab: off
+    SamplingConfig(temperature=1.0, top_k=50, top_p=1.0),  # top_k == vocab: off
 ]
 
 
@@ -36,7 +36,7 @@ def test_support_and_logprob_match_independent_computation(config):
         if draw.kept_ids is None:
             got = set(range(50))
         else:
-            got = set(draw.kept_ids[r, :int(draw.kept_counts[r])].tolist())
+            got = set(draw.kept_ids[r, : int(draw.kept_counts[r])].tolist())
         assert got == support, r
         tok = int(draw.tokens[r])
         assert tok in support
@@ -70,12 +70,21 @@ def test_same_generator_seed_same_draws_and_different_seed_differs():
     assert not torch.equal(a, c)
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("temperature", 0.0, "temperature"), ("temperature", float("nan"), "temperature"),
-    ("temperature", float("inf"), "temperature"), ("top_k", -1, "top_k"), ("top_p", 0.0, "top_p"),
-    ("top_p", 1.5, "top_p"), ("max_new_tokens", 0, "max_new_tokens"), ("seed", -1, "seed"),
-    ("seed", 2**63, "seed"), ("top_k", 2.5, "top_k"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("temperature", 0.0, "temperature"),
+        ("temperature", float("nan"), "temperature"),
+        ("temperature", float("inf"), "temperature"),
+        ("top_k", -1, "top_k"),
+        ("top_p", 0.0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("max_new_tokens", 0, "max_new_tokens"),
+        ("seed", -1, "seed"),
+        ("seed", 2**63, "seed"),
+        ("top_k", 2.5, "top_k"),
+    ],
+)
 def test_sampling_config_rejects_bad_values(field, value, needle):
     with pytest.raises(ValueError, match=needle) as info:
         SamplingConfig(**{field: value})
@@ -87,8 +96,12 @@ def test_trace_reassembles_rows_that_left_the_batch():
         counts = torch.tensor([len(k) for k in kept])
         width = int(counts.max())
         ids = torch.tensor([k + [0] * (width - len(k)) for k in kept])
-        return StepDraw(tokens=torch.tensor(tokens), logprobs=-torch.arange(len(tokens), dtype=torch.float32) - 0.5,
-                        kept_ids=ids, kept_counts=counts)
+        return StepDraw(
+            tokens=torch.tensor(tokens),
+            logprobs=-torch.arange(len(tokens), dtype=torch.float32) - 0.5,
+            kept_ids=ids,
+            kept_counts=counts,
+        )
 
     trace = DecodeTrace(num_rows=3, vocab_size=10)
     trace.add(torch.tensor([0, 1, 2]), draw([5, 6, 7], [[5, 1], [6], [9, 7, 3]]))
@@ -106,8 +119,12 @@ def test_trace_reassembles_rows_that_left_the_batch():
 
 def test_trace_full_vocab_supports():
     trace = DecodeTrace(num_rows=2, vocab_size=4)
-    full = lambda toks: StepDraw(tokens=torch.tensor(toks), logprobs=torch.zeros(len(toks)), kept_ids=None,
-                                 kept_counts=None)
+
+    def full(toks):
+        return StepDraw(
+            tokens=torch.tensor(toks), logprobs=torch.zeros(len(toks)), kept_ids=None, kept_counts=None
+        )
+
     trace.add(torch.tensor([0, 1]), full([3, 2]))
     trace.add(torch.tensor([1]), full([0]))
     rows = trace.rows()

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import redis
+from rollout_models import tiny_model, tokenizer, write_checkpoint
 
 from furlong.core.checkpoint import unique_state
 from furlong.core.errors import ConflictError, NotFoundError
@@ -18,7 +19,6 @@ from furlong.rollout.core.sampler import SamplingConfig
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import Prompt
 from furlong.rollout.rewards import RewardError
-from rollout_models import tiny_model, tokenizer, write_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -97,11 +97,14 @@ def test_generate_writes_one_decodable_group_per_prompt(redis_client, checkpoint
     # Same run seed, request and weights: same samples.
     service.generate("run-a", 5, PROMPTS, 4, SAMPLING, min_policy_version=0, timeout_s=5.0)
     again = read_groups(redis_client, "run-a")[3:]
-    assert [[s.response_token_ids for s in g.samples] for g in again] == \
-        [[s.response_token_ids for s in g.samples] for g in groups]
+    assert [[s.response_token_ids for s in g.samples] for g in again] == [
+        [s.response_token_ids for s in g.samples] for g in groups
+    ]
     status = service.status("run-a")
-    assert [(e.engine_id, e.policy_version, e.healthy) for e in status.engines] == \
-        [("run-a-engine-0", 0, True), ("run-a-engine-1", 0, True)]
+    assert [(e.engine_id, e.policy_version, e.healthy) for e in status.engines] == [
+        ("run-a-engine-0", 0, True),
+        ("run-a-engine-1", 0, True),
+    ]
 
     service.end_run("run-a")
     assert all(r.closed for r in receivers.made.values())
@@ -151,8 +154,15 @@ def test_request_validation_names_the_field(redis_client, checkpoint):
     service = RolloutService(redis_client, None)
     client = InProcessRolloutClient(service)
     client.configure_run("run-q", checkpoint, "addition_exact_match", num_engines=1, seed=0)
-    good = dict(run_id="run-q", step=0, prompts=PROMPTS, samples_per_prompt=2, sampling=SAMPLING,
-                min_policy_version=0, timeout_s=1.0)
+    good = dict(
+        run_id="run-q",
+        step=0,
+        prompts=PROMPTS,
+        samples_per_prompt=2,
+        sampling=SAMPLING,
+        min_policy_version=0,
+        timeout_s=1.0,
+    )
     bad = [
         (dict(step=-1), "step"),
         (dict(prompts=[]), "prompts must not be empty"),
@@ -209,8 +219,9 @@ def test_unreachable_redis_is_unavailable(checkpoint):
     from furlong.core.errors import UnavailableError
     from furlong.core.redis_server import free_port
 
-    client = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=1.0,
-                         retry=Retry(NoBackoff(), 0))
+    client = redis.Redis(
+        host="127.0.0.1", port=free_port(), socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
+    )
     service = RolloutService(client, None)
     service.configure_run("run-u", checkpoint, "addition_exact_match", 1, 0)
     # the request's ledger is the first thing written, before any engine is touched

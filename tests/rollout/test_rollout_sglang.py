@@ -11,17 +11,17 @@ import urllib.error
 import urllib.request
 
 import pytest
-import torch
-
 import sglang_contract as contract
+import torch
 from fake_sglang import FakeSGLang
+from rollout_models import reference, uncached_logits, write_checkpoint
+
 from furlong.core.checkpoint import load_policy
 from furlong.core.errors import UnavailableError
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.sglang import SGLangEngine
 from furlong.rollout.tensor_payload import payload_of
-from rollout_models import reference, uncached_logits, write_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def adapter(fake: FakeSGLang) -> SGLangEngine:
 def test_contract_against_the_fake_server(fake, tmp_path):
     engine = adapter(fake)
     assert engine.healthy()
-    gens = contract.check_generate_records_exact_draws(engine)
+    contract.check_generate_records_exact_draws(engine)
     greedy = contract.check_greedy_is_singleton(engine)
     contract.check_ignore_eos_runs_to_the_limit(engine)
     contract.check_bad_request_is_a_value_error(engine)
@@ -49,8 +49,10 @@ def test_contract_against_the_fake_server(fake, tmp_path):
     contract.check_unreachable_server(fake.tokenizer, fake.engine.vocab_size)
     paths = [p for p, _ in fake.requests]
     update = paths.index("/update_weights_from_disk")
-    assert paths[update - 1] == "/pause_generation" and paths[update + 1:update + 3] == [
-        "/flush_cache", "/continue_generation"]
+    assert paths[update - 1] == "/pause_generation" and paths[update + 1 : update + 3] == [
+        "/flush_cache",
+        "/continue_generation",
+    ]
     assert fake.weight_version == str(engine.policy_version)
     body = next(b for p, b in fake.requests if p == "/generate")
     assert body["return_logprob"] is True and body["return_sampling_mask"] is True
@@ -65,7 +67,9 @@ def test_adapter_records_what_the_model_computes(fake):
     for prompt, g in zip(contract.PROMPTS, engine.generate(contract.PROMPTS, config)):
         assert g.text == tok.decode(g.token_ids)
         for pos, t in enumerate(g.token_ids):
-            support, logps = reference(uncached_logits(model, prompt + g.token_ids[:pos]).numpy(), 0.8, 5, 0.85)
+            support, logps = reference(
+                uncached_logits(model, prompt + g.token_ids[:pos]).numpy(), 0.8, 5, 0.85
+            )
             assert set(g.support.row(pos).tolist()) == support
             assert abs(g.logprobs[pos] - logps[t]) < 1e-4
 
@@ -77,7 +81,8 @@ def test_malformed_responses_are_errors_not_guesses(fake, monkeypatch):
     def broken(body):
         status, out = original(body)
         out[0]["meta_info"]["output_sampling_mask"]["token_ids"][0] = (
-            out[0]["output_ids"][0] + 1) % fake.engine.vocab_size
+            out[0]["output_ids"][0] + 1
+        ) % fake.engine.vocab_size
         return status, out
 
     monkeypatch.setattr(fake, "generate", broken)
@@ -94,8 +99,9 @@ def built_in_fingerprint(model_dir: str) -> list:
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             return resp.status, json.loads(resp.read())
@@ -136,11 +142,16 @@ def test_refused_tensor_updates_name_the_problem_and_change_nothing(fake, tmp_pa
     text = payload_of([("model.norm.weight", torch.ones(32))]).text
     cases = {
         "serialized_named_tensors must be a list with one entry per TP rank": {
-            "serialized_named_tensors": [text, text]},
-        "load_format 'direct' is not supported": {"serialized_named_tensors": [text],
-                                                  "load_format": "direct"},
-        "flush_cache must be true or false, got 'yes'": {"serialized_named_tensors": [text],
-                                                         "flush_cache": "yes"},
+            "serialized_named_tensors": [text, text]
+        },
+        "load_format 'direct' is not supported": {
+            "serialized_named_tensors": [text],
+            "load_format": "direct",
+        },
+        "flush_cache must be true or false, got 'yes'": {
+            "serialized_named_tensors": [text],
+            "flush_cache": "yes",
+        },
         "not base64": {"serialized_named_tensors": ["not base64!"]},
         "weight_version must be a string": {"serialized_named_tensors": [text], "weight_version": 3},
     }

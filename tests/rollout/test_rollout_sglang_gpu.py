@@ -31,18 +31,20 @@ import time
 import urllib.request
 
 import pytest
-import torch
-
 import sglang_contract as contract
+import torch
+from rollout_models import tokenizer, write_checkpoint
+
 from furlong.core.checkpoint import load_policy
 from furlong.core.redis_server import free_port
 from furlong.rollout.sglang import SGLangEngine
-from rollout_models import tokenizer, write_checkpoint
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
-                                 reason="needs the sglang package")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs the sglang package"),
+]
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -54,10 +56,26 @@ def sglang_server(tmp_path):
     log_path = tmp_path / "sglang.log"
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
-             "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
-             "--mem-fraction-static", "0.2", "--random-seed", "0"],
-            stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ})
+            [
+                sys.executable,
+                "-m",
+                "sglang.launch_server",
+                "--model-path",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--skip-tokenizer-init",
+                "--mem-fraction-static",
+                "0.2",
+                "--random-seed",
+                "0",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ},
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     try:

@@ -10,17 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
 import sglang_contract as contract
+import torch
+from polling import wait_until
+from rollout_models import tokenizer, write_checkpoint
+
 from furlong.core.checkpoint import load_policy
 from furlong.core.errors import UnavailableError
 from furlong.core.redis_server import free_port
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.sglang import SGLangEngine
 from furlong.rollout.weight_update_group import GroupSpec, WeightUpdateGroup
-from polling import wait_until
-from rollout_models import tokenizer, write_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -35,14 +35,34 @@ class EngineProcesses:
         for i in range(count):
             port = free_port()
             with open(log_dir / f"engine-{i}.log", "wb") as out:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "furlong.rollout.engine_server", "--model-dir",
-                     str(model_dir), "--port", str(port), "--group-timeout-s", str(GROUP_TIMEOUT_S)],
-                    stdout=out, stderr=subprocess.STDOUT))
-            self.engines.append(SGLangEngine(f"http://127.0.0.1:{port}", tok, tok.vocab_size,
-                                             timeout_s=60.0, name=f"engine-{i}"))
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "furlong.rollout.engine_server",
+                            "--model-dir",
+                            str(model_dir),
+                            "--port",
+                            str(port),
+                            "--group-timeout-s",
+                            str(GROUP_TIMEOUT_S),
+                        ],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+            self.engines.append(
+                SGLangEngine(
+                    f"http://127.0.0.1:{port}", tok, tok.vocab_size, timeout_s=60.0, name=f"engine-{i}"
+                )
+            )
         for proc, engine in zip(self.procs, self.engines):
-            wait_until(lambda: proc.poll() is not None or engine.healthy(), 120.0, f"{engine.name} up")
+            wait_until(
+                lambda proc=proc, engine=engine: proc.poll() is not None or engine.healthy(),
+                120.0,
+                f"{engine.name} up",
+            )
             assert proc.poll() is None, f"{engine.name} exited with {proc.returncode}"
 
     def close(self) -> None:
@@ -79,7 +99,7 @@ def test_distributed_update_reaches_both_engines_exactly(pair, checkpoints):
 def test_tensor_update_crosses_the_process_boundary(pair, checkpoints):
     state, expected = weights_and_expected(checkpoints[53])
     contract.check_weight_update_from_tensor(pair.engines[1], state, expected)
-    assert contract.served_fingerprint(pair.engines[0]) != expected     # only engine 1 was updated
+    assert contract.served_fingerprint(pair.engines[0]) != expected  # only engine 1 was updated
 
 
 def test_refused_distributed_updates_keep_the_weights_and_the_group(pair, checkpoints):
@@ -89,8 +109,11 @@ def test_refused_distributed_updates_keep_the_weights_and_the_group(pair, checkp
         version = max(e.policy_version for e in pair.engines) + 1
         group.update(version, state)
         served = [e.policy_version for e in pair.engines]
-        with pytest.raises(ValueError, match=r"version .* \(1 tensors\) failed on 2 of 2 engine\(s\): "
-                                             r"engine-0: .*'no.such.weight'.*engine-1: "):
+        with pytest.raises(
+            ValueError,
+            match=r"version .* \(1 tensors\) failed on 2 of 2 engine\(s\): "
+            r"engine-0: .*'no.such.weight'.*engine-1: ",
+        ):
             group.update(version + 1, {"no.such.weight": torch.zeros(4)})
         with pytest.raises(ValueError, match=r"lm_head.weight has shape \(2, 2\)"):
             group.update(version + 1, {"lm_head.weight": torch.zeros(2, 2)})
@@ -99,7 +122,7 @@ def test_refused_distributed_updates_keep_the_weights_and_the_group(pair, checkp
         assert [e.policy_version for e in pair.engines] == served
         for engine in pair.engines:
             assert contract.served_fingerprint(engine) == expected
-        group.update(version + 1, state)       # every engine received every tensor: still in step
+        group.update(version + 1, state)  # every engine received every tensor: still in step
         assert [e.policy_version for e in pair.engines] == [version + 1] * 2
     finally:
         group.close()
@@ -111,8 +134,10 @@ def test_bad_group_requests_are_value_errors_naming_the_value(pair):
         (("127.0.0.1", 29999, 0, 2, "g", "gloo"), "rank_offset must be >= 1"),
         (("127.0.0.1", 29999, 3, 2, "g", "gloo"), "got rank 3, world_size 2"),
         (("127.0.0.1", 29999, 1, 1, "g", "gloo"), "need world_size >= 2"),
-        (("127.0.0.1", 70000, 1, 2, "g", "gloo"),
-         r"master_port must be an integer in \[1, 65535\], got 70000"),
+        (
+            ("127.0.0.1", 70000, 1, 2, "g", "gloo"),
+            r"master_port must be an integer in \[1, 65535\], got 70000",
+        ),
         (("127.0.0.1", 29999, 1, 2, "g", "mpi"), "backend must be one of .* got 'mpi'"),
         (("127.0.0.1", 29999, 1, 2, "g", "nccl"), "backend 'nccl' needs a CUDA device"),
     ]
@@ -120,23 +145,28 @@ def test_bad_group_requests_are_value_errors_naming_the_value(pair):
         with pytest.raises(ValueError, match=message):
             engine.init_weights_update_group(*args)
     with pytest.raises(ValueError, match="unknown weight update group 'nope'"):
-        engine.update_weights_from_distributed(engine.policy_version + 1, ["lm_head.weight"],
-                                               ["float32"], [[2, 2]], "nope")
+        engine.update_weights_from_distributed(
+            engine.policy_version + 1, ["lm_head.weight"], ["float32"], [[2, 2]], "nope"
+        )
     with pytest.raises(ValueError, match="lm_head.weight: unknown dtype 'float99'"):
-        engine.update_weights_from_distributed(engine.policy_version + 1, ["lm_head.weight"],
-                                               ["float99"], [[2, 2]], "nope")
+        engine.update_weights_from_distributed(
+            engine.policy_version + 1, ["lm_head.weight"], ["float99"], [[2, 2]], "nope"
+        )
     with pytest.raises(ValueError, match="declares 4000000000000 bytes, more than twice"):
-        engine.update_weights_from_distributed(engine.policy_version + 1, ["lm_head.weight"],
-                                               ["float32"], [[10**6, 10**6]], "nope")
+        engine.update_weights_from_distributed(
+            engine.policy_version + 1, ["lm_head.weight"], ["float32"], [[10**6, 10**6]], "nope"
+        )
     with pytest.raises(ValueError, match="lm_head.weight: shape must be a list of integers >= 0"):
-        engine.update_weights_from_distributed(engine.policy_version + 1, ["lm_head.weight"],
-                                               ["float32"], [[-1]], "nope")
+        engine.update_weights_from_distributed(
+            engine.policy_version + 1, ["lm_head.weight"], ["float32"], [[-1]], "nope"
+        )
     with pytest.raises(ValueError, match="unknown weight update group 'nope'"):
         engine.destroy_weights_update_group("nope")
     with pytest.raises(ValueError, match="need world_size >= 2"):
         GroupSpec("127.0.0.1", 1, 0, 1)
-    dead = SGLangEngine("http://127.0.0.1:9", engine.tokenizer, engine.vocab_size, timeout_s=5.0,
-                        name="dead-engine")
+    dead = SGLangEngine(
+        "http://127.0.0.1:9", engine.tokenizer, engine.vocab_size, timeout_s=5.0, name="dead-engine"
+    )
     with pytest.raises(UnavailableError, match="dead-engine could not join: .*cannot reach"):
         WeightUpdateGroup([pair.engines[1], dead], group_name="never-complete", timeout_s=5.0)
     with pytest.raises(ValueError, match="engine names must be unique"):

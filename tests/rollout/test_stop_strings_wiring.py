@@ -9,9 +9,10 @@ import io
 import json
 
 import pytest
-
 import sglang_contract as contract
 from fake_sglang import FakeSGLang
+from rollout_models import write_checkpoint
+
 from furlong.controller.cli_generate import add_commands
 from furlong.controller.run_spec import SpecError, parse_run_spec
 from furlong.core.checkpoint import load_policy
@@ -20,7 +21,6 @@ from furlong.rollout.convert import sampling_from_proto, sampling_to_proto
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.sglang import SGLangEngine
-from rollout_models import write_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -39,9 +39,25 @@ def checkpoint(tmp_path_factory):
 
 
 def cli_record(checkpoint, *extra: str) -> dict:
-    rc, out, err = run_cli(["generate", "--model", str(checkpoint), "--prompt", "12+34=", "--n", "4",
-                            "--max-new-tokens", "16", "--temperature", "1.5", "--seed", "3",
-                            "--json", *extra])
+    rc, out, err = run_cli(
+        [
+            "generate",
+            "--model",
+            str(checkpoint),
+            "--prompt",
+            "12+34=",
+            "--n",
+            "4",
+            "--max-new-tokens",
+            "16",
+            "--temperature",
+            "1.5",
+            "--seed",
+            "3",
+            "--json",
+            *extra,
+        ]
+    )
     assert rc == 0, err
     return json.loads(out)
 

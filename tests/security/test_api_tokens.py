@@ -18,8 +18,18 @@ from controller_fakes import fake_stack  # noqa: E402
 
 ADMIN = "admin-token-0123456789abcdef"
 VIEWER = "viewer-token-0123456789abcdef"
-BASE = ["--port", "0", "--redis-url", "redis://127.0.0.1:1/0", "--trainer", "127.0.0.1:2",
-        "--rollout", "127.0.0.1:3", "--broker", "127.0.0.1:4"]
+BASE = [
+    "--port",
+    "0",
+    "--redis-url",
+    "redis://127.0.0.1:1/0",
+    "--trainer",
+    "127.0.0.1:2",
+    "--rollout",
+    "127.0.0.1:3",
+    "--broker",
+    "127.0.0.1:4",
+]
 
 
 @pytest.mark.unit
@@ -44,9 +54,19 @@ def test_controller_token_flags(tmp_path, monkeypatch):
     admin_file, viewer_file = tmp_path / "admin", tmp_path / "viewer"
     admin_file.write_text(ADMIN + "\n")
     viewer_file.write_text(VIEWER)
-    config = load_config(parse_args([*BASE, "--token-file", str(admin_file),
-                                     "--viewer-token-file", str(viewer_file),
-                                     "--cors-origin", "https://ui.example.org"]))
+    config = load_config(
+        parse_args(
+            [
+                *BASE,
+                "--token-file",
+                str(admin_file),
+                "--viewer-token-file",
+                str(viewer_file),
+                "--cors-origin",
+                "https://ui.example.org",
+            ]
+        )
+    )
     assert (config.token, config.viewer_token) == (ADMIN, VIEWER)
     assert config.cors_origins == ("https://ui.example.org",)
     assert ADMIN not in repr(config) and VIEWER not in repr(config)
@@ -57,8 +77,7 @@ def test_controller_token_flags(tmp_path, monkeypatch):
         (["--token-file", str(admin_file), "--token-env", "X"], "not both"),
         (["--token-env", "FURLONG_TEST_UNSET_VAR"], "FURLONG_TEST_UNSET_VAR is not set"),
         (["--token-file", str(tmp_path / "missing")], "cannot read --token-file"),
-        (["--token-file", str(admin_file), "--viewer-token-file", str(admin_file)],
-         "must differ"),
+        (["--token-file", str(admin_file), "--viewer-token-file", str(admin_file)], "must differ"),
         (["--token-file", str(admin_file), "--cors-origin", "ui.example.org"], "cors_origins"),
     ]:
         with pytest.raises(ValueError, match=message) as err:
@@ -71,23 +90,40 @@ def test_controller_token_flags(tmp_path, monkeypatch):
 def test_cors_is_off_unless_configured(redis_url, origins):
     fakes = fake_stack()
     store = RunStore.from_url(redis_url)
-    controller = build_controller(store, fakes.trainer, fakes.rollout, fakes.broker, fakes.prompts,
-                                  ADMIN, lambda: {}, cors_origins=origins)
+    controller = build_controller(
+        store,
+        fakes.trainer,
+        fakes.rollout,
+        fakes.broker,
+        fakes.prompts,
+        ADMIN,
+        lambda: {},
+        cors_origins=origins,
+    )
     server = HttpServer(controller.app).start()
     try:
-        preflight = httpx.options(server.url + "/v1/runs", headers={
-            "Origin": "https://ui.example.org", "Access-Control-Request-Method": "GET",
-            "Access-Control-Request-Headers": "authorization"})
-        get = httpx.get(server.url + "/v1/runs", headers={"Origin": "https://ui.example.org",
-                                                          "Authorization": f"Bearer {ADMIN}"})
+        preflight = httpx.options(
+            server.url + "/v1/runs",
+            headers={
+                "Origin": "https://ui.example.org",
+                "Access-Control-Request-Method": "GET",
+                "Access-Control-Request-Headers": "authorization",
+            },
+        )
+        get = httpx.get(
+            server.url + "/v1/runs",
+            headers={"Origin": "https://ui.example.org", "Authorization": f"Bearer {ADMIN}"},
+        )
         assert get.status_code == 200
         allowed = get.headers.get("access-control-allow-origin")
         if origins:
             assert preflight.status_code == 200 and allowed == "https://ui.example.org"
         else:
             assert allowed is None and "access-control-allow-origin" not in preflight.headers
-        other = httpx.get(server.url + "/v1/runs", headers={"Origin": "https://evil.example",
-                                                            "Authorization": f"Bearer {ADMIN}"})
+        other = httpx.get(
+            server.url + "/v1/runs",
+            headers={"Origin": "https://evil.example", "Authorization": f"Bearer {ADMIN}"},
+        )
         assert "access-control-allow-origin" not in other.headers
     finally:
         controller.close(10)

@@ -21,16 +21,20 @@ def _repeat(request: bytes, context):
         yield bytes([i]) + request
 
 
-HANDLER = grpc.method_handlers_generic_handler("test.Echo", {
-    "Say": grpc.unary_unary_rpc_method_handler(_echo),
-    "Repeat": grpc.unary_stream_rpc_method_handler(_repeat),
-})
+HANDLER = grpc.method_handlers_generic_handler(
+    "test.Echo",
+    {
+        "Say": grpc.unary_unary_rpc_method_handler(_echo),
+        "Repeat": grpc.unary_stream_rpc_method_handler(_repeat),
+    },
+)
 
 
 @pytest.fixture
 def server():
-    running = rpc.start_server([lambda s: s.add_generic_rpc_handlers((HANDLER,))], ["test.Echo"],
-                               auth_token=TOKEN)
+    running = rpc.start_server(
+        [lambda s: s.add_generic_rpc_handlers((HANDLER,))], ["test.Echo"], auth_token=TOKEN
+    )
     yield f"127.0.0.1:{running.port}"
     running.stop(0)
 

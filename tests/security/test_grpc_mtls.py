@@ -8,11 +8,10 @@ import sys
 
 import grpc
 import pytest
+from pki import make_ca, make_cert
 
 from furlong import rpc
 from furlong.rpc.tls import TlsConfig, TlsFiles
-
-from pki import make_ca, make_cert
 
 pytestmark = pytest.mark.integration
 
@@ -29,10 +28,13 @@ def _repeat(request: bytes, context):
         yield bytes([i]) + request
 
 
-HANDLER = grpc.method_handlers_generic_handler(ECHO, {
-    "Say": grpc.unary_unary_rpc_method_handler(_echo),
-    "Repeat": grpc.unary_stream_rpc_method_handler(_repeat),
-})
+HANDLER = grpc.method_handlers_generic_handler(
+    ECHO,
+    {
+        "Say": grpc.unary_unary_rpc_method_handler(_echo),
+        "Repeat": grpc.unary_stream_rpc_method_handler(_repeat),
+    },
+)
 
 
 def _add(server: grpc.Server) -> None:
@@ -46,7 +48,8 @@ def pki(tmp_path_factory):
     d = tmp_path_factory.mktemp("pki")
     ca, other_ca = make_ca(d, "ca"), make_ca(d, "other-ca")
     return {
-        "ca": ca, "other_ca": other_ca,
+        "ca": ca,
+        "other_ca": other_ca,
         "server": make_cert(ca, d, "server"),
         "client": make_cert(ca, d, "client", dns=("client",), ips=()),
         "stranger": make_cert(other_ca, d, "stranger"),
@@ -97,17 +100,21 @@ def test_plaintext_and_certificateless_clients_fail_the_handshake(pki, server):
     assert rpc_code(plain) == grpc.StatusCode.UNAVAILABLE
     plain.close()
     # TLS that trusts the server but presents no client certificate
-    no_cert = grpc.secure_channel(server, grpc.ssl_channel_credentials(
-        root_certificates=pki["ca"].cert.read_bytes()))
+    no_cert = grpc.secure_channel(
+        server, grpc.ssl_channel_credentials(root_certificates=pki["ca"].cert.read_bytes())
+    )
     assert rpc_code(no_cert) == grpc.StatusCode.UNAVAILABLE
     no_cert.close()
-    assert not rpc.check_health(server)   # health checks need TLS too
+    assert not rpc.check_health(server)  # health checks need TLS too
 
 
 def test_a_client_certificate_of_another_ca_is_refused(pki, server):
     # trusts the server's CA, presents a certificate the server's CA did not sign
-    stranger = TlsConfig(ca_cert=pki["ca"].cert.read_bytes(), cert=pki["stranger"].cert.read_bytes(),
-                         key=pki["stranger"].key.read_bytes())
+    stranger = TlsConfig(
+        ca_cert=pki["ca"].cert.read_bytes(),
+        cert=pki["stranger"].cert.read_bytes(),
+        key=pki["stranger"].key.read_bytes(),
+    )
     ch = rpc.channel(server, auth_token=TOKEN, tls=stranger)
     assert rpc_code(ch) == grpc.StatusCode.UNAVAILABLE
     ch.close()
@@ -143,7 +150,7 @@ def test_server_name_verifies_a_shared_name_instead_of_the_address(pki):
 def test_process_tls_is_used_by_default(pki):
     rpc.use_tls(tls(pki, "server"))
     try:
-        running = rpc.start_server([_add], [ECHO])   # no explicit tls: the process's
+        running = rpc.start_server([_add], [ECHO])  # no explicit tls: the process's
         address = f"127.0.0.1:{running.port}"
         try:
             assert rpc.check_health(address, ECHO)
@@ -158,14 +165,18 @@ def test_process_tls_is_used_by_default(pki):
 
 
 def test_health_probe_command(pki, server):
-    base = [sys.executable, "-m", "furlong.rpc.health_probe", "--address", server,
-            "--service", ECHO]
-    files = ["--tls-ca-file", str(pki["ca"].cert), "--tls-cert-file", str(pki["client"].cert),
-             "--tls-key-file", str(pki["client"].key)]
+    base = [sys.executable, "-m", "furlong.rpc.health_probe", "--address", server, "--service", ECHO]
+    files = [
+        "--tls-ca-file",
+        str(pki["ca"].cert),
+        "--tls-cert-file",
+        str(pki["client"].cert),
+        "--tls-key-file",
+        str(pki["client"].key),
+    ]
     ok = subprocess.run(base + files, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
-    unknown = subprocess.run(base[:-1] + ["no.Such"] + files, capture_output=True, text=True,
-                             timeout=60)
+    unknown = subprocess.run(base[:-1] + ["no.Such"] + files, capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
     plain = subprocess.run(base, capture_output=True, text=True, timeout=60)
     assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr

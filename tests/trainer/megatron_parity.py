@@ -22,9 +22,17 @@ warnings.filterwarnings("ignore")
 def main() -> None:
     tie = sys.argv[1] == "tied" if len(sys.argv) > 1 else False
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=15, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         rms_norm_eps=1e-5, tie_word_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=15,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+    )
     hf = LlamaForCausalLM(config).eval()
     init_model_parallel(free_port())
     mg = MegatronCausalLM.from_hf(copy.deepcopy(hf))
@@ -38,15 +46,27 @@ def main() -> None:
 
     sys.path.insert(0, "tests/trainer")
     from test_learner import batch  # noqa: E402  (samples drawn from the HF model)
+
     groups: list[SampleGroup] = batch(hf)
     s_hf = Learner(hf, LearnerConfig(learning_rate=1e-2)).train_step(groups)
     s_mg = Learner(mg, LearnerConfig(learning_rate=1e-2)).train_step(groups)
     trained = mg.hf_state_dict()
     after = max(float((trained[k] - v).abs().max()) for k, v in hf.state_dict().items())
-    print(json.dumps({"megatron_core": megatron_version(), "logprob_max_abs_diff": float((a - b).abs().max()),
-                      "num_tokens": int(targets.numel()), "round_trip_exact": round_trip,
-                      "loss_hf": s_hf.loss, "loss_megatron": s_mg.loss, "grad_norm_hf": s_hf.grad_norm,
-                      "grad_norm_megatron": s_mg.grad_norm, "param_max_abs_diff_after_step": after}))
+    print(
+        json.dumps(
+            {
+                "megatron_core": megatron_version(),
+                "logprob_max_abs_diff": float((a - b).abs().max()),
+                "num_tokens": int(targets.numel()),
+                "round_trip_exact": round_trip,
+                "loss_hf": s_hf.loss,
+                "loss_megatron": s_mg.loss,
+                "grad_norm_hf": s_hf.grad_norm,
+                "grad_norm_megatron": s_mg.grad_norm,
+                "param_max_abs_diff_after_step": after,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -5,12 +5,11 @@ import json
 
 import pytest
 import redis
+from test_learner import GOOD_A, PROMPT_A, make_sample, tiny_model
 
-from furlong.core.samples import STREAM_FIELD, stream_key
+from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.trainer.core.learner import Learner, LearnerConfig
 from furlong.trainer.sample_reader import SampleReader, rejected_key
-from furlong.core.samples import SampleGroup
-from test_learner import GOOD_A, PROMPT_A, make_sample, tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -41,12 +40,15 @@ def _wrong_lengths(s):
     s["response_logprobs"] = s["response_logprobs"][:-1]
 
 
-@pytest.mark.parametrize("change, problem", [
-    (_outside_support, "outside its sampling support"),
-    (_misaligned_offsets, "offsets must end at len(token_ids)"),
-    (_outside_vocab, "token id 99 outside the model vocabulary"),
-    (_wrong_lengths, "2 log-probs for 3 response tokens"),
-])
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (_outside_support, "outside its sampling support"),
+        (_misaligned_offsets, "offsets must end at len(token_ids)"),
+        (_outside_vocab, "token id 99 outside the model vocabulary"),
+        (_wrong_lengths, "2 log-probs for 3 response tokens"),
+    ],
+)
 def test_bad_sample_is_rejected_by_name_and_nothing_else_dropped(redis_url, change, problem):
     model = tiny_model()
     learner = Learner(model, LearnerConfig(learning_rate=1e-3))

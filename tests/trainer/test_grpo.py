@@ -30,12 +30,15 @@ def test_equal_rewards_give_zero_advantage():
     assert torch.equal(adv, torch.zeros(3, 3))
 
 
-@pytest.mark.parametrize("rewards, problem", [
-    (torch.tensor([1.0, 0.0]), "shape"),
-    (torch.zeros(0, 4), "non-empty"),
-    (torch.tensor([[1, 0]]), "floating point"),
-    (torch.tensor([[1.0, float("nan")]]), "finite"),
-])
+@pytest.mark.parametrize(
+    "rewards, problem",
+    [
+        (torch.tensor([1.0, 0.0]), "shape"),
+        (torch.zeros(0, 4), "non-empty"),
+        (torch.tensor([[1, 0]]), "floating point"),
+        (torch.tensor([[1.0, float("nan")]]), "finite"),
+    ],
+)
 def test_group_advantages_rejects_bad_rewards(rewards, problem):
     with pytest.raises(ValueError, match=problem):
         group_advantages(rewards)
@@ -107,8 +110,9 @@ def test_clipped_loss_denominator_override_and_per_token_advantages():
 
 def test_clipped_loss_ignores_garbage_in_padding():
     logprobs = torch.tensor([[-0.5, float("-inf")]], requires_grad=True)
-    loss, stats = clipped_policy_loss(logprobs, torch.tensor([[-0.5, 0.0]]), torch.tensor([2.0]),
-                                      torch.tensor([[1, 0]]), clip_eps=0.2)
+    loss, stats = clipped_policy_loss(
+        logprobs, torch.tensor([[-0.5, 0.0]]), torch.tensor([2.0]), torch.tensor([[1, 0]]), clip_eps=0.2
+    )
     loss.backward()
     assert loss.item() == pytest.approx(-2.0)
     assert torch.isfinite(logprobs.grad).all()

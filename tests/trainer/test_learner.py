@@ -23,9 +23,16 @@ VOCAB = 15
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -34,8 +41,13 @@ def full_support(rows: int) -> RolloutSamplingMask:
 
 
 @torch.no_grad()
-def policy_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0,
-                    support: list[list[int]] | None = None) -> list[float]:
+def policy_logprobs(
+    model,
+    prompt: list[int],
+    response: list[int],
+    temperature: float = 1.0,
+    support: list[list[int]] | None = None,
+) -> list[float]:
     """Log-probs of `response` under the model, as a sampler with this temperature/support records them."""
     logits = model(torch.tensor([prompt + response])).logits[0].float() / temperature
     out = []
@@ -49,26 +61,45 @@ def policy_logprobs(model, prompt: list[int], response: list[int], temperature: 
     return out
 
 
-def make_sample(model, sample_id: str, prompt: list[int], response: list[int], reward: float,
-                temperature: float = 1.0, support: list[list[int]] | None = None, version: int = 0) -> Sample:
+def make_sample(
+    model,
+    sample_id: str,
+    prompt: list[int],
+    response: list[int],
+    reward: float,
+    temperature: float = 1.0,
+    support: list[list[int]] | None = None,
+    version: int = 0,
+) -> Sample:
     mask = full_support(len(response)) if support is None else RolloutSamplingMask.from_lists(support, VOCAB)
-    return Sample(sample_id=sample_id, prompt_token_ids=prompt, response_token_ids=response,
-                  response_logprobs=policy_logprobs(model, prompt, response, temperature, support),
-                  sampling_support=mask, reward=reward, policy_version=version, finish_reason="eos")
+    return Sample(
+        sample_id=sample_id,
+        prompt_token_ids=prompt,
+        response_token_ids=response,
+        response_logprobs=policy_logprobs(model, prompt, response, temperature, support),
+        sampling_support=mask,
+        reward=reward,
+        policy_version=version,
+        finish_reason="eos",
+    )
 
 
-PROMPT_A = [1, 4, 5, 13, 6, 7, 14]          # <bos>12+34=
-PROMPT_B = [1, 9, 13, 8, 14]                # <bos>6+5=
-GOOD_A, BAD_A = [7, 9, 2], [12, 12, 5, 2]   # "46<eos>", "992<eos>"
-GOOD_B, BAD_B = [4, 4, 2], [10, 2]          # "11<eos>", "7<eos>"
+PROMPT_A = [1, 4, 5, 13, 6, 7, 14]  # <bos>12+34=
+PROMPT_B = [1, 9, 13, 8, 14]  # <bos>6+5=
+GOOD_A, BAD_A = [7, 9, 2], [12, 12, 5, 2]  # "46<eos>", "992<eos>"
+GOOD_B, BAD_B = [4, 4, 2], [10, 2]  # "11<eos>", "7<eos>"
 
 
 def batch(model, version: int = 0) -> list[SampleGroup]:
     """Two groups with prompts and responses of different lengths; good responses reward 1."""
-    a = [make_sample(model, f"a{i}", PROMPT_A, r, w, version=version)
-         for i, (r, w) in enumerate([(GOOD_A, 1.0), (BAD_A, 0.0), (GOOD_A, 1.0), (BAD_A, 0.0)])]
-    b = [make_sample(model, f"b{i}", PROMPT_B, r, w, version=version)
-         for i, (r, w) in enumerate([(GOOD_B, 1.0), (BAD_B, 0.0), (BAD_B, 0.0)])]
+    a = [
+        make_sample(model, f"a{i}", PROMPT_A, r, w, version=version)
+        for i, (r, w) in enumerate([(GOOD_A, 1.0), (BAD_A, 0.0), (GOOD_A, 1.0), (BAD_A, 0.0)])
+    ]
+    b = [
+        make_sample(model, f"b{i}", PROMPT_B, r, w, version=version)
+        for i, (r, w) in enumerate([(GOOD_B, 1.0), (BAD_B, 0.0), (BAD_B, 0.0)])
+    ]
     return [SampleGroup("run", 1, "pa", a), SampleGroup("run", 1, "pb", b)]
 
 
@@ -95,14 +126,26 @@ def test_first_epoch_is_on_policy_and_stats_add_up():
 def test_train_step_raises_good_and_lowers_bad_responses_and_counts_versions():
     model = tiny_model()
     learner = Learner(model, LearnerConfig(learning_rate=1e-2))
-    before = {name: sum(policy_logprobs(model, p, r)) for name, p, r in
-              [("good_a", PROMPT_A, GOOD_A), ("bad_a", PROMPT_A, BAD_A), ("good_b", PROMPT_B, GOOD_B)]}
+    before = {
+        name: sum(policy_logprobs(model, p, r))
+        for name, p, r in [
+            ("good_a", PROMPT_A, GOOD_A),
+            ("bad_a", PROMPT_A, BAD_A),
+            ("good_b", PROMPT_B, GOOD_B),
+        ]
+    }
     assert learner.version == 0
     for step in range(3):
         learner.train_step(batch(model, version=learner.version))
         assert learner.version == step + 1
-    after = {name: sum(policy_logprobs(model, p, r)) for name, p, r in
-             [("good_a", PROMPT_A, GOOD_A), ("bad_a", PROMPT_A, BAD_A), ("good_b", PROMPT_B, GOOD_B)]}
+    after = {
+        name: sum(policy_logprobs(model, p, r))
+        for name, p, r in [
+            ("good_a", PROMPT_A, GOOD_A),
+            ("bad_a", PROMPT_A, BAD_A),
+            ("good_b", PROMPT_B, GOOD_B),
+        ]
+    }
     assert after["good_a"] > before["good_a"] + 0.5
     assert after["good_b"] > before["good_b"] + 0.5
     assert after["bad_a"] < before["bad_a"] - 0.5
@@ -126,16 +169,19 @@ def test_micro_batch_size_does_not_change_the_update():
 
 def test_temperature_and_sampling_support_are_applied():
     model = tiny_model()
-    support = [[7, 9, 12], [2, 9], [2, 3, 4, 5]]   # top-k style rows; responses stay inside
-    samples = [make_sample(model, "x0", PROMPT_A, [7, 9, 2], 1.0, temperature=0.7, support=support),
-               make_sample(model, "x1", PROMPT_A, [12, 2, 5], 0.0, temperature=0.7, support=support)]
+    support = [[7, 9, 12], [2, 9], [2, 3, 4, 5]]  # top-k style rows; responses stay inside
+    samples = [
+        make_sample(model, "x0", PROMPT_A, [7, 9, 2], 1.0, temperature=0.7, support=support),
+        make_sample(model, "x1", PROMPT_A, [12, 2, 5], 0.0, temperature=0.7, support=support),
+    ]
     learner = Learner(model, LearnerConfig(learning_rate=1e-3, temperature=0.7))
     stats = learner.train_step([SampleGroup("run", 1, "p", samples)])
     assert stats.ratio_mean == pytest.approx(1.0, abs=1e-5)
     # The same samples read at another temperature are off-policy.
     model2 = tiny_model()
     stats2 = Learner(model2, LearnerConfig(learning_rate=1e-3, temperature=1.0)).train_step(
-        [SampleGroup("run", 1, "p", samples)])
+        [SampleGroup("run", 1, "p", samples)]
+    )
     assert abs(stats2.ratio_mean - 1.0) > 1e-3
 
 
@@ -174,8 +220,17 @@ def test_state_dict_is_detached_contiguous_and_current():
 
 
 def test_as_metrics_is_all_floats():
-    stats = StepStats(loss=0.5, reward_mean=0.25, num_samples=8, num_groups=1, num_tokens=20,
-                      clip_fraction=0.1, ratio_mean=1.0, grad_norm=2.0, step_seconds=0.3)
+    stats = StepStats(
+        loss=0.5,
+        reward_mean=0.25,
+        num_samples=8,
+        num_groups=1,
+        num_tokens=20,
+        clip_fraction=0.1,
+        ratio_mean=1.0,
+        grad_norm=2.0,
+        step_seconds=0.3,
+    )
     metrics = stats.as_metrics()
     assert metrics["reward_mean"] == 0.25 and metrics["num_tokens"] == 20.0
     assert {"loss", "clip_fraction", "ratio_mean", "grad_norm", "step_seconds", "approx_kl"} <= set(metrics)
@@ -215,8 +270,9 @@ def test_rejects_groups_of_another_run():
 def test_rejects_tokens_outside_the_vocabulary():
     model = tiny_model()
     good = make_sample(model, "a", PROMPT_A, GOOD_A, 1.0)
-    bad = dataclasses.replace(good, sample_id="b", prompt_token_ids=PROMPT_A[:-1] + [VOCAB + 3],
-                              sampling_support=full_support(3))
+    bad = dataclasses.replace(
+        good, sample_id="b", prompt_token_ids=PROMPT_A[:-1] + [VOCAB + 3], sampling_support=full_support(3)
+    )
     # the prompt differs too, so put it alone in its group
     _rejects([SampleGroup("run", 1, "p", [bad])], f"token id {VOCAB + 3} outside the model vocabulary")
 
@@ -237,12 +293,25 @@ def test_rejects_things_that_are_not_groups():
     _rejects([object()], "expected SampleGroup")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("learning_rate", 0.0), ("learning_rate", float("nan")), ("clip_eps", 0.0), ("clip_eps", 1.5),
-    ("weight_decay", -0.1), ("max_grad_norm", -1.0), ("epochs_per_batch", 0), ("epochs_per_batch", 1.5),
-    ("micro_batch_size", 0), ("adam_beta1", 1.0), ("adam_beta2", -0.1), ("temperature", 0.0),
-    ("seed", -1), ("seed", True),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("learning_rate", 0.0),
+        ("learning_rate", float("nan")),
+        ("clip_eps", 0.0),
+        ("clip_eps", 1.5),
+        ("weight_decay", -0.1),
+        ("max_grad_norm", -1.0),
+        ("epochs_per_batch", 0),
+        ("epochs_per_batch", 1.5),
+        ("micro_batch_size", 0),
+        ("adam_beta1", 1.0),
+        ("adam_beta2", -0.1),
+        ("temperature", 0.0),
+        ("seed", -1),
+        ("seed", True),
+    ],
+)
 def test_config_names_the_bad_field(field, value):
     kwargs = {"learning_rate": 1e-3, field: value}
     with pytest.raises(ValueError, match=field):
@@ -251,9 +320,17 @@ def test_config_names_the_bad_field(field, value):
 
 def test_config_defaults():
     config = LearnerConfig(learning_rate=3e-4)
-    assert (config.clip_eps, config.weight_decay, config.max_grad_norm, config.epochs_per_batch,
-            config.micro_batch_size, config.adam_beta1, config.adam_beta2, config.temperature,
-            config.seed) == (0.2, 0.0, 1.0, 1, 64, 0.9, 0.999, 1.0, 0)
+    assert (
+        config.clip_eps,
+        config.weight_decay,
+        config.max_grad_norm,
+        config.epochs_per_batch,
+        config.micro_batch_size,
+        config.adam_beta1,
+        config.adam_beta2,
+        config.temperature,
+        config.seed,
+    ) == (0.2, 0.0, 1.0, 1, 64, 0.9, 0.999, 1.0, 0)
 
 
 def test_logprob_helper_matches_support_rows():

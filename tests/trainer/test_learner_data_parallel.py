@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_learner import batch, tiny_model
 
 from furlong.core.redis_server import free_port
 from furlong.trainer.core.data_parallel import DataParallel
 from furlong.trainer.core.learner import Learner, LearnerConfig
-from test_learner import batch, tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -30,8 +30,13 @@ def _train(model, micro_batch_size, **dp):
 
 
 def _worker(rank, world, port, results):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         for mode, size in CASES:
             model = tiny_model()
@@ -61,7 +66,6 @@ def test_two_ranks_equal_one_process():
                 assert trained == ref[3] == 7
             # Training moved the weights: the comparison above is not between two untouched models.
             assert not torch.equal(state["lm_head.weight"], tiny_model().state_dict()["lm_head.weight"])
-
 
 
 def _plan(rows, size, rank, world, mode="ddp"):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from furlong.core.sampling_mask import RolloutSamplingMask
-from furlong.trainer.logprobs import (SupportViolation, context_parallel_rows, log_probs_with_support)
+from furlong.trainer.logprobs import SupportViolation, context_parallel_rows, log_probs_with_support
 
 pytestmark = pytest.mark.unit
 
@@ -89,17 +89,24 @@ def test_target_outside_support_names_the_row():
         log_probs_with_support(logits, torch.tensor([1, 4, 3]), support)
     assert info.value.row == 1 and info.value.token_id == 4
     with pytest.raises(ValueError, match="response position 7"):
-        log_probs_with_support(logits[:1], torch.tensor([4]),
-                               RolloutSamplingMask.from_lists([[0]] * 7 + [[2]], 5), support_rows=[7])
+        log_probs_with_support(
+            logits[:1],
+            torch.tensor([4]),
+            RolloutSamplingMask.from_lists([[0]] * 7 + [[2]], 5),
+            support_rows=[7],
+        )
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(target_ids=torch.tensor([0, 9, 1])), "target id 9 outside"),
-    (dict(target_ids=torch.tensor([0, 1])), "2 target ids for 3"),
-    (dict(support=RolloutSamplingMask.from_lists([[0]], 5)), "1 rows for 3"),
-    (dict(support=RolloutSamplingMask.from_lists([[0]] * 3, 6)), "vocab_size 6"),
-    (dict(temperature=0.0), "temperature"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(target_ids=torch.tensor([0, 9, 1])), "target id 9 outside"),
+        (dict(target_ids=torch.tensor([0, 1])), "2 target ids for 3"),
+        (dict(support=RolloutSamplingMask.from_lists([[0]], 5)), "1 rows for 3"),
+        (dict(support=RolloutSamplingMask.from_lists([[0]] * 3, 6)), "vocab_size 6"),
+        (dict(temperature=0.0), "temperature"),
+    ],
+)
 def test_bad_inputs_rejected(kwargs, match):
     args = dict(logits=torch.zeros(3, 5), target_ids=torch.tensor([0, 0, 0]), support=None, temperature=1.0)
     args.update(kwargs)
@@ -132,9 +139,14 @@ def test_top_p_ratio_is_one_with_replay_and_kept_mass_without():
     targets = torch.multinomial(trunc, 1, generator=gen)[:, 0]
     rollout_lp = trunc.gather(-1, targets[:, None])[:, 0].log()
     kept_mass = (probs * keep).sum(-1).mean().item()
-    with_replay = torch.exp(log_probs_with_support(logits, targets, support).logprobs - rollout_lp).mean().item()
+    with_replay = (
+        torch.exp(log_probs_with_support(logits, targets, support).logprobs - rollout_lp).mean().item()
+    )
     without = torch.exp(log_probs_with_support(logits, targets, None).logprobs - rollout_lp).mean().item()
-    print(f"top-p {top_p}: ratio with replay {with_replay:.6f}, without {without:.6f}, kept mass {kept_mass:.6f}")
+    print(
+        f"top-p {top_p}: ratio with replay {with_replay:.6f}, without {without:.6f}, "
+        f"kept mass {kept_mass:.6f}"
+    )
     assert abs(with_replay - 1.0) <= 1e-4
     assert abs(without - kept_mass) < 1e-9 and without < 0.97
 

@@ -35,9 +35,15 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         logits, targets, support = _case()
         weights = torch.linspace(-1.0, 1.0, N, dtype=torch.float64)
         width = VOCAB // world
-        local = logits[:, rank * width:(rank + 1) * width].clone().requires_grad_(True)
-        tp = log_probs_with_support(local, targets, support, TEMPERATURE, chunk_rows=7,
-                                    vocab_shard=VocabShard(dist.group.WORLD, rank * width, VOCAB))
+        local = logits[:, rank * width : (rank + 1) * width].clone().requires_grad_(True)
+        tp = log_probs_with_support(
+            local,
+            targets,
+            support,
+            TEMPERATURE,
+            chunk_rows=7,
+            vocab_shard=VocabShard(dist.group.WORLD, rank * width, VOCAB),
+        )
         ((tp.logprobs * weights).sum() + tp.entropy.sum()).backward()
         rows = context_parallel_rows(N, rank, world)
         cp = log_probs_with_support(logits[rows], targets[rows], support, TEMPERATURE, support_rows=rows)
@@ -50,8 +56,9 @@ def test_tensor_and_context_parallel_match_single_process():
     world = 2
     manager = mp.Manager()
     results = manager.dict()
-    mp.start_processes(_worker, args=(world, free_port(), results), nprocs=world, join=True,
-                       start_method="spawn")  # fork can hang after torch used its thread pool
+    mp.start_processes(
+        _worker, args=(world, free_port(), results), nprocs=world, join=True, start_method="spawn"
+    )  # fork can hang after torch used its thread pool
     logits, targets, support = _case()
     full = logits.clone().requires_grad_(True)
     ref = log_probs_with_support(full, targets, support, TEMPERATURE)
@@ -63,7 +70,7 @@ def test_tensor_and_context_parallel_match_single_process():
         tp_lp, tp_ent, tp_grad, rows, cp_lp, cp_ent = results[rank]
         assert (tp_lp - ref.logprobs.detach()).abs().max() <= 1e-6
         assert (tp_ent - ref.entropy.detach()).abs().max() <= 1e-6
-        assert (tp_grad - full.grad[:, rank * width:(rank + 1) * width]).abs().max() <= 1e-6
+        assert (tp_grad - full.grad[:, rank * width : (rank + 1) * width]).abs().max() <= 1e-6
         assert (cp_lp - ref.logprobs.detach()[rows]).abs().max() <= 1e-6
         assert (cp_ent - ref.entropy.detach()[rows]).abs().max() <= 1e-6
         seen.extend(rows.tolist())

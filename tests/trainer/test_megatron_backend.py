@@ -16,8 +16,13 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("embeddings", ["untied", "tied"])
 def test_megatron_matches_torch_backend(embeddings):
     # Its own process: megatron-core needs a torch.distributed group and process-wide parallel state.
-    out = subprocess.run([sys.executable, str(ROOT / "tests/trainer/megatron_parity.py"), embeddings],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tests/trainer/megatron_parity.py"), embeddings],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["megatron_core"] == "0.16.0"

@@ -5,17 +5,27 @@ import math
 import pytest
 import torch
 
-from furlong.trainer.core.objectives import (ClippedTokenLoss, ObjectiveConfig, SequenceRatioLoss,
-                                             clipped_value_loss, gae, group_advantages,
-                                             importance_weights, kl_estimate, policy_loss,
-                                             reinforce_pp_advantages, token_weights)
+from furlong.trainer.core.objectives import (
+    ClippedTokenLoss,
+    ObjectiveConfig,
+    SequenceRatioLoss,
+    clipped_value_loss,
+    gae,
+    group_advantages,
+    importance_weights,
+    kl_estimate,
+    policy_loss,
+    reinforce_pp_advantages,
+    token_weights,
+)
 
 pytestmark = pytest.mark.unit
 
 
 def close(a, b, tol=1e-6):
-    return torch.allclose(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
-                          atol=tol, rtol=0)
+    return torch.allclose(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol, rtol=0
+    )
 
 
 def test_grpo_and_dr_grpo_advantages():
@@ -51,8 +61,12 @@ def test_kl_estimators_by_hand():
 def test_clip_higher_token_loss_values_and_gradients():
     ratios = torch.tensor([1.5, 0.5, 1.25, 0.7], dtype=torch.float64)
     logp = ratios.log().requires_grad_(True)
-    out = ClippedTokenLoss(0.2, 0.28)(logp, torch.zeros(4, dtype=torch.float64),
-                                      torch.tensor([1.0, 1.0, -1.0, -1.0], dtype=torch.float64), None)
+    out = ClippedTokenLoss(0.2, 0.28)(
+        logp,
+        torch.zeros(4, dtype=torch.float64),
+        torch.tensor([1.0, 1.0, -1.0, -1.0], dtype=torch.float64),
+        None,
+    )
     assert close(out.per_token, [-1.28, -0.5, 1.25, 0.8])
     assert out.clipped.tolist() == [True, False, False, True]
     out.per_token.sum().backward()
@@ -105,10 +119,16 @@ def test_config_defaults_per_algorithm_and_validation():
     assert not ObjectiveConfig().every_sample_matters
     assert ObjectiveConfig(entropy_coef=0.01).every_sample_matters
     assert ObjectiveConfig(algorithm="ppo").every_sample_matters
-    for kwargs, name in [({"algorithm": "a2c"}, "algorithm"), ({"kl_estimator": "k9"}, "kl_estimator"),
-                         ({"kl_mode": "both"}, "kl_mode"), ({"off_policy": "vtrace"}, "off_policy"),
-                         ({"loss_aggregation": "sum"}, "loss_aggregation"), ({"gamma": 1.5}, "gamma"),
-                         ({"is_low": 3.0}, "is_high"), ({"kl_coef": -1.0}, "kl_coef"),
-                         ({"entropy_coef": float("nan")}, "entropy_coef")]:
+    for kwargs, name in [
+        ({"algorithm": "a2c"}, "algorithm"),
+        ({"kl_estimator": "k9"}, "kl_estimator"),
+        ({"kl_mode": "both"}, "kl_mode"),
+        ({"off_policy": "vtrace"}, "off_policy"),
+        ({"loss_aggregation": "sum"}, "loss_aggregation"),
+        ({"gamma": 1.5}, "gamma"),
+        ({"is_low": 3.0}, "is_high"),
+        ({"kl_coef": -1.0}, "kl_coef"),
+        ({"entropy_coef": float("nan")}, "entropy_coef"),
+    ]:
         with pytest.raises(ValueError, match=name):
             ObjectiveConfig(**kwargs)

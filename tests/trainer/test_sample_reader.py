@@ -13,9 +13,16 @@ pytestmark = pytest.mark.integration
 
 def make_group(run_id: str, prompt_id: str, reward: float = 1.0) -> SampleGroup:
     support = RolloutSamplingMask.from_lists([[3, 4], [2]], vocab_size=8)
-    sample = Sample(sample_id=f"{prompt_id}/0", prompt_token_ids=[1, 5], response_token_ids=[4, 2],
-                    response_logprobs=[-0.7, 0.0], sampling_support=support, reward=reward,
-                    policy_version=0, finish_reason="eos")
+    sample = Sample(
+        sample_id=f"{prompt_id}/0",
+        prompt_token_ids=[1, 5],
+        response_token_ids=[4, 2],
+        response_logprobs=[-0.7, 0.0],
+        sampling_support=support,
+        reward=reward,
+        policy_version=0,
+        finish_reason="eos",
+    )
     return SampleGroup(run_id=run_id, step=1, prompt_id=prompt_id, samples=[sample])
 
 

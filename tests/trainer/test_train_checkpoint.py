@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
+from test_learner import batch, tiny_model
 
 from furlong.trainer.core.learner import Learner, LearnerConfig
 from furlong.trainer.offload import Offloader, learner_offloader
 from furlong.trainer.train_checkpoint import load_training_checkpoint, save_training_checkpoint
-from test_learner import batch, tiny_model
 
 pytestmark = pytest.mark.unit
 
@@ -69,7 +69,11 @@ def test_corrupt_or_mismatched_checkpoints_are_refused(tmp_path):
 
 def _digests(learner) -> dict[str, str]:
     out = {}
-    for prefix, module in (("policy", learner.model), ("reference", learner.reference), ("critic", learner.critic)):
+    for prefix, module in (
+        ("policy", learner.model),
+        ("reference", learner.reference),
+        ("critic", learner.critic),
+    ):
         if module is None:
             continue
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
@@ -100,8 +104,8 @@ def test_offload_restore_twice_keeps_every_tensor():
 
 def test_tensors_with_a_master_are_rebuilt_from_it_and_others_backed_up():
     layer = torch.nn.Linear(4, 3).to(torch.bfloat16)
-    layer.bias.requires_grad_(False)                      # frozen: no master, must be backed up
-    master = layer.weight.detach().float().clone()        # an fp32 master of the bf16 weight
+    layer.bias.requires_grad_(False)  # frozen: no master, must be backed up
+    master = layer.weight.detach().float().clone()  # an fp32 master of the bf16 weight
     bias = layer.bias.detach().clone()
     offloader = Offloader([layer], masters={layer.weight: master})
     offloader.offload()

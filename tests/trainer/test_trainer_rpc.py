@@ -8,6 +8,7 @@ import grpc
 import pytest
 import redis
 import torch
+from tiny_policy import write_tiny_checkpoint
 
 from furlong import rpc
 from furlong.core.checkpoint import load_policy
@@ -25,7 +26,6 @@ from furlong.trainer.train_checkpoint import load_training_checkpoint
 from furlong.v1 import trainer_pb2, trainer_pb2_grpc
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
-from tiny_policy import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.integration]
 
@@ -38,8 +38,9 @@ class Stack:
         self.redis = redis.Redis.from_url(redis_url)
         self.broker = InProcessBrokerClient(BrokerCore())
         self.rollout = RolloutService(self.redis, broker_receiver_factory(self.broker))
-        self.service = TrainerService(self.redis, self.broker, consumer_name="trainer-0",
-                                      checkpoint_root=checkpoint_root)
+        self.service = TrainerService(
+            self.redis, self.broker, consumer_name="trainer-0", checkpoint_root=checkpoint_root
+        )
         self.server = rpc.start_server([register(self.service)], [SERVICE_NAME])
         self.channel = rpc.channel(f"127.0.0.1:{self.server.port}")
         self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
@@ -47,23 +48,43 @@ class Stack:
     def configure(self, run_id: str, kl_coef: float = 0.0) -> trainer_pb2.ConfigureRunRequest:
         self.rollout.configure_run(run_id, str(self.model_dir), FORMAT_INTEGER, num_engines=1, seed=0)
         request = trainer_pb2.ConfigureRunRequest(
-            run_id=run_id, model_dir=str(self.model_dir), seed=0, total_steps=5, sampling_temperature=1.0,
-            algorithm=trainer_pb2.AlgorithmConfig(name="grpo", learning_rate=1e-2, clip_eps=0.2,
-                                                  max_grad_norm=1.0, epochs_per_batch=1,
-                                                  micro_batch_size=8, adam_beta1=0.9,
-                                                  adam_beta2=0.999, kl_coef=kl_coef))
+            run_id=run_id,
+            model_dir=str(self.model_dir),
+            seed=0,
+            total_steps=5,
+            sampling_temperature=1.0,
+            algorithm=trainer_pb2.AlgorithmConfig(
+                name="grpo",
+                learning_rate=1e-2,
+                clip_eps=0.2,
+                max_grad_norm=1.0,
+                epochs_per_batch=1,
+                micro_batch_size=8,
+                adam_beta1=0.9,
+                adam_beta2=0.999,
+                kl_coef=kl_coef,
+            ),
+        )
         assert self.stub.ConfigureRun(request, timeout=60).policy_version == 0
         return request
 
     def generate(self, run_id: str, step: int) -> None:
         prompts = [Prompt(p.prompt_id, p.text, p.answer) for p in get_task("addition").prompts(0, step, 4)]
-        self.rollout.generate(run_id, step, prompts, 4, SamplingConfig(temperature=1.0, max_new_tokens=6,
-                                                                       seed=step), step - 1, 60)
+        self.rollout.generate(
+            run_id,
+            step,
+            prompts,
+            4,
+            SamplingConfig(temperature=1.0, max_new_tokens=6, seed=step),
+            step - 1,
+            60,
+        )
 
     def train(self, run_id: str, step: int) -> trainer_pb2.TrainStepResponse:
         self.generate(run_id, step)
-        return self.stub.TrainStep(trainer_pb2.TrainStepRequest(run_id=run_id, step=step, num_groups=4,
-                                                                timeout_s=30), timeout=60)
+        return self.stub.TrainStep(
+            trainer_pb2.TrainStepRequest(run_id=run_id, step=step, num_groups=4, timeout_s=30), timeout=60
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -98,7 +119,9 @@ def _digests(learner: Learner) -> dict[str, str]:
     for index, state in enumerate(learner.optimizer.state.values()):
         for name, value in state.items():
             if isinstance(value, torch.Tensor):
-                out[f"optim.{index}.{name}"] = hashlib.sha256(value.contiguous().numpy().tobytes()).hexdigest()
+                out[f"optim.{index}.{name}"] = hashlib.sha256(
+                    value.contiguous().numpy().tobytes()
+                ).hexdigest()
     return out
 
 
@@ -113,30 +136,55 @@ def test_offload_restore_keeps_every_tensor_and_training_resumes(stack, tmp_path
     assert learner.optimizer.state, "step 1 must have created Adam state"
     before = _digests(learner)
     assert any(k.startswith("reference.") for k in before) and any(k.startswith("optim.") for k in before)
-    snapshot = stack.stub.Checkpoint(trainer_pb2.CheckpointRequest(run_id=run, directory=str(tmp_path / "snap")),
-                                     timeout=60)
+    snapshot = stack.stub.Checkpoint(
+        trainer_pb2.CheckpointRequest(run_id=run, directory=str(tmp_path / "snap")), timeout=60
+    )
     assert (snapshot.step, snapshot.policy_version) == (1, 1)
 
     for _ in range(2):
         off = stack.stub.Offload(trainer_pb2.OffloadRequest(run_id=run), timeout=30)
-        assert off.released_bytes > 0 and off.num_tensors == len(list(learner.model.parameters())) * 2 + \
-            len(list(learner.model.buffers())) * 2
+        assert (
+            off.released_bytes > 0
+            and off.num_tensors
+            == len(list(learner.model.parameters())) * 2 + len(list(learner.model.buffers())) * 2
+        )
         assert all(p.numel() == 0 for p in learner.model.parameters())
-        assert all(v.numel() == 0 for s in learner.optimizer.state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor))
+        assert all(
+            v.numel() == 0
+            for s in learner.optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
         # Offloaded: these are refused, not run on empty tensors.
-        assert _code(stack.stub.Offload, trainer_pb2.OffloadRequest(run_id=run)) == grpc.StatusCode.FAILED_PRECONDITION
-        assert _code(stack.stub.TrainStep, trainer_pb2.TrainStepRequest(run_id=run, step=2, num_groups=4,
-                                                                        timeout_s=1)) == \
-            grpc.StatusCode.FAILED_PRECONDITION
-        assert _code(stack.stub.PublishWeights, trainer_pb2.PublishWeightsRequest(run_id=run, version=2)) == \
-            grpc.StatusCode.FAILED_PRECONDITION
-        assert _code(stack.stub.Checkpoint, trainer_pb2.CheckpointRequest(
-            run_id=run, directory=str(tmp_path / "x"))) == grpc.StatusCode.FAILED_PRECONDITION
+        assert (
+            _code(stack.stub.Offload, trainer_pb2.OffloadRequest(run_id=run))
+            == grpc.StatusCode.FAILED_PRECONDITION
+        )
+        assert (
+            _code(
+                stack.stub.TrainStep,
+                trainer_pb2.TrainStepRequest(run_id=run, step=2, num_groups=4, timeout_s=1),
+            )
+            == grpc.StatusCode.FAILED_PRECONDITION
+        )
+        assert (
+            _code(stack.stub.PublishWeights, trainer_pb2.PublishWeightsRequest(run_id=run, version=2))
+            == grpc.StatusCode.FAILED_PRECONDITION
+        )
+        assert (
+            _code(
+                stack.stub.Checkpoint,
+                trainer_pb2.CheckpointRequest(run_id=run, directory=str(tmp_path / "x")),
+            )
+            == grpc.StatusCode.FAILED_PRECONDITION
+        )
         restored = stack.stub.Restore(trainer_pb2.RestoreRequest(run_id=run), timeout=30)
         assert restored.policy_version == 1
         assert _digests(learner) == before
-    assert _code(stack.stub.Restore, trainer_pb2.RestoreRequest(run_id=run)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert (
+        _code(stack.stub.Restore, trainer_pb2.RestoreRequest(run_id=run))
+        == grpc.StatusCode.FAILED_PRECONDITION
+    )
 
     # Training after restore is the training the run would have done without offloading: a twin
     # learner resumed from the pre-offload checkpoint, trained on the same groups, matches bit for bit.
@@ -148,7 +196,9 @@ def test_offload_restore_keeps_every_tensor_and_training_resumes(stack, tmp_path
     twin = Learner(model, learner_config(request))
     load_training_checkpoint(twin, snapshot.path)
     entry_ids = stack.service._run(run).data_cursor["entry_ids"]
-    groups = [SampleGroup.decode(stack.redis.xrange(stream_key(run), e, e)[0][1][STREAM_FIELD]) for e in entry_ids]
+    groups = [
+        SampleGroup.decode(stack.redis.xrange(stream_key(run), e, e)[0][1][STREAM_FIELD]) for e in entry_ids
+    ]
     twin_stats = twin.train_step(groups)
     assert twin_stats.loss == second.loss
     for (name, a), b in zip(learner.model.state_dict().items(), twin.model.state_dict().values()):
@@ -161,12 +211,17 @@ def test_checkpoint_errors_name_the_problem(stack):
     assert not_found == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as info:
         stack.stub.Checkpoint(trainer_pb2.CheckpointRequest(run_id="run-ck"), timeout=30)
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--checkpoint-dir" in info.value.details()
+    assert (
+        info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        and "--checkpoint-dir" in info.value.details()
+    )
     with pytest.raises(grpc.RpcError) as info:
         stack.stub.Checkpoint(trainer_pb2.CheckpointRequest(run_id="run-ck", directory="rel/dir"), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'rel/dir'" in info.value.details()
-    for call, request in ((stack.stub.Offload, trainer_pb2.OffloadRequest(run_id="nope")),
-                          (stack.stub.Restore, trainer_pb2.RestoreRequest(run_id="nope"))):
+    for call, request in (
+        (stack.stub.Offload, trainer_pb2.OffloadRequest(run_id="nope")),
+        (stack.stub.Restore, trainer_pb2.RestoreRequest(run_id="nope")),
+    ):
         assert _code(call, request) == grpc.StatusCode.NOT_FOUND
 
 
@@ -187,8 +242,12 @@ def test_checkpoint_rpc_writes_the_resumable_checkpoint(tmp_path, redis_url):
         assert s.stub.ConfigureRun(request, timeout=60).policy_version == 1
         for name, tensor in s.service._run("run-rs").learner.model.state_dict().items():
             assert torch.equal(tensor, trained[name]), name
-        assert _code(s.stub.TrainStep, trainer_pb2.TrainStepRequest(run_id="run-rs", step=1, num_groups=4,
-                                                                    timeout_s=1)) == \
-            grpc.StatusCode.FAILED_PRECONDITION
+        assert (
+            _code(
+                s.stub.TrainStep,
+                trainer_pb2.TrainStepRequest(run_id="run-rs", step=1, num_groups=4, timeout_s=1),
+            )
+            == grpc.StatusCode.FAILED_PRECONDITION
+        )
     finally:
         s.close()

@@ -1,10 +1,10 @@
 """The RL loop in one process: rollout service -> Redis stream -> trainer service -> NIXL publish ->
 engines switch versions, through the in-process broker twin. Real Redis, real NIXL."""
 
-
 import pytest
 import redis
 import torch
+from tiny_policy import write_tiny_checkpoint as write_checkpoint
 
 from furlong.core.errors import ConflictError, NotFoundError
 from furlong.core.tasks import AdditionTask, get_task
@@ -17,7 +17,6 @@ from furlong.trainer.core.learner import LearnerConfig
 from furlong.trainer.service import TrainerService
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
-from tiny_policy import write_tiny_checkpoint as write_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -47,8 +46,9 @@ def test_two_steps_publish_and_engines_switch(loop, redis_url):
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=6, seed=1)
     for step in (1, 2):
         prompts = [Prompt(p.prompt_id, p.text, p.answer) for p in task.prompts(0, step, 4)]
-        generated = rollout.generate("run-a", step, prompts, 4, sampling,
-                                     min_policy_version=step - 1, timeout_s=30)
+        generated = rollout.generate(
+            "run-a", step, prompts, 4, sampling, min_policy_version=step - 1, timeout_s=30
+        )
         assert generated.num_groups == 4 and generated.policy_version == step - 1
         stats, new_version = trainer.train_step("run-a", step, num_groups=4, timeout_s=30)
         assert new_version == step
@@ -102,9 +102,16 @@ def test_group_the_learner_cannot_train_on_is_rejected_not_blocking(loop, redis_
     rollout.configure_run("run-e", str(model_dir), "addition_exact_match", num_engines=1, seed=0)
     trainer.configure_run("run-e", str(model_dir), LearnerConfig(learning_rate=1e-3), total_steps=1)
     vocab = CharTokenizer(AdditionTask.ALPHABET).vocab_size
-    bad = Sample(sample_id="bad/0", prompt_token_ids=[1, vocab + 5], response_token_ids=[3],
-                 response_logprobs=[-0.1], sampling_support=RolloutSamplingMask.from_lists([[3]], 64),
-                 reward=1.0, policy_version=0, finish_reason="eos")
+    bad = Sample(
+        sample_id="bad/0",
+        prompt_token_ids=[1, vocab + 5],
+        response_token_ids=[3],
+        response_logprobs=[-0.1],
+        sampling_support=RolloutSamplingMask.from_lists([[3]], 64),
+        reward=1.0,
+        policy_version=0,
+        finish_reason="eos",
+    )
     client = redis.Redis.from_url(redis_url)
     client.xadd(stream_key("run-e"), {STREAM_FIELD: SampleGroup("run-e", 1, "bad", [bad]).encode()})
     prompts = [Prompt(p.prompt_id, p.text, p.answer) for p in get_task("addition").prompts(0, 1, 2)]
@@ -133,7 +140,9 @@ def test_checkpointed_run_resumes_after_a_trainer_restart(tmp_path, redis_url):
         first.close()
         assert (root / "run-r" / "manifest.json").is_file()
         second = TrainerService(client, broker, consumer_name="trainer-0", checkpoint_root=root)
-        resumed_version, _ = second.configure_run("run-r", str(model_dir), LearnerConfig(learning_rate=1e-2), 3)
+        resumed_version, _ = second.configure_run(
+            "run-r", str(model_dir), LearnerConfig(learning_rate=1e-2), 3
+        )
         assert resumed_version == version == 1
         for name, tensor in second._run("run-r").learner.state_dict().items():
             assert torch.equal(tensor, trained[name]), name

@@ -61,8 +61,7 @@ def main() -> int:
     engine = threading.Thread(target=acknowledging_engine, args=(core, stop), daemon=True)
     engine.start()
     client = InProcessBrokerClient(core)
-    config = TransferConfig(bucket_size_bytes=args.bucket_mib << 20,
-                            lanes=tuple(args.lanes.split(",")))
+    config = TransferConfig(bucket_size_bytes=args.bucket_mib << 20, lanes=tuple(args.lanes.split(",")))
     layout = WeightLayout.from_state_dict(state)
     before_build = rss_bytes()
     publisher = WeightPublisher(client, RUN, layout, "trainer-memory", config=config)
@@ -85,9 +84,17 @@ def main() -> int:
     done.set()
     sampler.join()
     peak = max(peak, rss_bytes())
-    print(json.dumps({"bucket_bytes": publisher.bucket_size_bytes, "rounds": rounds,
-                      "state_bytes": publisher.layout.total_bytes, "rss_growth_bytes": peak - before,
-                      "rss_growth_with_build_bytes": peak - before_build}))
+    print(
+        json.dumps(
+            {
+                "bucket_bytes": publisher.bucket_size_bytes,
+                "rounds": rounds,
+                "state_bytes": publisher.layout.total_bytes,
+                "rss_growth_bytes": peak - before,
+                "rss_growth_with_build_bytes": peak - before_build,
+            }
+        )
+    )
     stop.set()
     publisher.close()
     client.close()

@@ -5,9 +5,10 @@
 
 It receives versions with a WeightReceiver over gRPC and NIXL; its apply() copies the tensors and
 saves them to DIR/E-v<version>.pt (atomically) so the test can compare them bit for bit. With
---pull-delay-s it reads over shared memory and every read of a round first touches DIR/E-pulling and then waits S seconds (a slow
-link, so a test can kill something mid-pull). With --shard-layout it registers the shard layout in
-FILE (ShardLayout JSON) and receives only its pieces. It stops, unregistering the engine, on SIGTERM.
+--pull-delay-s it reads over shared memory and every read of a round first touches DIR/E-pulling and
+then waits S seconds (a slow link, so a test can kill something mid-pull). With --shard-layout it
+registers the shard layout in FILE (ShardLayout JSON) and receives only its pieces. It stops,
+unregistering the engine, on SIGTERM.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
@@ -52,10 +53,10 @@ def main() -> int:
         os.replace(partial, final)
 
     config = TransferConfig(rpc_retry_s=0.2, lanes=tuple(args.lanes.split(",")))
-    shard_layout = (ShardLayout.from_json(args.shard_layout.read_text())
-                    if args.shard_layout else None)
+    shard_layout = ShardLayout.from_json(args.shard_layout.read_text()) if args.shard_layout else None
     connect = None
     if args.pull_delay_s:
+
         def connect(source):
             return SlowLane(connect_lane(source, ("shm",), None, 1 << 20))
 
@@ -72,8 +73,9 @@ def main() -> int:
             self._lane.close()
 
     client = GrpcBrokerClient(args.broker)
-    receiver = WeightReceiver(client, args.run_id, args.engine_id, apply, config=config,
-                              connect=connect, shard_layout=shard_layout)
+    receiver = WeightReceiver(
+        client, args.run_id, args.engine_id, apply, config=config, connect=connect, shard_layout=shard_layout
+    )
     receiver.start()
     while not stop.wait(0.2):
         pass

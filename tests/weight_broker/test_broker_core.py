@@ -33,7 +33,7 @@ def drain(sub: EventSubscription) -> list[tuple[EventKind, int]]:
 
 def test_versions_strictly_increase_and_conflict_names_both():
     core = BrokerCore()
-    assert core.begin_version(RUN, manifest(1), SOURCE) == []   # no engines: commits at once
+    assert core.begin_version(RUN, manifest(1), SOURCE) == []  # no engines: commits at once
     assert core.get_version(RUN).committed_version == 1
     with pytest.raises(ConflictError, match="version 1 is not newer than version 1"):
         core.begin_version(RUN, manifest(1), SOURCE)
@@ -86,7 +86,7 @@ def test_failed_ack_is_resent_twice_then_the_engine_is_fenced_and_the_rest_commi
     core.ack_version(RUN, "e2", 1, True)
     for _ in range(2):
         core.ack_version(RUN, "e1", 1, False, error="checksum mismatch")
-        assert drain(sub) == [(EventKind.PUBLISHED, 1)]    # re-sent
+        assert drain(sub) == [(EventKind.PUBLISHED, 1)]  # re-sent
     core.ack_version(RUN, "e1", 1, False, error="checksum mismatch")
     assert drain(sub) == [(EventKind.FENCED, 1)] and sub.ended
     status = core.wait_committed(RUN, 1, 1.0)
@@ -108,11 +108,13 @@ def test_when_every_engine_is_fenced_the_version_fails():
     core.begin_version(RUN, manifest(1), SOURCE)
     core.ack_version(RUN, "e1", 1, False, error="bad layout")
     core.ack_version(RUN, "e1", 1, False, error="bad layout")
-    with pytest.raises(ConflictError, match="every engine was fenced: engine e1 failed version 1 "
-                                            "after 2 attempts: bad layout"):
+    with pytest.raises(
+        ConflictError,
+        match="every engine was fenced: engine e1 failed version 1 after 2 attempts: bad layout",
+    ):
         core.wait_committed(RUN, 1, 1.0)
     assert core.get_version(RUN).committed_version == -1
-    assert core.begin_version(RUN, manifest(2), SOURCE) == []   # a failed version is over
+    assert core.begin_version(RUN, manifest(2), SOURCE) == []  # a failed version is over
 
 
 def test_unregister_during_a_version_lets_it_commit():
@@ -123,7 +125,7 @@ def test_unregister_during_a_version_lets_it_commit():
     core.begin_version(RUN, manifest(1), SOURCE)
     core.ack_version(RUN, "e1", 1, True)
     core.unregister_engine(RUN, "e2")
-    assert sub2.get(0.0).kind is EventKind.PUBLISHED   # queued events are still delivered
+    assert sub2.get(0.0).kind is EventKind.PUBLISHED  # queued events are still delivered
     assert sub2.ended
     status = core.wait_committed(RUN, 1, 0.0)
     assert status.committed_version == 1 and status.engine_ids == ("e1",)
@@ -166,7 +168,7 @@ def test_late_registration_gets_the_latest_version_and_must_ack_a_pending_one():
     assert (event.kind, event.version) == (EventKind.PUBLISHED, 2)
     assert event.manifest == manifest(2) and event.source == SOURCE
     core.ack_version(RUN, "e1", 2, True)
-    assert core.get_version(RUN).pending_engine_ids == ("late",)   # joined while 2 was pending
+    assert core.get_version(RUN).pending_engine_ids == ("late",)  # joined while 2 was pending
     core.ack_version(RUN, "late", 2, True)
     assert core.get_version(RUN).committed_version == 2
 
@@ -230,7 +232,7 @@ def test_end_run_ends_watchers_and_waiters_and_fences_the_run():
         core.register_engine(RUN, "e1")
     with pytest.raises(ConflictError, match="has ended"):
         core.begin_version(RUN, manifest(2), SOURCE)
-    core.end_run(RUN)   # idempotent
+    core.end_run(RUN)  # idempotent
 
 
 def test_metrics_observer_follows_the_state_machine():
@@ -247,13 +249,13 @@ def test_metrics_observer_follows_the_state_machine():
 
     assert value("furlong_broker_transfer_bytes_total", lane="shm") == 80
     assert value("furlong_broker_transfer_seconds_total", lane="shm") == 0.25
-    assert value("furlong_broker_transfer_bytes_total", lane="nixl") is None   # the lane is as told
+    assert value("furlong_broker_transfer_bytes_total", lane="nixl") is None  # the lane is as told
     assert value("furlong_broker_engines_fenced_total", run_id=RUN) == 1
     assert value("furlong_broker_committed_version", run_id=RUN) == 1
     assert value("furlong_broker_versions_committed_total", run_id=RUN) == 1
     assert value("furlong_broker_versions_failed_total", run_id=RUN) == 1
     assert value("furlong_broker_acks_total", result="error") == 1
-    assert value("furlong_broker_registered_engines", run_id=RUN) == 0   # fenced out
+    assert value("furlong_broker_registered_engines", run_id=RUN) == 0  # fenced out
     assert value("furlong_broker_commit_latency_seconds_count") == 1
     core.end_run(RUN)
     assert value("furlong_broker_committed_version", run_id=RUN) is None

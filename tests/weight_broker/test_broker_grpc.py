@@ -7,22 +7,28 @@ import threading
 
 import pytest
 import torch
+from polling import wait_until
 
 from furlong.core.errors import ConflictError, NotFoundError
-from furlong.core.weights import (
-    Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums)
+from furlong.core.weights import Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums
 from furlong.rpc import check_health, start_server
-from furlong.v1 import common_pb2, weight_broker_pb2 as pb
+from furlong.v1 import common_pb2
+from furlong.v1 import weight_broker_pb2 as pb
 from furlong.weight_broker.client import GrpcBrokerClient, InProcessBrokerClient
 from furlong.weight_broker.config import BrokerConfig, TransferConfig
 from furlong.weight_broker.core import BrokerCore, EventKind, VersionEventInfo, WeightSourceInfo
 from furlong.weight_broker.server import (
-    SERVICE_NAME, WeightBrokerServicer, event_from_proto, event_to_proto, manifest_from_proto,
-    manifest_to_proto)
-from polling import wait_until
+    SERVICE_NAME,
+    WeightBrokerServicer,
+    event_from_proto,
+    event_to_proto,
+    manifest_from_proto,
+    manifest_to_proto,
+)
 
-LAYOUT = WeightLayout.from_state_dict({"w": torch.zeros(3, 2, dtype=torch.bfloat16),
-                                       "b": torch.zeros(5, dtype=torch.int32)})
+LAYOUT = WeightLayout.from_state_dict(
+    {"w": torch.zeros(3, 2, dtype=torch.bfloat16), "b": torch.zeros(5, dtype=torch.int32)}
+)
 SOURCE = WeightSourceInfo("trainer", b"\x00metadata\xff", 0x7F0000001000, 4096, "DRAM", 0)
 RUN = "run-grpc"
 
@@ -168,8 +174,10 @@ def test_grpc_client_close_cancels_watches_and_health_serves():
 def test_manifest_and_event_conversions_round_trip():
     msg = manifest_to_proto(manifest(7))
     assert msg.checksum_algorithm == "xxh3-128/8MiB-blocks"
-    assert [(t.name, t.dtype, list(t.shape)) for t in msg.tensors] == [("w", "bfloat16", [3, 2]),
-                                                                      ("b", "int32", [5])]
+    assert [(t.name, t.dtype, list(t.shape)) for t in msg.tensors] == [
+        ("w", "bfloat16", [3, 2]),
+        ("b", "int32", [5]),
+    ]
     assert manifest_from_proto(msg) == manifest(7)
     state = {"w": torch.ones(3, 2, dtype=torch.bfloat16), "b": torch.arange(5, dtype=torch.int32)}
     plan = plan_buckets(LAYOUT, 16)
@@ -178,21 +186,28 @@ def test_manifest_and_event_conversions_round_trip():
     assert len(rounds.rounds) == 2 and manifest_from_proto(manifest_to_proto(rounds)) == rounds
     split = plan_buckets(LAYOUT, 64, double_buffer=True)
     assert split.double_buffered and split.rounds[1].bucket_offset_bytes > 0
-    halves = Manifest(9, LAYOUT, combine_checksums(round_checksums(LAYOUT, split, state)),
-                      split.with_checksums(round_checksums(LAYOUT, split, state)))
+    halves = Manifest(
+        9,
+        LAYOUT,
+        combine_checksums(round_checksums(LAYOUT, split, state)),
+        split.with_checksums(round_checksums(LAYOUT, split, state)),
+    )
     assert manifest_from_proto(manifest_to_proto(halves)) == halves
-    source = WeightSourceInfo("t", b"", 0, 8, shm_name="furlong-x", stream_address="127.0.0.1:1",
-                              holds_all_rounds=True)
+    source = WeightSourceInfo(
+        "t", b"", 0, 8, shm_name="furlong-x", stream_address="127.0.0.1:1", holds_all_rounds=True
+    )
     ready = VersionEventInfo(RUN, EventKind.ROUND_READY, 8, round=1)
     assert event_from_proto(event_to_proto(ready)) == ready
     fenced = VersionEventInfo(RUN, EventKind.FENCED, 8, reason="too slow")
     assert event_from_proto(event_to_proto(fenced)) == fenced
     published = VersionEventInfo(RUN, EventKind.PUBLISHED, 8, rounds, source)
     assert event_from_proto(event_to_proto(published)) == published
-    event = event_from_proto(event_to_proto(
-        event_from_proto(pb.VersionEvent(run_id=RUN, kind=pb.VersionEvent.COMMITTED, version=7))))
-    assert (event.kind, event.version, event.manifest, event.source) == (EventKind.COMMITTED, 7,
-                                                                         None, None)
+    event = event_from_proto(
+        event_to_proto(
+            event_from_proto(pb.VersionEvent(run_id=RUN, kind=pb.VersionEvent.COMMITTED, version=7))
+        )
+    )
+    assert (event.kind, event.version, event.manifest, event.source) == (EventKind.COMMITTED, 7, None, None)
     with pytest.raises(ValueError, match="checksum_algorithm 'md5'"):
         manifest_from_proto(common_pb2.WeightManifest(version=1, checksum_algorithm="md5"))
     with pytest.raises(ValueError, match="unknown kind 0"):
@@ -205,14 +220,18 @@ def test_manifest_and_event_conversions_round_trip():
 
 @pytest.mark.unit
 def test_config_validation_and_arguments():
-    config = BrokerConfig.from_args(["--port", "5000", "--metrics-port", "5001",
-                                     "--log-level", "debug"])
+    config = BrokerConfig.from_args(["--port", "5000", "--metrics-port", "5001", "--log-level", "debug"])
     assert (config.host, config.port, config.metrics_port, config.log_level) == (
-        "127.0.0.1", 5000, 5001, "DEBUG")
+        "127.0.0.1",
+        5000,
+        5001,
+        "DEBUG",
+    )
     assert config.relay_lanes == ("nixl", "shm", "grpc")
-    assert BrokerConfig.from_args(["--port", "1", "--metrics-port", "2", "--relay-lanes",
-                                   "nixl"]).relay_lanes == ("nixl",)
-    with pytest.raises(ValueError, match="relay_lanes \('nixl', 'smoke'\)"):
+    assert BrokerConfig.from_args(
+        ["--port", "1", "--metrics-port", "2", "--relay-lanes", "nixl"]
+    ).relay_lanes == ("nixl",)
+    with pytest.raises(ValueError, match=r"relay_lanes \('nixl', 'smoke'\)"):
         BrokerConfig(relay_lanes=("nixl", "smoke"))
     with pytest.raises(ValueError, match="port 70000"):
         BrokerConfig(port=70000)

@@ -7,15 +7,14 @@ import pytest
 import torch
 
 from furlong.core.errors import ConflictError
-from furlong.core.weights import (
-    Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums)
+from furlong.core.weights import Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums
 from furlong.weight_broker.core import BrokerCore, EventKind, EventSubscription, WeightSourceInfo
 
 pytestmark = pytest.mark.unit
 
-STATE = {f"w{i}": torch.full((16,), float(i)) for i in range(3)}   # 64 bytes each
+STATE = {f"w{i}": torch.full((16,), float(i)) for i in range(3)}  # 64 bytes each
 LAYOUT = WeightLayout.from_state_dict(STATE)
-PLAN = plan_buckets(LAYOUT, 64)                                       # three rounds
+PLAN = plan_buckets(LAYOUT, 64)  # three rounds
 DIGESTS = round_checksums(LAYOUT, PLAN, STATE)
 SOURCE = WeightSourceInfo("trainer", b"meta", 0x10000, 64)
 RELAY = WeightSourceInfo("relay", b"meta", 0x20000, LAYOUT.total_bytes, holds_all_rounds=True)
@@ -73,13 +72,13 @@ def test_a_late_engine_joins_only_while_it_can_still_take_every_round():
     core.register_engine(RUN, "e1")
     core.begin_version(RUN, manifest(1), SOURCE)
     core.stage_round(RUN, 1, 0)
-    core.register_engine(RUN, "early")            # round 0 is still staged: it joins
+    core.register_engine(RUN, "early")  # round 0 is still staged: it joins
     early = core.subscribe(RUN, "early")
     assert drain(early) == [(EventKind.PUBLISHED, 1, 0), (EventKind.ROUND_READY, 1, 0)]
     for engine in ("e1", "early"):
         core.ack_round(RUN, engine, 1, 0, True)
     core.stage_round(RUN, 1, 1)
-    core.register_engine(RUN, "late")             # round 0 is gone: it waits for the next version
+    core.register_engine(RUN, "late")  # round 0 is gone: it waits for the next version
     late = core.subscribe(RUN, "late")
     assert drain(late) == []
     for index in (1, 2):
@@ -89,19 +88,18 @@ def test_a_late_engine_joins_only_while_it_can_still_take_every_round():
             core.ack_round(RUN, engine, 1, index, True)
     core.ack_version(RUN, "e1", 1, True)
     core.ack_version(RUN, "early", 1, True)
-    assert core.wait_committed(RUN, 1, 0.0).committed_version == 1   # "late" was not waited for
+    assert core.wait_committed(RUN, 1, 0.0).committed_version == 1  # "late" was not waited for
     assert drain(late) == [(EventKind.COMMITTED, 1, 0)]
 
 
 def test_a_source_that_holds_all_rounds_serves_late_engines_everything():
     core = BrokerCore()
-    core.begin_version(RUN, manifest(1), RELAY)    # no engines: commits at once
+    core.begin_version(RUN, manifest(1), RELAY)  # no engines: commits at once
     for index in range(3):
-        core.stage_round(RUN, 1, index)            # no waiting between rounds for a relay
+        core.stage_round(RUN, 1, index)  # no waiting between rounds for a relay
     core.register_engine(RUN, "late")
     sub = core.subscribe(RUN, "late")
-    assert drain(sub) == [(EventKind.PUBLISHED, 1, 0)] + [
-        (EventKind.ROUND_READY, 1, r) for r in range(3)]
+    assert drain(sub) == [(EventKind.PUBLISHED, 1, 0)] + [(EventKind.ROUND_READY, 1, r) for r in range(3)]
 
 
 def test_a_bad_round_is_resent_then_the_engine_is_fenced_and_the_round_moves_on():
@@ -114,7 +112,7 @@ def test_a_bad_round_is_resent_then_the_engine_is_fenced_and_the_round_moves_on(
     core.ack_round(RUN, "good", 1, 0, True)
     drain(bad)
     core.ack_round(RUN, "bad", 1, 0, False, "IntegrityError: checksum mismatch")
-    assert drain(bad) == [(EventKind.ROUND_READY, 1, 0)]           # re-sent: pull it again
+    assert drain(bad) == [(EventKind.ROUND_READY, 1, 0)]  # re-sent: pull it again
     core.ack_round(RUN, "bad", 1, 0, False, "IntegrityError: checksum mismatch")
     assert drain(bad) == [(EventKind.FENCED, 1, 0)] and bad.ended
     assert core.wait_round(RUN, 1, 0, 0.0) == ["bad"]
@@ -130,7 +128,7 @@ def test_an_engine_that_never_answers_is_fenced_after_the_round_timeout():
     core.begin_version(RUN, manifest(1), SOURCE)
     core.stage_round(RUN, 1, 0)
     core.ack_round(RUN, "fast", 1, 0, True)
-    assert core.wait_round(RUN, 1, 0, 0.05) == ["mute"]   # waited 50 ms, then fenced it
+    assert core.wait_round(RUN, 1, 0, 0.05) == ["mute"]  # waited 50 ms, then fenced it
     assert core.get_version(RUN).engine_ids == ("fast",)
 
 

@@ -24,8 +24,7 @@ def test_the_example_model_syncs_bit_exactly_in_rounds(capsys):
 
 
 def test_a_parameter_left_out_of_the_manifest_fails_the_check_and_is_named(capsys):
-    assert main(["--model-dir", str(EXAMPLE), "--leave-out", "model.norm.weight",
-                 "--lanes", "shm"]) == 1
+    assert main(["--model-dir", str(EXAMPLE), "--leave-out", "model.norm.weight", "--lanes", "shm"]) == 1
     assert "mismatched: ['model.norm.weight']" in capsys.readouterr().out
 
 
@@ -53,4 +52,4 @@ def test_the_trainer_runs_the_check_when_its_flag_is_set():
     assert parse_args(base + ["--check-weight-update-equal"]).check_weight_update_equal
     assert not parse_args(base).check_weight_update_equal
     model, _ = load_policy(EXAMPLE)
-    _check_weight_update_equal("run-eq", unique_state(model))   # passes: no IntegrityError
+    _check_weight_update_equal("run-eq", unique_state(model))  # passes: no IntegrityError

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from llama_state import assert_bytes_equal, llama
+from polling import wait_until
 
 from furlong.core.redis_server import free_port
-from furlong.core.weight_shards import (
-    ShardLayout, expected_shards, llama_tensor_parallel, plan_shards)
-from furlong.core.weights import (
-    Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums)
+from furlong.core.weight_shards import ShardLayout, expected_shards, llama_tensor_parallel, plan_shards
+from furlong.core.weights import Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums
 from furlong.rpc import check_health
 from furlong.weight_broker.client import GrpcBrokerClient, InProcessBrokerClient
 from furlong.weight_broker.config import TransferConfig
@@ -25,13 +25,11 @@ from furlong.weight_broker.core import BrokerCore, EventKind, WeightSourceInfo
 from furlong.weight_broker.equality import check_weight_update_equal, main
 from furlong.weight_broker.publisher import WeightPublisher
 from furlong.weight_broker.receiver import WeightReceiver
-from llama_state import assert_bytes_equal, llama
-from polling import wait_until
 
 CHILD = Path(__file__).with_name("receiver_process.py")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "addition" / "checkpoint"
 RUN = "run-hetero"
-BUCKET = 2048   # several rounds
+BUCKET = 2048  # several rounds
 
 
 @pytest.mark.integration
@@ -42,40 +40,78 @@ def test_two_shard_layouts_in_two_engine_processes_over_nixl(tmp_path):
     (tmp_path / "tp1.json").write_text(tp1.to_json())
     port, metrics_port = free_port(), free_port()
     broker = subprocess.Popen(
-        [sys.executable, "-m", "furlong.weight_broker", "--port", str(port), "--metrics-port",
-         str(metrics_port)], stdout=open(tmp_path / "broker.log", "w"), stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "furlong.weight_broker",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+        ],
+        stdout=open(tmp_path / "broker.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     address = f"127.0.0.1:{port}"
     engines = {"engine-full": [], "engine-tp1": ["--shard-layout", str(tmp_path / "tp1.json")]}
     children = []
     client = publisher = None
     try:
         wait_until(lambda: check_health(address, "furlong.v1.WeightBroker"), 60.0, "the broker")
-        children = [subprocess.Popen(
-            [sys.executable, str(CHILD), "--broker", address, "--run-id", RUN, "--engine-id", e,
-             "--out", str(tmp_path), "--lanes", "nixl", *extra],
-            stdout=open(tmp_path / f"{e}.log", "w"), stderr=subprocess.STDOUT)
-            for e, extra in engines.items()]
+        children = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(CHILD),
+                    "--broker",
+                    address,
+                    "--run-id",
+                    RUN,
+                    "--engine-id",
+                    e,
+                    "--out",
+                    str(tmp_path),
+                    "--lanes",
+                    "nixl",
+                    *extra,
+                ],
+                stdout=open(tmp_path / f"{e}.log", "w"),
+                stderr=subprocess.STDOUT,
+            )
+            for e, extra in engines.items()
+        ]
         client = GrpcBrokerClient(address)
         wait_until(lambda: _engines(client) == tuple(sorted(engines)), 60.0, "both engines")
         assert [x.layout_id for x in client.destinations(RUN)] == [tp1.layout_id]
-        publisher = WeightPublisher(client, RUN, layout, "trainer-hetero",
-                                    config=TransferConfig(bucket_size_bytes=BUCKET, lanes=("nixl",)))
+        publisher = WeightPublisher(
+            client,
+            RUN,
+            layout,
+            "trainer-hetero",
+            config=TransferConfig(bucket_size_bytes=BUCKET, lanes=("nixl",)),
+        )
         for version in (1, 2):
             result = publisher.publish(version, llama(version))
             assert result.num_rounds > 3
             assert client.wait_committed(RUN, version, 60.0).pending_engine_ids == ()
             assert_bytes_equal(torch.load(tmp_path / f"engine-full-v{version}.pt"), llama(version))
-            assert_bytes_equal(torch.load(tmp_path / f"engine-tp1-v{version}.pt"),
-                               expected_shards(tp1, llama(version)))
+            assert_bytes_equal(
+                torch.load(tmp_path / f"engine-tp1-v{version}.pt"), expected_shards(tp1, llama(version))
+            )
         # Each engine moved exactly its bytes: the whole layout, and its pieces only.
         shard_bytes = plan_shards(layout, plan_buckets(layout, BUCKET), tp1).total_bytes
-        assert shard_bytes == sum(t.numel() * t.element_size()
-                                  for t in expected_shards(tp1, llama(0)).values())
+        assert shard_bytes == sum(
+            t.numel() * t.element_size() for t in expected_shards(tp1, llama(0)).values()
+        )
         assert shard_bytes < layout.total_bytes * 0.6
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
-                                         timeout=5).read().decode()
-        moved = next(float(line.split()[-1]) for line in metrics.splitlines()
-                     if line.startswith('furlong_broker_transfer_bytes_total{lane="nixl"}'))
+        metrics = (
+            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        )
+        moved = next(
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith('furlong_broker_transfer_bytes_total{lane="nixl"}')
+        )
         assert moved == 2 * (layout.total_bytes + shard_bytes)
     finally:
         for child in children:
@@ -107,9 +143,16 @@ def test_pieces_land_straight_in_the_engine_parameters(lane):
     events: list[tuple[str, int]] = []
     config = TransferConfig(bucket_size_bytes=BUCKET, lanes=(lane,))
     client = InProcessBrokerClient(BrokerCore())
-    receiver = WeightReceiver(client, RUN, "engine-tp0", lambda v, t: events.append(("apply", v)),
-                              config=config, shard_layout=tp0, params=params,
-                              prepare=lambda v: events.append(("prepare", v)))
+    receiver = WeightReceiver(
+        client,
+        RUN,
+        "engine-tp0",
+        lambda v, t: events.append(("apply", v)),
+        config=config,
+        shard_layout=tp0,
+        params=params,
+        prepare=lambda v: events.append(("prepare", v)),
+    )
     publisher = WeightPublisher(client, RUN, layout, f"trainer-{lane}", config=config)
     try:
         receiver.start()
@@ -118,7 +161,7 @@ def test_pieces_land_straight_in_the_engine_parameters(lane):
             client.wait_committed(RUN, version, 30.0)
             assert_bytes_equal(params, expected_shards(tp0, llama(version)))
         assert events == [("prepare", 1), ("apply", 1), ("prepare", 2), ("apply", 2)]
-        assert {n: t.data_ptr() for n, t in params.items()} == storage   # in place
+        assert {n: t.data_ptr() for n, t in params.items()} == storage  # in place
     finally:
         publisher.close()
         receiver.close()
@@ -140,19 +183,20 @@ def test_an_engine_whose_layout_the_version_does_not_cover_waits_for_the_next_on
     digests = round_checksums(layout, plan, state)
     bare = Manifest(1, layout, combine_checksums(digests), plan.with_checksums(digests))
     assert core.begin_version(RUN, bare, source) == ["plain"]
-    assert sub.get(0.05) is None   # not told about a version it cannot verify
-    covered = Manifest(2, layout, bare.checksum, bare.plan,
-                       destinations=((shards.layout_id, digests),))
+    assert sub.get(0.05) is None  # not told about a version it cannot verify
+    covered = Manifest(2, layout, bare.checksum, bare.plan, destinations=((shards.layout_id, digests),))
     core.ack_version(RUN, "plain", 1, True)
     assert core.begin_version(RUN, covered, source) == ["plain", "sharded"]
-    assert sub.get(1.0).kind is EventKind.COMMITTED   # version 1, for everyone
+    assert sub.get(1.0).kind is EventKind.COMMITTED  # version 1, for everyone
     event = sub.get(1.0)
     assert (event.kind, event.version) == (EventKind.PUBLISHED, 2)
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("argv", [["--tp-size", "2", "--tp-rank", "1", "--fuse"],
-                                  ["--tp-size", "2", "--tp-rank", "0", "--lanes", "shm"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--tp-size", "2", "--tp-rank", "1", "--fuse"], ["--tp-size", "2", "--tp-rank", "0", "--lanes", "shm"]],
+)
 def test_the_equality_check_passes_for_tensor_parallel_layouts_of_the_example(argv, capsys):
     assert main(["--model-dir", str(EXAMPLE), *argv]) == 0
     assert "mismatched: [], unexpected: []" in capsys.readouterr().out
@@ -163,14 +207,18 @@ def test_the_equality_check_fails_naming_every_tensor_of_a_wrong_slice():
     source = llama(3)
     layout = WeightLayout.from_state_dict(source)
     rank0, rank1 = (llama_tensor_parallel(layout, r, 2, fuse=True) for r in (0, 1))
-    engine = expected_shards(rank0, source)   # holds rank 0 but declares rank 1
+    engine = expected_shards(rank0, source)  # holds rank 0 but declares rank 1
     grpc_lane = TransferConfig(lanes=("grpc",), bucket_size_bytes=BUCKET)
     report = check_weight_update_equal(source, engine, shard_layout=rank1, config=grpc_lane)
     p = "model.layers.0."
     assert set(report.mismatched) == {
-        p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight",
-        p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
+        p + "self_attn.qkv_proj.weight",
+        p + "self_attn.o_proj.weight",
+        p + "mlp.gate_up_proj.weight",
+        p + "mlp.down_proj.weight",
+    }
     shm_lane = TransferConfig(lanes=("shm",), bucket_size_bytes=BUCKET)
-    good = check_weight_update_equal(source, expected_shards(rank1, source), shard_layout=rank1,
-                                     config=shm_lane)
+    good = check_weight_update_equal(
+        source, expected_shards(rank1, source), shard_layout=rank1, config=shm_lane
+    )
     assert good.ok and good.num_parameters == len(rank1.tensors)

@@ -26,8 +26,7 @@ CHUNK = 1 << 20
 def pair():
     source_ep, reader_ep = NixlEndpoint("blocks-source"), NixlEndpoint("blocks-reader")
     src, dst = host_buffer(SIZE), host_buffer(SIZE)
-    src.copy_(torch.randint(0, 256, (SIZE,), dtype=torch.uint8,
-                            generator=torch.Generator().manual_seed(3)))
+    src.copy_(torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
     source_ep.register(src)
     reader_ep.register(dst)
     source = WeightSourceInfo(source_ep.agent_name, source_ep.metadata, src.data_ptr(), SIZE)
@@ -46,19 +45,19 @@ def test_each_block_has_landed_when_its_callback_runs(pair):
     endpoint, source, src, dst = pair
     offsets = [0, CHUNK, 2 * CHUNK, 3 * CHUNK]
     blocks = [_block(src, dst, o, CHUNK) for o in offsets]
-    blocks[2] = None                                        # nothing to read there
+    blocks[2] = None  # nothing to read there
     seen = []
 
     def landed(k: int) -> None:
         lo = offsets[k]
         if blocks[k] is not None:
-            assert torch.equal(dst[lo:lo + CHUNK], src[lo:lo + CHUNK]), k
+            assert torch.equal(dst[lo : lo + CHUNK], src[lo : lo + CHUNK]), k
         seen.append(k)
 
-    for _ in range(2):                                      # the second time from cached requests
+    for _ in range(2):  # the second time from cached requests
         dst.zero_()
         assert endpoint.read_blocks(source, blocks, 30.0, landed, "four") > 0
-        assert not dst[2 * CHUNK:3 * CHUNK].any()           # the skipped block was not read
+        assert not dst[2 * CHUNK : 3 * CHUNK].any()  # the skipped block was not read
     assert seen == [0, 1, 2, 3] * 2
 
 
@@ -74,7 +73,7 @@ def test_a_failing_callback_leaves_no_read_in_flight(pair):
         endpoint.read_blocks(source, blocks, 30.0, fail, "fail")
     dst.zero_()
     endpoint.read_blocks(source, blocks, 30.0, lambda k: None, "fail")
-    assert torch.equal(dst[:3 * CHUNK], src[:3 * CHUNK])
+    assert torch.equal(dst[: 3 * CHUNK], src[: 3 * CHUNK])
 
 
 def test_a_read_outside_the_source_region_is_refused(pair):
@@ -89,14 +88,14 @@ def test_the_lane_returns_the_checksum_of_what_landed(pair):
     endpoint, source, src, dst = pair
     lane = NixlLane(endpoint, source)
     # two pieces with a gap between them (zeros in the range), across block borders
-    first, second = dst[:BLOCK_BYTES + 100], dst[BLOCK_BYTES + 300:SIZE]
+    first, second = dst[: BLOCK_BYTES + 100], dst[BLOCK_BYTES + 300 : SIZE]
     pieces = [(0, 0, first), (BLOCK_BYTES + 300, BLOCK_BYTES + 300, second)]
     seconds, digest = lane.read_hashed(SIZE, pieces, 30.0, "pieces")
     assert seconds > 0
-    assert torch.equal(first, src[:BLOCK_BYTES + 100])
-    assert torch.equal(second, src[BLOCK_BYTES + 300:])
+    assert torch.equal(first, src[: BLOCK_BYTES + 100])
+    assert torch.equal(second, src[BLOCK_BYTES + 300 :])
     expected = src.clone()
-    expected[BLOCK_BYTES + 100:BLOCK_BYTES + 300] = 0
+    expected[BLOCK_BYTES + 100 : BLOCK_BYTES + 300] = 0
     assert digest == checksum(expected, SIZE)
-    src[5] ^= 1                                     # the source changed: so does the checksum
+    src[5] ^= 1  # the source changed: so does the checksum
     assert lane.read_hashed(SIZE, pieces, 30.0, "pieces")[1] != digest

@@ -18,8 +18,12 @@ SCRIPT = Path(__file__).with_name("publisher_memory_process.py")
 
 @pytest.mark.parametrize("lanes", ["nixl,shm,grpc", "nixl"])
 def test_publishing_holds_one_bucket_not_a_model_copy(lanes):
-    out = subprocess.run([sys.executable, str(SCRIPT), "--state-mib", "128", "--bucket-mib", "32",
-                          "--lanes", lanes], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--state-mib", "128", "--bucket-mib", "32", "--lanes", lanes],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["rounds"] == 4 and figures["bucket_bytes"] == 32 << 20

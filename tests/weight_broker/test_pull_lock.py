@@ -20,24 +20,24 @@ FAR = 60.0
 
 
 def test_holders_take_turns(tmp_path):
-    first, second = PullLock(str(tmp_path)), PullLock(str(tmp_path))   # two open files: two holders
+    first, second = PullLock(str(tmp_path)), PullLock(str(tmp_path))  # two open files: two holders
     with first.held(time.monotonic() + FAR) as got_first:
         assert got_first
-        with second.held(time.monotonic()) as got_second:   # deadline already passed
-            assert not got_second                          # ... so it runs without the lock
+        with second.held(time.monotonic()) as got_second:  # deadline already passed
+            assert not got_second  # ... so it runs without the lock
     with second.held(time.monotonic()) as got_second:
-        assert got_second                                  # free again
+        assert got_second  # free again
     first.close(), second.close()
 
 
 def test_after_a_missed_deadline_pulls_do_not_wait_for_a_stuck_holder(tmp_path):
     stuck, other = PullLock(str(tmp_path)), PullLock(str(tmp_path))
-    with stuck.held(time.monotonic() + FAR):              # a holder that never lets go
-        with other.held(time.monotonic()) as got:         # one missed deadline ...
+    with stuck.held(time.monotonic() + FAR):  # a holder that never lets go
+        with other.held(time.monotonic()) as got:  # one missed deadline ...
             assert not got
-        with other.held(time.monotonic() + FAR) as got:   # ... then no waiting (else: a 60 s hang)
+        with other.held(time.monotonic() + FAR) as got:  # ... then no waiting (else: a 60 s hang)
             assert not got
-    with other.held(time.monotonic() + FAR) as got:       # free again: taken, no wait needed
+    with other.held(time.monotonic() + FAR) as got:  # free again: taken, no wait needed
         assert got
     stuck.close(), other.close()
 

@@ -24,8 +24,7 @@ time.sleep(600)
 
 
 def _creator(prefix: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", _CREATOR, prefix], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _CREATOR, prefix], stdout=subprocess.PIPE, text=True)
     name = proc.stdout.readline().strip()
     assert name.startswith(f"furlong-{prefix}-"), name
     return proc, name
@@ -47,13 +46,13 @@ def test_a_killed_creators_bucket_is_removed_by_the_next_create():
     try:
         dead.send_signal(signal.SIGKILL)
         dead.wait(30)
-        assert _exists(dead_name)                 # the kernel does not clean it up
+        assert _exists(dead_name)  # the kernel does not clean it up
         fresh = SharedBuffer.create("stale-fresh", 4096)
         try:
             assert not _exists(dead_name)
-            assert _exists(live_name)             # its creator still holds the lock
+            assert _exists(live_name)  # its creator still holds the lock
             assert os.path.exists(empty) and os.path.exists(other)
-            assert fresh.name not in remove_stale()   # our own, locked by this process
+            assert fresh.name not in remove_stale()  # our own, locked by this process
             assert _exists(fresh.name)
         finally:
             fresh.close()
@@ -63,7 +62,7 @@ def test_a_killed_creators_bucket_is_removed_by_the_next_create():
         live.wait(30)
         for path in (empty, other):
             os.unlink(path)
-    assert live_name in remove_stale()   # the kernel dropped the lock when the process exited
+    assert live_name in remove_stale()  # the kernel dropped the lock when the process exited
 
 
 def test_an_opener_does_not_keep_a_bucket_alive():
@@ -74,6 +73,6 @@ def test_an_opener_does_not_keep_a_bucket_alive():
         owner.kill()
         owner.wait(30)
         assert name in remove_stale()
-        assert opened.tensor is not None and int(opened.tensor[0]) == 0   # mapping still valid
+        assert opened.tensor is not None and int(opened.tensor[0]) == 0  # mapping still valid
     finally:
         opened.close()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from polling import wait_until
 
 from furlong.core.errors import UnavailableError
 from furlong.core.redis_server import free_port
@@ -25,7 +26,6 @@ from furlong.rpc import check_health
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.publisher import WeightPublisher
-from polling import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -36,7 +36,7 @@ BUCKET = TransferConfig(bucket_size_bytes=4096, round_timeout_s=30.0)
 
 def policy(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {f"layer{i}": torch.randn(1024, generator=gen) for i in range(4)}   # 4 rounds of 4 KiB
+    return {f"layer{i}": torch.randn(1024, generator=gen) for i in range(4)}  # 4 rounds of 4 KiB
 
 
 class Stack:
@@ -51,18 +51,46 @@ class Stack:
     def start_broker(self) -> None:
         port = self.address.rsplit(":", 1)[1]
         self.broker = subprocess.Popen(
-            [sys.executable, "-m", "furlong.weight_broker", "--port", port, "--metrics-port",
-             str(free_port()), "--ack-timeout-s", "20"],
-            stdout=open(self.tmp / "broker.log", "a"), stderr=subprocess.STDOUT)
-        wait_until(lambda: self.broker.poll() is not None
-                   or check_health(self.address, "furlong.v1.WeightBroker"), 60.0, "the broker")
+            [
+                sys.executable,
+                "-m",
+                "furlong.weight_broker",
+                "--port",
+                port,
+                "--metrics-port",
+                str(free_port()),
+                "--ack-timeout-s",
+                "20",
+            ],
+            stdout=open(self.tmp / "broker.log", "a"),
+            stderr=subprocess.STDOUT,
+        )
+        wait_until(
+            lambda: self.broker.poll() is not None or check_health(self.address, "furlong.v1.WeightBroker"),
+            60.0,
+            "the broker",
+        )
         assert self.broker.poll() is None, (self.tmp / "broker.log").read_text()[-3000:]
 
     def start_engine(self, engine_id: str, pull_delay_s: float = 0.0) -> None:
         self.engines[engine_id] = subprocess.Popen(
-            [sys.executable, str(CHILD), "--broker", self.address, "--run-id", RUN, "--engine-id",
-             engine_id, "--out", str(self.tmp), "--pull-delay-s", str(pull_delay_s)],
-            stdout=open(self.tmp / f"{engine_id}.log", "a"), stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                str(CHILD),
+                "--broker",
+                self.address,
+                "--run-id",
+                RUN,
+                "--engine-id",
+                engine_id,
+                "--out",
+                str(self.tmp),
+                "--pull-delay-s",
+                str(pull_delay_s),
+            ],
+            stdout=open(self.tmp / f"{engine_id}.log", "a"),
+            stderr=subprocess.STDOUT,
+        )
 
     def stop(self) -> None:
         for proc in [*self.engines.values(), self.broker]:
@@ -104,12 +132,13 @@ def test_killing_an_engine_mid_pull_commits_for_the_others_and_it_catches_up(sta
     publisher = None
     try:
         wait_until(lambda: engines_of(client) == ("doomed", "steady"), 60.0, "both engines")
-        publisher = WeightPublisher(client, RUN, WeightLayout.from_state_dict(policy(1)),
-                                    "trainer-faults-1", config=BUCKET)
+        publisher = WeightPublisher(
+            client, RUN, WeightLayout.from_state_dict(policy(1)), "trainer-faults-1", config=BUCKET
+        )
         published = threading.Thread(target=publisher.publish, args=(1, policy(1)), daemon=True)
         published.start()
         wait_until(lambda: (tmp_path / "doomed-pulling").exists(), 30.0, "doomed to start pulling")
-        stack.engines["doomed"].kill()          # kill -9 in the middle of its pulls
+        stack.engines["doomed"].kill()  # kill -9 in the middle of its pulls
         stack.engines["doomed"].wait(10)
         published.join(60.0)
         assert not published.is_alive()
@@ -118,7 +147,7 @@ def test_killing_an_engine_mid_pull_commits_for_the_others_and_it_catches_up(sta
         assert_has(tmp_path, "steady", 1, policy(1))
         assert not (tmp_path / "doomed-v1.pt").exists()
 
-        stack.start_engine("doomed")            # back, without the slow link
+        stack.start_engine("doomed")  # back, without the slow link
         wait_until(lambda: engines_of(client) == ("doomed", "steady"), 60.0, "doomed to return")
         publisher.publish(2, policy(2))
         assert client.wait_committed(RUN, 2, 60.0).committed_version == 2
@@ -137,8 +166,9 @@ def test_killing_the_broker_mid_publish_tears_nothing_and_the_trainer_republishe
     publisher = None
     try:
         wait_until(lambda: engines_of(client) == ("e1", "e2"), 60.0, "both engines")
-        publisher = WeightPublisher(client, RUN, WeightLayout.from_state_dict(policy(1)),
-                                    "trainer-faults-2", config=BUCKET)
+        publisher = WeightPublisher(
+            client, RUN, WeightLayout.from_state_dict(policy(1)), "trainer-faults-2", config=BUCKET
+        )
         publisher.publish(1, policy(1))
         assert client.wait_committed(RUN, 1, 60.0).committed_version == 1
 
@@ -155,18 +185,18 @@ def test_killing_the_broker_mid_publish_tears_nothing_and_the_trainer_republishe
         thread = threading.Thread(target=publish_two, daemon=True)
         thread.start()
         wait_until(lambda: (tmp_path / "e1-pulling").exists(), 30.0, "version 2 to be pulled")
-        stack.broker.kill()                      # kill -9 the broker mid-publish
+        stack.broker.kill()  # kill -9 the broker mid-publish
         stack.broker.wait(10)
         thread.join(60.0)
         assert len(errors) == 1 and isinstance(errors[0], UnavailableError), errors
-        time.sleep(1.0)   # engines keep serving version 1; nothing of version 2 was applied
+        time.sleep(1.0)  # engines keep serving version 1; nothing of version 2 was applied
         for engine in ("e1", "e2"):
             assert not (tmp_path / f"{engine}-v2.pt").exists()
             assert_has(tmp_path, engine, 1, policy(1))
 
         stack.start_broker()
         wait_until(lambda: engines_of(client) == ("e1", "e2"), 60.0, "engines to re-register")
-        publisher.publish(2, policy(2))          # the same version again, on the new broker
+        publisher.publish(2, policy(2))  # the same version again, on the new broker
         assert client.wait_committed(RUN, 2, 60.0).committed_version == 2
         for engine in ("e1", "e2"):
             assert_has(tmp_path, engine, 2, policy(2))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import pytest
 import torch
@@ -33,11 +33,11 @@ BUCKET = TransferConfig(bucket_size_bytes=1024, round_timeout_s=10.0)
 def policy(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {
-        "embed": torch.randn(32, 8, generator=gen),                          # 1024 bytes
-        "mlp": torch.randn(24, 16, generator=gen).to(torch.bfloat16),        # 768 bytes
+        "embed": torch.randn(32, 8, generator=gen),  # 1024 bytes
+        "mlp": torch.randn(24, 16, generator=gen).to(torch.bfloat16),  # 768 bytes
         "norm": torch.randn(16, generator=gen),
         "scale": torch.randn(8, generator=gen).to(torch.float8_e4m3fn),
-        "head": torch.randn(40, 8, generator=gen),                           # 1280: grows the bucket
+        "head": torch.randn(40, 8, generator=gen),  # 1280: grows the bucket
     }
 
 
@@ -97,11 +97,11 @@ def test_rounds_reach_engines_on_every_lane_bit_for_bit(local):
     client, open_, registry = local
     engines = {lane: Engine() for lane in ("nixl", "shm", "grpc")}
     for lane, engine in engines.items():
-        open_(WeightReceiver, f"e-{lane}", engine.apply,
-              config=TransferConfig(lanes=(lane,))).start()
-    publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-lanes",
-                      config=BUCKET)
-    assert publisher.bucket_size_bytes == 1280   # grown once to the largest tensor
+        open_(WeightReceiver, f"e-{lane}", engine.apply, config=TransferConfig(lanes=(lane,))).start()
+    publisher = open_(
+        WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-lanes", config=BUCKET
+    )
+    assert publisher.bucket_size_bytes == 1280  # grown once to the largest tensor
     for version in (1, 2):
         result = publisher.publish(version, policy(version))
         assert result.num_rounds == 3 and result.fenced_engine_ids == ()
@@ -125,21 +125,27 @@ def test_a_corrupted_byte_in_transit_is_detected_and_re_pulled(local):
         return flaky[-1]
 
     _one_version_arrives(client, open_, "shm", connect)
-    assert flaky[0].reads == 3 + 1   # three rounds, the corrupted one pulled twice
+    assert flaky[0].reads == 3 + 1  # three rounds, the corrupted one pulled twice
 
 
-def _one_version_arrives(client, open_, lane: str, connect, params=None,
-                         receivers: list | None = None) -> None:
+def _one_version_arrives(
+    client, open_, lane: str, connect, params=None, receivers: list | None = None
+) -> None:
     """An engine pulling over `lane` (through `connect`; the receiver is appended to receivers
     before it starts) takes version 1 bit for bit."""
     engine = Engine()
-    receiver = open_(WeightReceiver, "e1", engine.apply, config=TransferConfig(lanes=(lane,)),
-                     connect=connect, params=params)
+    receiver = open_(
+        WeightReceiver,
+        "e1",
+        engine.apply,
+        config=TransferConfig(lanes=(lane,)),
+        connect=connect,
+        params=params,
+    )
     if receivers is not None:
         receivers.append(receiver)
     receiver.start()
-    publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-lane",
-                      config=BUCKET)
+    publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-lane", config=BUCKET)
     publisher.publish(1, policy(1))
     assert client.wait_committed(RUN, 1, 20.0).committed_version == 1
     engine.assert_has(1, policy(1))
@@ -179,35 +185,39 @@ class TornNixlLane(Torn, NixlLane):
 def test_a_lane_hashes_what_it_pulls_and_a_torn_pull_is_re_pulled(local, lane, into):
     client, open_, _ = local
     lanes: list[Torn] = []
-    receivers: list[WeightReceiver] = []   # the lane is connected once the receiver exists
+    receivers: list[WeightReceiver] = []  # the lane is connected once the receiver exists
 
     def connect(source):
-        torn = (TornShmLane(source) if lane == "shm" else
-                TornNixlLane(receivers[0]._endpoint, source))
+        torn = TornShmLane(source) if lane == "shm" else TornNixlLane(receivers[0]._endpoint, source)
         torn.torn_source, torn.corrupt = source, 1
         lanes.append(torn)
         return torn
 
     params = {n: torch.zeros_like(t) for n, t in policy(0).items()} if into == "params" else None
     _one_version_arrives(client, open_, lane, connect, params, receivers)
-    assert lanes[0].reads == 3 + 1   # three rounds, the torn one pulled twice
+    assert lanes[0].reads == 3 + 1  # three rounds, the torn one pulled twice
 
 
 def test_an_engine_that_keeps_failing_is_fenced_and_the_others_commit(local):
     client, open_, registry = local
     good, bad = Engine(), Engine()
     open_(WeightReceiver, "good", good.apply).start()
-    open_(WeightReceiver, "bad", bad.apply, config=TransferConfig(lanes=("shm",)),
-          connect=lambda s: FlakyLane(connect_lane(s, ("shm",), None, 1 << 20), corrupt=10**6)
-          ).start()
-    publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-fence",
-                      config=BUCKET)
+    open_(
+        WeightReceiver,
+        "bad",
+        bad.apply,
+        config=TransferConfig(lanes=("shm",)),
+        connect=lambda s: FlakyLane(connect_lane(s, ("shm",), None, 1 << 20), corrupt=10**6),
+    ).start()
+    publisher = open_(
+        WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-fence", config=BUCKET
+    )
     result = publisher.publish(1, policy(1))
     assert result.fenced_engine_ids == ("bad",)
     status = client.wait_committed(RUN, 1, 20.0)
     assert status.committed_version == 1 and status.fenced_engine_ids == ("bad",)
     good.assert_has(1, policy(1))
-    assert 1 not in bad.applied   # never served a version it could not verify
+    assert 1 not in bad.applied  # never served a version it could not verify
     assert registry.get_sample_value("furlong_broker_engines_fenced_total", {"run_id": RUN}) == 1
 
 
@@ -216,16 +226,20 @@ def test_an_engine_that_never_answers_times_out_is_fenced_and_the_run_continues(
     good = Engine()
     open_(WeightReceiver, "good", good.apply).start()
     client.register_engine(RUN, "mute")
-    watch = client.watch_versions(RUN, "mute")   # subscribed, never reads, never acknowledges
-    publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-mute",
-                      config=TransferConfig(bucket_size_bytes=1024, round_timeout_s=0.5))
+    watch = client.watch_versions(RUN, "mute")  # subscribed, never reads, never acknowledges
+    publisher = open_(
+        WeightPublisher,
+        WeightLayout.from_state_dict(policy(0)),
+        "trainer-mute",
+        config=TransferConfig(bucket_size_bytes=1024, round_timeout_s=0.5),
+    )
     started = time.monotonic()
     result = publisher.publish(1, policy(1))
     assert result.fenced_engine_ids == ("mute",)
     assert time.monotonic() - started < 10.0
     assert client.wait_committed(RUN, 1, 20.0).committed_version == 1
     good.assert_has(1, policy(1))
-    publisher.publish(2, policy(2))              # the run goes on without it
+    publisher.publish(2, policy(2))  # the run goes on without it
     assert client.wait_committed(RUN, 2, 20.0).committed_version == 2
     good.assert_has(2, policy(2))
     watch.close()
@@ -236,11 +250,14 @@ def test_the_stream_server_answers_while_the_publisher_waits_on_the_broker(local
     engines = [Engine() for _ in range(3)]
     for i, engine in enumerate(engines):
         open_(WeightReceiver, f"g{i}", engine.apply, config=TransferConfig(lanes=("grpc",))).start()
-    publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-stream",
-                      config=TransferConfig(bucket_size_bytes=1024, stream_workers=3))
+    publisher = open_(
+        WeightPublisher,
+        WeightLayout.from_state_dict(policy(0)),
+        "trainer-stream",
+        config=TransferConfig(bucket_size_bytes=1024, stream_workers=3),
+    )
     done = threading.Event()
-    threading.Thread(target=lambda: (publisher.publish(1, policy(1)), done.set()),
-                     daemon=True).start()
+    threading.Thread(target=lambda: (publisher.publish(1, policy(1)), done.set()), daemon=True).start()
     assert done.wait(20.0)
     assert client.wait_committed(RUN, 1, 20.0).committed_version == 1
     for engine in engines:
@@ -271,20 +288,29 @@ def test_double_buffered_rounds_reach_engines_on_every_lane_bit_for_bit(local):
 
     def small(seed: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(seed)
-        return {f"layer{i}": torch.randn(8 + i, 16, generator=gen).to(
-            torch.bfloat16 if i % 2 else torch.float32) for i in range(7)}
+        return {
+            f"layer{i}": torch.randn(8 + i, 16, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32)
+            for i in range(7)
+        }
 
     engines, params = {}, {}
     for lane in ("nixl", "shm", "grpc"):
         engines[lane] = Engine()
-        open_(WeightReceiver, f"e-{lane}", engines[lane].apply,
-              config=TransferConfig(lanes=(lane,))).start()
+        open_(WeightReceiver, f"e-{lane}", engines[lane].apply, config=TransferConfig(lanes=(lane,))).start()
         params[lane] = {name: torch.zeros_like(t) for name, t in small(0).items()}
-        open_(WeightReceiver, f"p-{lane}", lambda v, t: None, config=TransferConfig(lanes=(lane,)),
-              params=params[lane]).start()
-    publisher = open_(WeightPublisher, WeightLayout.from_state_dict(small(0)), "trainer-halves",
-                      config=TransferConfig(bucket_size_bytes=2048, round_timeout_s=10.0,
-                                            double_buffer=True))
+        open_(
+            WeightReceiver,
+            f"p-{lane}",
+            lambda v, t: None,
+            config=TransferConfig(lanes=(lane,)),
+            params=params[lane],
+        ).start()
+    publisher = open_(
+        WeightPublisher,
+        WeightLayout.from_state_dict(small(0)),
+        "trainer-halves",
+        config=TransferConfig(bucket_size_bytes=2048, round_timeout_s=10.0, double_buffer=True),
+    )
     plan = plan_buckets(publisher.layout, 2048, double_buffer=True)
     assert plan.double_buffered and len(plan.rounds) >= 4
     assert publisher.bucket_size_bytes == plan.bucket_size_bytes <= 2048
@@ -295,5 +321,7 @@ def test_double_buffered_rounds_reach_engines_on_every_lane_bit_for_bit(local):
         for lane in engines:
             engines[lane].assert_has(version, small(version))
             for name, tensor in small(version).items():
-                assert torch.equal(params[lane][name].view(torch.uint8),
-                                   tensor.view(torch.uint8)), (lane, name)
+                assert torch.equal(params[lane][name].view(torch.uint8), tensor.view(torch.uint8)), (
+                    lane,
+                    name,
+                )

@@ -4,9 +4,10 @@ it and an engine that joins later catches up from the relay alone."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from llama_state import assert_bytes_equal, llama
+from polling import wait_until
 
 from furlong.core.weight_shards import expected_shards, llama_tensor_parallel
 from furlong.core.weights import WeightLayout, plan_buckets
@@ -16,8 +17,6 @@ from furlong.weight_broker.core import BrokerCore
 from furlong.weight_broker.publisher import WeightPublisher
 from furlong.weight_broker.receiver import WeightReceiver
 from furlong.weight_broker.relay import WeightRelay, upstream_run_id
-from llama_state import assert_bytes_equal, llama
-from polling import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -29,8 +28,11 @@ def policy(seed: int, small: bool = False) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     if small:
         return {f"t{i}": torch.randn(16 + 2 * i, 4, generator=gen) for i in range(6)}
-    return {"a": torch.randn(64, 8, generator=gen), "b": torch.randn(48, 8, generator=gen).half(),
-            "c": torch.randn(100, generator=gen).to(torch.bfloat16)}
+    return {
+        "a": torch.randn(64, 8, generator=gen),
+        "b": torch.randn(48, 8, generator=gen).half(),
+        "c": torch.randn(100, generator=gen).to(torch.bfloat16),
+    }
 
 
 class Engine:
@@ -51,9 +53,13 @@ def test_the_relay_frees_the_trainer_and_serves_late_engines(double_buffer):
     first.start()
     layout = WeightLayout.from_state_dict(policy(0, double_buffer))
     assert plan_buckets(layout, 1024, double_buffer).double_buffered == double_buffer
-    trainer = WeightPublisher(client, upstream_run_id(RUN), layout, "trainer-relayed",
-                              config=TransferConfig(bucket_size_bytes=1024,
-                                                    double_buffer=double_buffer))
+    trainer = WeightPublisher(
+        client,
+        upstream_run_id(RUN),
+        layout,
+        "trainer-relayed",
+        config=TransferConfig(bucket_size_bytes=1024, double_buffer=double_buffer),
+    )
     late_receiver = None
     try:
         for version in (1, 2):
@@ -62,7 +68,7 @@ def test_the_relay_frees_the_trainer_and_serves_late_engines(double_buffer):
             assert client.wait_committed(RUN, version, 20.0).committed_version == version
             for name, tensor in policy(version, double_buffer).items():
                 assert torch.equal(early.applied[version][name], tensor), (version, name)
-        trainer.close()   # the trainer is gone; the relay still serves version 2
+        trainer.close()  # the trainer is gone; the relay still serves version 2
         late = Engine()
         late_receiver = WeightReceiver(client, RUN, "late", late.apply)
         late_receiver.start()
@@ -92,14 +98,14 @@ def test_engines_with_their_own_shard_layout_take_relayed_versions():
 
     def engine(engine_id: str) -> dict[str, torch.Tensor]:
         params = {n: torch.zeros_like(t) for n, t in expected_shards(tp1, llama(0)).items()}
-        receiver = WeightReceiver(client, RUN, engine_id, lambda v, t: None, shard_layout=tp1,
-                                  params=params)
+        receiver = WeightReceiver(client, RUN, engine_id, lambda v, t: None, shard_layout=tp1, params=params)
         opened.append(receiver)
         receiver.start()
         return params
 
-    trainer = WeightPublisher(client, upstream_run_id(RUN), layout, "trainer-shards",
-                              config=TransferConfig(bucket_size_bytes=2048))
+    trainer = WeightPublisher(
+        client, upstream_run_id(RUN), layout, "trainer-shards", config=TransferConfig(bucket_size_bytes=2048)
+    )
     try:
         relay.start()
         engines["tp1"] = engine("engine-tp1")
@@ -109,10 +115,13 @@ def test_engines_with_their_own_shard_layout_take_relayed_versions():
             status = client.wait_committed(RUN, version, 20.0)
             assert status.committed_version == version and status.engine_ids == ("engine-tp1",)
             assert_bytes_equal(engines["tp1"], expected_shards(tp1, llama(version)))
-        trainer.close()   # a late engine of the same layout catches up from the relay alone
+        trainer.close()  # a late engine of the same layout catches up from the relay alone
         late = engine("engine-tp1-late")
-        wait_until(lambda: torch.equal(late["model.norm.weight"],
-                                       expected_shards(tp1, llama(2))["model.norm.weight"]))
+        wait_until(
+            lambda: torch.equal(
+                late["model.norm.weight"], expected_shards(tp1, llama(2))["model.norm.weight"]
+            )
+        )
         assert_bytes_equal(late, expected_shards(tp1, llama(2)))
     finally:
         for receiver in opened:

@@ -3,15 +3,23 @@ published tensors map to byte-exact piece copies per round, and both sides' dige
 
 from __future__ import annotations
 
+import llama_state
 import pytest
 import torch
 
 from furlong.core.weight_shards import (
-    ShardLayout, ShardPiece, ShardTensor, copy_rows, digest_copies, expected_shards,
-    llama_tensor_parallel, plan_shards, shard_checksums, split_piece)
+    ShardLayout,
+    ShardPiece,
+    ShardTensor,
+    copy_rows,
+    digest_copies,
+    expected_shards,
+    llama_tensor_parallel,
+    plan_shards,
+    shard_checksums,
+    split_piece,
+)
 from furlong.core.weights import WeightLayout, plan_buckets
-
-import llama_state
 
 pytestmark = pytest.mark.unit
 
@@ -20,8 +28,9 @@ def llama(seed: int = 0) -> dict[str, torch.Tensor]:
     return llama_state.llama(seed, hidden=8)
 
 
-def received(source: dict[str, torch.Tensor], bucket_bytes: int, shards: ShardLayout
-             ) -> tuple[dict[str, torch.Tensor], tuple[str, ...], tuple[str, ...]]:
+def received(
+    source: dict[str, torch.Tensor], bucket_bytes: int, shards: ShardLayout
+) -> tuple[dict[str, torch.Tensor], tuple[str, ...], tuple[str, ...]]:
     """Carry out the plan round by round from staged bytes; returns the destination tensors, the
     trainer's digests and the digests over what landed."""
     layout = WeightLayout.from_state_dict(source)
@@ -32,7 +41,7 @@ def received(source: dict[str, torch.Tensor], bucket_bytes: int, shards: ShardLa
     dst = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in shard_plan.layout.slots}
     got = []
     for rnd, shard_round in zip(plan.rounds, shard_plan.rounds):
-        staged = logical[rnd.offset_bytes:rnd.end_bytes].clone()   # the bucket holds one round
+        staged = logical[rnd.offset_bytes : rnd.end_bytes].clone()  # the bucket holds one round
         for copy in shard_round.copies:
             copy_rows(staged, rnd.offset_bytes, copy, dst[copy.dst_name])
         got.append(digest_copies(shard_round.copies, dst))
@@ -55,7 +64,7 @@ def test_tensor_parallel_shards_land_byte_exact_in_rounds(rank, fuse):
     if fuse:
         assert dst["model.layers.0.self_attn.qkv_proj.weight"].shape == (8, 8)
         assert dst["model.layers.0.mlp.gate_up_proj.weight"].shape == (16, 8)
-    assert torch.equal(dst[o], source[o][:, 4 * rank:4 * rank + 4])
+    assert torch.equal(dst[o], source[o][:, 4 * rank : 4 * rank + 4])
 
 
 def test_a_wrong_slice_changes_the_digest():
@@ -72,8 +81,13 @@ def test_piece_copies_are_one_run_per_row_only_for_later_dimensions():
     source = {"w": torch.zeros(4, 6), "b": torch.zeros(6)}
     layout = WeightLayout.from_state_dict(source)
     plan = plan_buckets(layout, 1 << 20)
-    shards = ShardLayout((ShardTensor.split("w", 0, 1, 2, 4), ShardTensor.split("b", 0, 0, 3, 6),
-                          ShardTensor("wt", (ShardPiece("w", 1, 2, 4),))))
+    shards = ShardLayout(
+        (
+            ShardTensor.split("w", 0, 1, 2, 4),
+            ShardTensor.split("b", 0, 0, 3, 6),
+            ShardTensor("wt", (ShardPiece("w", 1, 2, 4),)),
+        )
+    )
     (rnd,) = plan_shards(layout, plan, shards).rounds
     rows, bias, cols = rnd.copies
     assert (rows.num_rows, rows.row_bytes, rows.src_offset_bytes) == (1, 2 * 24, 2 * 24)
@@ -82,12 +96,17 @@ def test_piece_copies_are_one_run_per_row_only_for_later_dimensions():
     assert cols.src_offset_bytes == 8 and cols.dst_name == "wt"
 
 
-@pytest.mark.parametrize("shards, message", [
-    (ShardLayout((ShardTensor.whole("nope"),)), "source tensor 'nope' is not in the published"),
-    (ShardLayout((ShardTensor("w", (ShardPiece("w", 0, 2, 9),)),)), r"outside its shape \(4, 6\)"),
-    (ShardLayout((ShardTensor("f", (ShardPiece("w"), ShardPiece("b"))),)),
-     "cannot be concatenated along dimension 0"),
-])
+@pytest.mark.parametrize(
+    "shards, message",
+    [
+        (ShardLayout((ShardTensor.whole("nope"),)), "source tensor 'nope' is not in the published"),
+        (ShardLayout((ShardTensor("w", (ShardPiece("w", 0, 2, 9),)),)), r"outside its shape \(4, 6\)"),
+        (
+            ShardLayout((ShardTensor("f", (ShardPiece("w"), ShardPiece("b"))),)),
+            "cannot be concatenated along dimension 0",
+        ),
+    ],
+)
 def test_layouts_that_do_not_fit_the_source_are_refused_naming_the_piece(shards, message):
     layout = WeightLayout.from_state_dict({"w": torch.zeros(4, 6), "b": torch.zeros(6)})
     with pytest.raises(ValueError, match=message):

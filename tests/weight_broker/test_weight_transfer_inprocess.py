@@ -4,19 +4,19 @@ client: what the receiver applies, what it refuses, and how the publisher fences
 from __future__ import annotations
 
 import threading
-from typing import Mapping
+from collections.abc import Mapping
 
 import pytest
 import torch
+from polling import wait_until
 
 from furlong.core.errors import ConflictError
 from furlong.core.weights import WeightLayout
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
-from furlong.weight_broker.publisher import WeightPublisher
 from furlong.weight_broker.destination import layout_mismatch
+from furlong.weight_broker.publisher import WeightPublisher
 from furlong.weight_broker.receiver import WeightReceiver
-from polling import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -88,7 +88,7 @@ def test_a_late_engine_gets_the_committed_version(local):
     client, open_ = local
     publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-b")
     publisher.publish(5, policy(5))
-    assert client.wait_committed(RUN, 5, 1.0).committed_version == 5   # no engines yet
+    assert client.wait_committed(RUN, 5, 1.0).committed_version == 5  # no engines yet
     engine = Engine()
     receiver = open_(WeightReceiver, "late", engine.apply)
     receiver.start()
@@ -99,17 +99,17 @@ def test_a_late_engine_gets_the_committed_version(local):
 def test_publisher_waits_for_the_previous_version_to_commit(local):
     client, open_ = local
     engine = Engine()
-    engine.gate.clear()   # the engine holds version 1 in apply()
+    engine.gate.clear()  # the engine holds version 1 in apply()
     open_(WeightReceiver, "slow", engine.apply).start()
     publisher = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0)), "trainer-c")
     publisher.publish(1, policy(1))
     with pytest.raises(TimeoutError, match="version 1 not committed"):
         publisher.publish(2, policy(2), commit_timeout_s=0.2)
-    assert client.get_version(RUN).latest_version == 1   # version 2 was never begun
+    assert client.get_version(RUN).latest_version == 1  # version 2 was never begun
     engine.gate.set()
     publisher.publish(2, policy(2), commit_timeout_s=10.0)
     assert client.wait_committed(RUN, 2, 10.0).committed_version == 2
-    assert torch.equal(engine.applied[1]["w"], policy(1)["w"])   # not overwritten mid-transfer
+    assert torch.equal(engine.applied[1]["w"], policy(1)["w"])  # not overwritten mid-transfer
     assert torch.equal(engine.applied[2]["w"], policy(2)["w"])
 
 
@@ -122,8 +122,10 @@ def test_a_different_layout_is_refused_and_fails_the_version(local):
     client.wait_committed(RUN, 1, 10.0)
     wider = open_(WeightPublisher, WeightLayout.from_state_dict(policy(0, width=16)), "trainer-e")
     wider.publish(2, policy(2, width=16))
-    with pytest.raises(ConflictError, match="engine e1 failed version 2 after 3 attempts: "
-                                            "ValueError: version 2 has a different layout"):
+    with pytest.raises(
+        ConflictError,
+        match="engine e1 failed version 2 after 3 attempts: ValueError: version 2 has a different layout",
+    ):
         client.wait_committed(RUN, 2, 10.0)
     assert sorted(engine.applied) == [1]
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from polling import wait_until
 
 from furlong.core.errors import ConflictError
 from furlong.core.redis_server import free_port
@@ -18,7 +19,6 @@ from furlong.core.weights import Manifest, WeightLayout
 from furlong.rpc import check_health
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.publisher import WeightPublisher
-from polling import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -51,13 +51,29 @@ def broker_process(tmp_path):
     port, metrics_port = free_port(), free_port()
     log_file = open(tmp_path / "broker.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "furlong.weight_broker", "--host", "127.0.0.1", "--port", str(port),
-         "--metrics-port", str(metrics_port), "--log-level", "INFO"],
-        stdout=log_file, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "furlong.weight_broker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--log-level",
+            "INFO",
+        ],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+    )
     address = f"127.0.0.1:{port}"
     try:
-        wait_until(lambda: proc.poll() is not None or check_health(address, "furlong.v1.WeightBroker"),
-                   60.0, "the broker to serve")
+        wait_until(
+            lambda: proc.poll() is not None or check_health(address, "furlong.v1.WeightBroker"),
+            60.0,
+            "the broker to serve",
+        )
         assert proc.poll() is None, (tmp_path / "broker.log").read_text()
         yield address, metrics_port, proc
     finally:
@@ -75,9 +91,22 @@ def test_publish_to_two_engine_processes_over_nixl(broker_process, tmp_path):
     address, metrics_port, broker_proc = broker_process
     assert check_health(address, "furlong.v1.WeightBroker")
     children = [
-        subprocess.Popen([sys.executable, str(CHILD), "--broker", address, "--run-id", RUN,
-                          "--engine-id", engine, "--out", str(tmp_path)],
-                         stdout=open(tmp_path / f"{engine}.log", "w"), stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(CHILD),
+                "--broker",
+                address,
+                "--run-id",
+                RUN,
+                "--engine-id",
+                engine,
+                "--out",
+                str(tmp_path),
+            ],
+            stdout=open(tmp_path / f"{engine}.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
         for engine in ENGINES
     ]
     client = GrpcBrokerClient(address)
@@ -100,9 +129,12 @@ def test_publish_to_two_engine_processes_over_nixl(broker_process, tmp_path):
         # engines and the mismatch.
         client.begin_version(RUN, Manifest(3, layout, "0" * 32), publisher.source)
         client.stage_round(RUN, 3, 0)
-        with pytest.raises(ConflictError, match=r"every engine was fenced: engine engine-a failed "
-                                                r"version 3 after 3 attempts: round 0: "
-                                                r"IntegrityError: checksum mismatch"):
+        with pytest.raises(
+            ConflictError,
+            match=r"every engine was fenced: engine engine-a failed "
+            r"version 3 after 3 attempts: round 0: "
+            r"IntegrityError: checksum mismatch",
+        ):
             client.wait_committed(RUN, 3, 30.0)
         assert not (tmp_path / "engine-a-v3.pt").exists()
         assert client.get_version(RUN).fenced_engine_ids == ENGINES
@@ -113,12 +145,13 @@ def test_publish_to_two_engine_processes_over_nixl(broker_process, tmp_path):
         assert client.wait_committed(RUN, 4, 30.0).committed_version == 4
         assert_received(tmp_path, 4, policy(4))
 
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
-                                         timeout=5).read().decode()
+        metrics = (
+            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        )
         assert f'furlong_broker_committed_version{{run_id="{RUN}"}} 4.0' in metrics
         assert f'furlong_broker_versions_failed_total{{run_id="{RUN}"}} 1.0' in metrics
         transferred = _sample(metrics, 'furlong_broker_transfer_bytes_total{lane="nixl"}')
-        assert transferred >= 3 * len(ENGINES) * layout.total_bytes   # versions 1, 2 and 4
+        assert transferred >= 3 * len(ENGINES) * layout.total_bytes  # versions 1, 2 and 4
 
         # Stopping an engine unregisters it.
         children[0].send_signal(signal.SIGTERM)
@@ -133,7 +166,8 @@ def test_publish_to_two_engine_processes_over_nixl(broker_process, tmp_path):
             publisher.close()
         client.close()
     assert [c.returncode for c in children] == [0, 0], [
-        (tmp_path / f"{e}.log").read_text()[-3000:] for e in ENGINES]
+        (tmp_path / f"{e}.log").read_text()[-3000:] for e in ENGINES
+    ]
 
     broker_proc.send_signal(signal.SIGTERM)
     assert broker_proc.wait(15) == 0
@@ -163,29 +197,53 @@ def test_a_broker_process_relays_over_the_lanes_it_is_given(tmp_path):
     port, metrics_port = free_port(), free_port()
     log_file = open(tmp_path / "broker.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "furlong.weight_broker", "--port", str(port), "--metrics-port",
-         str(metrics_port), "--relay-run", "relayed", "--relay-lanes", "nixl"],
-        stdout=log_file, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "furlong.weight_broker",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--relay-run",
+            "relayed",
+            "--relay-lanes",
+            "nixl",
+        ],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+    )
     address = f"127.0.0.1:{port}"
     client = publisher = receiver = None
     try:
-        wait_until(lambda: proc.poll() is not None or check_health(address, "furlong.v1.WeightBroker"),
-                   60.0, "the broker to serve")
+        wait_until(
+            lambda: proc.poll() is not None or check_health(address, "furlong.v1.WeightBroker"),
+            60.0,
+            "the broker to serve",
+        )
         client = GrpcBrokerClient(address)
         got = {}
-        receiver = WeightReceiver(client, "relayed", "engine-r",
-                                  lambda v, t: got.update({v: {k: x.clone() for k, x in t.items()}}),
-                                  config=TransferConfig(lanes=("nixl",)))
+        receiver = WeightReceiver(
+            client,
+            "relayed",
+            "engine-r",
+            lambda v, t: got.update({v: {k: x.clone() for k, x in t.items()}}),
+            config=TransferConfig(lanes=("nixl",)),
+        )
         receiver.start()
-        publisher = WeightPublisher(client, upstream_run_id("relayed"),
-                                    WeightLayout.from_state_dict(policy(0)), "trainer-relayed",
-                                    config=TransferConfig(lanes=("nixl",), bucket_size_bytes=2048))
+        publisher = WeightPublisher(
+            client,
+            upstream_run_id("relayed"),
+            WeightLayout.from_state_dict(policy(0)),
+            "trainer-relayed",
+            config=TransferConfig(lanes=("nixl",), bucket_size_bytes=2048),
+        )
         publisher.publish(1, policy(1))
         assert client.wait_committed("relayed", 1, 60.0).committed_version == 1
         wait_until(lambda: 1 in got, 30.0, "the engine to apply version 1")
         for name, tensor in policy(1).items():
             assert torch.equal(got[1][name].view(torch.uint8), tensor.view(torch.uint8)), name
-        client.register_engine("relayed", "observer")   # a late joiner is sent the latest version
+        client.register_engine("relayed", "observer")  # a late joiner is sent the latest version
         watch = client.watch_versions("relayed", "observer")
         published = next(watch)
         watch.close()

@@ -80,9 +80,7 @@ def write_summary(env: Mapping[str, str], lines: list[str]) -> None:
 
 
 def _api(env: Mapping[str, str]) -> GitHubRestApi:
-    return GitHubRestApi(
-        env_text(env, "GITHUB_TOKEN"), env.get("GITHUB_API_URL") or DEFAULT_API_URL
-    )
+    return GitHubRestApi(env_text(env, "GITHUB_TOKEN"), env.get("GITHUB_API_URL") or DEFAULT_API_URL)
 
 
 def _run_context(env: Mapping[str, str]) -> status_comment.RunContext:
@@ -204,12 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     gw = sub.add_parser("gateway", help="check a /rerun-test comment and dispatch the run")
     gw.add_argument("--repo-dir", default=".")
     gw.set_defaults(func=cmd_gateway)
-    sub.add_parser("announce", help="create the running status comment").set_defaults(
-        func=cmd_announce
-    )
-    sub.add_parser("finalize", help="edit the status comment to its outcome").set_defaults(
-        func=cmd_finalize
-    )
+    sub.add_parser("announce", help="create the running status comment").set_defaults(func=cmd_announce)
+    sub.add_parser("finalize", help="edit the status comment to its outcome").set_defaults(func=cmd_finalize)
     sub.add_parser("resolve", help="resolve dependency directives").set_defaults(func=cmd_resolve)
     si = sub.add_parser("check-suite-inputs", help="validate the GPU suite's inputs")
     si.add_argument("--root", default=".")

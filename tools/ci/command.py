@@ -53,8 +53,7 @@ def parse_command(body: str) -> RerunCommand:
     match = _COMMAND_LINE.fullmatch(text)
     if match is None:
         raise CommandRejected(
-            f"expected exactly `{COMMAND} tests/<dir>/test_<name>.py` on one line, "
-            f"got {text[:120]!r}"
+            f"expected exactly `{COMMAND} tests/<dir>/test_<name>.py` on one line, got {text[:120]!r}"
         )
     return RerunCommand(test_path=match.group(1))
 
@@ -64,15 +63,11 @@ def check_test_path(path: object) -> str:
     if not isinstance(path, str):
         raise CommandRejected(f"test path must be text, got {type(path).__name__}")
     if len(path) > MAX_PATH_CHARS:
-        raise CommandRejected(
-            f"test path longer than {MAX_PATH_CHARS} characters: {path[:60]!r}..."
-        )
+        raise CommandRejected(f"test path longer than {MAX_PATH_CHARS} characters: {path[:60]!r}...")
     if ".." in path:
         raise CommandRejected(f"test path must not contain '..': {path!r}")
     if _TEST_PATH.fullmatch(path) is None:
-        raise CommandRejected(
-            f"test path must match tests/.../test_*.py with plain names: {path!r}"
-        )
+        raise CommandRejected(f"test path must match tests/.../test_*.py with plain names: {path!r}")
     return path
 
 

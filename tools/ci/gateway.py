@@ -66,9 +66,7 @@ def plan_dispatch(event: CommentEvent, api: RepoApi, check_path: PathCheck) -> D
     command: RerunCommand = parse_command(event.body)
     permission = api.collaborator_permission(event.repository, event.author)
     if permission not in WRITE_PERMISSIONS:
-        raise CommandRejected(
-            f"@{event.author} has {permission!r} access; /rerun-test needs write access"
-        )
+        raise CommandRejected(f"@{event.author} has {permission!r} access; /rerun-test needs write access")
     pr: Mapping[str, Any] = api.pull_request(event.repository, event.pr_number)
     if pr.get("state") != "open":
         raise CommandRejected(f"pull request #{event.pr_number} is {pr.get('state')!r}, not open")
@@ -82,9 +80,7 @@ def plan_dispatch(event: CommentEvent, api: RepoApi, check_path: PathCheck) -> D
         )
     head_sha = head.get("sha")
     if not isinstance(head_sha, str) or not _SHA.fullmatch(head_sha):
-        raise CommandRejected(
-            f"pull request #{event.pr_number} has no usable head SHA: {head_sha!r}"
-        )
+        raise CommandRejected(f"pull request #{event.pr_number} has no usable head SHA: {head_sha!r}")
     check_path(head_sha, command.test_path)
     return Dispatch(
         workflow_file=RERUN_WORKFLOW,

@@ -154,9 +154,7 @@ class GitHubRestApi:
         except json.JSONDecodeError as exc:
             raise GitHubApiError(method, path, 200, f"answer is not JSON: {exc}") from None
         if not isinstance(data, dict):
-            raise GitHubApiError(
-                method, path, 200, f"answer is not an object: {type(data).__name__}"
-            )
+            raise GitHubApiError(method, path, 200, f"answer is not an object: {type(data).__name__}")
         return data
 
     def _request(self, method: str, path: str, payload: dict | None) -> bytes:

@@ -62,16 +62,12 @@ def validate_command(rendered: Path, kube_version: str) -> list[str]:
 def _run(command: list[str]) -> subprocess.CompletedProcess:
     log.info("running %s", " ".join(command))
     try:
-        return subprocess.run(
-            command, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, check=False
-        )
+        return subprocess.run(command, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, check=False)
     except FileNotFoundError:
         raise ManifestError(f"{command[0]} is not installed (see docs/ci.md)") from None
 
 
-def validate_tree(
-    root: Path, out_dir: Path, kube_version: str = DEFAULT_KUBE_VERSION
-) -> list[Path]:
+def validate_tree(root: Path, out_dir: Path, kube_version: str = DEFAULT_KUBE_VERSION) -> list[Path]:
     """Render and validate every kustomization root; return the rendered files.
 
     Raises ManifestError listing every failure (all roots are tried before raising).

@@ -87,9 +87,7 @@ class FinalizerInputs:
         if not isinstance(self.run, RunContext):
             raise ValueError(f"run must be a RunContext, got {type(self.run).__name__}")
         if self.run_url != self.run.run_url:
-            raise ValueError(
-                f"run_url {self.run_url!r} is not this repository's run {self.run.run_url!r}"
-            )
+            raise ValueError(f"run_url {self.run_url!r} is not this repository's run {self.run.run_url!r}")
         positive_int("comment_id", self.comment_id)
         positive_int("started_at_s", self.started_at_s)
         if not isinstance(self.results, Mapping) or set(self.results) != set(JOBS):
@@ -98,8 +96,7 @@ class FinalizerInputs:
         for job in JOBS:
             if self.results[job] not in KNOWN_RESULTS:
                 raise ValueError(
-                    f"result of job {job!r} must be one of {sorted(KNOWN_RESULTS)}, "
-                    f"got {self.results[job]!r}"
+                    f"result of job {job!r} must be one of {sorted(KNOWN_RESULTS)}, got {self.results[job]!r}"
                 )
         object.__setattr__(self, "results", types.MappingProxyType(dict(self.results)))
 
@@ -128,9 +125,7 @@ def running_body(run: RunContext) -> str:
     )
 
 
-def final_body(
-    run: RunContext, outcome: Outcome, results: Mapping[str, str], elapsed_s: int
-) -> str:
+def final_body(run: RunContext, outcome: Outcome, results: Mapping[str, str], elapsed_s: int) -> str:
     if outcome is Outcome.RUNNING:
         raise ValueError("a final body needs a final outcome, got running")
     jobs = " · ".join(f"{job} {results.get(job, 'missing')}" for job in JOBS)
@@ -190,14 +185,11 @@ def _check_owned(comment: Any, inputs: FinalizerInputs) -> None:
     suffix = f"/repos/{run.repository}/issues/{run.pr_number}"
     if not isinstance(issue_url, str) or not issue_url.endswith(suffix):
         raise CommentWriteError(
-            f"comment {inputs.comment_id} belongs to {issue_url!r}, "
-            f"not pull request #{run.pr_number}"
+            f"comment {inputs.comment_id} belongs to {issue_url!r}, not pull request #{run.pr_number}"
         )
     body = comment.get("body")
     if not isinstance(body, str) or body.split("\n", 1)[0] != marker(run.run_id):
-        raise CommentWriteError(
-            f"comment {inputs.comment_id} is not the status comment of run {run.run_id}"
-        )
+        raise CommentWriteError(f"comment {inputs.comment_id} is not the status comment of run {run.run_id}")
 
 
 def _confirm_echo(comment: Any, body: str, expected_id: int | None) -> int:
@@ -211,7 +203,5 @@ def _confirm_echo(comment: Any, body: str, expected_id: int | None) -> int:
     if expected_id is not None and comment_id != expected_id:
         raise CommentWriteError(f"edited comment {expected_id}, GitHub answered {comment_id}")
     if comment.get("body") != body:
-        raise CommentWriteError(
-            f"comment {comment_id}: GitHub echoed a different body than was written"
-        )
+        raise CommentWriteError(f"comment {comment_id}: GitHub echoed a different body than was written")
     return comment_id

@@ -21,19 +21,19 @@ import bisect
 import ctypes
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 import torch
 import xxhash
 
 CHECKSUM_ALGORITHM = "xxh3-128/8MiB-blocks"
 BLOCK_BYTES = 8 << 20
-COPY_CHUNK_BYTES = 512 << 10     # copied then hashed while still in the (1 MiB per core) L2 cache
+COPY_CHUNK_BYTES = 512 << 10  # copied then hashed while still in the (1 MiB per core) L2 cache
 _ZEROS = memoryview(bytes(BLOCK_BYTES))
 
-Segment = tuple[int, torch.Tensor]                       # (offset, bytes)
-CopySegment = tuple[int, torch.Tensor, torch.Tensor]     # (offset, source bytes, destination bytes)
+Segment = tuple[int, torch.Tensor]  # (offset, bytes)
+CopySegment = tuple[int, torch.Tensor, torch.Tensor]  # (offset, source bytes, destination bytes)
 
 
 def default_workers() -> int:
@@ -57,10 +57,16 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 def _check_bytes(what: str, tensor: torch.Tensor) -> None:
-    if (tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous()
-            or tensor.device.type != "cpu"):
-        raise ValueError(f"{what} must be a contiguous 1-D uint8 host tensor, got {tensor.dtype} "
-                         f"{tuple(tensor.shape)} on {tensor.device}")
+    if (
+        tensor.dtype != torch.uint8
+        or tensor.dim() != 1
+        or not tensor.is_contiguous()
+        or tensor.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"{what} must be a contiguous 1-D uint8 host tensor, got {tensor.dtype} "
+            f"{tuple(tensor.shape)} on {tensor.device}"
+        )
 
 
 def _check_segments(size_bytes: int, offsets: Sequence[int], lengths: Sequence[int]) -> None:
@@ -69,8 +75,10 @@ def _check_segments(size_bytes: int, offsets: Sequence[int], lengths: Sequence[i
     end = 0
     for offset, length in zip(offsets, lengths):
         if offset < end or offset + length > size_bytes:
-            raise ValueError(f"segment [{offset}, {offset + length}) overlaps the previous one or "
-                             f"lies outside the {size_bytes}-byte range")
+            raise ValueError(
+                f"segment [{offset}, {offset + length}) overlaps the previous one or "
+                f"lies outside the {size_bytes}-byte range"
+            )
         end = offset + length
 
 
@@ -117,8 +125,9 @@ class RangeHasher:
     def _block_parts(self, k: int):
         """(segment index or -1 for zeros, start within the segment, length) covering block k."""
         lo = k * BLOCK_BYTES
-        for index, start, _, length in _parts(lo, min(self.size_bytes, lo + BLOCK_BYTES),
-                                              self._offsets, self._lengths):
+        for index, start, _, length in _parts(
+            lo, min(self.size_bytes, lo + BLOCK_BYTES), self._offsets, self._lengths
+        ):
             yield index, start, length
 
     def segment_parts(self, k: int) -> list[tuple[int, int, int]]:
@@ -154,8 +163,7 @@ def range_checksum(size_bytes: int, segments: Sequence[Segment], workers: int | 
     return _combine(hasher, hasher.block_digest, workers)
 
 
-def copy_checksum(size_bytes: int, copies: Sequence[CopySegment],
-                  workers: int | None = None) -> str:
+def copy_checksum(size_bytes: int, copies: Sequence[CopySegment], workers: int | None = None) -> str:
     """Copy every segment's source into its destination (equal lengths, no overlap between them)
     and return the checksum of the range as it landed: of the destination bytes, each hashed
     right after it was copied (zeros between segments)."""
@@ -175,8 +183,8 @@ def copy_checksum(size_bytes: int, copies: Sequence[CopySegment],
                 continue
             for at in range(start, start + length, COPY_CHUNK_BYTES):
                 n = min(COPY_CHUNK_BYTES, start + length - at)
-                ctypes.memmove(dst_ptrs[index] + at, src_ptrs[index] + at, n)   # releases the GIL
-                digest.update(hasher._views[index][at:at + n])
+                ctypes.memmove(dst_ptrs[index] + at, src_ptrs[index] + at, n)  # releases the GIL
+                digest.update(hasher._views[index][at : at + n])
         return digest.digest()
 
     return _combine(hasher, block_digest, workers)

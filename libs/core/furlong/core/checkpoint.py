@@ -45,7 +45,7 @@ def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _read_config(model_dir: Path) -> "transformers.LlamaConfig":
+def _read_config(model_dir: Path) -> transformers.LlamaConfig:
     from transformers import LlamaConfig
 
     path = model_dir / CONFIG_FILE
@@ -58,8 +58,9 @@ def _read_config(model_dir: Path) -> "transformers.LlamaConfig":
     if not isinstance(data, dict):
         raise ValueError(f"checkpoint config {path} must hold a JSON object")
     if data.get("model_type") != MODEL_TYPE:
-        raise ValueError(f"checkpoint config {path} has model_type {data.get('model_type')!r}, "
-                         f"expected {MODEL_TYPE!r}")
+        raise ValueError(
+            f"checkpoint config {path} has model_type {data.get('model_type')!r}, expected {MODEL_TYPE!r}"
+        )
     try:
         return LlamaConfig.from_dict(data)
     except (TypeError, ValueError, KeyError) as exc:
@@ -79,8 +80,11 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def _check_tensors(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], path: Path) -> None:
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
-    mismatched = [f"{name}: file {tuple(found[name].shape)} vs model {tuple(expected[name].shape)}"
-                  for name in expected if name in found and found[name].shape != expected[name].shape]
+    mismatched = [
+        f"{name}: file {tuple(found[name].shape)} vs model {tuple(expected[name].shape)}"
+        for name in expected
+        if name in found and found[name].shape != expected[name].shape
+    ]
     problems = []
     if missing:
         problems.append(f"missing tensors {missing}")
@@ -95,8 +99,9 @@ def _check_tensors(expected: dict[str, torch.Tensor], found: dict[str, torch.Ten
         raise ValueError(f"checkpoint weights {path}: tensors {not_float} are not floating point")
 
 
-def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32
-                ) -> tuple["transformers.PreTrainedModel", CharTokenizer]:
+def load_policy(
+    model_dir: Path, dtype: torch.dtype = torch.float32
+) -> tuple[transformers.PreTrainedModel, CharTokenizer]:
     """Build LlamaForCausalLM from `config.json`, load `model.safetensors` strictly, cast to `dtype`
     and return it in eval() mode with its tokenizer."""
     from transformers import LlamaForCausalLM
@@ -113,8 +118,10 @@ def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32
     tokenizer = CharTokenizer.load(model_dir)
     config = _read_config(model_dir)
     if config.vocab_size != tokenizer.vocab_size:
-        raise ValueError(f"checkpoint {model_dir}: config vocab_size {config.vocab_size} differs from "
-                         f"the tokenizer's vocab_size {tokenizer.vocab_size}")
+        raise ValueError(
+            f"checkpoint {model_dir}: config vocab_size {config.vocab_size} differs from "
+            f"the tokenizer's vocab_size {tokenizer.vocab_size}"
+        )
     found = _read_weights(model_dir)
     model = LlamaForCausalLM(config)
     expected = unique_state(model)
@@ -124,22 +131,31 @@ def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32
             target.copy_(found[name])
     model.to(dtype)
     model.eval()
-    log.info("loaded policy from %s: %d tensors, %d parameters, dtype %s", model_dir, len(expected),
-             sum(t.numel() for t in expected.values()), dtype)
+    log.info(
+        "loaded policy from %s: %d tensors, %d parameters, dtype %s",
+        model_dir,
+        len(expected),
+        sum(t.numel() for t in expected.values()),
+        dtype,
+    )
     return model, tokenizer
 
 
-def save_policy(model: "transformers.PreTrainedModel", tokenizer: CharTokenizer, model_dir: Path) -> None:
+def save_policy(model: transformers.PreTrainedModel, tokenizer: CharTokenizer, model_dir: Path) -> None:
     """Write the checkpoint directory (created if needed): config.json, model.safetensors,
     tokenizer.json. The model's config must say model_type "llama" and match the tokenizer."""
     model_dir = Path(model_dir)
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) != MODEL_TYPE:
-        raise ValueError(f"save_policy needs a model with a {MODEL_TYPE!r} config, got "
-                         f"{getattr(config, 'model_type', None)!r}")
+        raise ValueError(
+            f"save_policy needs a model with a {MODEL_TYPE!r} config, got "
+            f"{getattr(config, 'model_type', None)!r}"
+        )
     if config.vocab_size != tokenizer.vocab_size:
-        raise ValueError(f"model vocab_size {config.vocab_size} differs from the tokenizer's "
-                         f"vocab_size {tokenizer.vocab_size}")
+        raise ValueError(
+            f"model vocab_size {config.vocab_size} differs from the tokenizer's "
+            f"vocab_size {tokenizer.vocab_size}"
+        )
     model_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in unique_state(model).items()}
     save_file(tensors, str(model_dir / WEIGHTS_FILE), metadata={"format": "pt"})

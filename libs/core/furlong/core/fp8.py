@@ -11,8 +11,8 @@ largest magnitude mapped to 448); `dequantize_blockwise` is its inverse up to th
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
@@ -37,8 +37,7 @@ class Fp8Layout:
         if self.tile_rows < 1 or self.tile_cols < 1:
             raise ValueError(f"FP8 tile {self.tile_rows}x{self.tile_cols} must be positive")
         if not self.scale_suffix or "." in self.scale_suffix:
-            raise ValueError(f"scale_suffix {self.scale_suffix!r} must be a non-empty name "
-                             f"without dots")
+            raise ValueError(f"scale_suffix {self.scale_suffix!r} must be a non-empty name without dots")
         for pattern in self.keep_patterns:
             try:
                 re.compile(pattern)
@@ -51,8 +50,12 @@ class Fp8Layout:
         return weight_name[: -len("weight")] + self.scale_suffix
 
     def selects(self, name: str, tensor: torch.Tensor) -> bool:
-        return (name.endswith(".weight") and tensor.dim() == 2 and tensor.dtype in _FLOAT_INPUTS
-                and not any(re.search(p, name) for p in self.keep_patterns))
+        return (
+            name.endswith(".weight")
+            and tensor.dim() == 2
+            and tensor.dtype in _FLOAT_INPUTS
+            and not any(re.search(p, name) for p in self.keep_patterns)
+        )
 
 
 def _tiles(rows: int, cols: int, tile_rows: int, tile_cols: int) -> tuple[int, int]:
@@ -69,13 +72,16 @@ def _padded(weight: torch.Tensor, tile_rows: int, tile_cols: int) -> torch.Tenso
     return out
 
 
-def quantize_blockwise(weight: torch.Tensor, tile_rows: int = DEFAULT_TILE,
-                       tile_cols: int = DEFAULT_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(
+    weight: torch.Tensor, tile_rows: int = DEFAULT_TILE, tile_cols: int = DEFAULT_TILE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, float32 scale_inv [ceil(rows/tr), ceil(cols/tc)]) of a 2-D float
     weight. An all-zero tile gets scale 1.0. Non-finite values are a ValueError."""
     if weight.dim() != 2 or weight.dtype not in _FLOAT_INPUTS:
-        raise ValueError(f"blockwise FP8 needs a 2-D bf16/fp16/fp32 tensor, got "
-                         f"{weight.dtype} of shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"blockwise FP8 needs a 2-D bf16/fp16/fp32 tensor, got "
+            f"{weight.dtype} of shape {tuple(weight.shape)}"
+        )
     w = weight.detach().to(torch.float32)
     if not torch.isfinite(w).all():
         raise ValueError("cannot quantise a weight holding inf or NaN to FP8")
@@ -89,13 +95,18 @@ def quantize_blockwise(weight: torch.Tensor, tile_rows: int = DEFAULT_TILE,
     return fp8.contiguous(), scale_inv.contiguous()
 
 
-def dequantize_blockwise(fp8: torch.Tensor, scale_inv: torch.Tensor,
-                         dtype: torch.dtype = torch.float32, tile_rows: int = DEFAULT_TILE,
-                         tile_cols: int = DEFAULT_TILE) -> torch.Tensor:
+def dequantize_blockwise(
+    fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    tile_rows: int = DEFAULT_TILE,
+    tile_cols: int = DEFAULT_TILE,
+) -> torch.Tensor:
     """fp8 * scale_inv tile by tile, in `dtype`."""
     if fp8.dim() != 2 or scale_inv.dim() != 2:
-        raise ValueError(f"expected 2-D fp8 and scale tensors, got {tuple(fp8.shape)} and "
-                         f"{tuple(scale_inv.shape)}")
+        raise ValueError(
+            f"expected 2-D fp8 and scale tensors, got {tuple(fp8.shape)} and {tuple(scale_inv.shape)}"
+        )
     rows, cols = fp8.shape
     tr, tc = scale_inv.shape
     if _tiles(rows, cols, tile_rows, tile_cols) != (tr, tc):
@@ -105,8 +116,7 @@ def dequantize_blockwise(fp8: torch.Tensor, scale_inv: torch.Tensor,
     return values * factors[:rows, :cols]
 
 
-def quantize_for_layout(state: Mapping[str, torch.Tensor], layout: Fp8Layout
-                        ) -> dict[str, torch.Tensor]:
+def quantize_for_layout(state: Mapping[str, torch.Tensor], layout: Fp8Layout) -> dict[str, torch.Tensor]:
     """The state dict as an FP8 engine of `layout` loads it: selected weights become e4m3 followed by
     their scale tensor, everything else passes through unchanged (same tensor objects)."""
     out: dict[str, torch.Tensor] = {}

@@ -35,8 +35,9 @@ MAX_SPREAD_OCTAVES = 14
 _MAX_LOSSY_REPORTED = 8
 _SWAR_MAX_SPREAD = 11  # up to here every e4m3 result is a normal number (see _swar_rows)
 
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float64)
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float64
+)
 
 
 def e8m0_to_float32(raw: np.ndarray) -> np.ndarray:
@@ -56,8 +57,7 @@ def tile_scale_float32(bmax: np.ndarray) -> np.ndarray:
         raise ValueError("tile scale bytes must lie in 0..254")
     normal = (bmax - TILE_SHIFT_OCTAVES).clip(min=1).astype(np.uint32) << np.uint32(23)
     subnormal = np.uint32(1) << (bmax + 16).clip(max=22).astype(np.uint32)
-    return np.where(bmax >= TILE_SHIFT_OCTAVES + 1, normal, subnormal).astype(np.uint32).view(
-        np.float32)
+    return np.where(bmax >= TILE_SHIFT_OCTAVES + 1, normal, subnormal).astype(np.uint32).view(np.float32)
 
 
 def unpack_codes(packed: np.ndarray) -> np.ndarray:
@@ -81,12 +81,16 @@ def check_shapes(packed: np.ndarray, scales: np.ndarray) -> tuple[int, int, int]
     """(batch, rows, cols) of an MXFP4 tensor: packed [..., rows, cols/2] bytes and scales
     [..., rows, cols/32] bytes with equal leading dimensions."""
     if packed.ndim < 2 or packed.shape[:-1] != scales.shape[:-1]:
-        raise ValueError(f"MXFP4 packed shape {packed.shape} and scale shape {scales.shape} "
-                         f"disagree outside their last dimension")
+        raise ValueError(
+            f"MXFP4 packed shape {packed.shape} and scale shape {scales.shape} "
+            f"disagree outside their last dimension"
+        )
     cols = packed.shape[-1] * 2
     if cols % BLOCK or scales.shape[-1] * BLOCK != cols:
-        raise ValueError(f"MXFP4 row of {cols} values needs {cols // BLOCK} scales of "
-                         f"{BLOCK}-blocks, got {scales.shape[-1]}")
+        raise ValueError(
+            f"MXFP4 row of {cols} values needs {cols // BLOCK} scales of "
+            f"{BLOCK}-blocks, got {scales.shape[-1]}"
+        )
     batch = int(np.prod(packed.shape[:-2], dtype=np.int64))
     return batch, packed.shape[-2], cols
 
@@ -118,12 +122,14 @@ class LossyTile:
 
     def describe(self) -> str:
         prefix = f"batch {self.batch} " if self.batch else ""
-        return (f"{prefix}tile ({self.tile_row}, {self.tile_col}) rows "
-                f"{self.tile_row * TILE}..{self.tile_row * TILE + TILE - 1} cols "
-                f"{self.tile_col * TILE}..{self.tile_col * TILE + TILE - 1}: block at row "
-                f"{self.block_row} col {self.block_col * BLOCK} holds nonzero codes "
-                f"{self.spread_octaves} octaves below the tile's largest scale "
-                f"(at most {MAX_SPREAD_OCTAVES} is exact)")
+        return (
+            f"{prefix}tile ({self.tile_row}, {self.tile_col}) rows "
+            f"{self.tile_row * TILE}..{self.tile_row * TILE + TILE - 1} cols "
+            f"{self.tile_col * TILE}..{self.tile_col * TILE + TILE - 1}: block at row "
+            f"{self.block_row} col {self.block_col * BLOCK} holds nonzero codes "
+            f"{self.spread_octaves} octaves below the tile's largest scale "
+            f"(at most {MAX_SPREAD_OCTAVES} is exact)"
+        )
 
 
 @dataclass(frozen=True)
@@ -146,15 +152,16 @@ def check_tiles(packed: np.ndarray, scales: np.ndarray) -> TileCheck:
     batch, rows, cols = check_shapes(packed, scales)
     scales = scales.reshape(batch, rows, cols // BLOCK)
     if (scales == E8M0_NAN).any():
-        raise ValueError(f"MXFP4 scale byte {E8M0_NAN} (NaN) at (batch, row, block) "
-                         f"{_first(scales == E8M0_NAN)}")
+        raise ValueError(
+            f"MXFP4 scale byte {E8M0_NAN} (NaN) at (batch, row, block) {_first(scales == E8M0_NAN)}"
+        )
     tile_rows, tile_cols = -(-rows // TILE), -(-cols // TILE)
     padded = np.zeros((batch, tile_rows * TILE, tile_cols * BLOCKS_PER_TILE_ROW), np.uint8)
-    padded[:, :rows, :scales.shape[2]] = scales
-    tile_bmax = padded.reshape(batch, tile_rows, TILE, tile_cols, BLOCKS_PER_TILE_ROW).max(
-        axis=(2, 4))
-    per_block_max = np.repeat(np.repeat(tile_bmax, TILE, axis=1)[:, :rows], BLOCKS_PER_TILE_ROW,
-                              axis=2)[:, :, :scales.shape[2]]
+    padded[:, :rows, : scales.shape[2]] = scales
+    tile_bmax = padded.reshape(batch, tile_rows, TILE, tile_cols, BLOCKS_PER_TILE_ROW).max(axis=(2, 4))
+    per_block_max = np.repeat(np.repeat(tile_bmax, TILE, axis=1)[:, :rows], BLOCKS_PER_TILE_ROW, axis=2)[
+        :, :, : scales.shape[2]
+    ]
     spread = per_block_max.astype(np.int16) - scales
     # A block holds a nonzero code when any of its nibbles has magnitude bits set.
     nonzero = (packed.reshape(batch, rows, cols // BLOCK, BLOCK // 2) & 0x77).any(axis=-1)
@@ -163,17 +170,26 @@ def check_tiles(packed: np.ndarray, scales: np.ndarray) -> TileCheck:
     num_lossy = 0
     if bad.any():
         bad_tiles = np.zeros((batch, tile_rows * TILE, tile_cols * BLOCKS_PER_TILE_ROW), bool)
-        bad_tiles[:, :rows, :bad.shape[2]] = bad
-        tiles = bad_tiles.reshape(batch, tile_rows, TILE, tile_cols, BLOCKS_PER_TILE_ROW).any(
-            axis=(2, 4))
+        bad_tiles[:, :rows, : bad.shape[2]] = bad
+        tiles = bad_tiles.reshape(batch, tile_rows, TILE, tile_cols, BLOCKS_PER_TILE_ROW).any(axis=(2, 4))
         num_lossy = int(tiles.sum())
         for b, tr, tc in np.argwhere(tiles)[:_MAX_LOSSY_REPORTED]:
-            rs, cs = slice(tr * TILE, (tr + 1) * TILE), slice(tc * BLOCKS_PER_TILE_ROW,
-                                                              (tc + 1) * BLOCKS_PER_TILE_ROW)
+            rs, cs = (
+                slice(tr * TILE, (tr + 1) * TILE),
+                slice(tc * BLOCKS_PER_TILE_ROW, (tc + 1) * BLOCKS_PER_TILE_ROW),
+            )
             worst = np.where(bad[b, rs, cs], spread[b, rs, cs], -1)
             r, c = np.unravel_index(int(worst.argmax()), worst.shape)
-            lossy.append(LossyTile(int(b), int(tr), int(tc), int(worst[r, c]),
-                                   int(tr * TILE + r), int(tc * BLOCKS_PER_TILE_ROW + c)))
+            lossy.append(
+                LossyTile(
+                    int(b),
+                    int(tr),
+                    int(tc),
+                    int(worst[r, c]),
+                    int(tr * TILE + r),
+                    int(tc * BLOCKS_PER_TILE_ROW + c),
+                )
+            )
     clipped = np.clip(spread, 0, MAX_SPREAD_OCTAVES + 1).astype(np.uint8)
     return TileCheck(tile_bmax, clipped, tuple(lossy), num_lossy)
 
@@ -186,7 +202,7 @@ def _build_lut() -> np.ndarray:
     values = FP4_VALUES[None, :] * np.exp2(TILE_SHIFT_OCTAVES - d)
     lut = torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn)
     exact = lut.to(torch.float64).numpy() == values
-    if not exact[:MAX_SPREAD_OCTAVES + 1].all():
+    if not exact[: MAX_SPREAD_OCTAVES + 1].all():
         raise AssertionError("e4m3 cannot hold every FP4 value 14 octaves down")
     return lut.view(torch.uint8).numpy().copy()
 
@@ -224,8 +240,10 @@ def encode_fp8(packed: np.ndarray, check: TileCheck, rows_per_chunk: int = 32):
     """Yield (row_start, e4m3 bytes [chunk_rows, cols]) for every row chunk of every batch entry,
     in order. The tensor must be exact (`check.exact`); the caller writes or concatenates chunks."""
     if not check.exact:
-        raise ValueError(f"MXFP4 tensor is not exactly representable in FP8: "
-                         f"{check.num_lossy_tiles} lossy tiles, first {check.lossy[0].describe()}")
+        raise ValueError(
+            f"MXFP4 tensor is not exactly representable in FP8: "
+            f"{check.num_lossy_tiles} lossy tiles, first {check.lossy[0].describe()}"
+        )
     batch, rows, nb = check.block_spread.shape
     packed = packed.reshape(batch, rows, nb * BLOCK // 2)
     for b in range(batch):
@@ -253,7 +271,9 @@ def to_fp8(packed: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarr
     batch, rows, cols = check_shapes(packed, scales)
     out = np.empty((batch * rows, cols), np.uint8)
     for start, chunk in encode_fp8(packed, check):
-        out[start:start + chunk.shape[0]] = chunk
+        out[start : start + chunk.shape[0]] = chunk
     lead = packed.shape[:-2]
-    return (out.reshape(lead + (rows, cols)),
-            tile_scale_float32(check.tile_bmax).reshape(lead + check.tile_bmax.shape[1:]))
+    return (
+        out.reshape(lead + (rows, cols)),
+        tile_scale_float32(check.tile_bmax).reshape(lead + check.tile_bmax.shape[1:]),
+    )

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from furlong.core.formats.checkpoint_dir import CheckpointDir, read_config
 from furlong.core.formats.fp4_tensors import find_fp4_tensors
-from furlong.core.formats.mxfp4_convert import (ConversionReport, ConvertOptions,
-                                                convert_mxfp4_to_fp8)
+from furlong.core.formats.mxfp4_convert import ConversionReport, ConvertOptions, convert_mxfp4_to_fp8
 from furlong.core.models.contract import ContractError, load_checked_spec, stored_expert_dtype
 
 log = logging.getLogger(__name__)
@@ -46,13 +45,17 @@ def is_mxfp4_release(model_dir: Path | str) -> bool:
     if has_fp4 != says_fp4:
         raise ContractError(
             f"checkpoint {model_dir}: config {'declares' if says_fp4 else 'does not declare'} "
-            f"expert_dtype fp4 but {'some' if has_fp4 else 'no'} tensors are MXFP4")
+            f"expert_dtype fp4 but {'some' if has_fp4 else 'no'} tensors are MXFP4"
+        )
     return has_fp4
 
 
-def prepare_checkpoint(model_dir: Path | str, out_dir: Path | str | None = None,
-                       options: ConvertOptions = ConvertOptions(),
-                       spec_name: str | None = None) -> PreparedCheckpoint:
+def prepare_checkpoint(
+    model_dir: Path | str,
+    out_dir: Path | str | None = None,
+    options: ConvertOptions = ConvertOptions(),
+    spec_name: str | None = None,
+) -> PreparedCheckpoint:
     model_dir = Path(model_dir)
     spec = load_checked_spec(read_config(model_dir), spec_name)
     if not is_mxfp4_release(model_dir):

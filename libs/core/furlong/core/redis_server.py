@@ -56,7 +56,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
-    def start(self, timeout_s: float = 15.0) -> "RedisServer":
+    def start(self, timeout_s: float = 15.0) -> RedisServer:
         if self.appendfsync not in _FSYNC_POLICIES:
             raise ValueError(f"appendfsync must be one of {_FSYNC_POLICIES}, got {self.appendfsync!r}")
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -64,14 +64,32 @@ class RedisServer:
             self.port = free_port(self.host)
         binary = find_redis_server()
         cmd = [
-            binary, "--bind", self.host, "--port", str(self.port), "--dir", str(self.data_dir),
-            "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.appendfsync,
-            "--save", "", "--protected-mode", "yes",
-            "--logfile", str(self.data_dir / "redis.log"),
+            binary,
+            "--bind",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.appendfsync,
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
         ]
         log.info("starting %s on %s:%d", binary, self.host, self.port)
-        self.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
+        self.process = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.wait_ready(timeout_s)
         return self
 
@@ -79,8 +97,9 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}; "
-                                   f"see {self.data_dir / 'redis.log'}")
+                raise RuntimeError(
+                    f"redis-server exited with {self.process.returncode}; see {self.data_dir / 'redis.log'}"
+                )
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")

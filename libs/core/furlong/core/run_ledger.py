@@ -31,8 +31,9 @@ import argparse
 import contextlib
 import json
 import sys
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import redis
 
@@ -42,7 +43,7 @@ from furlong.core.samples import STREAM_FIELD, stream_key
 PREFIX = "furlong:ledger:"
 _PARTS = ("submitted", "generated", "trained", "versions", "sample_versions", "meta")
 _SCAN_BATCH = 200
-_MAX_NAMED = 20          # lost ids named in an audit
+_MAX_NAMED = 20  # lost ids named in an audit
 
 # meta counters
 RETRAIN_REFUSED = "retrain_refused"
@@ -52,9 +53,17 @@ RESUBMITTED = "resubmitted"
 RECOVERIES = "recoveries"
 REJECTED = "rejected"
 UNDECODABLE = "undecodable"
-CUT = "cut"                # submitted, then cut: over-sampling surplus or dropped by dynamic sampling
-COUNTERS = (RETRAIN_REFUSED, TRAINED_TWICE, DUPLICATES_REFUSED, RESUBMITTED, RECOVERIES, REJECTED,
-            UNDECODABLE, CUT)
+CUT = "cut"  # submitted, then cut: over-sampling surplus or dropped by dynamic sampling
+COUNTERS = (
+    RETRAIN_REFUSED,
+    TRAINED_TWICE,
+    DUPLICATES_REFUSED,
+    RESUBMITTED,
+    RECOVERIES,
+    REJECTED,
+    UNDECODABLE,
+    CUT,
+)
 
 # claim(): KEYS trained, generated, meta, sample_versions; ARGV id, entry id, versions...
 # -> "ok" | "trained" | "duplicate:<entry id>"
@@ -160,8 +169,14 @@ class RunLedger:
             raise ValueError("run_id must not be empty")
         self._redis = client
         self.run_id = run_id
-        (self._submitted, self._generated, self._trained, self._versions, self._sample_versions,
-         self._meta) = ledger_keys(run_id)
+        (
+            self._submitted,
+            self._generated,
+            self._trained,
+            self._versions,
+            self._sample_versions,
+            self._meta,
+        ) = ledger_keys(run_id)
 
     # -- controller --------------------------------------------------------------------------------
 
@@ -192,8 +207,7 @@ class RunLedger:
         if not prompt_ids:
             return set()
         with self._errors():
-            entries = self._redis.hmget(self._generated,
-                                        [ledger_id(step, p) for p in prompt_ids])
+            entries = self._redis.hmget(self._generated, [ledger_id(step, p) for p in prompt_ids])
         return {p for p, e in zip(prompt_ids, entries) if e is not None}
 
     def scan_stream(self) -> int:
@@ -204,9 +218,11 @@ class RunLedger:
         with self._errors():
             cursor = _text(self._redis.hget(self._meta, "scan_cursor") or "0-0")
             while True:
-                entries = self._redis.xrange(stream_key(self.run_id), f"({cursor}", "+",
-                                             count=_SCAN_BATCH) if cursor != "0-0" else \
-                    self._redis.xrange(stream_key(self.run_id), "-", "+", count=_SCAN_BATCH)
+                entries = (
+                    self._redis.xrange(stream_key(self.run_id), f"({cursor}", "+", count=_SCAN_BATCH)
+                    if cursor != "0-0"
+                    else self._redis.xrange(stream_key(self.run_id), "-", "+", count=_SCAN_BATCH)
+                )
                 if not entries:
                     return scanned
                 for entry_id, fields in entries:
@@ -256,26 +272,42 @@ class RunLedger:
             value = self._redis.hget(self._meta, "every_steps")
         return 1 if value is None else int(_text(value))
 
-    def claim(self, entry_id: str, step: int, prompt_id: str,
-              sample_versions: Iterable[int] = ()) -> str:
+    def claim(self, entry_id: str, step: int, prompt_id: str, sample_versions: Iterable[int] = ()) -> str:
         """Before training on a group: "ok" (the trainer may train on it; it is now the id's
         generated entry if none was), "trained" (the id is already trained: refuse it) or
         "duplicate:<entry id>" (another entry holds the id: refuse this one)."""
         with self._errors():
-            verdict = self._redis.eval(_CLAIM, 4, self._trained, self._generated, self._meta,
-                                       self._sample_versions, ledger_id(step, prompt_id), entry_id,
-                                       *[str(int(v)) for v in sample_versions])
+            verdict = self._redis.eval(
+                _CLAIM,
+                4,
+                self._trained,
+                self._generated,
+                self._meta,
+                self._sample_versions,
+                ledger_id(step, prompt_id),
+                entry_id,
+                *[str(int(v)) for v in sample_versions],
+            )
         return _text(verdict)
 
-    def commit_trained(self, ids: Sequence[str], step: int, version: int,
-                       reconcile: bool = False) -> list[str]:
+    def commit_trained(
+        self, ids: Sequence[str], step: int, version: int, reconcile: bool = False
+    ) -> list[str]:
         """Mark ids trained in one atomic script and record (step, version) as the last durable
         checkpoint (step -1: trained, but in no checkpoint). Ids already trained are refused and
         returned; they count as `trained_twice` unless `reconcile` (re-recording a checkpoint on
         resume, which trains nothing)."""
         with self._errors():
-            refused = self._redis.eval(_COMMIT, 2, self._trained, self._meta, str(step),
-                                       str(version), "0" if reconcile else "1", *ids)
+            refused = self._redis.eval(
+                _COMMIT,
+                2,
+                self._trained,
+                self._meta,
+                str(step),
+                str(version),
+                "0" if reconcile else "1",
+                *ids,
+            )
         return [_text(r) for r in refused]
 
     def record_published(self, version: int) -> int:
@@ -307,18 +339,27 @@ class RunLedger:
             trained = {_text(k) for k in self._redis.smembers(self._trained)}
             meta = {_text(k): _text(v) for k, v in self._redis.hgetall(self._meta).items()}
             committed = sorted(int(_text(v)) for v in self._redis.hkeys(self._versions))
-            sample_versions = {int(_text(k)): int(_text(v))
-                               for k, v in self._redis.hgetall(self._sample_versions).items()}
+            sample_versions = {
+                int(_text(k)): int(_text(v)) for k, v in self._redis.hgetall(self._sample_versions).items()
+            }
         if finished_step is None:
             finished_step = int(meta.get("checkpoint_step", 0))
         lost = sorted(i for i in submitted if id_step(i) <= finished_step and i not in trained)
         uncommitted = sorted(set(sample_versions) - set(committed))
         return LedgerAudit(
-            run_id=self.run_id, finished_step=finished_step, submitted=len(submitted),
-            generated=generated, trained=len(trained), lost=len(lost), lost_ids=lost[:_MAX_NAMED],
+            run_id=self.run_id,
+            finished_step=finished_step,
+            submitted=len(submitted),
+            generated=generated,
+            trained=len(trained),
+            lost=len(lost),
+            lost_ids=lost[:_MAX_NAMED],
             **{c: int(meta.get(c, 0)) for c in COUNTERS},
-            committed_versions=committed, sample_versions=sample_versions,
-            uncommitted_sample_versions=uncommitted, versions_ok=not uncommitted)
+            committed_versions=committed,
+            sample_versions=sample_versions,
+            uncommitted_sample_versions=uncommitted,
+            versions_ok=not uncommitted,
+        )
 
     def delete(self) -> None:
         with self._errors():
@@ -339,12 +380,18 @@ def audit(client: redis.Redis, run_id: str, finished_step: int | None = None) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m furlong.core.run_ledger",
-                                description="Print the sample-ledger audit of a run as JSON.")
+    p = argparse.ArgumentParser(
+        prog="python -m furlong.core.run_ledger",
+        description="Print the sample-ledger audit of a run as JSON.",
+    )
     p.add_argument("run_id")
     p.add_argument("--redis-url", required=True)
-    p.add_argument("--finished-step", type=int, default=None,
-                   help="count lost ids up to this step (default: the last checkpointed step)")
+    p.add_argument(
+        "--finished-step",
+        type=int,
+        default=None,
+        help="count lost ids up to this step (default: the last checkpointed step)",
+    )
     args = p.parse_args(argv)
     client = redis.Redis.from_url(args.redis_url, decode_responses=True)
     try:

@@ -20,10 +20,11 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,14 +36,22 @@ _LEN_BYTES = 8
 # safetensors dtype name -> (bytes per element, torch dtype). F4 packs two elements per byte; its
 # shape counts elements, so its last dimension must be even.
 DTYPES: dict[str, tuple[Fraction, torch.dtype | None]] = {
-    "F64": (Fraction(8), torch.float64), "F32": (Fraction(4), torch.float32),
-    "F16": (Fraction(2), torch.float16), "BF16": (Fraction(2), torch.bfloat16),
-    "I64": (Fraction(8), torch.int64), "I32": (Fraction(4), torch.int32),
-    "I16": (Fraction(2), torch.int16), "I8": (Fraction(1), torch.int8),
-    "U64": (Fraction(8), torch.uint64), "U32": (Fraction(4), torch.uint32),
-    "U16": (Fraction(2), torch.uint16), "U8": (Fraction(1), torch.uint8),
-    "BOOL": (Fraction(1), torch.bool), "C64": (Fraction(8), torch.complex64),
-    "F8_E4M3": (Fraction(1), torch.float8_e4m3fn), "F8_E5M2": (Fraction(1), torch.float8_e5m2),
+    "F64": (Fraction(8), torch.float64),
+    "F32": (Fraction(4), torch.float32),
+    "F16": (Fraction(2), torch.float16),
+    "BF16": (Fraction(2), torch.bfloat16),
+    "I64": (Fraction(8), torch.int64),
+    "I32": (Fraction(4), torch.int32),
+    "I16": (Fraction(2), torch.int16),
+    "I8": (Fraction(1), torch.int8),
+    "U64": (Fraction(8), torch.uint64),
+    "U32": (Fraction(4), torch.uint32),
+    "U16": (Fraction(2), torch.uint16),
+    "U8": (Fraction(1), torch.uint8),
+    "BOOL": (Fraction(1), torch.bool),
+    "C64": (Fraction(8), torch.complex64),
+    "F8_E4M3": (Fraction(1), torch.float8_e4m3fn),
+    "F8_E5M2": (Fraction(1), torch.float8_e5m2),
     "F8_E4M3FNUZ": (Fraction(1), torch.float8_e4m3fnuz),
     "F8_E5M2FNUZ": (Fraction(1), torch.float8_e5m2fnuz),
     "F8_E8M0": (Fraction(1), getattr(torch, "float8_e8m0fnu", None)),
@@ -122,25 +131,37 @@ def _parse_entry(path: Path, name: Any, raw: Any, data_bytes: int) -> TensorEntr
     if not isinstance(name, str) or not name:
         raise _fail(path, f"tensor name {name!r} is not a non-empty string")
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
-        raise _fail(path, f"tensor {name!r}: entry must hold exactly dtype, shape and data_offsets, "
-                          f"got {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
+        raise _fail(
+            path,
+            f"tensor {name!r}: entry must hold exactly dtype, shape and data_offsets, "
+            f"got {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}",
+        )
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _fail(path, f"tensor {name!r}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise _fail(path, f"tensor {name!r}: shape {shape!r} is not a list of non-negative ints")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]):
-        raise _fail(path, f"tensor {name!r}: data_offsets {offsets!r} are not [begin, end] with "
-                          f"0 <= begin <= end")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise _fail(
+            path, f"tensor {name!r}: data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end"
+        )
     begin, end = offsets
     if end > data_bytes:
-        raise _fail(path, f"tensor {name!r}: data_offsets {offsets} end beyond the data region "
-                          f"of {data_bytes} bytes")
+        raise _fail(
+            path, f"tensor {name!r}: data_offsets {offsets} end beyond the data region of {data_bytes} bytes"
+        )
     size = DTYPES[dtype][0] * math.prod(shape)
     if size != end - begin:
-        raise _fail(path, f"tensor {name!r}: shape {shape} of {dtype} needs {float(size):g} bytes, "
-                          f"data_offsets give {end - begin}")
+        raise _fail(
+            path,
+            f"tensor {name!r}: shape {shape} of {dtype} needs {float(size):g} bytes, "
+            f"data_offsets give {end - begin}",
+        )
     return TensorEntry(name, dtype, tuple(shape), begin, end)
 
 
@@ -156,16 +177,16 @@ def read_header(path: Path | str) -> Header:
             if length > MAX_HEADER_BYTES:
                 raise _fail(path, f"header length {length} exceeds the limit {MAX_HEADER_BYTES}")
             if _LEN_BYTES + length > file_bytes:
-                raise _fail(path, f"header length {length} runs past the end of the "
-                                  f"{file_bytes}-byte file")
+                raise _fail(path, f"header length {length} runs past the end of the {file_bytes}-byte file")
             raw = f.read(length)
     except OSError as exc:
         raise SafetensorsFormatError(f"safetensors file {path} cannot be read: {exc}") from None
     if len(raw) != length:
         raise _fail(path, f"header truncated: read {len(raw)} of {length} bytes")
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
-                         parse_constant=_reject_constant)
+        doc = json.loads(
+            raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_reject_constant
+        )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _fail(path, f"header is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
@@ -174,7 +195,8 @@ def read_header(path: Path | str) -> Header:
     data_bytes = file_bytes - data_start
     metadata = doc.pop(METADATA_KEY, {})
     if not isinstance(metadata, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
         raise _fail(path, f"{METADATA_KEY} must map strings to strings")
     entries = [_parse_entry(path, name, value, data_bytes) for name, value in doc.items()]
     entries.sort(key=lambda e: (e.begin, e.end))
@@ -183,8 +205,11 @@ def read_header(path: Path | str) -> Header:
         if entry.nbytes == 0:
             continue
         if previous is not None and entry.begin < previous.end:
-            raise _fail(path, f"tensor {entry.name!r} at [{entry.begin}, {entry.end}) overlaps "
-                              f"tensor {previous.name!r} at [{previous.begin}, {previous.end})")
+            raise _fail(
+                path,
+                f"tensor {entry.name!r} at [{entry.begin}, {entry.end}) overlaps "
+                f"tensor {previous.name!r} at [{previous.begin}, {previous.end})",
+            )
         previous = entry
     return Header(path, {e.name: e for e in entries}, dict(metadata), data_start, file_bytes)
 
@@ -210,8 +235,11 @@ class SafetensorsReader:
             f.seek(self.header.data_start + entry.begin)
             got = f.readinto(memoryview(out))
         if got != entry.nbytes:
-            raise _fail(self.path, f"tensor {name!r}: read {got} of {entry.nbytes} bytes "
-                                   f"(file changed since its header was read?)")
+            raise _fail(
+                self.path,
+                f"tensor {name!r}: read {got} of {entry.nbytes} bytes "
+                f"(file changed since its header was read?)",
+            )
         return out
 
     def iter_bytes(self, name: str, chunk_bytes: int = 64 << 20) -> Iterator[np.ndarray]:
@@ -233,8 +261,9 @@ class SafetensorsReader:
         entry = self.entry(name)
         dtype = DTYPES[entry.dtype][1]
         if dtype is None:
-            raise ValueError(f"tensor {name!r} of {self.path}: this torch has no dtype for "
-                             f"{entry.dtype}; use read_bytes")
+            raise ValueError(
+                f"tensor {name!r} of {self.path}: this torch has no dtype for {entry.dtype}; use read_bytes"
+            )
         shape = list(entry.shape)
         if entry.dtype == "F4" and shape:
             shape[-1] //= 2
@@ -253,8 +282,7 @@ class ShardWriter:
 
     def __init__(self, path: Path | str, reserve_header_bytes: int) -> None:
         if reserve_header_bytes <= 0 or reserve_header_bytes > MAX_HEADER_BYTES:
-            raise ValueError(f"reserve_header_bytes {reserve_header_bytes} outside "
-                             f"(0, {MAX_HEADER_BYTES}]")
+            raise ValueError(f"reserve_header_bytes {reserve_header_bytes} outside (0, {MAX_HEADER_BYTES}]")
         self.path = Path(path)
         self._reserve = -(-reserve_header_bytes // 8) * 8
         self._file = open(self.path, "wb")
@@ -272,16 +300,21 @@ class ShardWriter:
             raise ValueError(f"{self.path}: tensor {name!r} has unknown dtype {dtype!r}")
         shape = [int(d) for d in shape]
         size = nbytes_of(dtype, shape)
-        self._header[name] = {"dtype": dtype, "shape": shape,
-                              "data_offsets": [self._offset, self._offset + size]}
+        self._header[name] = {
+            "dtype": dtype,
+            "shape": shape,
+            "data_offsets": [self._offset, self._offset + size],
+        }
         self._current, self._remaining = (name, size), size
         self._offset += size
 
     def write(self, chunk: bytes | memoryview | np.ndarray) -> None:
         view = memoryview(np.ascontiguousarray(chunk) if isinstance(chunk, np.ndarray) else chunk)
         if self._current is None or view.nbytes > self._remaining:
-            raise ValueError(f"{self.path}: {view.nbytes} bytes written beyond the current tensor "
-                             f"{self._current and self._current[0]!r}")
+            raise ValueError(
+                f"{self.path}: {view.nbytes} bytes written beyond the current tensor "
+                f"{self._current and self._current[0]!r}"
+            )
         self._file.write(view.cast("B") if view.ndim != 1 or view.format != "B" else view)
         self._remaining -= view.nbytes
 
@@ -297,8 +330,7 @@ class ShardWriter:
 
     def _finish_current(self) -> None:
         if self._current is not None and self._remaining:
-            raise ValueError(f"{self.path}: tensor {self._current[0]!r} is missing "
-                             f"{self._remaining} bytes")
+            raise ValueError(f"{self.path}: tensor {self._current[0]!r} is missing {self._remaining} bytes")
         self._current = None
 
     def close(self, metadata: Mapping[str, str] | None = None) -> None:
@@ -312,8 +344,9 @@ class ShardWriter:
             doc.update(self._header)
             raw = json.dumps(doc, separators=(",", ":")).encode()
             if len(raw) > self._reserve:
-                raise ValueError(f"{self.path}: header of {len(raw)} bytes exceeds the "
-                                 f"{self._reserve} bytes reserved")
+                raise ValueError(
+                    f"{self.path}: header of {len(raw)} bytes exceeds the {self._reserve} bytes reserved"
+                )
             self._file.seek(0)
             self._file.write(struct.pack("<Q", self._reserve) + raw.ljust(self._reserve, b" "))
         finally:
@@ -322,7 +355,7 @@ class ShardWriter:
     def abort(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -332,19 +365,22 @@ class ShardWriter:
             self.abort()
 
 
-def header_bound(entries: Iterable[tuple[str, str, Iterable[int]]], max_data_bytes: int,
-                 metadata: Mapping[str, str] | None = None) -> int:
+def header_bound(
+    entries: Iterable[tuple[str, str, Iterable[int]]],
+    max_data_bytes: int,
+    metadata: Mapping[str, str] | None = None,
+) -> int:
     """An upper bound on the header size of a file holding these (name, dtype, shape) entries with
     a data region of at most max_data_bytes: every offset is counted at full width."""
     doc: dict[str, Any] = {METADATA_KEY: dict(metadata)} if metadata else {}
     for name, dtype, shape in entries:
-        doc[name] = {"dtype": dtype, "shape": list(shape),
-                     "data_offsets": [max_data_bytes, max_data_bytes]}
+        doc[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [max_data_bytes, max_data_bytes]}
     return len(json.dumps(doc, separators=(",", ":")).encode()) + 8
 
 
-def write_file(path: Path | str, tensors: Mapping[str, torch.Tensor],
-               metadata: Mapping[str, str] | None = None) -> None:
+def write_file(
+    path: Path | str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
     """Write in-memory tensors to one safetensors file, in the mapping's order."""
     specs = []
     total = 0

@@ -28,7 +28,7 @@ class Sample:
     sample_id: str
     prompt_token_ids: list[int]
     response_token_ids: list[int]
-    response_logprobs: list[float]      # log-prob of each token under the sampling distribution
+    response_logprobs: list[float]  # log-prob of each token under the sampling distribution
     sampling_support: RolloutSamplingMask  # one row per response token
     reward: float
     policy_version: int
@@ -40,11 +40,14 @@ class Sample:
         if n == 0:
             raise ValueError(f"sample {self.sample_id}: empty response")
         if len(self.response_logprobs) != n:
-            raise ValueError(f"sample {self.sample_id}: {len(self.response_logprobs)} log-probs "
-                             f"for {n} response tokens")
+            raise ValueError(
+                f"sample {self.sample_id}: {len(self.response_logprobs)} log-probs for {n} response tokens"
+            )
         if self.sampling_support.num_rows != n:
-            raise ValueError(f"sample {self.sample_id}: sampling support has "
-                             f"{self.sampling_support.num_rows} rows for {n} response tokens")
+            raise ValueError(
+                f"sample {self.sample_id}: sampling support has "
+                f"{self.sampling_support.num_rows} rows for {n} response tokens"
+            )
         if not self.prompt_token_ids:
             raise ValueError(f"sample {self.sample_id}: empty prompt")
         if not math.isfinite(self.reward):
@@ -52,15 +55,18 @@ class Sample:
         if self.policy_version < 0:
             raise ValueError(f"sample {self.sample_id}: policy_version {self.policy_version} < 0")
         if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"sample {self.sample_id}: finish_reason {self.finish_reason!r} "
-                             f"not one of {FINISH_REASONS}")
+            raise ValueError(
+                f"sample {self.sample_id}: finish_reason {self.finish_reason!r} not one of {FINISH_REASONS}"
+            )
         for pos, (tok, lp) in enumerate(zip(self.response_token_ids, self.response_logprobs)):
             if not self.sampling_support.contains(pos, tok):
-                raise ValueError(f"sample {self.sample_id}: token {tok} at position {pos} "
-                                 f"is outside its sampling support")
+                raise ValueError(
+                    f"sample {self.sample_id}: token {tok} at position {pos} is outside its sampling support"
+                )
             if not (lp <= 0.0 and math.isfinite(lp)):
-                raise ValueError(f"sample {self.sample_id}: log-prob {lp} at position {pos} "
-                                 f"is not a finite value <= 0")
+                raise ValueError(
+                    f"sample {self.sample_id}: log-prob {lp} at position {pos} is not a finite value <= 0"
+                )
 
     def to_dict(self) -> dict:
         return {
@@ -76,7 +82,7 @@ class Sample:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Sample":
+    def from_dict(cls, d: dict) -> Sample:
         try:
             return cls(
                 sample_id=str(d["sample_id"]),
@@ -111,17 +117,26 @@ class SampleGroup:
         return [s.reward for s in self.samples]
 
     def encode(self) -> bytes:
-        return json.dumps({
-            "run_id": self.run_id, "step": self.step, "prompt_id": self.prompt_id,
-            "samples": [s.to_dict() for s in self.samples],
-        }, separators=(",", ":")).encode()
+        return json.dumps(
+            {
+                "run_id": self.run_id,
+                "step": self.step,
+                "prompt_id": self.prompt_id,
+                "samples": [s.to_dict() for s in self.samples],
+            },
+            separators=(",", ":"),
+        ).encode()
 
     @classmethod
-    def decode(cls, data: bytes) -> "SampleGroup":
+    def decode(cls, data: bytes) -> SampleGroup:
         try:
             d = json.loads(data)
-            return cls(run_id=str(d["run_id"]), step=int(d["step"]), prompt_id=str(d["prompt_id"]),
-                       samples=[Sample.from_dict(s) for s in d["samples"]])
+            return cls(
+                run_id=str(d["run_id"]),
+                step=int(d["step"]),
+                prompt_id=str(d["prompt_id"]),
+                samples=[Sample.from_dict(s) for s in d["samples"]],
+            )
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"sample group is not valid JSON: {exc}") from None
         except KeyError as exc:

@@ -15,8 +15,8 @@ samplers or transports.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -27,17 +27,21 @@ _HEADER = struct.Struct("<4sIQQ")
 @dataclass(frozen=True, eq=False)
 class RolloutSamplingMask:
     token_ids: np.ndarray  # int32, shape (nnz,)
-    offsets: np.ndarray    # int64, shape (rows + 1,)
+    offsets: np.ndarray  # int64, shape (rows + 1,)
     vocab_size: int
 
     def __post_init__(self) -> None:
         ids, offs = self.token_ids, self.offsets
         if not isinstance(ids, np.ndarray) or ids.dtype != np.int32 or ids.ndim != 1:
-            raise ValueError(f"token_ids must be a 1-D int32 array, got {getattr(ids, 'dtype', type(ids))} "
-                             f"with shape {getattr(ids, 'shape', None)}")
+            raise ValueError(
+                f"token_ids must be a 1-D int32 array, got {getattr(ids, 'dtype', type(ids))} "
+                f"with shape {getattr(ids, 'shape', None)}"
+            )
         if not isinstance(offs, np.ndarray) or offs.dtype != np.int64 or offs.ndim != 1 or offs.size < 1:
-            raise ValueError(f"offsets must be a non-empty 1-D int64 array, got "
-                             f"{getattr(offs, 'dtype', type(offs))} {getattr(offs, 'shape', None)}")
+            raise ValueError(
+                f"offsets must be a non-empty 1-D int64 array, got "
+                f"{getattr(offs, 'dtype', type(offs))} {getattr(offs, 'shape', None)}"
+            )
         if offs[0] != 0:
             raise ValueError(f"offsets must start at 0, got {int(offs[0])}")
         if offs[-1] != ids.size:
@@ -45,8 +49,11 @@ class RolloutSamplingMask:
         if offs.size > 1 and np.any(np.diff(offs) <= 0):
             row = int(np.argmax(np.diff(offs) <= 0))
             raise ValueError(f"offsets must be strictly increasing (row {row} is empty or negative)")
-        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, (int, np.integer)) \
-                or self.vocab_size <= 0:
+        if (
+            isinstance(self.vocab_size, bool)
+            or not isinstance(self.vocab_size, (int, np.integer))
+            or self.vocab_size <= 0
+        ):
             raise ValueError(f"vocab_size must be a positive integer, got {self.vocab_size!r}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
@@ -55,8 +62,11 @@ class RolloutSamplingMask:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RolloutSamplingMask):
             return NotImplemented
-        return (self.vocab_size == other.vocab_size and np.array_equal(self.offsets, other.offsets)
-                and np.array_equal(self.token_ids, other.token_ids))
+        return (
+            self.vocab_size == other.vocab_size
+            and np.array_equal(self.offsets, other.offsets)
+            and np.array_equal(self.token_ids, other.token_ids)
+        )
 
     __hash__ = None  # mutable arrays inside
 
@@ -82,41 +92,48 @@ class RolloutSamplingMask:
     def row(self, i: int) -> np.ndarray:
         if not 0 <= i < self.num_rows:
             raise IndexError(f"row {i} outside [0, {self.num_rows})")
-        return self.token_ids[self.offsets[i]:self.offsets[i + 1]]
+        return self.token_ids[self.offsets[i] : self.offsets[i + 1]]
 
     def contains(self, row: int, token_id: int) -> bool:
         return bool(np.any(self.row(row) == token_id))
 
-    def rows(self, start: int, stop: int) -> "RolloutSamplingMask":
+    def rows(self, start: int, stop: int) -> RolloutSamplingMask:
         """Rows [start, stop) as a mask whose token_ids is a view of this one's (no copy)."""
         if not 0 <= start < stop <= self.num_rows:
-            raise IndexError(f"row range [{start}, {stop}) is not a non-empty range inside [0, {self.num_rows}]")
+            raise IndexError(
+                f"row range [{start}, {stop}) is not a non-empty range inside [0, {self.num_rows}]"
+            )
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
-        return RolloutSamplingMask(token_ids=self.token_ids[lo:hi],
-                                   offsets=self.offsets[start:stop + 1] - lo, vocab_size=self.vocab_size)
+        return RolloutSamplingMask(
+            token_ids=self.token_ids[lo:hi],
+            offsets=self.offsets[start : stop + 1] - lo,
+            vocab_size=self.vocab_size,
+        )
 
-    def truncate(self, num_rows: int) -> "RolloutSamplingMask":
+    def truncate(self, num_rows: int) -> RolloutSamplingMask:
         """The first num_rows rows (a view), e.g. for a response cut at a stop string."""
         return self.rows(0, num_rows)
 
-    def select(self, indices: Sequence[int] | np.ndarray) -> "RolloutSamplingMask":
+    def select(self, indices: Sequence[int] | np.ndarray) -> RolloutSamplingMask:
         """Arbitrary rows, in the given order (a copy)."""
         idx = np.asarray(indices, dtype=np.int64)
         if idx.ndim != 1 or idx.size == 0:
             raise IndexError(f"indices must be a non-empty 1-D sequence, got shape {idx.shape}")
         if idx.min() < 0 or idx.max() >= self.num_rows:
-            raise IndexError(f"row index {int(idx[(idx < 0) | (idx >= self.num_rows)][0])} outside "
-                             f"[0, {self.num_rows})")
+            raise IndexError(
+                f"row index {int(idx[(idx < 0) | (idx >= self.num_rows)][0])} outside [0, {self.num_rows})"
+            )
         lengths = self.row_lengths()[idx]
         offsets = np.zeros(idx.size + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         starts = self.offsets[idx]
         gather = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
-        return RolloutSamplingMask(token_ids=self.token_ids[gather], offsets=offsets,
-                                   vocab_size=self.vocab_size)
+        return RolloutSamplingMask(
+            token_ids=self.token_ids[gather], offsets=offsets, vocab_size=self.vocab_size
+        )
 
     @classmethod
-    def concatenate(cls, masks: Sequence["RolloutSamplingMask"]) -> "RolloutSamplingMask":
+    def concatenate(cls, masks: Sequence[RolloutSamplingMask]) -> RolloutSamplingMask:
         """Rows of all masks in order (multi-turn samples); all must share one vocab_size."""
         if not masks:
             raise ValueError("concatenate needs at least one mask")
@@ -127,21 +144,21 @@ class RolloutSamplingMask:
             if m.vocab_size != vocab:
                 raise ValueError(f"mask {i} has vocab_size {m.vocab_size}, mask 0 has {vocab}")
         shifts = np.cumsum([0] + [m.nnz for m in masks[:-1]], dtype=np.int64)
-        offsets = np.concatenate([masks[0].offsets[:1]]
-                                 + [m.offsets[1:] + s for m, s in zip(masks, shifts)])
+        offsets = np.concatenate([masks[0].offsets[:1]] + [m.offsets[1:] + s for m, s in zip(masks, shifts)])
         return cls(token_ids=np.concatenate([m.token_ids for m in masks]), offsets=offsets, vocab_size=vocab)
 
     @classmethod
-    def full(cls, num_rows: int, vocab_size: int) -> "RolloutSamplingMask":
+    def full(cls, num_rows: int, vocab_size: int) -> RolloutSamplingMask:
         """Every row is the whole vocabulary (what an unrestricted sampler records)."""
         if num_rows < 1:
             raise ValueError(f"num_rows must be >= 1, got {num_rows}")
         ids = np.tile(np.arange(vocab_size, dtype=np.int32), num_rows)
-        return cls(token_ids=ids, offsets=np.arange(num_rows + 1, dtype=np.int64) * vocab_size,
-                   vocab_size=vocab_size)
+        return cls(
+            token_ids=ids, offsets=np.arange(num_rows + 1, dtype=np.int64) * vocab_size, vocab_size=vocab_size
+        )
 
     @classmethod
-    def from_lists(cls, rows: Sequence[Sequence[int]], vocab_size: int) -> "RolloutSamplingMask":
+    def from_lists(cls, rows: Sequence[Sequence[int]], vocab_size: int) -> RolloutSamplingMask:
         lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -155,11 +172,14 @@ class RolloutSamplingMask:
         return [self.row(i).tolist() for i in range(self.num_rows)]
 
     def to_dict(self) -> dict:
-        return {"token_ids": self.token_ids.tolist(), "offsets": self.offsets.tolist(),
-                "vocab_size": self.vocab_size}
+        return {
+            "token_ids": self.token_ids.tolist(),
+            "offsets": self.offsets.tolist(),
+            "vocab_size": self.vocab_size,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RolloutSamplingMask":
+    def from_dict(cls, d: dict) -> RolloutSamplingMask:
         """Inverse of `to_dict`. Strict, because the dict comes from JSON that may be corrupt:
         ValueError for a missing field, a non-integer or out-of-range value or a nested list;
         nothing is converted (no float truncation, no strings parsed as numbers)."""
@@ -171,17 +191,25 @@ class RolloutSamplingMask:
         vocab = d["vocab_size"]
         if isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer)):
             raise ValueError(f"sampling mask vocab_size must be an integer, got {vocab!r}")
-        return cls(token_ids=_int_array("token_ids", d["token_ids"], np.int32),
-                   offsets=_int_array("offsets", d["offsets"], np.int64), vocab_size=int(vocab))
+        return cls(
+            token_ids=_int_array("token_ids", d["token_ids"], np.int32),
+            offsets=_int_array("offsets", d["offsets"], np.int64),
+            vocab_size=int(vocab),
+        )
 
     def encode(self) -> bytes:
         """The compact binary form (see the module docstring)."""
         lengths = (self.row_lengths() - 1).astype("<u4")
-        return b"".join((_HEADER.pack(_MAGIC, int(self.vocab_size), self.num_rows, self.nnz),
-                         lengths.tobytes(), self.token_ids.astype("<i4").tobytes()))
+        return b"".join(
+            (
+                _HEADER.pack(_MAGIC, int(self.vocab_size), self.num_rows, self.nnz),
+                lengths.tobytes(),
+                self.token_ids.astype("<i4").tobytes(),
+            )
+        )
 
     @classmethod
-    def decode(cls, data: bytes) -> "RolloutSamplingMask":
+    def decode(cls, data: bytes) -> RolloutSamplingMask:
         """Inverse of `encode`; ValueError on a truncated, oversized or malformed buffer."""
         if len(data) < _HEADER.size:
             raise ValueError(f"sampling mask buffer of {len(data)} bytes is shorter than its header")
@@ -207,8 +235,10 @@ def _int_array(name: str, value: object, dtype: type) -> np.ndarray:
     except (ValueError, TypeError, OverflowError):
         raise ValueError(f"sampling mask {name} must be a flat list of integers") from None
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise ValueError(f"sampling mask {name} must be a flat list of integers, got "
-                         f"{array.dtype} values with shape {array.shape}")
+        raise ValueError(
+            f"sampling mask {name} must be a flat list of integers, got "
+            f"{array.dtype} values with shape {array.shape}"
+        )
     info = np.iinfo(dtype)
     if array.size and (array.min() < info.min or array.max() > info.max):
         raise ValueError(f"sampling mask {name} has values outside {np.dtype(dtype).name}")

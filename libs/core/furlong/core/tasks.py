@@ -9,8 +9,9 @@ reward by `reward_name`.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 ADDITION_REWARD = "addition_exact_match"
 
@@ -73,7 +74,7 @@ class AdditionTask:
 
     @property
     def max_operand(self) -> int:
-        return 10 ** self.num_digits - 1
+        return 10**self.num_digits - 1
 
     @property
     def prompt_chars(self) -> int:
@@ -95,8 +96,7 @@ class AdditionTask:
         for i in range(count):
             a = rng.randint(0, self.max_operand)
             b = rng.randint(0, self.max_operand)
-            out.append(TaskPrompt(prompt_id=f"s{step}-{i}", text=self.format_prompt(a, b),
-                                  answer=str(a + b)))
+            out.append(TaskPrompt(prompt_id=f"s{step}-{i}", text=self.format_prompt(a, b), answer=str(a + b)))
         return out
 
 

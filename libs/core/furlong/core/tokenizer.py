@@ -8,8 +8,8 @@ JSON format (`"type": "furlong-char"`). Knows nothing about models or tasks.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_TYPE = "furlong-char"
@@ -57,8 +57,10 @@ class CharTokenizer:
         for pos, ch in enumerate(text):
             tok = self._id_of.get(ch)
             if tok is None:
-                raise ValueError(f"character {ch!r} at position {pos} of {text!r} is not in the "
-                                 f"tokenizer alphabet {self.chars!r}")
+                raise ValueError(
+                    f"character {ch!r} at position {pos} of {text!r} is not in the "
+                    f"tokenizer alphabet {self.chars!r}"
+                )
             ids.append(tok)
         return ids
 
@@ -69,8 +71,9 @@ class CharTokenizer:
         for pos, raw in enumerate(ids):
             tok = int(raw)
             if not 0 <= tok < self.vocab_size:
-                raise ValueError(f"token id {tok} at position {pos} is outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+                raise ValueError(
+                    f"token id {tok} at position {pos} is outside the vocabulary [0, {self.vocab_size})"
+                )
             if tok < num_special:
                 if not skip_special:
                     out.append(SPECIAL_TOKENS[tok])
@@ -93,18 +96,20 @@ class CharTokenizer:
         (directory / TOKENIZER_FILE).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def from_dict(cls, d: object, source: str = "tokenizer") -> "CharTokenizer":
+    def from_dict(cls, d: object, source: str = "tokenizer") -> CharTokenizer:
         if not isinstance(d, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
         if d.get("type") != TOKENIZER_TYPE:
             raise ValueError(f"{source}: type is {d.get('type')!r}, expected {TOKENIZER_TYPE!r}")
         if d.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{source}: format version {d.get('version')!r} is not supported "
-                             f"(expected {FORMAT_VERSION})")
+            raise ValueError(
+                f"{source}: format version {d.get('version')!r} is not supported (expected {FORMAT_VERSION})"
+            )
         expected_special = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
         if d.get("special_tokens") != expected_special:
-            raise ValueError(f"{source}: special_tokens {d.get('special_tokens')!r} differ from "
-                             f"{expected_special!r}")
+            raise ValueError(
+                f"{source}: special_tokens {d.get('special_tokens')!r} differ from {expected_special!r}"
+            )
         chars = d.get("chars")
         if not isinstance(chars, str):
             raise ValueError(f"{source}: chars must be a string, got {chars!r}")
@@ -114,7 +119,7 @@ class CharTokenizer:
             raise ValueError(f"{source}: {exc}") from None
 
     @classmethod
-    def load(cls, directory: Path) -> "CharTokenizer":
+    def load(cls, directory: Path) -> CharTokenizer:
         """Read `directory/tokenizer.json`; a missing or malformed file is a ValueError naming it."""
         path = Path(directory) / TOKENIZER_FILE
         try:

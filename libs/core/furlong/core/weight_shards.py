@@ -23,15 +23,15 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 import xxhash
 
 from furlong.core.weights import BucketPlan, WeightLayout
 
-_HASH_BLOCK_BYTES = 8 << 20   # strided pieces are hashed through a scratch copy of at most this
+_HASH_BLOCK_BYTES = 8 << 20  # strided pieces are hashed through a scratch copy of at most this
 
 
 @dataclass(frozen=True)
@@ -47,17 +47,21 @@ class ShardPiece:
         if not self.source:
             raise ValueError("shard piece with an empty source name")
         if self.dim is not None and (self.dim < 0 or not 0 <= self.start < self.stop):
-            raise ValueError(f"shard piece of {self.source!r}: dim {self.dim} slice "
-                             f"[{self.start}, {self.stop}) is not a non-empty range of a "
-                             f"non-negative dimension")
+            raise ValueError(
+                f"shard piece of {self.source!r}: dim {self.dim} slice "
+                f"[{self.start}, {self.stop}) is not a non-empty range of a "
+                f"non-negative dimension"
+            )
 
     def shape(self, source_shape: tuple[int, ...]) -> tuple[int, ...]:
         if self.dim is None:
             return source_shape
         if self.dim >= len(source_shape) or self.stop > source_shape[self.dim]:
-            raise ValueError(f"shard piece of {self.source!r}: dim {self.dim} slice "
-                             f"[{self.start}, {self.stop}) is outside its shape {source_shape}")
-        return source_shape[:self.dim] + (self.stop - self.start,) + source_shape[self.dim + 1:]
+            raise ValueError(
+                f"shard piece of {self.source!r}: dim {self.dim} slice "
+                f"[{self.start}, {self.stop}) is outside its shape {source_shape}"
+            )
+        return source_shape[: self.dim] + (self.stop - self.start,) + source_shape[self.dim + 1 :]
 
 
 @dataclass(frozen=True)
@@ -74,13 +78,14 @@ class ShardTensor:
             raise ValueError(f"shard tensor {self.name!r} has no pieces")
 
     @classmethod
-    def whole(cls, name: str, source: str | None = None) -> "ShardTensor":
+    def whole(cls, name: str, source: str | None = None) -> ShardTensor:
         """The whole source tensor (named like the destination unless `source` is given)."""
         return cls(name, (ShardPiece(source or name),))
 
     @classmethod
-    def split(cls, name: str, dim: int, rank: int, world: int, size: int,
-              source: str | None = None) -> "ShardTensor":
+    def split(
+        cls, name: str, dim: int, rank: int, world: int, size: int, source: str | None = None
+    ) -> ShardTensor:
         """Rank `rank` of `world` equal slices of a source dimension of length `size`."""
         return cls(name, (split_piece(source or name, dim, rank, world, size),))
 
@@ -88,8 +93,10 @@ class ShardTensor:
 def split_piece(source: str, dim: int, rank: int, world: int, size: int) -> ShardPiece:
     """Rank `rank` of `world` equal slices of dimension `dim` (length `size`) of `source`."""
     if world < 1 or not 0 <= rank < world or size % world:
-        raise ValueError(f"cannot split dimension {dim} of {source!r} (length {size}) into {world} "
-                         f"equal slices and take slice {rank}")
+        raise ValueError(
+            f"cannot split dimension {dim} of {source!r} (length {size}) into {world} "
+            f"equal slices and take slice {rank}"
+        )
     per = size // world
     return ShardPiece(source, dim, rank * per, (rank + 1) * per)
 
@@ -114,14 +121,20 @@ class ShardLayout:
         return xxhash.xxh3_128(self.to_json().encode()).hexdigest()
 
     def to_json(self) -> str:
-        return json.dumps([[t.name, [[p.source, p.dim, p.start, p.stop] for p in t.pieces]]
-                           for t in self.tensors], separators=(",", ":"))
+        return json.dumps(
+            [[t.name, [[p.source, p.dim, p.start, p.stop] for p in t.pieces]] for t in self.tensors],
+            separators=(",", ":"),
+        )
 
     @classmethod
-    def from_json(cls, text: str) -> "ShardLayout":
+    def from_json(cls, text: str) -> ShardLayout:
         try:
-            return cls(tuple(ShardTensor(name, tuple(ShardPiece(s, d, a, b) for s, d, a, b in pieces))
-                             for name, pieces in json.loads(text)))
+            return cls(
+                tuple(
+                    ShardTensor(name, tuple(ShardPiece(s, d, a, b) for s, d, a, b in pieces))
+                    for name, pieces in json.loads(text)
+                )
+            )
         except (TypeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a shard layout in JSON form: {exc}") from None
 
@@ -135,16 +148,21 @@ class ShardLayout:
                 try:
                     slot = source.slot(piece.source)
                 except KeyError:
-                    raise ValueError(f"shard tensor {tensor.name!r}: source tensor "
-                                     f"{piece.source!r} is not in the published layout") from None
+                    raise ValueError(
+                        f"shard tensor {tensor.name!r}: source tensor "
+                        f"{piece.source!r} is not in the published layout"
+                    ) from None
                 shape = piece.shape(slot.shape)
                 if dtype is not None and slot.dtype != dtype:
-                    raise ValueError(f"shard tensor {tensor.name!r}: pieces of dtypes {dtype} and "
-                                     f"{slot.dtype}")
+                    raise ValueError(
+                        f"shard tensor {tensor.name!r}: pieces of dtypes {dtype} and {slot.dtype}"
+                    )
                 if len(tensor.pieces) > 1 and (not shape or (rest is not None and shape[1:] != rest)):
-                    raise ValueError(f"shard tensor {tensor.name!r}: piece {piece.source!r} of "
-                                     f"shape {shape} cannot be concatenated along dimension 0 with "
-                                     f"pieces of trailing shape {rest}")
+                    raise ValueError(
+                        f"shard tensor {tensor.name!r}: piece {piece.source!r} of "
+                        f"shape {shape} cannot be concatenated along dimension 0 with "
+                        f"pieces of trailing shape {rest}"
+                    )
                 dtype, rest = slot.dtype, shape[1:]
                 rows += shape[0] if shape else 1
                 last = shape
@@ -204,13 +222,13 @@ def _piece_copy(dst_name: str, dst_offset: int, slot, piece: ShardPiece) -> Piec
     item = slot.dtype.itemsize
     if piece.dim is None:
         return PieceCopy(slot.name, dst_name, dst_offset, slot.offset_bytes, slot.size_bytes)
-    piece.shape(slot.shape)   # range check
-    outer = math.prod(slot.shape[:piece.dim])
-    inner = math.prod(slot.shape[piece.dim + 1:]) * item
+    piece.shape(slot.shape)  # range check
+    outer = math.prod(slot.shape[: piece.dim])
+    inner = math.prod(slot.shape[piece.dim + 1 :]) * item
     row = (piece.stop - piece.start) * inner
     stride = slot.shape[piece.dim] * inner
     start = slot.offset_bytes + piece.start * inner
-    if outer == 1 or row == stride:   # one contiguous run
+    if outer == 1 or row == stride:  # one contiguous run
         return PieceCopy(slot.name, dst_name, dst_offset, start, row * outer)
     return PieceCopy(slot.name, dst_name, dst_offset, start, row, outer, stride)
 
@@ -228,8 +246,7 @@ def plan_shards(source: WeightLayout, plan: BucketPlan, shards: ShardLayout) -> 
             per_round[round_of[piece.source]].append(copy)
             offset += copy.size_bytes
         assert offset == dest.slot(tensor.name).size_bytes
-    return ShardPlan(shards.layout_id, dest,
-                     tuple(ShardRound(i, tuple(c)) for i, c in enumerate(per_round)))
+    return ShardPlan(shards.layout_id, dest, tuple(ShardRound(i, tuple(c)) for i, c in enumerate(per_round)))
 
 
 def _source_rows(tensor: torch.Tensor, copy: PieceCopy, slot_offset: int) -> torch.Tensor:
@@ -240,13 +257,15 @@ def _source_rows(tensor: torch.Tensor, copy: PieceCopy, slot_offset: int) -> tor
     raw = flat.contiguous().view(torch.uint8)
     first = copy.src_offset_bytes - slot_offset
     if copy.num_rows == 1:
-        return raw[first:first + copy.row_bytes].view(1, -1)
-    return raw.as_strided((copy.num_rows, copy.row_bytes), (copy.src_stride_bytes, 1),
-                          raw.storage_offset() + first)
+        return raw[first : first + copy.row_bytes].view(1, -1)
+    return raw.as_strided(
+        (copy.num_rows, copy.row_bytes), (copy.src_stride_bytes, 1), raw.storage_offset() + first
+    )
 
 
-def shard_checksums(source: WeightLayout, shard_plan: ShardPlan,
-                    state_dict: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+def shard_checksums(
+    source: WeightLayout, shard_plan: ShardPlan, state_dict: Mapping[str, torch.Tensor]
+) -> tuple[str, ...]:
     """Digest of each destination round, hashed from the source state dict (strided pieces through
     a scratch copy of at most 8 MiB, so hashing never holds a second copy of a tensor)."""
     digests = []
@@ -260,7 +279,7 @@ def shard_checksums(source: WeightLayout, shard_plan: ShardPlan,
                 continue
             step = max(1, _HASH_BLOCK_BYTES // copy.row_bytes)
             for first in range(0, copy.num_rows, step):
-                hasher.update(memoryview(rows[first:first + step].contiguous().reshape(-1).numpy()))
+                hasher.update(memoryview(rows[first : first + step].contiguous().reshape(-1).numpy()))
         digests.append(hasher.hexdigest())
     return tuple(digests)
 
@@ -271,40 +290,49 @@ def digest_copies(copies: Sequence[PieceCopy], tensors: Mapping[str, torch.Tenso
     hasher = xxhash.xxh3_128()
     for copy in copies:
         raw = tensors[copy.dst_name].detach().reshape(-1).view(torch.uint8)
-        hasher.update(memoryview(raw[copy.dst_offset_bytes:copy.dst_offset_bytes
-                                     + copy.size_bytes].numpy()))
+        hasher.update(
+            memoryview(raw[copy.dst_offset_bytes : copy.dst_offset_bytes + copy.size_bytes].numpy())
+        )
     return hasher.hexdigest()
 
 
-def copy_rows(region: torch.Tensor, region_offset_bytes: int, copy: PieceCopy,
-              dst: torch.Tensor) -> None:
+def copy_rows(region: torch.Tensor, region_offset_bytes: int, copy: PieceCopy, dst: torch.Tensor) -> None:
     """Copy `copy` out of `region` (a 1-D uint8 host tensor holding logical source bytes from
     region_offset_bytes on) into dst (the destination tensor, contiguous): one strided torch copy,
     no per-row Python loop."""
     first = copy.src_offset_bytes - region_offset_bytes
     if first < 0 or first + copy.src_span_bytes > region.numel():
-        raise ValueError(f"copy of {copy.size_bytes} bytes at logical offset "
-                         f"{copy.src_offset_bytes} lies outside the {region.numel()}-byte region at "
-                         f"{region_offset_bytes}")
-    src = (region[first:first + copy.row_bytes].view(1, -1) if copy.num_rows == 1 else
-           region.as_strided((copy.num_rows, copy.row_bytes), (copy.src_stride_bytes, 1),
-                             region.storage_offset() + first))
-    out = dst.detach().reshape(-1).view(torch.uint8)[copy.dst_offset_bytes:
-                                                     copy.dst_offset_bytes + copy.size_bytes]
+        raise ValueError(
+            f"copy of {copy.size_bytes} bytes at logical offset "
+            f"{copy.src_offset_bytes} lies outside the {region.numel()}-byte region at "
+            f"{region_offset_bytes}"
+        )
+    src = (
+        region[first : first + copy.row_bytes].view(1, -1)
+        if copy.num_rows == 1
+        else region.as_strided(
+            (copy.num_rows, copy.row_bytes), (copy.src_stride_bytes, 1), region.storage_offset() + first
+        )
+    )
+    out = (
+        dst.detach()
+        .reshape(-1)
+        .view(torch.uint8)[copy.dst_offset_bytes : copy.dst_offset_bytes + copy.size_bytes]
+    )
     out.view(copy.num_rows, copy.row_bytes).copy_(src)
 
 
 # Llama-style projection names: column-parallel ones are split by output rows (dim 0), row-parallel
 # ones by input columns (dim 1); everything else is replicated whole.
-_COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
-                    "up_proj.weight")
+_COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
 _ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
-_FUSED = (("qkv_proj.weight", ("q_proj.weight", "k_proj.weight", "v_proj.weight")),
-          ("gate_up_proj.weight", ("gate_proj.weight", "up_proj.weight")))
+_FUSED = (
+    ("qkv_proj.weight", ("q_proj.weight", "k_proj.weight", "v_proj.weight")),
+    ("gate_up_proj.weight", ("gate_proj.weight", "up_proj.weight")),
+)
 
 
-def llama_tensor_parallel(layout: WeightLayout, rank: int, world: int, *,
-                          fuse: bool = False) -> ShardLayout:
+def llama_tensor_parallel(layout: WeightLayout, rank: int, world: int, *, fuse: bool = False) -> ShardLayout:
     """Tensor-parallel rank `rank` of `world` of a Llama-style published layout: q/k/v/gate/up
     split by rows, o/down by columns, the rest whole. fuse: q, k, v shards in one `qkv_proj` and
     gate, up shards in one `gate_up_proj` tensor (vLLM/SGLang style). ValueError when a dimension
@@ -315,7 +343,7 @@ def llama_tensor_parallel(layout: WeightLayout, rank: int, world: int, *,
         for fused, parts in _FUSED:
             for name in names:
                 if name.endswith(parts[0]):
-                    prefix = name[:-len(parts[0])]
+                    prefix = name[: -len(parts[0])]
                     if all(prefix + p in names for p in parts):
                         fused_parts[prefix + parts[0]] = (prefix + fused, [prefix + p for p in parts])
     skip = {p for _, parts in fused_parts.values() for p in parts}
@@ -324,8 +352,11 @@ def llama_tensor_parallel(layout: WeightLayout, rank: int, world: int, *,
         shape = layout.slot(name).shape
         if name in fused_parts:
             fused, parts = fused_parts[name]
-            tensors.append(ShardTensor(fused, tuple(
-                split_piece(p, 0, rank, world, layout.slot(p).shape[0]) for p in parts)))
+            tensors.append(
+                ShardTensor(
+                    fused, tuple(split_piece(p, 0, rank, world, layout.slot(p).shape[0]) for p in parts)
+                )
+            )
         elif name in skip:
             continue
         elif name.endswith(_COLUMN_PARALLEL):
@@ -337,14 +368,16 @@ def llama_tensor_parallel(layout: WeightLayout, rank: int, world: int, *,
     return ShardLayout(tuple(tensors))
 
 
-def expected_shards(shards: ShardLayout,
-                    state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def expected_shards(shards: ShardLayout, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What an engine with this shard layout holds for a source state dict, built with plain torch
     slicing (narrow + cat): the reference the byte-level plan is checked against."""
     out = {}
     for tensor in shards.tensors:
-        parts = [state_dict[p.source] if p.dim is None else
-                 state_dict[p.source].narrow(p.dim, p.start, p.stop - p.start)
-                 for p in tensor.pieces]
+        parts = [
+            state_dict[p.source]
+            if p.dim is None
+            else state_dict[p.source].narrow(p.dim, p.start, p.stop - p.start)
+            for p in tensor.pieces
+        ]
         out[tensor.name] = (parts[0] if len(parts) == 1 else torch.cat(parts, 0)).contiguous().clone()
     return out

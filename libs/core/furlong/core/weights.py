@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import xxhash
@@ -75,11 +75,15 @@ class TensorSlot:
         itemsize = _itemsize(self.dtype)
         expected = math.prod(self.shape) * itemsize
         if self.size_bytes != expected:
-            raise ValueError(f"tensor {self.name!r}: size_bytes {self.size_bytes} != {expected} "
-                             f"for shape {self.shape} of {dtype_name(self.dtype)}")
+            raise ValueError(
+                f"tensor {self.name!r}: size_bytes {self.size_bytes} != {expected} "
+                f"for shape {self.shape} of {dtype_name(self.dtype)}"
+            )
         if self.offset_bytes < 0 or self.offset_bytes % itemsize:
-            raise ValueError(f"tensor {self.name!r}: offset_bytes {self.offset_bytes} is not a "
-                             f"non-negative multiple of its item size {itemsize}")
+            raise ValueError(
+                f"tensor {self.name!r}: offset_bytes {self.offset_bytes} is not a "
+                f"non-negative multiple of its item size {itemsize}"
+            )
 
     @property
     def end_bytes(self) -> int:
@@ -88,8 +92,10 @@ class TensorSlot:
 
 def _check_buffer(buffer: torch.Tensor, num_bytes: int) -> None:
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
-        raise ValueError(f"buffer must be a contiguous 1-D uint8 tensor, got dtype {buffer.dtype} "
-                         f"shape {tuple(buffer.shape)}")
+        raise ValueError(
+            f"buffer must be a contiguous 1-D uint8 tensor, got dtype {buffer.dtype} "
+            f"shape {tuple(buffer.shape)}"
+        )
     if buffer.numel() < num_bytes:
         raise ValueError(f"buffer of {buffer.numel()} bytes is smaller than {num_bytes} bytes")
 
@@ -111,15 +117,18 @@ class WeightLayout:
                 raise ValueError(f"tensor {slot.name!r} appears twice in the layout")
             seen.add(slot.name)
             if slot.offset_bytes < end and slot.size_bytes > 0:
-                raise ValueError(f"tensor {slot.name!r} at offset {slot.offset_bytes} overlaps the "
-                                 f"previous tensor ending at {end}")
+                raise ValueError(
+                    f"tensor {slot.name!r} at offset {slot.offset_bytes} overlaps the "
+                    f"previous tensor ending at {end}"
+                )
             end = max(end, slot.end_bytes)
         if end > self.total_bytes:
             raise ValueError(f"tensors end at byte {end}, beyond total_bytes {self.total_bytes}")
 
     @classmethod
-    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor],
-                        alignment_bytes: int = 64) -> "WeightLayout":
+    def from_state_dict(
+        cls, state_dict: Mapping[str, torch.Tensor], alignment_bytes: int = 64
+    ) -> WeightLayout:
         """Lay tensors out in the mapping's order, each starting at a multiple of alignment_bytes
         (and of its own item size)."""
         if alignment_bytes < 1 or alignment_bytes & (alignment_bytes - 1):
@@ -148,16 +157,18 @@ class WeightLayout:
         missing = sorted(names - state_dict.keys())
         extra = sorted(state_dict.keys() - names)
         if missing or extra:
-            raise ValueError(f"state dict does not match the layout: missing {missing}, "
-                             f"unexpected {extra}")
+            raise ValueError(f"state dict does not match the layout: missing {missing}, unexpected {extra}")
         for slot in self.slots:
             tensor = state_dict[slot.name]
             if tensor.dtype != slot.dtype:
-                raise ValueError(f"tensor {slot.name!r}: dtype {dtype_name(tensor.dtype)} != layout "
-                                 f"dtype {dtype_name(slot.dtype)}")
+                raise ValueError(
+                    f"tensor {slot.name!r}: dtype {dtype_name(tensor.dtype)} != layout "
+                    f"dtype {dtype_name(slot.dtype)}"
+                )
             if tuple(tensor.shape) != slot.shape:
-                raise ValueError(f"tensor {slot.name!r}: shape {tuple(tensor.shape)} != layout "
-                                 f"shape {slot.shape}")
+                raise ValueError(
+                    f"tensor {slot.name!r}: shape {tuple(tensor.shape)} != layout shape {slot.shape}"
+                )
 
     def pack(self, state_dict: Mapping[str, torch.Tensor], buffer: torch.Tensor) -> None:
         """Copy every tensor of state_dict into its slot of buffer. The names, shapes and dtypes must
@@ -176,14 +187,12 @@ class WeightLayout:
         _check_buffer(buffer, self.total_bytes)
         out: dict[str, torch.Tensor] = {}
         for slot in self.slots:
-            raw = buffer[slot.offset_bytes:slot.end_bytes]
+            raw = buffer[slot.offset_bytes : slot.end_bytes]
             out[slot.name] = raw.view(slot.dtype).view(slot.shape)
         return out
 
 
-
-def checksum(buffer: torch.Tensor, num_bytes: int, offset_bytes: int = 0,
-             workers: int | None = None) -> str:
+def checksum(buffer: torch.Tensor, num_bytes: int, offset_bytes: int = 0, workers: int | None = None) -> str:
     """The checksum (CHECKSUM_ALGORITHM) of bytes [offset_bytes, offset_bytes + num_bytes) of a
     host uint8 buffer, hashed on up to `workers` threads (default: every core, at most four)."""
     if num_bytes < 0 or offset_bytes < 0:
@@ -191,7 +200,7 @@ def checksum(buffer: torch.Tensor, num_bytes: int, offset_bytes: int = 0,
     _check_buffer(buffer, offset_bytes + num_bytes)
     if buffer.device.type != "cpu":
         raise ValueError(f"checksum needs a host buffer, got one on {buffer.device}")
-    return range_checksum(num_bytes, [(0, buffer[offset_bytes:offset_bytes + num_bytes])], workers)
+    return range_checksum(num_bytes, [(0, buffer[offset_bytes : offset_bytes + num_bytes])], workers)
 
 
 def combine_checksums(digests: tuple[str, ...] | list[str]) -> str:
@@ -204,8 +213,7 @@ def combine_checksums(digests: tuple[str, ...] | list[str]) -> str:
 
 def _check_digest(what: str, digest: str) -> None:
     if len(digest) != _CHECKSUM_HEX_CHARS or any(c not in "0123456789abcdef" for c in digest):
-        raise ValueError(f"{what} checksum {digest!r} is not a lowercase hex {CHECKSUM_ALGORITHM} "
-                         f"digest")
+        raise ValueError(f"{what} checksum {digest!r} is not a lowercase hex {CHECKSUM_ALGORITHM} digest")
 
 
 @dataclass(frozen=True)
@@ -222,10 +230,11 @@ class BucketRound:
     bucket_offset_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.index < 0 or self.offset_bytes < 0 or self.size_bytes < 0 \
-                or self.bucket_offset_bytes < 0:
-            raise ValueError(f"round {self.index}: negative index, offset {self.offset_bytes}, "
-                             f"size {self.size_bytes} or bucket offset {self.bucket_offset_bytes}")
+        if self.index < 0 or self.offset_bytes < 0 or self.size_bytes < 0 or self.bucket_offset_bytes < 0:
+            raise ValueError(
+                f"round {self.index}: negative index, offset {self.offset_bytes}, "
+                f"size {self.size_bytes} or bucket offset {self.bucket_offset_bytes}"
+            )
         if not self.names:
             raise ValueError(f"round {self.index} holds no tensors")
         if self.checksum:
@@ -250,18 +259,24 @@ class BucketPlan:
             if rnd.index != i:
                 raise ValueError(f"round at position {i} has index {rnd.index}")
             if rnd.bucket_offset_bytes + rnd.size_bytes > self.bucket_size_bytes:
-                raise ValueError(f"round {i} of {rnd.size_bytes} bytes at bucket offset "
-                                 f"{rnd.bucket_offset_bytes} exceeds the bucket of "
-                                 f"{self.bucket_size_bytes} bytes")
+                raise ValueError(
+                    f"round {i} of {rnd.size_bytes} bytes at bucket offset "
+                    f"{rnd.bucket_offset_bytes} exceeds the bucket of "
+                    f"{self.bucket_size_bytes} bytes"
+                )
             if i and rnd.offset_bytes < self.rounds[i - 1].end_bytes:
                 raise ValueError(f"round {i} at offset {rnd.offset_bytes} overlaps round {i - 1}")
 
-    def with_checksums(self, digests: tuple[str, ...] | list[str]) -> "BucketPlan":
+    def with_checksums(self, digests: tuple[str, ...] | list[str]) -> BucketPlan:
         if len(digests) != len(self.rounds):
             raise ValueError(f"{len(digests)} checksums for {len(self.rounds)} rounds")
-        return BucketPlan(self.bucket_size_bytes, tuple(
-            BucketRound(r.index, r.offset_bytes, r.size_bytes, r.names, d, r.bucket_offset_bytes)
-            for r, d in zip(self.rounds, digests)))
+        return BucketPlan(
+            self.bucket_size_bytes,
+            tuple(
+                BucketRound(r.index, r.offset_bytes, r.size_bytes, r.names, d, r.bucket_offset_bytes)
+                for r, d in zip(self.rounds, digests)
+            ),
+        )
 
     @property
     def double_buffered(self) -> bool:
@@ -274,8 +289,7 @@ class BucketPlan:
 _PAGE, _SMALL_ALIGN = 4096, 16
 
 
-def plan_buckets(layout: WeightLayout, bucket_size_bytes: int,
-                 double_buffer: bool = False) -> BucketPlan:
+def plan_buckets(layout: WeightLayout, bucket_size_bytes: int, double_buffer: bool = False) -> BucketPlan:
     """Cut layout into rounds that each fit one bucket, keeping layout order, never splitting a
     tensor and never producing an empty round. A tensor larger than bucket_size_bytes grows the
     bucket to its size (once, here, before anything is registered). Every tensor lands in the bucket
@@ -295,8 +309,12 @@ def plan_buckets(layout: WeightLayout, bucket_size_bytes: int,
         rounds = _cut_rounds(layout, half)
         if len(rounds) > 1 and max(s.size_bytes for s in layout.slots) <= half:
             half = -(-max(r.size_bytes for r in rounds) // align) * align
-            placed = tuple(BucketRound(r.index, r.offset_bytes, r.size_bytes, r.names,
-                                       bucket_offset_bytes=(r.index % 2) * half) for r in rounds)
+            placed = tuple(
+                BucketRound(
+                    r.index, r.offset_bytes, r.size_bytes, r.names, bucket_offset_bytes=(r.index % 2) * half
+                )
+                for r in rounds
+            )
             return BucketPlan(max(r.bucket_offset_bytes + r.size_bytes for r in placed), placed)
     rounds = _cut_rounds(layout, bucket_size_bytes)
     return BucketPlan(max(1, max(r.size_bytes for r in rounds)), tuple(rounds))
@@ -312,9 +330,11 @@ def _cut_rounds(layout: WeightLayout, bucket_size_bytes: int) -> list[BucketRoun
             rounds.append(BucketRound(len(rounds), start, end - start, tuple(names)))
             start, end, names = slot.offset_bytes, slot.offset_bytes, []
         if (slot.offset_bytes - start) % slot.dtype.itemsize:
-            raise ValueError(f"tensor {slot.name!r} would sit at bucket offset "
-                             f"{slot.offset_bytes - start}, not a multiple of its item size "
-                             f"{slot.dtype.itemsize}")
+            raise ValueError(
+                f"tensor {slot.name!r} would sit at bucket offset "
+                f"{slot.offset_bytes - start}, not a multiple of its item size "
+                f"{slot.dtype.itemsize}"
+            )
         names.append(slot.name)
         end = max(end, slot.end_bytes)
     rounds.append(BucketRound(len(rounds), start, end - start, tuple(names)))
@@ -334,34 +354,40 @@ def _round_pieces(layout: WeightLayout, rnd: BucketRound) -> list[tuple[int, Ten
     return [(s.offset_bytes - rnd.offset_bytes, s) for s in slots]
 
 
-def round_checksums(layout: WeightLayout, plan: BucketPlan,
-                    state_dict: Mapping[str, torch.Tensor], workers: int | None = None
-                    ) -> tuple[str, ...]:
+def round_checksums(
+    layout: WeightLayout, plan: BucketPlan, state_dict: Mapping[str, torch.Tensor], workers: int | None = None
+) -> tuple[str, ...]:
     """The checksum each round will have once staged (zero padding included), hashed straight from
     the state dict without staging it, each round's blocks on up to `workers` threads (default:
     every core, at most four)."""
     layout.check(state_dict)
     return tuple(
-        range_checksum(rnd.size_bytes, [(offset, _host_bytes(state_dict[slot.name]))
-                                        for offset, slot in _round_pieces(layout, rnd)], workers)
-        for rnd in plan.rounds)
+        range_checksum(
+            rnd.size_bytes,
+            [(offset, _host_bytes(state_dict[slot.name])) for offset, slot in _round_pieces(layout, rnd)],
+            workers,
+        )
+        for rnd in plan.rounds
+    )
 
 
-def stage_round(layout: WeightLayout, rnd: BucketRound, state_dict: Mapping[str, torch.Tensor],
-                bucket: torch.Tensor) -> None:
+def stage_round(
+    layout: WeightLayout, rnd: BucketRound, state_dict: Mapping[str, torch.Tensor], bucket: torch.Tensor
+) -> None:
     """Copy the round's tensors into its place in the bucket (rnd.bucket_offset_bytes on, at their
     offsets within the round) and zero the padding between them, so that those bytes hash to the
     round's checksum."""
     _check_buffer(bucket, rnd.bucket_offset_bytes + rnd.size_bytes)
-    bucket = bucket[rnd.bucket_offset_bytes:rnd.bucket_offset_bytes + rnd.size_bytes]
+    bucket = bucket[rnd.bucket_offset_bytes : rnd.bucket_offset_bytes + rnd.size_bytes]
     cursor = 0
     with torch.no_grad():
         for offset, slot in _round_pieces(layout, rnd):
             if offset > cursor:
                 bucket[cursor:offset].zero_()
             if slot.size_bytes:
-                bucket[offset:offset + slot.size_bytes].view(slot.dtype).copy_(
-                    state_dict[slot.name].detach().reshape(-1))
+                bucket[offset : offset + slot.size_bytes].view(slot.dtype).copy_(
+                    state_dict[slot.name].detach().reshape(-1)
+                )
             cursor = max(cursor, offset + slot.size_bytes)
 
 
@@ -386,27 +412,32 @@ class Manifest:
         _check_digest("manifest", self.checksum)
         self._check_destinations()
         if self.plan is None:
-            whole = BucketRound(0, 0, self.layout.total_bytes,
-                                tuple(s.name for s in self.layout.slots), self.checksum)
+            whole = BucketRound(
+                0, 0, self.layout.total_bytes, tuple(s.name for s in self.layout.slots), self.checksum
+            )
             object.__setattr__(self, "plan", BucketPlan(max(1, self.layout.total_bytes), (whole,)))
             return
         names = sorted(n for r in self.plan.rounds for n in r.names)
         if names != sorted(s.name for s in self.layout.slots):
-            raise ValueError(f"manifest version {self.version}: rounds hold tensors {names}, the "
-                             f"layout {sorted(s.name for s in self.layout.slots)}")
+            raise ValueError(
+                f"manifest version {self.version}: rounds hold tensors {names}, the "
+                f"layout {sorted(s.name for s in self.layout.slots)}"
+            )
         for rnd in self.plan.rounds:
             if not rnd.checksum:
-                raise ValueError(f"manifest version {self.version}: round {rnd.index} has no "
-                                 f"checksum")
+                raise ValueError(f"manifest version {self.version}: round {rnd.index} has no checksum")
             for name in rnd.names:
                 slot = self.layout.slot(name)
                 if slot.offset_bytes < rnd.offset_bytes or slot.end_bytes > rnd.end_bytes:
-                    raise ValueError(f"manifest version {self.version}: tensor {name!r} lies "
-                                     f"outside round {rnd.index}")
+                    raise ValueError(
+                        f"manifest version {self.version}: tensor {name!r} lies outside round {rnd.index}"
+                    )
         combined = combine_checksums([r.checksum for r in self.plan.rounds])
         if combined != self.checksum:
-            raise ValueError(f"manifest version {self.version}: checksum {self.checksum} is not "
-                             f"the combination {combined} of its round checksums")
+            raise ValueError(
+                f"manifest version {self.version}: checksum {self.checksum} is not "
+                f"the combination {combined} of its round checksums"
+            )
 
     def _check_destinations(self) -> None:
         ids = [layout_id for layout_id, _ in self.destinations]
@@ -415,8 +446,10 @@ class Manifest:
         num_rounds = 1 if self.plan is None else len(self.plan.rounds)
         for layout_id, digests in self.destinations:
             if len(digests) != num_rounds:
-                raise ValueError(f"manifest version {self.version}: destination {layout_id} has "
-                                 f"{len(digests)} round checksums for {num_rounds} rounds")
+                raise ValueError(
+                    f"manifest version {self.version}: destination {layout_id} has "
+                    f"{len(digests)} round checksums for {num_rounds} rounds"
+                )
             for i, digest in enumerate(digests):
                 _check_digest(f"destination {layout_id} round {i}", digest)
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -98,19 +99,27 @@ def use_credentials(auth_token_file: Path | str | None, tls: TlsFiles) -> bool:
 def add_tls_arguments(parser: Any) -> None:
     """Add --tls-ca-file, --tls-cert-file, --tls-key-file and --tls-server-name to an argparse
     parser (the composition root turns them into a `TlsFiles`)."""
-    parser.add_argument("--tls-ca-file", default="",
-                        help="PEM CA certificate; with --tls-cert-file and --tls-key-file turns on "
-                             "mutual TLS for every gRPC server and channel of the process")
+    parser.add_argument(
+        "--tls-ca-file",
+        default="",
+        help="PEM CA certificate; with --tls-cert-file and --tls-key-file turns on "
+        "mutual TLS for every gRPC server and channel of the process",
+    )
     parser.add_argument("--tls-cert-file", default="", help="PEM certificate (chain) of this process")
     parser.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
-    parser.add_argument("--tls-server-name", default="",
-                        help="name to verify in servers' certificates instead of the dialled host")
+    parser.add_argument(
+        "--tls-server-name",
+        default="",
+        help="name to verify in servers' certificates instead of the dialled host",
+    )
 
 
 def check_auth_token(token: str) -> str:
     if len(token) < MIN_AUTH_TOKEN_CHARS or any(c.isspace() for c in token):
-        raise ValueError(f"the gRPC auth token must be at least {MIN_AUTH_TOKEN_CHARS} characters "
-                         f"without whitespace (got {len(token)} characters)")
+        raise ValueError(
+            f"the gRPC auth token must be at least {MIN_AUTH_TOKEN_CHARS} characters "
+            f"without whitespace (got {len(token)} characters)"
+        )
     return token
 
 
@@ -156,17 +165,25 @@ class TokenServerInterceptor(grpc.ServerInterceptor):
         return self._reject
 
 
-class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                              grpc.StreamUnaryClientInterceptor,
-                              grpc.StreamStreamClientInterceptor):
+class _TokenClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, token: str) -> None:
         self._header = (AUTH_METADATA_KEY, f"Bearer {token}")
 
     def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         metadata = [*(details.metadata or ()), self._header]
-        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
-                            getattr(details, "wait_for_ready", None),
-                            getattr(details, "compression", None))
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._with_token(details), request)
@@ -189,6 +206,7 @@ class _CallDetails(grpc.ClientCallDetails):
     credentials: Any
     wait_for_ready: Any
     compression: Any
+
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # A channel whose peer went away retries connecting with exponential backoff; calls made while it
@@ -224,7 +242,9 @@ def rpc_errors(method: F) -> F:
             code = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method.__qualname__)
-            context.abort(code, f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc))
+            context.abort(
+                code, f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc)
+            )
 
     return wrapper  # type: ignore[return-value]
 
@@ -247,16 +267,16 @@ def call(method: Callable[..., Any], request: Any, timeout_s: float) -> Any:
         raise error_from_rpc(err) from None
 
 
-def channel(address: str, auth_token: str | None = None, tls: TlsConfig | None = None
-            ) -> grpc.Channel:
+def channel(address: str, auth_token: str | None = None, tls: TlsConfig | None = None) -> grpc.Channel:
     """A channel to address; every call carries the auth token (explicit, else the process's), over
     mutual TLS when configured (explicit, else the process's)."""
     tls = tls if tls is not None else _process_tls
     if tls is None:
         ch = grpc.insecure_channel(address, options=_OPTIONS)
     else:
-        ch = grpc.secure_channel(address, tls.channel_credentials(),
-                                 options=[*_OPTIONS, *tls.channel_options()])
+        ch = grpc.secure_channel(
+            address, tls.channel_credentials(), options=[*_OPTIONS, *tls.channel_options()]
+        )
     token = _token(auth_token)
     if token is None:
         return ch
@@ -290,8 +310,9 @@ def start_server(
     certificate signed by the CA fails the handshake (health checks included)."""
     token = _token(auth_token)
     interceptors = [TokenServerInterceptor(token)] if token is not None else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS,
-                         interceptors=interceptors)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS, interceptors=interceptors
+    )
     for add in register:
         add(server)
     health_servicer = health.HealthServicer()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,25 +23,31 @@ from furlong import rpc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m furlong.rpc.health_probe",
-                                     description="gRPC health check, with mutual TLS if configured")
+    parser = argparse.ArgumentParser(
+        prog="python -m furlong.rpc.health_probe",
+        description="gRPC health check, with mutual TLS if configured",
+    )
     parser.add_argument("--address", required=True, help="HOST:PORT of the server")
     parser.add_argument("--service", default="", help="service name to check ('' = whole server)")
     parser.add_argument("--timeout-s", type=float, default=2.0)
     rpc.add_tls_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        tls = rpc.TlsFiles(args.tls_ca_file, args.tls_cert_file, args.tls_key_file,
-                           args.tls_server_name).load()
+        tls = rpc.TlsFiles(
+            args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name
+        ).load()
     except ValueError as exc:
         parser.error(str(exc))
     ch = rpc.channel(args.address, tls=tls)
     try:
         reply = health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s)
+            health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s
+        )
     except grpc.RpcError as err:
-        print(f"{args.address} {args.service or '<server>'}: {err.code().name}: {err.details()}",
-              file=sys.stderr)
+        print(
+            f"{args.address} {args.service or '<server>'}: {err.code().name}: {err.details()}",
+            file=sys.stderr,
+        )
         return 1
     finally:
         ch.close()

@@ -42,8 +42,7 @@ class TlsConfig:
     server_name: str = ""
 
     def __post_init__(self) -> None:
-        for name, marker in (("ca_cert", _CERT_MARKER), ("cert", _CERT_MARKER),
-                             ("key", _KEY_MARKER)):
+        for name, marker in (("ca_cert", _CERT_MARKER), ("cert", _CERT_MARKER), ("key", _KEY_MARKER)):
             value = getattr(self, name)
             if not isinstance(value, bytes) or marker not in value:
                 raise ValueError(f"TlsConfig.{name} is not PEM (no {marker.decode()!r} line)")
@@ -52,13 +51,15 @@ class TlsConfig:
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Serve TLS with this certificate and require a client certificate the CA signed."""
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca_cert,
-                                           require_client_auth=True)
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca_cert, require_client_auth=True
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Present this certificate; trust only servers the CA signed."""
-        return grpc.ssl_channel_credentials(root_certificates=self.ca_cert, private_key=self.key,
-                                            certificate_chain=self.cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca_cert, private_key=self.key, certificate_chain=self.cert
+        )
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [(TARGET_NAME_OPTION, self.server_name)] if self.server_name else []
@@ -78,14 +79,19 @@ class TlsFiles:
         given = {flag: path for flag, path in self._flags() if path}
         if given and len(given) != 3:
             missing = [flag for flag, path in self._flags() if not path]
-            raise ValueError(f"mutual TLS needs --tls-ca-file, --tls-cert-file and --tls-key-file "
-                             f"together; missing {', '.join(missing)}")
+            raise ValueError(
+                f"mutual TLS needs --tls-ca-file, --tls-cert-file and --tls-key-file "
+                f"together; missing {', '.join(missing)}"
+            )
         if self.server_name and not given:
             raise ValueError(f"--tls-server-name {self.server_name!r} given without the TLS files")
 
     def _flags(self) -> tuple[tuple[str, str], ...]:
-        return (("--tls-ca-file", self.ca_file), ("--tls-cert-file", self.cert_file),
-                ("--tls-key-file", self.key_file))
+        return (
+            ("--tls-ca-file", self.ca_file),
+            ("--tls-cert-file", self.cert_file),
+            ("--tls-key-file", self.key_file),
+        )
 
     @property
     def enabled(self) -> bool:
@@ -102,18 +108,20 @@ class TlsFiles:
         try:
             context.load_verify_locations(cafile=self.ca_file)
         except ssl.SSLError as exc:
-            raise ValueError(f"--tls-ca-file {self.ca_file}: not a usable CA certificate "
-                             f"({exc.reason or exc})") from None
+            raise ValueError(
+                f"--tls-ca-file {self.ca_file}: not a usable CA certificate ({exc.reason or exc})"
+            ) from None
         try:
             context.load_cert_chain(certfile=self.cert_file, keyfile=self.key_file)
         except ssl.SSLError as exc:
-            raise ValueError(f"--tls-cert-file {self.cert_file} and --tls-key-file {self.key_file}: "
-                             f"not a certificate with its private key ({exc.reason or exc})") from None
+            raise ValueError(
+                f"--tls-cert-file {self.cert_file} and --tls-key-file {self.key_file}: "
+                f"not a certificate with its private key ({exc.reason or exc})"
+            ) from None
         try:
             return TlsConfig(ca_cert=ca, cert=cert, key=key, server_name=self.server_name)
         except ValueError as exc:
-            raise ValueError(f"TLS files {self.ca_file}, {self.cert_file}, {self.key_file}: "
-                             f"{exc}") from None
+            raise ValueError(f"TLS files {self.ca_file}, {self.cert_file}, {self.key_file}: {exc}") from None
 
 
 def _read(flag: str, path: str) -> bytes:

@@ -3,8 +3,8 @@
 Reads the admin bearer token from --token-file (or the environment variable named by --token-env)
 and an optional viewer token likewise, the shared gRPC token from --auth-token-file and, with
 --tls-ca-file/--tls-cert-file/--tls-key-file, mutual TLS to the services; connects to Redis and the
-three gRPC services, recovers runs a previous process left behind, and serves until SIGINT/SIGTERM; then asks the active run to
-stop and waits for its teardown.
+three gRPC services, recovers runs a previous process left behind, and serves until SIGINT/SIGTERM;
+then asks the active run to stop and waits for its teardown.
 """
 
 from __future__ import annotations
@@ -16,16 +16,21 @@ import sys
 from pathlib import Path
 
 from furlong import rpc
-from furlong.core.errors import FurlongError
-
 from furlong.controller.auth import ApiTokens
-from furlong.controller.clients import (BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE,
-                                        GrpcBrokerClient, GrpcRolloutClient, GrpcTrainerClient)
+from furlong.controller.clients import (
+    BROKER_SERVICE,
+    ROLLOUT_SERVICE,
+    TRAINER_SERVICE,
+    GrpcBrokerClient,
+    GrpcRolloutClient,
+    GrpcTrainerClient,
+)
 from furlong.controller.config import ControllerConfig
 from furlong.controller.engines import GrpcEngineStatus
 from furlong.controller.prompt_source import TaskPromptSource
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
+from furlong.core.errors import FurlongError
 
 log = logging.getLogger("furlong.controller")
 
@@ -38,25 +43,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trainer", required=True, help="host:port of the trainer")
     p.add_argument("--rollout", required=True, help="host:port of the rollout service")
     p.add_argument("--broker", required=True, help="host:port of the weight broker")
-    p.add_argument("--token-file", type=Path, default=None,
-                   help="file holding the admin bearer token (reads and changes runs)")
-    p.add_argument("--token-env", default=None, metavar="VAR",
-                   help="environment variable holding the admin token (instead of --token-file)")
-    p.add_argument("--viewer-token-file", type=Path, default=None,
-                   help="file holding a viewer bearer token (may only read)")
-    p.add_argument("--viewer-token-env", default=None, metavar="VAR",
-                   help="environment variable holding the viewer token")
-    p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins",
-                   help="allow browser requests from this origin (repeatable); CORS is off without")
-    p.add_argument("--auth-token-file", default="",
-                   help="file with the shared token every gRPC call to the services carries")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="file holding the admin bearer token (reads and changes runs)",
+    )
+    p.add_argument(
+        "--token-env",
+        default=None,
+        metavar="VAR",
+        help="environment variable holding the admin token (instead of --token-file)",
+    )
+    p.add_argument(
+        "--viewer-token-file",
+        type=Path,
+        default=None,
+        help="file holding a viewer bearer token (may only read)",
+    )
+    p.add_argument(
+        "--viewer-token-env",
+        default=None,
+        metavar="VAR",
+        help="environment variable holding the viewer token",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        dest="cors_origins",
+        help="allow browser requests from this origin (repeatable); CORS is off without",
+    )
+    p.add_argument(
+        "--auth-token-file",
+        default="",
+        help="file with the shared token every gRPC call to the services carries",
+    )
     rpc.add_tls_arguments(p)
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
 
-def _secret(file_flag: str, path: Path | None, env_flag: str, var: str | None,
-            required: bool) -> str:
+def _secret(file_flag: str, path: Path | None, env_flag: str, var: str | None, required: bool) -> str:
     """A token from a file or an environment variable (exactly one when required)."""
     if path is not None and var is not None:
         raise ValueError(f"give {file_flag} or {env_flag}, not both")
@@ -76,21 +104,29 @@ def _secret(file_flag: str, path: Path | None, env_flag: str, var: str | None,
 
 def load_config(args: argparse.Namespace) -> ControllerConfig:
     token = _secret("--token-file", args.token_file, "--token-env", args.token_env, True)
-    viewer = _secret("--viewer-token-file", args.viewer_token_file, "--viewer-token-env",
-                     args.viewer_token_env, False)
-    return ControllerConfig(host=args.host, port=args.port, redis_url=args.redis_url,
-                            trainer=args.trainer, rollout=args.rollout, broker=args.broker,
-                            token=token, viewer_token=viewer,
-                            cors_origins=tuple(args.cors_origins),
-                            auth_token_file=args.auth_token_file,
-                            tls=rpc.TlsFiles(args.tls_ca_file, args.tls_cert_file,
-                                             args.tls_key_file, args.tls_server_name))
+    viewer = _secret(
+        "--viewer-token-file", args.viewer_token_file, "--viewer-token-env", args.viewer_token_env, False
+    )
+    return ControllerConfig(
+        host=args.host,
+        port=args.port,
+        redis_url=args.redis_url,
+        trainer=args.trainer,
+        rollout=args.rollout,
+        broker=args.broker,
+        token=token,
+        viewer_token=viewer,
+        cors_origins=tuple(args.cors_origins),
+        auth_token_file=args.auth_token_file,
+        tls=rpc.TlsFiles(args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = load_config(args)
     except ValueError as exc:
@@ -99,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("starting with %r", config)
     if not rpc.use_credentials(config.auth_token_file, config.tls):
         return 2
-    tokens = ApiTokens(admin=(config.token,),
-                       viewer=(config.viewer_token,) if config.viewer_token else ())
+    tokens = ApiTokens(admin=(config.token,), viewer=(config.viewer_token,) if config.viewer_token else ())
     store = RunStore.from_url(config.redis_url)
     trainer = GrpcTrainerClient(config.trainer)
     rollout = GrpcRolloutClient(config.rollout)
@@ -116,9 +151,18 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     try:
-        controller = build_controller(store, trainer, rollout, broker, TaskPromptSource(),
-                                      tokens, readiness, config.timeouts,
-                                      cors_origins=config.cors_origins, engines=engines)
+        controller = build_controller(
+            store,
+            trainer,
+            rollout,
+            broker,
+            TaskPromptSource(),
+            tokens,
+            readiness,
+            config.timeouts,
+            cors_origins=config.cors_origins,
+            engines=engines,
+        )
     except FurlongError as exc:
         log.error("cannot start: %s", exc)
         return 1

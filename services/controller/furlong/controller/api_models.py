@@ -7,12 +7,12 @@ required fields, no unknown fields); ranges are checked by `parse_run_spec` and 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from furlong.controller.core.run_state import RunState
 from furlong.controller import run_spec as _spec
+from furlong.controller.core.run_state import RunState
 
 _JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
 
@@ -32,8 +32,7 @@ def spec_schema(cls: type = _spec.RunSpec) -> dict[str, Any]:
             properties[f.name] = {}
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             required.append(f.name)
-    schema: dict[str, Any] = {"type": "object", "properties": properties,
-                              "additionalProperties": False}
+    schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
     if required:
         schema["required"] = required
     return schema
@@ -53,20 +52,20 @@ class RunModel(BaseModel):
     reason: str
     created_at: float
     updated_at: float
-    started_at: Optional[float]
-    finished_at: Optional[float]
+    started_at: float | None
+    finished_at: float | None
     current_step: int
     total_steps: int
     policy_version: int
     stop_requested: bool
     pause_requested: bool
-    checkpoint: Optional[CheckpointModel] = None
+    checkpoint: CheckpointModel | None = None
     spec: dict[str, Any]
 
 
 class RunPage(BaseModel):
     runs: list[RunModel]
-    next_cursor: Optional[str]
+    next_cursor: str | None
 
 
 class StepsPage(BaseModel):
@@ -83,7 +82,7 @@ class Engine(BaseModel):
 
 
 class EnginesPage(BaseModel):
-    run_id: Optional[str]
+    run_id: str | None
     engines: list[Engine]
 
 
@@ -96,8 +95,8 @@ class Problem(BaseModel):
     status: int
     detail: str
     instance: str
-    field: Optional[str] = None
-    errors: Optional[list[dict[str, Any]]] = None
+    field: str | None = None
+    errors: list[dict[str, Any]] | None = None
 
 
 class Health(BaseModel):
@@ -112,8 +111,7 @@ class Readiness(BaseModel):
 def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` entries for problem+json answers with these status codes."""
     ref = {"schema": {"$ref": "#/components/schemas/Problem"}}
-    return {code: {"model": Problem, "content": {"application/problem+json": ref}}
-            for code in codes}
+    return {code: {"model": Problem, "content": {"application/problem+json": ref}} for code in codes}
 
 
 _PROBLEM_CONTENT = {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -21,17 +22,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from furlong.core.errors import NotFoundError, UnavailableError
-
 from furlong.controller import api_models as m
 from furlong.controller.auth import ApiTokens, Role
 from furlong.controller.core.run_state import TERMINAL_STATES
 from furlong.controller.engines import EngineStatusSource
 from furlong.controller.metrics import CONTENT_TYPE, ControllerMetrics
-from furlong.controller.problems import (DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware,
-                                         install_problem_handlers)
+from furlong.controller.problems import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, install_problem_handlers
 from furlong.controller.run_spec import SpecError
 from furlong.controller.runs import RunService
+from furlong.core.errors import NotFoundError, UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +47,19 @@ _IDEMPOTENCY_KEY_MAX = 255
 def _role_check(tokens: ApiTokens, needed: Role) -> Callable[..., Role]:
     bearer = HTTPBearer(auto_error=False)
 
-    def require(credentials: Optional[HTTPAuthorizationCredentials] = Depends(bearer)) -> Role:
+    def require(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Role:
         role = tokens.role_for(credentials.credentials) if credentials is not None else None
         if role is None:
-            raise HTTPException(status_code=401, detail="missing or invalid bearer token",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                status_code=401,
+                detail="missing or invalid bearer token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if not role.allows(needed):
-            raise HTTPException(status_code=403, detail=f"a {role.value} token cannot do this; "
-                                f"it needs an {needed.value} token")
+            raise HTTPException(
+                status_code=403,
+                detail=f"a {role.value} token cannot do this; it needs an {needed.value} token",
+            )
         return role
 
     return require
@@ -65,16 +69,20 @@ def _check_idempotency_key(key: str | None) -> str | None:
     if key is None:
         return None
     if not 1 <= len(key) <= _IDEMPOTENCY_KEY_MAX or not key.isascii() or not key.isprintable():
-        raise SpecError("Idempotency-Key", f"must be 1..{_IDEMPOTENCY_KEY_MAX} printable ASCII "
-                        f"characters, got {len(key)} characters")
+        raise SpecError(
+            "Idempotency-Key",
+            f"must be 1..{_IDEMPOTENCY_KEY_MAX} printable ASCII characters, got {len(key)} characters",
+        )
     return key
 
 
 def _read_routes(router: APIRouter, service: RunService) -> None:
     @router.get("/runs", response_model=m.RunPage, responses=m.problem_responses(401, 422, 503))
-    def list_runs(state: Optional[str] = Query(default=None),
-                  limit: int = Query(default=100, ge=1, le=MAX_PAGE),
-                  cursor: Optional[str] = Query(default=None, max_length=512)) -> dict[str, Any]:
+    def list_runs(
+        state: str | None = Query(default=None),
+        limit: int = Query(default=100, ge=1, le=MAX_PAGE),
+        cursor: str | None = Query(default=None, max_length=512),
+    ) -> dict[str, Any]:
         """Runs, newest first, one page at a time; pass `next_cursor` as `cursor` for the next."""
         try:
             runs, next_cursor = service.list_page(state, limit, cursor)
@@ -82,41 +90,51 @@ def _read_routes(router: APIRouter, service: RunService) -> None:
             raise SpecError("cursor" if "cursor" in str(exc) else "state", str(exc)) from None
         return {"runs": [r.to_dict() for r in runs], "next_cursor": next_cursor}
 
-    @router.get("/runs/{run_id}", response_model=m.RunModel,
-                responses=m.problem_responses(401, 404, 503))
+    @router.get("/runs/{run_id}", response_model=m.RunModel, responses=m.problem_responses(401, 404, 503))
     def get_run(run_id: str) -> dict[str, Any]:
         return service.get_run(run_id).to_dict()
 
-    @router.get("/runs/{run_id}/metrics", response_model=m.StepsPage,
-                responses=m.problem_responses(401, 404, 422, 503))
+    @router.get(
+        "/runs/{run_id}/metrics",
+        response_model=m.StepsPage,
+        responses=m.problem_responses(401, 404, 422, 503),
+    )
     def run_metrics(run_id: str, since: int = Query(default=0, ge=0)) -> dict[str, Any]:
         steps = service.step_metrics(run_id, since)
         return {"run_id": run_id, "since": since, "steps": [s.to_dict() for s in steps]}
 
-    @router.get("/runs/{run_id}/events", response_class=StreamingResponse,
-                responses={200: {"description": "Server-Sent Events: one per change of the run; "
-                                 "the stream ends after the event of a final state",
-                                 "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-                           **m.problem_responses(401, 404, 503)})
-    async def run_events(request: Request, run_id: str,
-                         last_event_id: Optional[str] = Header(default=None, max_length=64)
-                         ) -> StreamingResponse:
+    @router.get(
+        "/runs/{run_id}/events",
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "description": "Server-Sent Events: one per change of the run; "
+                "the stream ends after the event of a final state",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            **m.problem_responses(401, 404, 503),
+        },
+    )
+    async def run_events(
+        request: Request, run_id: str, last_event_id: str | None = Header(default=None, max_length=64)
+    ) -> StreamingResponse:
         """Replays the run's events after `Last-Event-ID` (all when absent), then follows it."""
         after = last_event_id or "0-0"
         if not _valid_stream_id(after):
-            raise SpecError("Last-Event-ID", f"must be a stream id like 1700000000000-0, got "
-                            f"{after[:64]!r}")
+            raise SpecError("Last-Event-ID", f"must be a stream id like 1700000000000-0, got {after[:64]!r}")
         first = await run_in_threadpool(service.events, run_id, after, EVENT_BATCH)
-        return StreamingResponse(_event_stream(request, service, run_id, after, first),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _event_stream(request, service, run_id, after, first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
 
-def _engine_routes(router: APIRouter, engines: EngineStatusSource | None,
-                   active_run: Callable[[], str | None]) -> None:
-    @router.get("/engines", response_model=m.EnginesPage,
-                responses=m.problem_responses(401, 404, 409, 503))
-    def list_engines(run_id: Optional[str] = Query(default=None, max_length=128)) -> dict[str, Any]:
+def _engine_routes(
+    router: APIRouter, engines: EngineStatusSource | None, active_run: Callable[[], str | None]
+) -> None:
+    @router.get("/engines", response_model=m.EnginesPage, responses=m.problem_responses(401, 404, 409, 503))
+    def list_engines(run_id: str | None = Query(default=None, max_length=128)) -> dict[str, Any]:
         """Engines of run_id (default: the run being executed; none when idle), as rollout
         reports them."""
         if engines is None:
@@ -128,12 +146,17 @@ def _engine_routes(router: APIRouter, engines: EngineStatusSource | None,
         return {"run_id": target, "engines": [e.to_dict() for e in found]}
 
 
-def _drain_route(router: APIRouter, engines: EngineStatusSource | None,
-                 active_run: Callable[[], str | None]) -> None:
-    @router.post("/engines/{engine_id}/drain", response_model=m.Engine,
-                 responses=m.problem_responses(401, 403, 404, 503))
-    def drain_engine(engine_id: str,
-                     run_id: Optional[str] = Query(default=None, max_length=128)) -> dict[str, Any]:
+def _drain_route(
+    router: APIRouter, engines: EngineStatusSource | None, active_run: Callable[[], str | None]
+) -> None:
+    @router.post(
+        "/engines/{engine_id}/drain",
+        response_model=m.Engine,
+        responses=m.problem_responses(401, 403, 404, 503),
+    )
+    def drain_engine(
+        engine_id: str, run_id: str | None = Query(default=None, max_length=128)
+    ) -> dict[str, Any]:
         """Drain an engine of run_id (default: the run being executed): it takes no new work and
         finishes what it has, then reports `drained`. Idempotent."""
         if engines is None:
@@ -149,14 +172,17 @@ def _valid_stream_id(value: str) -> bool:
     return value.isascii() and ms.isdigit() and sep == "-" and seq.isdigit() and len(value) <= 40
 
 
-async def _event_stream(request: Request, service: RunService, run_id: str, after: str,
-                        first: list[tuple[str, dict]]):
+async def _event_stream(
+    request: Request, service: RunService, run_id: str, after: str, first: list[tuple[str, dict]]
+):
     events, idle_s = first, 0.0
     while True:
         for event_id, fields in events:
             after = event_id
-            yield f"id: {event_id}\nevent: {fields.get('type', 'message')}\n" \
-                  f"data: {json.dumps(fields, sort_keys=True)}\n\n"
+            yield (
+                f"id: {event_id}\nevent: {fields.get('type', 'message')}\n"
+                f"data: {json.dumps(fields, sort_keys=True)}\n\n"
+            )
             if fields.get("state") in _TERMINAL:
                 return
         if events:
@@ -178,14 +204,19 @@ async def _event_stream(request: Request, service: RunService, run_id: str, afte
 def _change_routes(router: APIRouter, service: RunService) -> None:
     run_responses = m.problem_responses(401, 403, 404, 409, 503)
 
-    @router.post("/runs", status_code=201, response_model=m.RunModel,
-                 responses={200: {"model": m.RunModel, "description": "replayed: the run this "
-                                  "Idempotency-Key created"},
-                            **m.problem_responses(401, 403, 409, 413, 422, 503)},
-                 openapi_extra={"requestBody": {"required": True, "content": {
-                     "application/json": {"schema": m.spec_schema()}}}})
-    async def create_run(request: Request, idempotency_key: Optional[str] = Header(default=None)
-                         ) -> Any:
+    @router.post(
+        "/runs",
+        status_code=201,
+        response_model=m.RunModel,
+        responses={
+            200: {"model": m.RunModel, "description": "replayed: the run this Idempotency-Key created"},
+            **m.problem_responses(401, 403, 409, 413, 422, 503),
+        },
+        openapi_extra={
+            "requestBody": {"required": True, "content": {"application/json": {"schema": m.spec_schema()}}}
+        },
+    )
+    async def create_run(request: Request, idempotency_key: str | None = Header(default=None)) -> Any:
         key = _check_idempotency_key(idempotency_key)
         try:
             data = json.loads(await request.body())
@@ -193,8 +224,9 @@ def _change_routes(router: APIRouter, service: RunService) -> None:
             raise SpecError("body", f"not valid JSON: {exc}") from None
         run, replayed = await run_in_threadpool(service.create_run_idempotent, data, key)
         if replayed:
-            return JSONResponse(status_code=200, content=run.to_dict(),
-                                headers={"Idempotent-Replayed": "true"})
+            return JSONResponse(
+                status_code=200, content=run.to_dict(), headers={"Idempotent-Replayed": "true"}
+            )
         return run.to_dict()
 
     @router.post("/runs/{run_id}/stop", response_model=m.RunModel, responses=run_responses)
@@ -217,18 +249,22 @@ def _change_routes(router: APIRouter, service: RunService) -> None:
         the trainer cannot (no checkpoint directory, offloaded); 503 trainer unreachable."""
         return service.checkpoint_run(run_id).to_dict()
 
-    @router.delete("/runs/{run_id}", status_code=204, response_class=Response,
-                   responses=run_responses)
+    @router.delete("/runs/{run_id}", status_code=204, response_class=Response, responses=run_responses)
     def delete_run(run_id: str) -> Response:
         service.delete_run(run_id)
         return Response(status_code=204)
 
 
-def create_app(service: RunService, tokens: ApiTokens | str, readiness: Readiness,
-               metrics: ControllerMetrics, cors_origins: tuple[str, ...] = (),
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               engines: EngineStatusSource | None = None,
-               active_run: Callable[[], str | None] = lambda: None) -> FastAPI:
+def create_app(
+    service: RunService,
+    tokens: ApiTokens | str,
+    readiness: Readiness,
+    metrics: ControllerMetrics,
+    cors_origins: tuple[str, ...] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    engines: EngineStatusSource | None = None,
+    active_run: Callable[[], str | None] = lambda: None,
+) -> FastAPI:
     """The REST application. tokens: the role tokens (a plain string is the one admin token);
     readiness returns named checks (True = ok) for `/readyz`; engines and active_run serve
     `/v1/engines` and `/v1/engines/{id}/drain` (503 without engines)."""
@@ -253,26 +289,35 @@ def create_app(service: RunService, tokens: ApiTokens | str, readiness: Readines
     def readyz() -> JSONResponse:
         checks = readiness()
         ready = all(checks.values())
-        return JSONResponse(status_code=200 if ready else 503,
-                            content={"ready": ready, "checks": checks})
+        return JSONResponse(status_code=200 if ready else 503, content={"ready": ready, "checks": checks})
 
-    @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}},
+    )
     def prometheus_metrics() -> Response:
         return Response(content=metrics.exposition(), media_type=CONTENT_TYPE)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = m.finish_openapi(get_openapi(
-                title=app.title, version=app.version, routes=app.routes,
-                description="Furlong controller REST API; errors are RFC 9457 problem+json."))
+            app.openapi_schema = m.finish_openapi(
+                get_openapi(
+                    title=app.title,
+                    version=app.version,
+                    routes=app.routes,
+                    description="Furlong controller REST API; errors are RFC 9457 problem+json.",
+                )
+            )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins),
-                           allow_methods=["GET", "POST", "DELETE"],
-                           allow_headers=["Authorization", "Content-Type", "Idempotency-Key",
-                                          "Last-Event-ID"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID"],
+        )
     return app

@@ -19,15 +19,17 @@ class Role(str, enum.Enum):
     VIEWER = "viewer"
     ADMIN = "admin"
 
-    def allows(self, needed: "Role") -> bool:
+    def allows(self, needed: Role) -> bool:
         return self == Role.ADMIN or needed == Role.VIEWER
 
 
 def check_token(name: str, token: str) -> str:
     """token if it is long enough and has no whitespace; ValueError naming it (never its value)."""
     if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
-        raise ValueError(f"{name} must be at least {MIN_TOKEN_CHARS} characters without whitespace "
-                         f"(got {len(token)} characters)")
+        raise ValueError(
+            f"{name} must be at least {MIN_TOKEN_CHARS} characters without whitespace "
+            f"(got {len(token)} characters)"
+        )
     return token
 
 

@@ -25,15 +25,21 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from furlong.core.errors import FurlongError
-
 from furlong.controller import cli_generate, cli_models
 from furlong.controller.client import HttpControllerClient
-from furlong.controller.local_stack import (StackConfig, StackInfo, StackRunningError,
-                                            StackStartError, load_stack, running_stack, start_stack,
-                                            stop_stack)
+from furlong.controller.local_stack import (
+    StackConfig,
+    StackInfo,
+    StackRunningError,
+    StackStartError,
+    load_stack,
+    running_stack,
+    start_stack,
+    stop_stack,
+)
 from furlong.controller.run_follow import Interrupts, follow_run, summary_table
 from furlong.controller.run_spec import parse_run_spec
+from furlong.core.errors import FurlongError
 
 DEFAULT_STATE_DIR = Path(".furlong")
 console = Console()
@@ -83,8 +89,13 @@ def _print_stack(info: StackInfo) -> None:
 
 def _start(args: argparse.Namespace) -> StackInfo:
     with console.status("starting Redis and the Furlong services..."):
-        return start_stack(StackConfig(state_dir=args.state_dir, ready_timeout_s=args.ready_timeout_s,
-                                       torch_threads=args.torch_threads))
+        return start_stack(
+            StackConfig(
+                state_dir=args.state_dir,
+                ready_timeout_s=args.ready_timeout_s,
+                torch_threads=args.torch_threads,
+            )
+        )
 
 
 def _stop(state_dir: Path) -> None:
@@ -132,8 +143,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         client = HttpControllerClient(stack.rest_url, stack.token())
         with Interrupts() as interrupts:  # from here a Ctrl-C stops the run, then the stack
             run = client.create_run(spec)
-            console.print(f"submitted run [bold]{run['run_id']}[/] ({spec['task']}, "
-                          f"{spec['steps']} steps)")
+            console.print(f"submitted run [bold]{run['run_id']}[/] ({spec['task']}, {spec['steps']} steps)")
             result = follow_run(client, run, out_dir, console, interrupts, poll_s=args.poll_s)
         client.close()
     finally:
@@ -156,8 +166,9 @@ def _client(args: argparse.Namespace) -> HttpControllerClient:
         return HttpControllerClient(args.url, token)
     info = running_stack(args.state_dir)
     if info is None:
-        raise UsageError(f"no running stack in {args.state_dir}; start one with `furlong up` "
-                         "or pass --url and --token")
+        raise UsageError(
+            f"no running stack in {args.state_dir}; start one with `furlong up` or pass --url and --token"
+        )
     return HttpControllerClient(info.rest_url, info.token())
 
 
@@ -169,16 +180,23 @@ def cmd_runs(args: argparse.Namespace) -> int:
             for column in ("run id", "state", "step", "policy", "reason"):
                 table.add_column(column)
             for r in client.list_runs(args.state):
-                table.add_row(r["run_id"], r["state"], f"{r['current_step']}/{r['total_steps']}",
-                              str(r["policy_version"]), r["reason"][:60])
+                table.add_row(
+                    r["run_id"],
+                    r["state"],
+                    f"{r['current_step']}/{r['total_steps']}",
+                    str(r["policy_version"]),
+                    r["reason"][:60],
+                )
             console.print(table)
         elif args.runs_command == "show":
             run = client.get_run(args.run_id)
             console.print_json(json.dumps(run))
             for record in client.run_metrics(args.run_id, since=max(0, run["current_step"] - 5)):
-                console.print(f"step {record['step']:>4}  reward {record['reward_mean']:.4f}  "
-                              f"loss {record['loss']:.4f}  v{record['policy_version']}  "
-                              f"{record['step_seconds']:.2f}s")
+                console.print(
+                    f"step {record['step']:>4}  reward {record['reward_mean']:.4f}  "
+                    f"loss {record['loss']:.4f}  v{record['policy_version']}  "
+                    f"{record['step_seconds']:.2f}s"
+                )
         else:
             run = client.stop_run(args.run_id)
             note = " (stop requested)" if run["stop_requested"] else ""
@@ -194,25 +212,41 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_state_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
-                       help="where the local stack keeps stack.json, logs, token and Redis data")
+        p.add_argument(
+            "--state-dir",
+            type=Path,
+            default=DEFAULT_STATE_DIR,
+            help="where the local stack keeps stack.json, logs, token and Redis data",
+        )
         return p
 
     up = with_state_dir(sub.add_parser("up", help="start the local stack and return"))
     up.add_argument("--ready-timeout-s", type=float, default=180.0)
-    up.add_argument("--torch-threads", type=int, default=1,
-                    help="torch threads of the trainer and rollout processes (default 1)")
+    up.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch threads of the trainer and rollout processes (default 1)",
+    )
     up.set_defaults(func=cmd_up)
     down = with_state_dir(sub.add_parser("down", help="stop what `furlong up` started"))
-    down.add_argument("--timeout-s", type=float, default=15.0,
-                      help="how long each process gets after SIGTERM before SIGKILL")
+    down.add_argument(
+        "--timeout-s",
+        type=float,
+        default=15.0,
+        help="how long each process gets after SIGTERM before SIGKILL",
+    )
     down.set_defaults(func=cmd_down)
     run = with_state_dir(sub.add_parser("run", help="run a config end to end with a progress bar"))
     run.add_argument("config", type=Path)
     run.add_argument("--out", type=Path, default=None, help="output dir (default runs/<name>)")
     run.add_argument("--ready-timeout-s", type=float, default=180.0)
-    run.add_argument("--torch-threads", type=int, default=1,
-                     help="torch threads of the trainer and rollout processes, if this starts them")
+    run.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch threads of the trainer and rollout processes, if this starts them",
+    )
     run.add_argument("--poll-s", type=float, default=0.5)
     run.set_defaults(func=cmd_run)
     runs = with_state_dir(sub.add_parser("runs", help="list, show or stop runs"))

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 
-def add_commands(subparsers: "argparse._SubParsersAction") -> None:
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add `generate` to a `furlong` sub-command set; its handler is `args.func(args) -> int`."""
     p = subparsers.add_parser("generate", help="sample from a checkpoint and show log-probs and supports")
     p.add_argument("--model", type=Path, required=True, help="checkpoint directory")
@@ -40,13 +40,24 @@ def add_commands(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1); 0 = off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=[], metavar="STR",
-                   help="end a sample when its text contains STR (repeatable; STR is not returned)")
-    p.add_argument("--max-support-size", type=int, default=0,
-                   help="largest support to record; a larger one fails (0 = unbounded)")
-    p.add_argument("--truncate-support", action="store_true",
-                   help="with --max-support-size: cut larger supports (flagged per token) instead "
-                        "of failing")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="end a sample when its text contains STR (repeatable; STR is not returned)",
+    )
+    p.add_argument(
+        "--max-support-size",
+        type=int,
+        default=0,
+        help="largest support to record; a larger one fails (0 = unbounded)",
+    )
+    p.add_argument(
+        "--truncate-support",
+        action="store_true",
+        help="with --max-support-size: cut larger supports (flagged per token) instead of failing",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_generate)
 
@@ -70,41 +81,56 @@ def generate_record(model_dir: Path, prompt: str, n: int, sampling: Any, bound: 
         "model": str(model_dir),
         "prompt": prompt,
         "prompt_token_ids": prompt_ids,
-        "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k,
-                     "top_p": sampling.top_p, "min_p": sampling.min_p,
-                     "max_new_tokens": sampling.max_new_tokens, "seed": sampling.seed,
-                     "stop": list(sampling.stop), "max_support_size": bound.max_size,
-                     "on_overflow": bound.on_overflow},
+        "sampling": {
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "min_p": sampling.min_p,
+            "max_new_tokens": sampling.max_new_tokens,
+            "seed": sampling.seed,
+            "stop": list(sampling.stop),
+            "max_support_size": bound.max_size,
+            "on_overflow": bound.on_overflow,
+        },
         "vocab_size": engine.vocab_size,
         "policy_version": engine.policy_version,
-        "samples": [{
-            "index": i,
-            "token_ids": g.token_ids,
-            "text": g.text,
-            "finish_reason": g.finish_reason,
-            "stop_string": g.stop_string,
-            "logprobs": g.logprobs,
-            "full_logprobs": g.full_logprobs,
-            "support": g.support.to_lists(),
-            "truncated_positions": g.truncated_positions,
-        } for i, g in enumerate(generations)],
+        "samples": [
+            {
+                "index": i,
+                "token_ids": g.token_ids,
+                "text": g.text,
+                "finish_reason": g.finish_reason,
+                "stop_string": g.stop_string,
+                "logprobs": g.logprobs,
+                "full_logprobs": g.full_logprobs,
+                "support": g.support.to_lists(),
+                "truncated_positions": g.truncated_positions,
+            }
+            for i, g in enumerate(generations)
+        ],
     }
 
 
 def cmd_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
-    from furlong.rollout.core.sampling import (OVERFLOW_ERROR, OVERFLOW_TRUNCATE, SamplingConfig,
-                                               SupportBound)
+    from furlong.rollout.core.sampling import OVERFLOW_ERROR, OVERFLOW_TRUNCATE, SamplingConfig, SupportBound
 
     try:
         if args.truncate_support and args.max_support_size == 0:
             raise ValueError("--truncate-support needs --max-support-size > 0")
-        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                  min_p=args.min_p, stop=list(args.stop))
-        bound = SupportBound(args.max_support_size,
-                             OVERFLOW_TRUNCATE if args.truncate_support else OVERFLOW_ERROR)
+        sampling = SamplingConfig(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            min_p=args.min_p,
+            stop=list(args.stop),
+        )
+        bound = SupportBound(
+            args.max_support_size, OVERFLOW_TRUNCATE if args.truncate_support else OVERFLOW_ERROR
+        )
         record = generate_record(args.model, args.prompt, args.n, sampling, bound)
     except ValueError as exc:
         err.write(f"furlong generate: {exc}\n")
@@ -115,6 +141,8 @@ def cmd_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
     for s in record["samples"]:
         total = sum(s["logprobs"])
         sizes = [len(row) for row in s["support"]]
-        out.write(f"[{s['index']}] {s['text']!r}  ({len(s['token_ids'])} tokens, {s['finish_reason']}, "
-                  f"sum log-prob {total:.4f}, support sizes {min(sizes)}-{max(sizes)})\n")
+        out.write(
+            f"[{s['index']}] {s['text']!r}  ({len(s['token_ids'])} tokens, {s['finish_reason']}, "
+            f"sum log-prob {total:.4f}, support sizes {min(sizes)}-{max(sizes)})\n"
+        )
     return 0

@@ -19,11 +19,11 @@ from collections import Counter
 from pathlib import Path
 
 from furlong.core.errors import IntegrityError
-from furlong.core.fp8 import DEFAULT_SCALE_SUFFIX
 from furlong.core.formats.checkpoint_dir import INDEX_FILE, SINGLE_FILE, CheckpointDir, read_config
 from furlong.core.formats.fp4_tensors import find_fp4_tensors
 from furlong.core.formats.mxfp4_convert import ON_LOSSY, ConvertOptions, convert_mxfp4_to_fp8
 from furlong.core.formats.verify import verify_conversion
+from furlong.core.fp8 import DEFAULT_SCALE_SUFFIX
 from furlong.core.models import ModelSpec, load_checked_spec, stored_expert_dtype
 from furlong.core.prepare import prepare_checkpoint
 
@@ -36,17 +36,22 @@ def _fail(message: str) -> int:
 def describe_spec(spec: ModelSpec) -> list[str]:
     rope = spec.rope
     params = ", ".join(f"{k}={v}" for k, v in rope.scaling_items().items())
-    lines = [f"spec: {spec.name} (model_type {spec.model_type})",
-             f"attention: {spec.attention.value}; rotary_dim {spec.rotary_dim}",
-             f"rope: {rope.type.value}, theta {rope.theta:g}" + (f", {params}" if params else "")
-             + (f", compress_theta {rope.compress_theta:g}" if rope.compress_theta else ""),
-             f"norm: {spec.norm.value} eps {spec.norm_eps:g}; vocab {spec.vocab_size}; "
-             f"max positions {spec.max_position_embeddings}"]
+    lines = [
+        f"spec: {spec.name} (model_type {spec.model_type})",
+        f"attention: {spec.attention.value}; rotary_dim {spec.rotary_dim}",
+        f"rope: {rope.type.value}, theta {rope.theta:g}"
+        + (f", {params}" if params else "")
+        + (f", compress_theta {rope.compress_theta:g}" if rope.compress_theta else ""),
+        f"norm: {spec.norm.value} eps {spec.norm_eps:g}; vocab {spec.vocab_size}; "
+        f"max positions {spec.max_position_embeddings}",
+    ]
     if spec.experts:
         e = spec.experts
-        lines.append(f"experts: {e.num_experts} routed, top-{e.experts_per_token}, "
-                     f"{e.num_shared_experts} shared, width {e.moe_intermediate_size}, "
-                     f"stored {e.stored_dtype}")
+        lines.append(
+            f"experts: {e.num_experts} routed, top-{e.experts_per_token}, "
+            f"{e.num_shared_experts} shared, width {e.moe_intermediate_size}, "
+            f"stored {e.stored_dtype}"
+        )
     return lines
 
 
@@ -60,21 +65,28 @@ def _models_check(args: argparse.Namespace) -> int:
         if args.config_only:
             lines.append("  weights: not checked (--config-only)")
         elif not has_weights:
-            return _fail(f"{model_dir} holds no {INDEX_FILE} or {SINGLE_FILE} "
-                         f"(use --config-only to check the config alone)")
+            return _fail(
+                f"{model_dir} holds no {INDEX_FILE} or {SINGLE_FILE} "
+                f"(use --config-only to check the config alone)"
+            )
         else:
             ckpt = CheckpointDir.open(model_dir)
             dtypes = Counter(ckpt.entry(name).dtype for name in ckpt.weight_map)
             fp4 = find_fp4_tensors(ckpt)
             if bool(fp4) != (stored_expert_dtype(config) == "mxfp4"):
-                return _fail(f"config says experts are stored as {stored_expert_dtype(config)} "
-                             f"but {len(fp4)} tensors are MXFP4")
-            lines.append(f"  weights: {len(ckpt.shards)} shard(s), {len(ckpt.weight_map)} tensors, "
-                         f"{ckpt.total_tensor_bytes()} bytes; dtypes "
-                         + ", ".join(f"{k} {v}" for k, v in sorted(dtypes.items())))
+                return _fail(
+                    f"config says experts are stored as {stored_expert_dtype(config)} "
+                    f"but {len(fp4)} tensors are MXFP4"
+                )
+            lines.append(
+                f"  weights: {len(ckpt.shards)} shard(s), {len(ckpt.weight_map)} tensors, "
+                f"{ckpt.total_tensor_bytes()} bytes; dtypes "
+                + ", ".join(f"{k} {v}" for k, v in sorted(dtypes.items()))
+            )
             if fp4:
-                lines.append(f"  mxfp4: {len(fp4)} tensors; run `furlong prepare {model_dir}` to "
-                             f"convert them to FP8")
+                lines.append(
+                    f"  mxfp4: {len(fp4)} tensors; run `furlong prepare {model_dir}` to convert them to FP8"
+                )
     except (ValueError, KeyError) as exc:
         return _fail(str(exc))
     print("\n".join(lines + ["ok"]))
@@ -90,9 +102,11 @@ def _convert(args: argparse.Namespace) -> int:
     if report.already_done:
         print(f"{report.dst} already holds this conversion of {report.src}")
     else:
-        print(f"converted {report.src} -> {report.dst}: {report.num_fp8} tensors to FP8, "
-              f"{len(report.bf16_tensors)} to bf16, {report.num_copied} copied, "
-              f"{report.output_bytes} bytes")
+        print(
+            f"converted {report.src} -> {report.dst}: {report.num_fp8} tensors to FP8, "
+            f"{len(report.bf16_tensors)} to bf16, {report.num_copied} copied, "
+            f"{report.output_bytes} bytes"
+        )
         for name in report.bf16_tensors:
             print(f"  bf16 (lossy in FP8, {report.lossy_tiles.get(name, 0)} tiles): {name}")
     return 0
@@ -103,16 +117,19 @@ def _verify(args: argparse.Namespace) -> int:
         report = verify_conversion(args.src, args.dst, args.scale_suffix)
     except (ValueError, IntegrityError) as exc:
         return _fail(str(exc))
-    print(f"identical: {report.num_fp4_tensors} MXFP4 tensors ({report.num_values_compared} "
-          f"values, {len(report.bf16_tensors)} in bf16) and {report.num_copies_compared} copied "
-          f"tensors")
+    print(
+        f"identical: {report.num_fp4_tensors} MXFP4 tensors ({report.num_values_compared} "
+        f"values, {len(report.bf16_tensors)} in bf16) and {report.num_copies_compared} copied "
+        f"tensors"
+    )
     return 0
 
 
 def _prepare(args: argparse.Namespace) -> int:
     try:
-        prepared = prepare_checkpoint(args.model_dir, args.out,
-                                      ConvertOptions(on_lossy=args.on_lossy), args.spec)
+        prepared = prepare_checkpoint(
+            args.model_dir, args.out, ConvertOptions(on_lossy=args.on_lossy), args.spec
+        )
     except ValueError as exc:
         return _fail(str(exc))
     if prepared.converted:

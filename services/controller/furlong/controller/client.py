@@ -7,14 +7,14 @@ UnavailableError (503 or the controller cannot be reached), PermissionError (401
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import httpx
 
-from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
-
 from furlong.controller.run_spec import SpecError
 from furlong.controller.runs import RunService
+from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 
 
 class ControllerClient(Protocol):
@@ -62,8 +62,9 @@ def _raise_for(response: httpx.Response) -> None:
 class HttpControllerClient:
     def __init__(self, base_url: str, token: str, timeout_s: float = 30.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s,
-                                  headers={"Authorization": f"Bearer {token}"})
+        self._http = httpx.Client(
+            base_url=self.base_url, timeout=timeout_s, headers={"Authorization": f"Bearer {token}"}
+        )
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:

@@ -23,14 +23,18 @@ class DriverTimeouts:
     publish_s: float = 120.0
     commit_s: float = 120.0
     end_s: float = 30.0
-    checkpoint_s: float = 300.0   # an on-demand checkpoint, including the wait for a step in progress
-    pause_poll_s: float = 0.2     # how often a paused run checks for resume or stop
+    checkpoint_s: float = 300.0  # an on-demand checkpoint, including the wait for a step in progress
+    pause_poll_s: float = 0.2  # how often a paused run checks for resume or stop
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value <= 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
                 raise ValueError(f"DriverTimeouts.{f.name} must be a positive number, got {value!r}")
 
 
@@ -49,15 +53,15 @@ class ControllerConfig:
     host: str
     port: int
     redis_url: str
-    trainer: str                  # host:port of the trainer's gRPC server
+    trainer: str  # host:port of the trainer's gRPC server
     rollout: str
     broker: str
-    token: str                    # admin bearer token (reads and changes runs)
+    token: str  # admin bearer token (reads and changes runs)
     timeouts: DriverTimeouts = DriverTimeouts()
-    viewer_token: str = ""        # "" = no viewer token; else a bearer token that may only read
-    cors_origins: tuple[str, ...] = ()   # () = CORS off
-    auth_token_file: str = ""     # "" = gRPC to the services unauthenticated; else the token's file
-    tls: TlsFiles = TlsFiles()    # no files = plaintext gRPC to the services; else mutual TLS
+    viewer_token: str = ""  # "" = no viewer token; else a bearer token that may only read
+    cors_origins: tuple[str, ...] = ()  # () = CORS off
+    auth_token_file: str = ""  # "" = gRPC to the services unauthenticated; else the token's file
+    tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC to the services; else mutual TLS
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -69,12 +73,14 @@ class ControllerConfig:
         for name in ("trainer", "rollout", "broker"):
             check_address(name, getattr(self, name))
         if len(self.token) < 16 or any(c.isspace() for c in self.token):
-            raise ValueError("token must be at least 16 characters without whitespace "
-                             f"(got {len(self.token)} characters)")
-        if self.viewer_token and (len(self.viewer_token) < 16
-                                  or any(c.isspace() for c in self.viewer_token)):
-            raise ValueError("viewer_token must be at least 16 characters without whitespace "
-                             f"(got {len(self.viewer_token)} characters)")
+            raise ValueError(
+                f"token must be at least 16 characters without whitespace (got {len(self.token)} characters)"
+            )
+        if self.viewer_token and (len(self.viewer_token) < 16 or any(c.isspace() for c in self.viewer_token)):
+            raise ValueError(
+                "viewer_token must be at least 16 characters without whitespace "
+                f"(got {len(self.viewer_token)} characters)"
+            )
         if self.viewer_token and self.viewer_token == self.token:
             raise ValueError("viewer_token must differ from the admin token")
         for origin in self.cors_origins:
@@ -82,9 +88,11 @@ class ControllerConfig:
                 raise ValueError(f"cors_origins: {origin!r} is not an http(s) origin or '*'")
 
     def __repr__(self) -> str:  # the token must never reach a log line
-        return (f"ControllerConfig(host={self.host!r}, port={self.port}, redis_url={self.redis_url!r}, "
-                f"trainer={self.trainer!r}, rollout={self.rollout!r}, broker={self.broker!r}, "
-                f"token=<redacted>, viewer_token=<{'redacted' if self.viewer_token else 'none'}>, "
-                f"cors_origins={self.cors_origins!r}, auth_token_file={self.auth_token_file!r}, "
-                f"tls={self.tls!r}, "
-                f"timeouts={self.timeouts!r})")
+        return (
+            f"ControllerConfig(host={self.host!r}, port={self.port}, redis_url={self.redis_url!r}, "
+            f"trainer={self.trainer!r}, rollout={self.rollout!r}, broker={self.broker!r}, "
+            f"token=<redacted>, viewer_token=<{'redacted' if self.viewer_token else 'none'}>, "
+            f"cors_origins={self.cors_origins!r}, auth_token_file={self.auth_token_file!r}, "
+            f"tls={self.tls!r}, "
+            f"timeouts={self.timeouts!r})"
+        )

@@ -27,9 +27,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Callable, TypeVar
-
-from furlong.core.errors import ConflictError, FurlongError, NotFoundError, UnavailableError
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from furlong.controller.clients import BrokerClient, RolloutClient, TrainerClient
 from furlong.controller.config import DriverTimeouts
@@ -37,9 +36,9 @@ from furlong.controller.core.run_state import Run, RunState
 from furlong.controller.core.step_record import StepRecord, sampling_seed
 from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.prompt_source import PromptSource
-from furlong.controller.run_recovery import (RecoveryFailed, RecoveryStopped, RunRecovery,
-                                             recoverable)
+from furlong.controller.run_recovery import RecoveryFailed, RecoveryStopped, RunRecovery, recoverable
 from furlong.controller.run_store import RunStore
+from furlong.core.errors import ConflictError, FurlongError, NotFoundError, UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +63,17 @@ class _PhaseFailed(Exception):
 class RunDriver:
     """Executes runs one call of `execute` at a time; not meant for concurrent calls."""
 
-    def __init__(self, store: RunStore, trainer: TrainerClient, rollout: RolloutClient,
-                 broker: BrokerClient, prompts: PromptSource, timeouts: DriverTimeouts,
-                 metrics: ControllerMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: RunStore,
+        trainer: TrainerClient,
+        rollout: RolloutClient,
+        broker: BrokerClient,
+        prompts: PromptSource,
+        timeouts: DriverTimeouts,
+        metrics: ControllerMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._store = store
         self._trainer = trainer
         self._rollout = rollout
@@ -123,8 +129,9 @@ class RunDriver:
         try:
             if resume:
                 attempts = 1
-                step, version = self._recover(run, f"controller restarted while the run was "
-                                                   f"{run.state.value}")
+                step, version = self._recover(
+                    run, f"controller restarted while the run was {run.state.value}"
+                )
             else:
                 step, version = 0, -1
             while True:
@@ -134,8 +141,8 @@ class RunDriver:
                         self._check_stop(run.run_id, "after configure")
                         self._store.transition(run.run_id, RunState.RUNNING)
                         self._metrics.entered(RunState.RUNNING.value)
-                    for step in range(step + 1, run.spec.steps + 1):
-                        version = self._step(run, step, version)
+                    for current in range(step + 1, run.spec.steps + 1):
+                        version = self._step(run, current, version)
                     return RunState.SUCCEEDED, ""
                 except (_PhaseFailed, UnavailableError) as exc:
                     cause = exc.cause if isinstance(exc, _PhaseFailed) else exc
@@ -144,11 +151,12 @@ class RunDriver:
                     if attempts >= run.spec.recovery.max_attempts:
                         if not attempts:
                             raise
-                        log.warning("run %s failed after %d recoveries: %s", run.run_id, attempts,
-                                    exc)
-                        return RunState.FAILED, (f"{_describe(exc)} (after {attempts} recoveries; "
-                                                 f"recovery.max_attempts="
-                                                 f"{run.spec.recovery.max_attempts})")
+                        log.warning("run %s failed after %d recoveries: %s", run.run_id, attempts, exc)
+                        return RunState.FAILED, (
+                            f"{_describe(exc)} (after {attempts} recoveries; "
+                            f"recovery.max_attempts="
+                            f"{run.spec.recovery.max_attempts})"
+                        )
                     attempts += 1
                     step, version = self._recover(run, _describe(exc))
         except RecoveryStopped as stop:
@@ -169,8 +177,7 @@ class RunDriver:
 
     def _recover(self, run: Run, cause: str) -> tuple[int, int]:
         """Resume from the last checkpoint (RecoveryFailed if impossible); (step, version)."""
-        resumed = self._recovery.resume(run, cause,
-                                        lambda: self._store.get(run.run_id).stop_requested)
+        resumed = self._recovery.resume(run, cause, lambda: self._store.get(run.run_id).stop_requested)
         current = self._store.get(run.run_id)
         if current.state in (RunState.STARTING, RunState.PAUSED):
             self._store.transition(run.run_id, RunState.RUNNING)
@@ -211,21 +218,39 @@ class RunDriver:
         spec, t = run.spec, self._timeouts
         reward = self._call("task", self._prompts.reward_name, spec.task)
         configured.append("rollout")
-        rollout_version = self._call("rollout.ConfigureRun", self._rollout.configure_run, run.run_id,
-                                     spec.model, reward, spec.rollout.num_engines, spec.seed,
-                                     t.configure_s)
+        rollout_version = self._call(
+            "rollout.ConfigureRun",
+            self._rollout.configure_run,
+            run.run_id,
+            spec.model,
+            reward,
+            spec.rollout.num_engines,
+            spec.seed,
+            t.configure_s,
+        )
         self._check_stop(run.run_id, "after rollout.ConfigureRun")
         configured.append("trainer")
         configured.append("broker")
-        self._call("ledger", self._store.ledger(run.run_id).set_every_steps,
-                   spec.checkpoint.every_steps)
-        trainer_version = self._call("trainer.ConfigureRun", self._trainer.configure_run,
-                                     run.run_id, spec.model, spec.algorithm, spec.seed, spec.steps,
-                                     spec.sampling.temperature, t.configure_s)
+        self._call("ledger", self._store.ledger(run.run_id).set_every_steps, spec.checkpoint.every_steps)
+        trainer_version = self._call(
+            "trainer.ConfigureRun",
+            self._trainer.configure_run,
+            run.run_id,
+            spec.model,
+            spec.algorithm,
+            spec.seed,
+            spec.steps,
+            spec.sampling.temperature,
+            t.configure_s,
+        )
         if rollout_version != trainer_version:
-            raise _PhaseFailed("configure", ConflictError(
-                f"rollout serves policy version {rollout_version} but the trainer starts from "
-                f"{trainer_version}"))
+            raise _PhaseFailed(
+                "configure",
+                ConflictError(
+                    f"rollout serves policy version {rollout_version} but the trainer starts from "
+                    f"{trainer_version}"
+                ),
+            )
         self._call("ledger", self._store.ledger(run.run_id).record_committed, trainer_version)
         return trainer_version
 
@@ -234,8 +259,14 @@ class RunDriver:
         where = f"step {step}"
         self._between_steps(rid, where)
         started = self._clock()
-        prompts = self._call(f"{where} prompts", self._prompts.prompts, spec.task, spec.seed, step,
-                             spec.rollout.prompts_to_request(spec.prompts_per_step))
+        prompts = self._call(
+            f"{where} prompts",
+            self._prompts.prompts,
+            spec.task,
+            spec.seed,
+            step,
+            spec.rollout.prompts_to_request(spec.prompts_per_step),
+        )
         prompt_ids = [p.prompt_id for p in prompts]
         ledger = self._store.ledger(rid)
         done = self._call(f"{where} ledger", ledger.generated_ids, step, prompt_ids)
@@ -244,16 +275,29 @@ class RunDriver:
         gen = None
         if need > 0 and missing:  # after a recovery, groups already in the stream are kept
             self._call(f"{where} ledger", ledger.submit, step, [p.prompt_id for p in missing])
-            keep = need if len(missing) > need else 0     # over-sampling: first `need` to complete
-            gen = self._call(f"{where} rollout.Generate", functools.partial(
-                self._rollout.generate, max_refill_rounds=spec.rollout.max_refill_rounds,
-                keep_groups=keep), rid, step, missing, spec.samples_per_prompt, spec.sampling,
-                sampling_seed(spec.seed, step), version, t.generate_s)
+            keep = need if len(missing) > need else 0  # over-sampling: first `need` to complete
+            gen = self._call(
+                f"{where} rollout.Generate",
+                functools.partial(
+                    self._rollout.generate, max_refill_rounds=spec.rollout.max_refill_rounds, keep_groups=keep
+                ),
+                rid,
+                step,
+                missing,
+                spec.samples_per_prompt,
+                spec.sampling,
+                sampling_seed(spec.seed, step),
+                version,
+                t.generate_s,
+            )
             expected = min(need, len(missing))
-            if gen.num_groups > expected or (gen.num_groups < expected
-                                             and not spec.rollout.max_refill_rounds):
-                raise _PhaseFailed(f"{where} rollout.Generate", ConflictError(
-                    f"rollout wrote {gen.num_groups} groups for {expected} prompts"))
+            if gen.num_groups > expected or (
+                gen.num_groups < expected and not spec.rollout.max_refill_rounds
+            ):
+                raise _PhaseFailed(
+                    f"{where} rollout.Generate",
+                    ConflictError(f"rollout wrote {gen.num_groups} groups for {expected} prompts"),
+                )
         self._call(f"{where} ledger", ledger.scan_stream)
         num_groups = len(done) + (gen.num_groups if gen else 0)
         if gen is not None and gen.num_groups < len(missing):
@@ -262,37 +306,56 @@ class RunDriver:
             kept = self._call(f"{where} ledger", ledger.generated_ids, step, asked)
             self._call(f"{where} ledger", ledger.cut, step, [i for i in asked if i not in kept])
         if num_groups == 0:
-            raise _PhaseFailed(f"{where} rollout.Generate", ConflictError(
-                f"no group left to train: dynamic sampling dropped all {len(missing)} groups "
-                f"(equal rewards after {spec.rollout.max_refill_rounds} refill rounds)"))
+            raise _PhaseFailed(
+                f"{where} rollout.Generate",
+                ConflictError(
+                    f"no group left to train: dynamic sampling dropped all {len(missing)} groups "
+                    f"(equal rewards after {spec.rollout.max_refill_rounds} refill rounds)"
+                ),
+            )
         generated = self._clock()
         self._check_stop(rid, f"after {where} rollout.Generate")
-        train = self._call(f"{where} trainer.TrainStep", self._trainer.train_step, rid, step,
-                           num_groups, t.train_s)
+        train = self._call(
+            f"{where} trainer.TrainStep", self._trainer.train_step, rid, step, num_groups, t.train_s
+        )
         if train.policy_version <= version:
-            raise _PhaseFailed(f"{where} trainer.TrainStep", ConflictError(
-                f"trainer produced policy version {train.policy_version} after {version}"))
+            raise _PhaseFailed(
+                f"{where} trainer.TrainStep",
+                ConflictError(f"trainer produced policy version {train.policy_version} after {version}"),
+            )
         trained = self._clock()
         self._check_stop(rid, f"after {where} trainer.TrainStep")
         new_version = train.policy_version
-        self._call(f"{where} trainer.PublishWeights", self._trainer.publish_weights, rid,
-                   new_version, t.publish_s)
-        status = self._call(f"{where} broker.WaitCommitted", self._broker.wait_committed, rid,
-                            new_version, t.commit_s)
+        self._call(
+            f"{where} trainer.PublishWeights", self._trainer.publish_weights, rid, new_version, t.publish_s
+        )
+        status = self._call(
+            f"{where} broker.WaitCommitted", self._broker.wait_committed, rid, new_version, t.commit_s
+        )
         if status.committed_version < new_version:
-            raise _PhaseFailed(f"{where} broker.WaitCommitted", TimeoutError(
-                f"version {new_version} not committed (committed {status.committed_version}, "
-                f"pending engines {list(status.pending_engine_ids)})"))
+            raise _PhaseFailed(
+                f"{where} broker.WaitCommitted",
+                TimeoutError(
+                    f"version {new_version} not committed (committed {status.committed_version}, "
+                    f"pending engines {list(status.pending_engine_ids)})"
+                ),
+            )
         self._call(f"{where} ledger", ledger.record_committed, new_version)
         synced = self._clock()
         record = StepRecord(
-            step=step, reward_mean=gen.reward_mean if gen else train.metrics.get("reward_mean", 0.0),
-            loss=train.loss, policy_version=new_version,
-            samples=gen.num_samples if gen else train.num_samples, step_seconds=synced - started,
-            generate_seconds=generated - started, train_seconds=trained - generated,
-            sync_seconds=synced - trained, num_tokens=gen.num_tokens if gen else 0,
+            step=step,
+            reward_mean=gen.reward_mean if gen else train.metrics.get("reward_mean", 0.0),
+            loss=train.loss,
+            policy_version=new_version,
+            samples=gen.num_samples if gen else train.num_samples,
+            step_seconds=synced - started,
+            generate_seconds=generated - started,
+            train_seconds=trained - generated,
+            sync_seconds=synced - trained,
+            num_tokens=gen.num_tokens if gen else 0,
             sampled_policy_version=gen.policy_version if gen else version,
-            trainer_metrics=dict(train.metrics))
+            trainer_metrics=dict(train.metrics),
+        )
         self._store.record_step(rid, record)
         self._observe(rid, record)
         return new_version
@@ -336,8 +399,11 @@ class RunDriver:
 
     def _teardown(self, run_id: str, configured: list[str]) -> list[str]:
         """EndRun on every service the run touched, in order; the problems, as text."""
-        ends = {"rollout": self._rollout.end_run, "trainer": self._trainer.end_run,
-                "broker": self._broker.end_run}
+        ends = {
+            "rollout": self._rollout.end_run,
+            "trainer": self._trainer.end_run,
+            "broker": self._broker.end_run,
+        }
         problems = []
         for name in ("rollout", "trainer", "broker"):
             if name not in configured:

@@ -3,8 +3,9 @@
 A run waits in `pending` until the thread takes it. On start, `recover()` queues the runs a previous
 controller process left active (their driver is gone) to resume from their last checkpoint
 (`RunDriver.resume`: a run whose spec allows no recovery, or that was already stopping, is ended on
-the services and finished instead), ahead of the runs left pending, which are re-queued. `close()` asks the active run to stop and waits for its teardown,
-bounded by a deadline; runs still queued stay pending in Redis.
+the services and finished instead), ahead of the runs left pending, which are re-queued. `close()`
+asks the active run to stop and waits for its teardown, bounded by a deadline; runs still queued
+stay pending in Redis.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import logging
 import queue
 import threading
 
-from furlong.core.errors import FurlongError
-
 from furlong.controller.core.run_state import ACTIVE_STATES, RunState
 from furlong.controller.driver import RunDriver
 from furlong.controller.run_store import RunStore
+from furlong.core.errors import FurlongError
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class RunExecutor:
         with self._lock:
             return self._active
 
-    def start(self) -> "RunExecutor":
+    def start(self) -> RunExecutor:
         self._thread.start()
         return self
 
@@ -53,8 +53,11 @@ class RunExecutor:
         runs = sorted(self._store.list_runs(), key=lambda r: r.created_at)
         for run in runs:
             if run.state in ACTIVE_STATES:
-                log.info("run %s was %s when the previous controller stopped; resuming it",
-                         run.run_id, run.state.value)
+                log.info(
+                    "run %s was %s when the previous controller stopped; resuming it",
+                    run.run_id,
+                    run.state.value,
+                )
                 self._queue.put(("resume", run.run_id))
         requeued = [run.run_id for run in runs if run.state == RunState.PENDING]
         for run_id in requeued:
@@ -92,8 +95,7 @@ class RunExecutor:
                 if kind == "end":
                     self._driver.end_on_services(run_id)
                     continue
-                run = (self._driver.resume(run_id) if kind == "resume"
-                       else self._driver.execute(run_id))
+                run = self._driver.resume(run_id) if kind == "resume" else self._driver.execute(run_id)
                 log.info("run %s finished: %s %s", run_id, run.state.value, run.reason)
             except Exception:  # noqa: BLE001 - one broken run must not stop the executor
                 log.exception("run %s could not be executed", run_id)

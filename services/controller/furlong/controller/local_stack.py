@@ -29,25 +29,22 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import httpx
 
 from furlong import rpc
-from furlong.core.redis_server import RedisServer, free_port
-
 from furlong.controller.clients import BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE
 from furlong.controller.config import check_address
-from furlong.controller.stack_processes import (ServiceProcess, adopt, is_running, log_tail, spawn,
-                                                terminate)
+from furlong.controller.stack_processes import ServiceProcess, adopt, is_running, log_tail, spawn, terminate
+from furlong.core.redis_server import RedisServer, free_port
 
 log = logging.getLogger(__name__)
 
 SERVICES = ("redis", "weight_broker", "trainer", "rollout", "controller", "dashboard")
-GRPC_SERVICES = {"weight_broker": BROKER_SERVICE, "trainer": TRAINER_SERVICE,
-                 "rollout": ROLLOUT_SERVICE}
+GRPC_SERVICES = {"weight_broker": BROKER_SERVICE, "trainer": TRAINER_SERVICE, "rollout": ROLLOUT_SERVICE}
 # Stopped in these waves: the controller first (it ends the active run on the services), Redis last.
 _STOP_WAVES = (("controller", "dashboard"), ("rollout", "trainer", "weight_broker"), ("redis",))
 STACK_FILE = "stack.json"
@@ -70,7 +67,7 @@ class StackStartError(RuntimeError):
 @dataclass(frozen=True)
 class StackConfig:
     state_dir: Path
-    services: tuple[str, ...] = SERVICES       # which to start here
+    services: tuple[str, ...] = SERVICES  # which to start here
     external: tuple[tuple[str, str], ...] = ()  # (gRPC service, host:port) used instead of starting it
     python: str = sys.executable
     ready_timeout_s: float = 180.0
@@ -95,15 +92,19 @@ class StackConfig:
             check_address(f"external {name}", address)
         for name in GRPC_SERVICES:
             if (name in self.services) == (name in external):
-                raise ValueError(f"{name} must be either started or external, not "
-                                 f"{'both' if name in external else 'neither'}")
+                raise ValueError(
+                    f"{name} must be either started or external, not "
+                    f"{'both' if name in external else 'neither'}"
+                )
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if not self.broker_ack_timeout_s > 0:
             raise ValueError(f"broker_ack_timeout_s must be > 0, got {self.broker_ack_timeout_s}")
         if self.ready_timeout_s <= 0 or self.stop_timeout_s <= 0:
-            raise ValueError(f"timeouts must be positive, got ready_timeout_s={self.ready_timeout_s}, "
-                             f"stop_timeout_s={self.stop_timeout_s}")
+            raise ValueError(
+                f"timeouts must be positive, got ready_timeout_s={self.ready_timeout_s}, "
+                f"stop_timeout_s={self.stop_timeout_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class StackInfo:
     rest_url: str
     token_file: str
     redis_url: str
-    addresses: dict[str, str]               # gRPC service name -> host:port (started or external)
+    addresses: dict[str, str]  # gRPC service name -> host:port (started or external)
     processes: tuple[ServiceProcess, ...]
     started_at: float
     ready: bool = False
@@ -124,22 +125,35 @@ class StackInfo:
         return Path(self.token_file).read_text().strip()
 
     def to_dict(self) -> dict:
-        return {"state_dir": self.state_dir, "rest_url": self.rest_url, "token_file": self.token_file,
-                "redis_url": self.redis_url, "addresses": self.addresses, "ready": self.ready,
-                "dashboard_url": self.dashboard_url, "started_at": self.started_at,
-                "viewer_token_file": self.viewer_token_file,
-                "internal_token_file": self.internal_token_file,
-                "processes": [p.to_dict() for p in self.processes]}
+        return {
+            "state_dir": self.state_dir,
+            "rest_url": self.rest_url,
+            "token_file": self.token_file,
+            "redis_url": self.redis_url,
+            "addresses": self.addresses,
+            "ready": self.ready,
+            "dashboard_url": self.dashboard_url,
+            "started_at": self.started_at,
+            "viewer_token_file": self.viewer_token_file,
+            "internal_token_file": self.internal_token_file,
+            "processes": [p.to_dict() for p in self.processes],
+        }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "StackInfo":
-        return cls(state_dir=data["state_dir"], rest_url=data["rest_url"],
-                   token_file=data["token_file"], redis_url=data["redis_url"],
-                   addresses=dict(data["addresses"]), ready=bool(data.get("ready")),
-                   dashboard_url=data.get("dashboard_url", ""), started_at=data["started_at"],
-                   viewer_token_file=data.get("viewer_token_file", ""),
-                   internal_token_file=data.get("internal_token_file", ""),
-                   processes=tuple(ServiceProcess.from_dict(p) for p in data["processes"]))
+    def from_dict(cls, data: dict) -> StackInfo:
+        return cls(
+            state_dir=data["state_dir"],
+            rest_url=data["rest_url"],
+            token_file=data["token_file"],
+            redis_url=data["redis_url"],
+            addresses=dict(data["addresses"]),
+            ready=bool(data.get("ready")),
+            dashboard_url=data.get("dashboard_url", ""),
+            started_at=data["started_at"],
+            viewer_token_file=data.get("viewer_token_file", ""),
+            internal_token_file=data.get("internal_token_file", ""),
+            processes=tuple(ServiceProcess.from_dict(p) for p in data["processes"]),
+        )
 
 
 def stack_file(state_dir: Path) -> Path:
@@ -194,14 +208,21 @@ def start_stack(config: StackConfig) -> StackInfo:
     state_dir = config.state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     if _any_running(state_dir):
-        raise StackRunningError(f"a stack is already running in {state_dir}; "
-                                f"stop it with `furlong down --state-dir {state_dir}`")
+        raise StackRunningError(
+            f"a stack is already running in {state_dir}; stop it with `furlong down --state-dir {state_dir}`"
+        )
     stack_file(state_dir).unlink(missing_ok=True)
-    info = StackInfo(state_dir=str(state_dir), rest_url="", token_file=str(_write_token(state_dir)),
-                     redis_url="", addresses=dict(config.external), processes=(),
-                     started_at=time.time(),
-                     viewer_token_file=str(_write_token(state_dir, "viewer-token")),
-                     internal_token_file=str(_write_token(state_dir, "internal-token")))
+    info = StackInfo(
+        state_dir=str(state_dir),
+        rest_url="",
+        token_file=str(_write_token(state_dir)),
+        redis_url="",
+        addresses=dict(config.external),
+        processes=(),
+        started_at=time.time(),
+        viewer_token_file=str(_write_token(state_dir, "viewer-token")),
+        internal_token_file=str(_write_token(state_dir, "internal-token")),
+    )
     try:
         info = _launch(config, state_dir, info)
         info = _wait_healthy(config, info)
@@ -234,19 +255,39 @@ def _launch(config: StackConfig, state_dir: Path, info: StackInfo) -> StackInfo:
     except BaseException:
         redis.stop()
         raise
-    info = _with(info, adopt("redis", redis.process.pid, redis.port, state_dir / "redis" / "redis.log",
-                             redis.process.args), redis_url=redis.url)
+    info = _with(
+        info,
+        adopt("redis", redis.process.pid, redis.port, state_dir / "redis" / "redis.log", redis.process.args),
+        redis_url=redis.url,
+    )
     addresses = dict(config.external)
     py = config.python
     for name in ("weight_broker", "trainer", "rollout"):
         if name not in config.services:
             continue
         port, metrics_port = free_port(), free_port()
-        argv = [py, "-m", f"furlong.{name}", "--host", "127.0.0.1", "--port", str(port),
-                "--metrics-port", str(metrics_port), "--auth-token-file", info.internal_token_file]
+        argv = [
+            py,
+            "-m",
+            f"furlong.{name}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--auth-token-file",
+            info.internal_token_file,
+        ]
         if name != "weight_broker":
-            argv += ["--redis-url", info.redis_url, "--broker", addresses["weight_broker"],
-                     "--num-threads", str(config.torch_threads)]
+            argv += [
+                "--redis-url",
+                info.redis_url,
+                "--broker",
+                addresses["weight_broker"],
+                "--num-threads",
+                str(config.torch_threads),
+            ]
         if name == "weight_broker":
             argv += ["--ack-timeout-s", repr(float(config.broker_ack_timeout_s))]
         if name == "trainer":
@@ -255,18 +296,46 @@ def _launch(config: StackConfig, state_dir: Path, info: StackInfo) -> StackInfo:
         addresses[name] = f"127.0.0.1:{port}"
         info = _with(info, sp, addresses=dict(addresses))
     port = free_port()
-    argv = [py, "-m", "furlong.controller", "--host", "127.0.0.1", "--port", str(port),
-            "--redis-url", info.redis_url, "--trainer", addresses["trainer"],
-            "--rollout", addresses["rollout"], "--broker", addresses["weight_broker"],
-            "--token-file", info.token_file, "--viewer-token-file", info.viewer_token_file,
-            "--auth-token-file", info.internal_token_file]
+    argv = [
+        py,
+        "-m",
+        "furlong.controller",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--redis-url",
+        info.redis_url,
+        "--trainer",
+        addresses["trainer"],
+        "--rollout",
+        addresses["rollout"],
+        "--broker",
+        addresses["weight_broker"],
+        "--token-file",
+        info.token_file,
+        "--viewer-token-file",
+        info.viewer_token_file,
+        "--auth-token-file",
+        info.internal_token_file,
+    ]
     sp = spawn("controller", argv, logs / "controller.log", port)
     info = _with(info, sp, rest_url=f"http://127.0.0.1:{port}")
     if "dashboard" in config.services:
         port = free_port()
-        argv = [py, "-m", "furlong.dashboard", "--host", "127.0.0.1", "--port", str(port),
-                "--controller-url", info.rest_url, "--controller-token-file",
-                info.viewer_token_file]
+        argv = [
+            py,
+            "-m",
+            "furlong.dashboard",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--controller-url",
+            info.rest_url,
+            "--controller-token-file",
+            info.viewer_token_file,
+        ]
         for watched in info.processes:
             argv += ["--watch-pid", str(watched.pid)]
         sp = spawn("dashboard", argv, logs / "dashboard.log", port)
@@ -281,16 +350,20 @@ def _wait_healthy(config: StackConfig, info: StackInfo) -> StackInfo:
         for name, (sp, healthy) in list(waiting.items()):
             if not is_running(sp):
                 tail = log_tail(sp.log_path)
-                raise StackStartError(f"{name} exited during startup; see {sp.log_path}", name,
-                                      sp.log_path, tail)
+                raise StackStartError(
+                    f"{name} exited during startup; see {sp.log_path}", name, sp.log_path, tail
+                )
             if healthy():
                 log.info("%s is healthy on port %d", name, sp.port)
                 del waiting[name]
         if waiting and time.monotonic() > deadline:
             name, (sp, _) = next(iter(waiting.items()))
-            raise StackStartError(f"{', '.join(waiting)} not healthy after "
-                                  f"{config.ready_timeout_s:.0f}s; see {sp.log_path}", name,
-                                  sp.log_path, log_tail(sp.log_path))
+            raise StackStartError(
+                f"{', '.join(waiting)} not healthy after {config.ready_timeout_s:.0f}s; see {sp.log_path}",
+                name,
+                sp.log_path,
+                log_tail(sp.log_path),
+            )
         if waiting:
             time.sleep(0.1)
     return info
@@ -331,11 +404,10 @@ class StackSupervisor:
         self._backoff_s = backoff_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="furlong-stack-supervisor",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="furlong-stack-supervisor", daemon=True)
         self.restarts: dict[str, int] = {}
 
-    def start(self) -> "StackSupervisor":
+    def start(self) -> StackSupervisor:
         self._thread.start()
         return self
 
@@ -365,7 +437,8 @@ class StackSupervisor:
                 new = spawn(sp.name, sp.argv, Path(sp.log_path), sp.port, sp.metrics_port)
                 processes[processes.index(sp)] = new
                 self.restarts[sp.name] = self.restarts.get(sp.name, 0) + 1
-                log.warning("stack supervisor: %s (pid %d) died; restarted as pid %d", sp.name,
-                            sp.pid, new.pid)
+                log.warning(
+                    "stack supervisor: %s (pid %d) died; restarted as pid %d", sp.name, sp.pid, new.pid
+                )
             _write(replace(info, processes=tuple(processes)))
             return [sp.name for sp in dead]

@@ -33,21 +33,30 @@ class ControllerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.runs_total = Counter(_base(RUNS_TOTAL, "_total"), "Runs that entered each state",
-                                  ["state"], registry=r)
+        self.runs_total = Counter(
+            _base(RUNS_TOTAL, "_total"), "Runs that entered each state", ["state"], registry=r
+        )
         self.active_runs = Gauge(ACTIVE_RUNS, "Runs being executed right now", registry=r)
-        self.step_seconds = Histogram(STEP_SECONDS, "Wall time of one RL step",
-                                      buckets=_STEP_BUCKETS_S, registry=r)
-        self.phase_seconds = Histogram(PHASE_SECONDS, "Wall time of one phase of an RL step",
-                                       ["phase"], buckets=_STEP_BUCKETS_S, registry=r)
+        self.step_seconds = Histogram(
+            STEP_SECONDS, "Wall time of one RL step", buckets=_STEP_BUCKETS_S, registry=r
+        )
+        self.phase_seconds = Histogram(
+            PHASE_SECONDS,
+            "Wall time of one phase of an RL step",
+            ["phase"],
+            buckets=_STEP_BUCKETS_S,
+            registry=r,
+        )
         self.steps_total = Counter(_base(STEPS_TOTAL, "_total"), "Completed RL steps", registry=r)
-        self.reward_mean = Gauge(REWARD_MEAN, "Mean reward of the run's latest step", ["run_id"],
-                                 registry=r)
+        self.reward_mean = Gauge(REWARD_MEAN, "Mean reward of the run's latest step", ["run_id"], registry=r)
         self.loss = Gauge(LOSS, "Loss of the run's latest step", ["run_id"], registry=r)
-        self.policy_version = Gauge(POLICY_VERSION, "Latest committed policy version", ["run_id"],
-                                    registry=r)
-        self.tokens_per_second = Gauge(TOKENS_PER_SECOND, "Generated tokens per second of the run's "
-                                       "latest Generate phase", ["run_id"], registry=r)
+        self.policy_version = Gauge(POLICY_VERSION, "Latest committed policy version", ["run_id"], registry=r)
+        self.tokens_per_second = Gauge(
+            TOKENS_PER_SECOND,
+            "Generated tokens per second of the run's latest Generate phase",
+            ["run_id"],
+            registry=r,
+        )
 
     def entered(self, state: str) -> None:
         self.runs_total.labels(state=state).inc()

@@ -18,9 +18,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
-
 from furlong.controller.run_spec import SpecError
+from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +32,17 @@ class BodyTooLargeError(Exception):
         super().__init__(f"request body exceeds the limit of {limit_bytes} bytes")
 
 
-def problem(status: int, detail: str, instance: str = "", headers: dict[str, str] | None = None,
-            **extensions: Any) -> JSONResponse:
-    body = {"type": "about:blank", "title": HTTPStatus(status).phrase, "status": status,
-            "detail": detail, "instance": instance, **extensions}
+def problem(
+    status: int, detail: str, instance: str = "", headers: dict[str, str] | None = None, **extensions: Any
+) -> JSONResponse:
+    body = {
+        "type": "about:blank",
+        "title": HTTPStatus(status).phrase,
+        "status": status,
+        "detail": detail,
+        "instance": instance,
+        **extensions,
+    }
     return JSONResponse(status_code=status, content=body, media_type=PROBLEM_TYPE, headers=headers)
 
 
@@ -44,6 +50,7 @@ def install_problem_handlers(app: FastAPI) -> None:
     def simple(status: int):
         async def handle(request: Request, exc: Exception) -> JSONResponse:
             return problem(status, str(exc), request.url.path)
+
         return handle
 
     async def spec_error(request: Request, exc: SpecError) -> JSONResponse:
@@ -53,15 +60,26 @@ def install_problem_handlers(app: FastAPI) -> None:
         return problem(422, str(exc), request.url.path, field=None)
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return problem(exc.status_code, str(exc.detail), request.url.path,
-                       headers=getattr(exc, "headers", None))
+        return problem(
+            exc.status_code, str(exc.detail), request.url.path, headers=getattr(exc, "headers", None)
+        )
 
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"field": ".".join(str(p) for p in e.get("loc", ())[1:]) or "body",
-                   "message": str(e.get("msg", ""))} for e in exc.errors()]
+        errors = [
+            {
+                "field": ".".join(str(p) for p in e.get("loc", ())[1:]) or "body",
+                "message": str(e.get("msg", "")),
+            }
+            for e in exc.errors()
+        ]
         first = errors[0] if errors else {"field": "body", "message": "invalid request"}
-        return problem(422, f"{first['field']}: {first['message']}", request.url.path,
-                       field=first["field"], errors=errors)
+        return problem(
+            422,
+            f"{first['field']}: {first['message']}",
+            request.url.path,
+            field=first["field"],
+            errors=errors,
+        )
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+from furlong.controller.clients import GenerationPrompt
 from furlong.core import tasks
 from furlong.core.tasks import Task
-
-from furlong.controller.clients import GenerationPrompt
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +39,12 @@ class TaskPromptSource:
 
     def prompts(self, task: str, seed: int, step: int, count: int) -> list[GenerationPrompt]:
         items = self._task(task).prompts(seed, step, count)
-        prompts = [GenerationPrompt(prompt_id=str(p.prompt_id), text=str(p.text), answer=str(p.answer))
-                   for p in items]
+        prompts = [
+            GenerationPrompt(prompt_id=str(p.prompt_id), text=str(p.text), answer=str(p.answer))
+            for p in items
+        ]
         if len(prompts) != count:
-            raise ValueError(f"task {task!r} returned {len(prompts)} prompts for step {step}, "
-                             f"expected {count}")
+            raise ValueError(
+                f"task {task!r} returned {len(prompts)} prompts for step {step}, expected {count}"
+            )
         return prompts

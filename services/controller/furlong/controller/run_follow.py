@@ -33,7 +33,7 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 class FollowResult:
     run: dict[str, Any]
     steps: list[dict[str, Any]]
-    interrupted: bool             # the user pressed Ctrl-C and the run was asked to stop
+    interrupted: bool  # the user pressed Ctrl-C and the run was asked to stop
     metrics_path: Path
 
 
@@ -52,7 +52,7 @@ class Interrupts:
             raise KeyboardInterrupt
         self.requested = True
 
-    def __enter__(self) -> "Interrupts":
+    def __enter__(self) -> Interrupts:
         for sig in self._SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -83,46 +83,71 @@ class _Follower:
         return self.run
 
 
-def follow_run(client: ControllerClient, run: dict[str, Any], out_dir: Path, console: Console,
-               interrupts: Interrupts, poll_s: float = 0.5,
-               stop_wait_s: float = 120.0) -> FollowResult:
+def follow_run(
+    client: ControllerClient,
+    run: dict[str, Any],
+    out_dir: Path,
+    console: Console,
+    interrupts: Interrupts,
+    poll_s: float = 0.5,
+    stop_wait_s: float = 120.0,
+) -> FollowResult:
     """Follow run (as returned by create_run) until it ends; see the module docstring."""
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / "metrics.jsonl"
     follower = _Follower(client, run["run_id"], metrics_path)
     follower.run = run
     stop_deadline = None
-    columns = (TextColumn("[bold]step"), BarColumn(bar_width=24), MofNCompleteColumn(),
-               TextColumn("reward {task.fields[reward]}  loss {task.fields[loss]}  "
-                          "policy v{task.fields[version]}  [dim]{task.fields[state]}"),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("[bold]step"),
+        BarColumn(bar_width=24),
+        MofNCompleteColumn(),
+        TextColumn(
+            "reward {task.fields[reward]}  loss {task.fields[loss]}  "
+            "policy v{task.fields[version]}  [dim]{task.fields[state]}"
+        ),
+        TimeElapsedColumn(),
+    )
     with open(metrics_path, "w") as out, Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task(run["run_id"], total=run["total_steps"], reward="-", loss="-",
-                            version=run["policy_version"], state=run["state"])
+        task = bar.add_task(
+            run["run_id"],
+            total=run["total_steps"],
+            reward="-",
+            loss="-",
+            version=run["policy_version"],
+            state=run["state"],
+        )
         try:
             while True:
                 if interrupts.requested and stop_deadline is None:
-                    console.print(f"[yellow]stopping run {run['run_id']} "
-                                  "(Ctrl-C again to stop waiting)")
+                    console.print(f"[yellow]stopping run {run['run_id']} (Ctrl-C again to stop waiting)")
                     client.stop_run(run["run_id"])
                     stop_deadline = time.monotonic() + stop_wait_s
                 current = follower.poll(out)
                 last = follower.steps[-1] if follower.steps else {}
-                bar.update(task, completed=current["current_step"], state=current["state"],
-                           reward=_fmt(last.get("reward_mean")), loss=_fmt(last.get("loss")),
-                           version=current["policy_version"])
+                bar.update(
+                    task,
+                    completed=current["current_step"],
+                    state=current["state"],
+                    reward=_fmt(last.get("reward_mean")),
+                    loss=_fmt(last.get("loss")),
+                    version=current["policy_version"],
+                )
                 if current["state"] in TERMINAL:
                     break
                 if stop_deadline is not None and time.monotonic() > stop_deadline:
-                    console.print(f"[yellow]run {run['run_id']} still {current['state']} after "
-                                  f"{stop_wait_s:.0f}s; not waiting any longer")
+                    console.print(
+                        f"[yellow]run {run['run_id']} still {current['state']} after "
+                        f"{stop_wait_s:.0f}s; not waiting any longer"
+                    )
                     break
                 time.sleep(poll_s)
         except KeyboardInterrupt:
             console.print("[yellow]not waiting for the run to stop")
     (out_dir / "run.json").write_text(json.dumps(follower.run, indent=2))
-    return FollowResult(run=follower.run, steps=follower.steps, interrupted=interrupts.requested,
-                        metrics_path=metrics_path)
+    return FollowResult(
+        run=follower.run, steps=follower.steps, interrupted=interrupts.requested, metrics_path=metrics_path
+    )
 
 
 def summary_table(result: FollowResult) -> Table:
@@ -137,8 +162,11 @@ def summary_table(result: FollowResult) -> Table:
     table.add_row("steps", f"{run['current_step']}/{run['total_steps']}")
     table.add_row("policy version", str(run["policy_version"]))
     if steps:
-        table.add_row("reward_mean", f"{steps[0]['reward_mean']:.4f} (step 1) -> "
-                                     f"{steps[-1]['reward_mean']:.4f} (step {steps[-1]['step']})")
+        table.add_row(
+            "reward_mean",
+            f"{steps[0]['reward_mean']:.4f} (step 1) -> "
+            f"{steps[-1]['reward_mean']:.4f} (step {steps[-1]['step']})",
+        )
         table.add_row("loss (last step)", f"{steps[-1]['loss']:.4f}")
         table.add_row("mean step time", f"{sum(s['step_seconds'] for s in steps) / len(steps):.2f}s")
     if run.get("started_at") and run.get("finished_at"):

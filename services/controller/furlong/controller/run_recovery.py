@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import redis
-
-from furlong.core.errors import NotFoundError, UnavailableError
-from furlong.core.run_ledger import RECOVERIES
 
 from furlong.controller.clients import BrokerClient, RolloutClient, TrainerClient
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.core.run_state import Run
 from furlong.controller.prompt_source import PromptSource
 from furlong.controller.run_store import RunStore
+from furlong.core.errors import NotFoundError, UnavailableError
+from furlong.core.run_ledger import RECOVERIES
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +54,27 @@ class RecoveryStopped(RecoveryFailed):
 
 def recoverable(exc: BaseException) -> bool:
     """Whether exc means a dependency went away (and may come back)."""
-    return isinstance(exc, (UnavailableError, NotFoundError, redis.ConnectionError,
-                            redis.TimeoutError))
+    return isinstance(exc, (UnavailableError, NotFoundError, redis.ConnectionError, redis.TimeoutError))
 
 
 @dataclass(frozen=True)
 class Resumed:
-    step: int          # the last step the checkpoint holds (0: none)
-    version: int       # the policy version every engine will serve
+    step: int  # the last step the checkpoint holds (0: none)
+    version: int  # the policy version every engine will serve
 
 
 class RunRecovery:
-    def __init__(self, store: RunStore, trainer: TrainerClient, rollout: RolloutClient,
-                 broker: BrokerClient, prompts: PromptSource, timeouts: DriverTimeouts,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        store: RunStore,
+        trainer: TrainerClient,
+        rollout: RolloutClient,
+        broker: BrokerClient,
+        prompts: PromptSource,
+        timeouts: DriverTimeouts,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self._store = store
         self._trainer = trainer
         self._rollout = rollout
@@ -93,19 +98,25 @@ class RunRecovery:
                 if stop_requested():
                     raise RecoveryStopped("during recovery")
                 resumed = self._resume_once(run, cause)
-                log.warning("run %s: resumed at step %d, version %d after %d attempt(s)",
-                            run.run_id, resumed.step, resumed.version, attempt)
+                log.warning(
+                    "run %s: resumed at step %d, version %d after %d attempt(s)",
+                    run.run_id,
+                    resumed.step,
+                    resumed.version,
+                    attempt,
+                )
                 return resumed
             except RecoveryFailed:
                 raise
             except Exception as exc:  # noqa: BLE001 - classified below; the reason keeps it
                 if not recoverable(exc):
-                    raise RecoveryFailed(f"{cause}; recovery failed: {type(exc).__name__}: {exc}") \
-                        from exc
+                    raise RecoveryFailed(f"{cause}; recovery failed: {type(exc).__name__}: {exc}") from exc
                 if self._clock() >= deadline:
-                    raise RecoveryFailed(f"{cause}; the services were not back within "
-                                         f"recovery.timeout_s={timeout_s:g}: "
-                                         f"{type(exc).__name__}: {exc}") from exc
+                    raise RecoveryFailed(
+                        f"{cause}; the services were not back within "
+                        f"recovery.timeout_s={timeout_s:g}: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
                 log.info("run %s: recovery attempt %d: %s; retrying", run.run_id, attempt, exc)
                 self._sleep(RETRY_S)
 
@@ -119,13 +130,16 @@ class RunRecovery:
         ledger = self._store.ledger(rid)
         ledger.set_every_steps(spec.checkpoint.every_steps)
         ledger.scan_stream()
-        version = self._trainer.configure_run(rid, spec.model, spec.algorithm, spec.seed,
-                                              spec.steps, spec.sampling.temperature, t.configure_s)
-        checkpoint = ledger.checkpoint()   # the trainer re-recorded the one it resumed from
+        version = self._trainer.configure_run(
+            rid, spec.model, spec.algorithm, spec.seed, spec.steps, spec.sampling.temperature, t.configure_s
+        )
+        checkpoint = ledger.checkpoint()  # the trainer re-recorded the one it resumed from
         step = 0 if checkpoint is None else checkpoint[0]
         if checkpoint is None and ledger.audit(finished_step=spec.steps).trained:
-            raise RecoveryFailed(f"{cause}; no training checkpoint holds the steps already trained "
-                                 "(start the trainer with --checkpoint-dir)")
+            raise RecoveryFailed(
+                f"{cause}; no training checkpoint holds the steps already trained "
+                "(start the trainer with --checkpoint-dir)"
+            )
         if version > 0:
             self._trainer.publish_weights(rid, version, t.publish_s)
             status = self._broker.wait_committed(rid, version, t.commit_s)
@@ -133,8 +147,9 @@ class RunRecovery:
                 raise TimeoutError(f"version {version} not committed after recovery")
         ledger.record_committed(version)
         reward = self._prompts.reward_name(spec.task)
-        self._rollout.configure_run(rid, spec.model, reward, spec.rollout.num_engines, spec.seed,
-                                    t.configure_s)
+        self._rollout.configure_run(
+            rid, spec.model, reward, spec.rollout.num_engines, spec.seed, t.configure_s
+        )
         self._store.rewind(rid, step, version, f"resumed from step {step} after {cause}")
         ledger.count(RECOVERIES)
         return Resumed(step=step, version=version)

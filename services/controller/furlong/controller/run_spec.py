@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp", "ppo")
 LOSS_AGGREGATIONS = ("", "token_mean", "seq_mean_token_mean", "seq_sum_norm")
@@ -36,7 +37,7 @@ class SpecError(ValueError):
         self.field = field_path
         self.problem = problem
 
-    def under(self, prefix: str) -> "SpecError":
+    def under(self, prefix: str) -> SpecError:
         """The same error with its path nested under prefix."""
         return SpecError(f"{prefix}.{self.field}", self.problem)
 
@@ -48,8 +49,9 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise SpecError(name, f"must be >= {minimum}, got {value}")
 
 
-def _check_float(name: str, value: Any, low: float, high: float, low_open: bool = False,
-                 high_open: bool = False) -> None:
+def _check_float(
+    name: str, value: Any, low: float, high: float, low_open: bool = False, high_open: bool = False
+) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         hint = " (a string: YAML reads 3e-4 as text, write 3.0e-4)" if isinstance(value, str) else ""
         raise SpecError(name, f"must be a number, got {value!r}{hint}")
@@ -79,18 +81,20 @@ def _check_stop(name: str, value: Any) -> tuple[str, ...]:
         raise SpecError(name, f"must have at most {MAX_STOP_STRINGS} strings, got {len(value)}")
     for i, s in enumerate(value):
         if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
-            raise SpecError(name, f"entry {i} must be a non-empty string of at most "
-                                  f"{MAX_STOP_CHARS} characters, got {s!r}")
+            raise SpecError(
+                name,
+                f"entry {i} must be a non-empty string of at most {MAX_STOP_CHARS} characters, got {s!r}",
+            )
     return tuple(value)
 
 
 @dataclass(frozen=True)
 class SamplingSpec:
     temperature: float = 1.0
-    top_k: int = 0                # 0 = off
-    top_p: float = 1.0            # 1.0 = off
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
     max_new_tokens: int = 8
-    stop: tuple[str, ...] = ()    # stop strings (a list in YAML/JSON); see docs/rollout.md
+    stop: tuple[str, ...] = ()  # stop strings (a list in YAML/JSON); see docs/rollout.md
 
     def __post_init__(self) -> None:
         _check_float("temperature", self.temperature, 0.0, math.inf, low_open=True, high_open=True)
@@ -106,29 +110,33 @@ class AlgorithmSpec:
     learning_rate: float = 3e-4
     clip_eps: float = 0.2
     weight_decay: float = 0.0
-    max_grad_norm: float = 1.0    # 0 = no clipping
+    max_grad_norm: float = 1.0  # 0 = no clipping
     epochs_per_batch: int = 1
     micro_batch_size: int = 64
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    clip_eps_high: float = 0.0    # upper clip (DAPO clip-higher); 0 = clip_eps
-    loss_aggregation: str = ""    # "" = the algorithm's own (see docs/trainer.md)
-    kl_coef: float = 0.0          # KL to the frozen initial policy; 0 = no reference model
+    clip_eps_high: float = 0.0  # upper clip (DAPO clip-higher); 0 = clip_eps
+    loss_aggregation: str = ""  # "" = the algorithm's own (see docs/trainer.md)
+    kl_coef: float = 0.0  # KL to the frozen initial policy; 0 = no reference model
     kl_estimator: str = "k3"
-    kl_mode: str = "loss"         # or "reward" (a per-token penalty subtracted from the reward)
+    kl_mode: str = "loss"  # or "reward" (a per-token penalty subtracted from the reward)
     entropy_coef: float = 0.0
-    off_policy: str = "none"      # "tis" (truncate weights at is_high) or "mis" (mask outside [is_low, is_high])
+    off_policy: str = "none"  # "tis" (truncate weights at is_high) or "mis" (mask outside [is_low, is_high])
     is_low: float = 0.0
     is_high: float = 2.0
-    gamma: float = 1.0            # ppo
-    gae_lambda: float = 1.0       # ppo
-    value_coef: float = 0.5       # ppo
-    value_clip: float = 0.2       # ppo; 0 = no value clipping
+    gamma: float = 1.0  # ppo
+    gae_lambda: float = 1.0  # ppo
+    value_coef: float = 0.5  # ppo
+    value_clip: float = 0.2  # ppo; 0 = no value clipping
 
     def __post_init__(self) -> None:
-        for name, allowed in (("name", ALGORITHMS), ("loss_aggregation", LOSS_AGGREGATIONS),
-                              ("kl_estimator", KL_ESTIMATORS), ("kl_mode", KL_MODES),
-                              ("off_policy", OFF_POLICY)):
+        for name, allowed in (
+            ("name", ALGORITHMS),
+            ("loss_aggregation", LOSS_AGGREGATIONS),
+            ("kl_estimator", KL_ESTIMATORS),
+            ("kl_mode", KL_MODES),
+            ("off_policy", OFF_POLICY),
+        ):
             if getattr(self, name) not in allowed:
                 raise SpecError(name, f"must be one of {list(allowed)}, got {getattr(self, name)!r}")
         _check_float("learning_rate", self.learning_rate, 0.0, math.inf, low_open=True, high_open=True)
@@ -161,8 +169,9 @@ class RolloutSpec:
         _check_int("num_engines", self.num_engines, 1)
         _check_int("max_refill_rounds", self.max_refill_rounds, 0)
         if self.max_refill_rounds > MAX_REFILL_ROUNDS:
-            raise SpecError("max_refill_rounds",
-                            f"must be <= {MAX_REFILL_ROUNDS}, got {self.max_refill_rounds}")
+            raise SpecError(
+                "max_refill_rounds", f"must be <= {MAX_REFILL_ROUNDS}, got {self.max_refill_rounds}"
+            )
         _check_float("over_sampling", self.over_sampling, 1.0, MAX_OVER_SAMPLING)
 
     def prompts_to_request(self, prompts_per_step: int) -> int:
@@ -171,7 +180,7 @@ class RolloutSpec:
 
 @dataclass(frozen=True)
 class CheckpointSpec:
-    every_steps: int = 1          # the trainer writes a training checkpoint after every N-th step
+    every_steps: int = 1  # the trainer writes a training checkpoint after every N-th step
 
     def __post_init__(self) -> None:
         _check_int("every_steps", self.every_steps, 1)
@@ -194,7 +203,7 @@ class RecoverySpec:
 @dataclass(frozen=True)
 class RunSpec:
     name: str
-    model: str                    # absolute checkpoint directory, as the services will read it
+    model: str  # absolute checkpoint directory, as the services will read it
     task: str
     steps: int
     seed: int = 0
@@ -218,25 +227,36 @@ class RunSpec:
         _check_int("seed", self.seed, 0)
         _check_int("prompts_per_step", self.prompts_per_step, 1)
         _check_int("samples_per_prompt", self.samples_per_prompt, 1)
-        for name, kind in (("sampling", SamplingSpec), ("algorithm", AlgorithmSpec),
-                           ("rollout", RolloutSpec), ("checkpoint", CheckpointSpec),
-                           ("recovery", RecoverySpec)):
+        for name, kind in (
+            ("sampling", SamplingSpec),
+            ("algorithm", AlgorithmSpec),
+            ("rollout", RolloutSpec),
+            ("checkpoint", CheckpointSpec),
+            ("recovery", RecoverySpec),
+        ):
             if not isinstance(getattr(self, name), kind):
                 raise SpecError(name, f"must be a {kind.__name__}")
         if self.rollout.max_refill_rounds and self.samples_per_prompt < 2:
-            raise SpecError("rollout.max_refill_rounds",
-                            f"dynamic sampling needs samples_per_prompt >= 2 (a group of one always "
-                            f"has equal rewards), got samples_per_prompt {self.samples_per_prompt}")
+            raise SpecError(
+                "rollout.max_refill_rounds",
+                f"dynamic sampling needs samples_per_prompt >= 2 (a group of one always "
+                f"has equal rewards), got samples_per_prompt {self.samples_per_prompt}",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form: sections as dicts, tuples (sampling.stop) as lists."""
-        return dataclasses.asdict(self, dict_factory=lambda items: {
-            k: list(v) if isinstance(v, tuple) else v for k, v in items})
+        return dataclasses.asdict(
+            self, dict_factory=lambda items: {k: list(v) if isinstance(v, tuple) else v for k, v in items}
+        )
 
 
-_SECTIONS: dict[str, type] = {"sampling": SamplingSpec, "algorithm": AlgorithmSpec,
-                              "rollout": RolloutSpec, "checkpoint": CheckpointSpec,
-                              "recovery": RecoverySpec}
+_SECTIONS: dict[str, type] = {
+    "sampling": SamplingSpec,
+    "algorithm": AlgorithmSpec,
+    "rollout": RolloutSpec,
+    "checkpoint": CheckpointSpec,
+    "recovery": RecoverySpec,
+}
 
 
 def _float_fields(cls: type) -> set[str]:

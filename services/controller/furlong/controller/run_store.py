@@ -24,17 +24,16 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Callable, Iterator
 
 import redis
-
-from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
-from furlong.core.run_ledger import RunLedger, ledger_keys
 
 from furlong.controller.core.run_state import CheckpointRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
 from furlong.controller.run_spec import RunSpec
+from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
+from furlong.core.run_ledger import RunLedger, ledger_keys
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +69,7 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         score, run_id = json.loads(raw)
-        if isinstance(score, bool) or not isinstance(score, (int, float)) \
-                or not isinstance(run_id, str):
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not isinstance(run_id, str):
             raise TypeError
         return float(score), run_id
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
@@ -90,13 +88,18 @@ def run_event(before: Run | None, after: Run) -> dict[str, str]:
         kind = "checkpoint"
     else:
         kind = "request"
-    event = {"type": kind, "state": after.state.value, "reason": after.reason,
-             "current_step": str(after.current_step), "policy_version": str(after.policy_version),
-             "stop_requested": str(int(after.stop_requested)),
-             "pause_requested": str(int(after.pause_requested)), "time": repr(after.updated_at)}
+    event = {
+        "type": kind,
+        "state": after.state.value,
+        "reason": after.reason,
+        "current_step": str(after.current_step),
+        "policy_version": str(after.policy_version),
+        "stop_requested": str(int(after.stop_requested)),
+        "pause_requested": str(int(after.pause_requested)),
+        "time": repr(after.updated_at),
+    }
     if kind == "checkpoint" and after.checkpoint is not None:
-        event.update(checkpoint_step=str(after.checkpoint.step),
-                     checkpoint_path=after.checkpoint.path)
+        event.update(checkpoint_step=str(after.checkpoint.step), checkpoint_path=after.checkpoint.path)
     return event
 
 
@@ -108,7 +111,7 @@ class RunStore:
         self._clock = clock
 
     @classmethod
-    def from_url(cls, url: str) -> "RunStore":
+    def from_url(cls, url: str) -> RunStore:
         return cls(redis.Redis.from_url(url, decode_responses=True, socket_timeout=10.0))
 
     def close(self) -> None:
@@ -127,16 +130,20 @@ class RunStore:
     def create(self, spec: RunSpec) -> Run:
         return self.create_idempotent(spec, None, "")[0]
 
-    def create_idempotent(self, spec: RunSpec, key: str | None,
-                          fingerprint: str) -> tuple[Run, bool]:
+    def create_idempotent(self, spec: RunSpec, key: str | None, fingerprint: str) -> tuple[Run, bool]:
         """Create a pending run; with an idempotency key, a repeat with the same fingerprint returns
         the run the key created (and True), a different fingerprint is a ConflictError."""
         now = self._clock()
         idem = idempotency_key(key) if key is not None else None
         with self._errors(), self._redis.pipeline() as pipe:
             for _ in range(8):
-                run = Run(run_id=f"{spec.name}-{secrets.token_hex(4)}", spec=spec,
-                          state=RunState.PENDING, created_at=now, updated_at=now)
+                run = Run(
+                    run_id=f"{spec.name}-{secrets.token_hex(4)}",
+                    spec=spec,
+                    state=RunState.PENDING,
+                    created_at=now,
+                    updated_at=now,
+                )
                 rkey = run_key(run.run_id)
                 try:
                     pipe.watch(rkey, *([idem] if idem else []))
@@ -151,11 +158,15 @@ class RunStore:
                     pipe.multi()
                     pipe.set(rkey, json.dumps(run.to_dict()))
                     pipe.zadd(INDEX_KEY, {run.run_id: now})
-                    pipe.xadd(events_key(run.run_id), run_event(None, run),
-                              maxlen=EVENTS_MAXLEN, approximate=True)
+                    pipe.xadd(
+                        events_key(run.run_id), run_event(None, run), maxlen=EVENTS_MAXLEN, approximate=True
+                    )
                     if idem is not None:
-                        pipe.set(idem, json.dumps({"fingerprint": fingerprint,
-                                                   "run_id": run.run_id}), ex=IDEMPOTENCY_TTL_S)
+                        pipe.set(
+                            idem,
+                            json.dumps({"fingerprint": fingerprint, "run_id": run.run_id}),
+                            ex=IDEMPOTENCY_TTL_S,
+                        )
                     pipe.execute()
                 except redis.WatchError:
                     continue
@@ -165,13 +176,16 @@ class RunStore:
 
     def _replay(self, previous: dict, fingerprint: str) -> Run:
         if previous["fingerprint"] != fingerprint:
-            raise ConflictError("Idempotency-Key was already used with a different request body "
-                                f"(it created run {previous['run_id']})")
+            raise ConflictError(
+                "Idempotency-Key was already used with a different request body "
+                f"(it created run {previous['run_id']})"
+            )
         try:
             return self.get(previous["run_id"])
         except NotFoundError:
-            raise ConflictError(f"Idempotency-Key created run {previous['run_id']}, which has "
-                                "since been deleted") from None
+            raise ConflictError(
+                f"Idempotency-Key created run {previous['run_id']}, which has since been deleted"
+            ) from None
 
     def get(self, run_id: str) -> Run:
         with self._errors():
@@ -188,8 +202,9 @@ class RunStore:
         runs = [Run.from_dict(json.loads(raw)) for raw in raws if raw is not None]
         return [r for r in runs if state is None or r.state == state]
 
-    def list_page(self, state: RunState | None, limit: int,
-                  cursor: str | None = None) -> tuple[list[Run], str | None]:
+    def list_page(
+        self, state: RunState | None, limit: int, cursor: str | None = None
+    ) -> tuple[list[Run], str | None]:
         """Up to limit runs, newest first, after cursor (from the previous page), optionally only
         those in state; and the cursor of the next page (None on the last page)."""
         if limit < 1:
@@ -200,8 +215,9 @@ class RunStore:
         with self._errors():
             while True:
                 high = "+inf" if after is None else after[0]
-                batch = self._redis.zrevrangebyscore(INDEX_KEY, high, "-inf", start=offset,
-                                                     num=_PAGE_SCAN, withscores=True)
+                batch = self._redis.zrevrangebyscore(
+                    INDEX_KEY, high, "-inf", start=offset, num=_PAGE_SCAN, withscores=True
+                )
                 offset += len(batch)
                 last_batch = len(batch) < _PAGE_SCAN
                 if after is not None:  # same score: ids sort in reverse; keep those past the cursor
@@ -230,8 +246,10 @@ class RunStore:
                         raise NotFoundError(f"run {run_id!r} not found")
                     run = Run.from_dict(json.loads(raw))
                     if not run.state.terminal:
-                        raise ConflictError(f"run {run_id} is {run.state.value}; only finished runs "
-                                            "can be deleted (stop it first)")
+                        raise ConflictError(
+                            f"run {run_id} is {run.state.value}; only finished runs "
+                            "can be deleted (stop it first)"
+                        )
                     pipe.multi()
                     pipe.delete(key, metrics_key(run_id), events_key(run_id), *ledger_keys(run_id))
                     pipe.zrem(INDEX_KEY, run_id)
@@ -244,12 +262,14 @@ class RunStore:
     def events(self, run_id: str, after: str = "0-0", count: int = 100) -> list[tuple[str, dict]]:
         """Up to count events recorded after stream id after, oldest first: (id, fields)."""
         with self._errors():
-            entries = self._redis.xrange(events_key(run_id), f"({after}" if after != "0-0" else "-",
-                                         "+", count=count)
+            entries = self._redis.xrange(
+                events_key(run_id), f"({after}" if after != "0-0" else "-", "+", count=count
+            )
         return [(entry_id, dict(fields)) for entry_id, fields in entries]
 
-    def transition(self, run_id: str, target: RunState, reason: str | None = None,
-                   expected: RunState | None = None) -> Run:
+    def transition(
+        self, run_id: str, target: RunState, reason: str | None = None, expected: RunState | None = None
+    ) -> Run:
         """Move the run to target (ConflictError if illegal, or if it is not in expected)."""
 
         def change(run: Run) -> Run:
@@ -281,11 +301,12 @@ class RunStore:
         for a run already paused or asked to; ConflictError in any other state."""
 
         def change(run: Run) -> Run:
-            if run.state not in (RunState.STARTING, RunState.RUNNING, RunState.PAUSED) \
-                    or run.stop_requested:
-                raise ConflictError(f"run {run_id} is {run.state.value}"
-                                    f"{' and stopping' if run.stop_requested else ''}; only a "
-                                    "starting or running run can be paused")
+            if run.state not in (RunState.STARTING, RunState.RUNNING, RunState.PAUSED) or run.stop_requested:
+                raise ConflictError(
+                    f"run {run_id} is {run.state.value}"
+                    f"{' and stopping' if run.stop_requested else ''}; only a "
+                    "starting or running run can be paused"
+                )
             if run.pause_requested:
                 return run
             return replace(run, pause_requested=True, updated_at=self._clock())
@@ -300,8 +321,7 @@ class RunStore:
 
         def change(run: Run) -> Run:
             if not run.pause_requested or run.state.terminal:
-                raise ConflictError(f"run {run_id} is {run.state.value} and not paused; nothing "
-                                    "to resume")
+                raise ConflictError(f"run {run_id} is {run.state.value} and not paused; nothing to resume")
             return replace(run, pause_requested=False, updated_at=self._clock())
 
         run = self._update(run_id, change)
@@ -311,8 +331,7 @@ class RunStore:
     def record_checkpoint(self, run_id: str, checkpoint: CheckpointRef) -> Run:
         """Remember a checkpoint the trainer wrote for the run (whatever state the run reached in
         the meantime: the checkpoint exists either way); NotFoundError for an unknown run."""
-        run = self._update(run_id, lambda run: replace(run, checkpoint=checkpoint,
-                                                       updated_at=self._clock()))
+        run = self._update(run_id, lambda run: replace(run, checkpoint=checkpoint, updated_at=self._clock()))
         log.info("run %s: checkpoint of step %d at %s", run_id, checkpoint.step, checkpoint.path)
         return run
 
@@ -321,13 +340,14 @@ class RunStore:
 
         def change(run: Run) -> Run:
             if run.state != RunState.RUNNING:
-                raise ConflictError(f"run {run_id}: cannot record step {record.step} while "
-                                    f"{run.state.value}")
+                raise ConflictError(f"run {run_id}: cannot record step {record.step} while {run.state.value}")
             if record.step != run.current_step + 1:
-                raise ConflictError(f"run {run_id}: step {record.step} recorded after step "
-                                    f"{run.current_step}")
-            return replace(run, current_step=record.step, policy_version=record.policy_version,
-                           updated_at=self._clock())
+                raise ConflictError(
+                    f"run {run_id}: step {record.step} recorded after step {run.current_step}"
+                )
+            return replace(
+                run, current_step=record.step, policy_version=record.policy_version, updated_at=self._clock()
+            )
 
         return self._update(run_id, change, push=(metrics_key(run_id), json.dumps(record.to_dict())))
 
@@ -341,11 +361,11 @@ class RunStore:
         def change(run: Run) -> Run:
             if run.state.terminal:
                 raise ConflictError(f"run {run_id} already finished ({run.state.value})")
-            return replace(run, current_step=step, policy_version=policy_version,
-                           updated_at=self._clock())
+            return replace(run, current_step=step, policy_version=policy_version, updated_at=self._clock())
 
-        run = self._update(run_id, change, trim=(metrics_key(run_id), step),
-                           event={"type": "recovery", "reason": reason})
+        run = self._update(
+            run_id, change, trim=(metrics_key(run_id), step), event={"type": "recovery", "reason": reason}
+        )
         log.info("run %s rewound to step %d (version %d): %s", run_id, step, policy_version, reason)
         return run
 
@@ -360,9 +380,14 @@ class RunStore:
             raise NotFoundError(f"run {run_id!r} not found")
         return [StepRecord.from_dict(json.loads(raw)) for raw in raws]
 
-    def _update(self, run_id: str, change: Callable[[Run], Run],
-                push: tuple[str, str] | None = None, trim: tuple[str, int] | None = None,
-                event: dict[str, str] | None = None) -> Run:
+    def _update(
+        self,
+        run_id: str,
+        change: Callable[[Run], Run],
+        push: tuple[str, str] | None = None,
+        trim: tuple[str, int] | None = None,
+        event: dict[str, str] | None = None,
+    ) -> Run:
         key = run_key(run_id)
         with self._errors(), self._redis.pipeline() as pipe:
             while True:
@@ -378,8 +403,12 @@ class RunStore:
                         return run
                     pipe.multi()
                     pipe.set(key, json.dumps(run.to_dict()))
-                    pipe.xadd(events_key(run_id), {**run_event(before, run), **(event or {})},
-                              maxlen=EVENTS_MAXLEN, approximate=True)
+                    pipe.xadd(
+                        events_key(run_id),
+                        {**run_event(before, run), **(event or {})},
+                        maxlen=EVENTS_MAXLEN,
+                        approximate=True,
+                    )
                     if push is not None:
                         pipe.rpush(*push)
                     if trim is not None and trim[1] == 0:

@@ -11,8 +11,6 @@ import json
 import time
 from typing import Any, Protocol
 
-from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
-
 from furlong.controller.clients import CheckpointResult
 from furlong.controller.core.run_state import CheckpointRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
@@ -20,6 +18,7 @@ from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.prompt_source import PromptSource
 from furlong.controller.run_spec import SpecError, parse_run_spec
 from furlong.controller.run_store import RunStore
+from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 
 
 class RunSubmitter(Protocol):
@@ -38,9 +37,15 @@ CHECKPOINT_STATES = frozenset({RunState.RUNNING, RunState.PAUSED})
 
 
 class RunService:
-    def __init__(self, store: RunStore, submitter: RunSubmitter, prompts: PromptSource,
-                 metrics: ControllerMetrics, checkpointer: RunCheckpointer | None = None,
-                 checkpoint_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        store: RunStore,
+        submitter: RunSubmitter,
+        prompts: PromptSource,
+        metrics: ControllerMetrics,
+        checkpointer: RunCheckpointer | None = None,
+        checkpoint_timeout_s: float = 300.0,
+    ) -> None:
         self._store = store
         self._submitter = submitter
         self._prompts = prompts
@@ -61,8 +66,9 @@ class RunService:
             self._prompts.reward_name(spec.task)
         except ValueError as exc:
             raise SpecError("task", str(exc)) from None
-        fingerprint = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":"))
-                                     .encode()).hexdigest()
+        fingerprint = hashlib.sha256(
+            json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+        ).hexdigest()
         run, replayed = self._store.create_idempotent(spec, idempotency_key, fingerprint)
         if not replayed:
             self._metrics.entered(RunState.PENDING.value)
@@ -72,8 +78,7 @@ class RunService:
     def list_runs(self, state: str | None = None) -> list[Run]:
         return self._store.list_runs(RunState.parse(state) if state else None)
 
-    def list_page(self, state: str | None, limit: int,
-                  cursor: str | None) -> tuple[list[Run], str | None]:
+    def list_page(self, state: str | None, limit: int, cursor: str | None) -> tuple[list[Run], str | None]:
         """One page of runs, newest first, and the next page's cursor (None at the end)."""
         return self._store.list_page(RunState.parse(state) if state else None, limit, cursor)
 
@@ -92,22 +97,27 @@ class RunService:
         unknown run, UnavailableError when the trainer does not answer in time."""
         run = self._store.get(run_id)
         if run.state not in CHECKPOINT_STATES:
-            raise ConflictError(f"run {run_id} is {run.state.value}; only a running or paused run "
-                                "can be checkpointed")
+            raise ConflictError(
+                f"run {run_id} is {run.state.value}; only a running or paused run can be checkpointed"
+            )
         if self._checkpointer is None:
             raise UnavailableError("checkpoints: this controller has no trainer client")
         try:
             result = self._checkpointer.checkpoint(run_id, self._checkpoint_timeout_s)
         except NotFoundError as exc:  # the trainer restarted, or the run was torn down meanwhile
-            raise ConflictError(f"run {run_id}: the trainer has no state of this run to "
-                                f"checkpoint ({exc})") from None
+            raise ConflictError(
+                f"run {run_id}: the trainer has no state of this run to checkpoint ({exc})"
+            ) from None
         except ConflictError as exc:
             raise ConflictError(f"run {run_id}: the trainer cannot checkpoint it: {exc}") from None
         except TimeoutError as exc:
-            raise UnavailableError(f"run {run_id}: the trainer did not finish the checkpoint "
-                                   f"within {self._checkpoint_timeout_s:g}s ({exc})") from None
-        ref = CheckpointRef(step=result.step, path=result.path,
-                            policy_version=result.policy_version, created_at=time.time())
+            raise UnavailableError(
+                f"run {run_id}: the trainer did not finish the checkpoint "
+                f"within {self._checkpoint_timeout_s:g}s ({exc})"
+            ) from None
+        ref = CheckpointRef(
+            step=result.step, path=result.path, policy_version=result.policy_version, created_at=time.time()
+        )
         return self._store.record_checkpoint(run_id, ref)
 
     def delete_run(self, run_id: str) -> None:

@@ -46,21 +46,36 @@ class Controller:
             log.warning("the active run did not finish its teardown within %.0fs", timeout_s)
 
 
-def build_controller(store: RunStore, trainer: TrainerClient, rollout: RolloutClient,
-                     broker: BrokerClient, prompts: PromptSource, token: str | ApiTokens,
-                     readiness: Readiness, timeouts: DriverTimeouts = DriverTimeouts(),
-                     metrics: ControllerMetrics | None = None,
-                     cors_origins: tuple[str, ...] = (),
-                     engines: EngineStatusSource | None = None) -> Controller:
+def build_controller(
+    store: RunStore,
+    trainer: TrainerClient,
+    rollout: RolloutClient,
+    broker: BrokerClient,
+    prompts: PromptSource,
+    token: str | ApiTokens,
+    readiness: Readiness,
+    timeouts: DriverTimeouts = DriverTimeouts(),
+    metrics: ControllerMetrics | None = None,
+    cors_origins: tuple[str, ...] = (),
+    engines: EngineStatusSource | None = None,
+) -> Controller:
     """A controller whose executor is started and has recovered the runs already in the store.
     token: the role tokens of the REST API (a plain string is the one admin token)."""
     metrics = metrics or ControllerMetrics()
     driver = RunDriver(store, trainer, rollout, broker, prompts, timeouts, metrics)
     executor = RunExecutor(store, driver)
-    service = RunService(store, executor, prompts, metrics, checkpointer=trainer,
-                         checkpoint_timeout_s=timeouts.checkpoint_s)
-    app = create_app(service, token, readiness, metrics, cors_origins, engines=engines,
-                     active_run=lambda: executor.active_run)
+    service = RunService(
+        store, executor, prompts, metrics, checkpointer=trainer, checkpoint_timeout_s=timeouts.checkpoint_s
+    )
+    app = create_app(
+        service,
+        token,
+        readiness,
+        metrics,
+        cors_origins,
+        engines=engines,
+        active_run=lambda: executor.active_run,
+    )
     executor.recover()
     executor.start()
     return Controller(app=app, service=service, executor=executor, store=store, metrics=metrics)
@@ -70,8 +85,7 @@ class HttpServer:
     """uvicorn on a socket bound at construction. `serve()` handles SIGINT/SIGTERM itself when
     called from the main thread."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning") -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
@@ -89,10 +103,13 @@ class HttpServer:
         """Serve until a signal or `stop()`; blocks."""
         self._server.run(sockets=[self._socket])
 
-    def start(self, timeout_s: float = 10.0) -> "HttpServer":
+    def start(self, timeout_s: float = 10.0) -> HttpServer:
         """Serve on a background thread; returns once the server accepts connections."""
-        self._thread = threading.Thread(target=lambda: asyncio.run(
-            self._server.serve(sockets=[self._socket])), name="furlong-http", daemon=True)
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._server.serve(sockets=[self._socket])),
+            name="furlong-http",
+            daemon=True,
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:

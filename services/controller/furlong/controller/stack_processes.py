@@ -12,9 +12,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import psutil
 
@@ -29,42 +29,68 @@ _CREATE_TIME_TOLERANCE_S = 0.05
 class ServiceProcess:
     name: str
     pid: int
-    create_time: float            # psutil.Process.create_time(), to recognise the process later
+    create_time: float  # psutil.Process.create_time(), to recognise the process later
     port: int
     log_path: str
     argv: tuple[str, ...] = ()
     metrics_port: int | None = None
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "pid": self.pid, "create_time": self.create_time,
-                "port": self.port, "metrics_port": self.metrics_port, "log_path": self.log_path,
-                "argv": list(self.argv)}
+        return {
+            "name": self.name,
+            "pid": self.pid,
+            "create_time": self.create_time,
+            "port": self.port,
+            "metrics_port": self.metrics_port,
+            "log_path": self.log_path,
+            "argv": list(self.argv),
+        }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ServiceProcess":
-        return cls(name=data["name"], pid=int(data["pid"]), create_time=float(data["create_time"]),
-                   port=int(data["port"]), metrics_port=data.get("metrics_port"),
-                   log_path=data["log_path"], argv=tuple(data.get("argv", ())))
+    def from_dict(cls, data: dict) -> ServiceProcess:
+        return cls(
+            name=data["name"],
+            pid=int(data["pid"]),
+            create_time=float(data["create_time"]),
+            port=int(data["port"]),
+            metrics_port=data.get("metrics_port"),
+            log_path=data["log_path"],
+            argv=tuple(data.get("argv", ())),
+        )
 
 
-def spawn(name: str, argv: Sequence[str], log_path: Path, port: int,
-          metrics_port: int | None = None) -> ServiceProcess:
+def spawn(
+    name: str, argv: Sequence[str], log_path: Path, port: int, metrics_port: int | None = None
+) -> ServiceProcess:
     """Start argv in a new session, stdout and stderr appended to log_path."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
     log.info("started %s (pid %d): %s", name, proc.pid, " ".join(argv))
     return adopt(name, proc.pid, port, log_path, argv, metrics_port)
 
 
-def adopt(name: str, pid: int, port: int, log_path: Path, argv: Sequence[str] = (),
-          metrics_port: int | None = None) -> ServiceProcess:
+def adopt(
+    name: str, pid: int, port: int, log_path: Path, argv: Sequence[str] = (), metrics_port: int | None = None
+) -> ServiceProcess:
     """Record an already started process (its creation time is read now)."""
-    return ServiceProcess(name=name, pid=pid, create_time=psutil.Process(pid).create_time(),
-                          port=port, log_path=str(log_path), argv=tuple(argv),
-                          metrics_port=metrics_port)
+    return ServiceProcess(
+        name=name,
+        pid=pid,
+        create_time=psutil.Process(pid).create_time(),
+        port=port,
+        log_path=str(log_path),
+        argv=tuple(argv),
+        metrics_port=metrics_port,
+    )
 
 
 def find(sp: ServiceProcess) -> psutil.Process | None:

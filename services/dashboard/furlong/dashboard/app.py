@@ -24,8 +24,9 @@ def _index_html() -> str:
     return resources.files("furlong.dashboard").joinpath("static/index.html").read_text("utf-8")
 
 
-def create_app(registry: CollectorRegistry, runs: RunSource | None = None,
-               lanes: UtilizationLanes | None = None) -> FastAPI:
+def create_app(
+    registry: CollectorRegistry, runs: RunSource | None = None, lanes: UtilizationLanes | None = None
+) -> FastAPI:
     app = FastAPI(title="Furlong dashboard", docs_url=None, redoc_url=None)
     index = _index_html()
 

@@ -11,12 +11,12 @@ from furlong.dashboard.gpu_providers import GPU_BACKEND_CHOICES
 class DashboardConfig:
     host: str
     port: int
-    watch_pids: tuple[int, ...] = ()   # empty = every process running a Furlong service
-    gpu_backend: str = "auto"          # auto = NVML, then AMD SMI, then host only
-    hostname: str = ""                 # the `Hostname` label of GPU series
-    controller_url: str = ""           # REST API the web UI reads runs from; empty = no runs list
-    controller_token: str = ""         # bearer token for controller_url
-    sample_interval_s: float = 2.0     # telemetry history tick of the web UI
+    watch_pids: tuple[int, ...] = ()  # empty = every process running a Furlong service
+    gpu_backend: str = "auto"  # auto = NVML, then AMD SMI, then host only
+    hostname: str = ""  # the `Hostname` label of GPU series
+    controller_url: str = ""  # REST API the web UI reads runs from; empty = no runs list
+    controller_token: str = ""  # bearer token for controller_url
+    sample_interval_s: float = 2.0  # telemetry history tick of the web UI
 
     def __post_init__(self) -> None:
         if not self.host:

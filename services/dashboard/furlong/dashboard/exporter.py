@@ -8,7 +8,8 @@ GPU memory is labelled with the Furlong service owning the pid (`service_of_pid`
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -36,8 +37,13 @@ def _gauge(name: str, doc: str, labels: tuple[str, ...] | list[str]) -> GaugeMet
 
 
 class HostCollector(Collector):
-    def __init__(self, provider: TelemetryProvider, gpu: GpuSource | None = None,
-                 hostname: str = "", service_of_pid: Callable[[int], str] | None = None) -> None:
+    def __init__(
+        self,
+        provider: TelemetryProvider,
+        gpu: GpuSource | None = None,
+        hostname: str = "",
+        service_of_pid: Callable[[int], str] | None = None,
+    ) -> None:
         self._provider = provider
         self._gpu = gpu
         self._hostname = hostname
@@ -53,15 +59,20 @@ class HostCollector(Collector):
             yield from self._gpus(samples)
 
     def _host(self, snap: HostSnapshot) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily(names.HOST_CPU_UTILIZATION_RATIO,
-                                "Fraction of CPU time spent busy since the previous scrape",
-                                value=snap.cpu_utilization_ratio)
-        yield GaugeMetricFamily(names.HOST_MEMORY_USED_BYTES, "Memory in use (total minus available)",
-                                value=snap.memory_used_bytes)
-        yield GaugeMetricFamily(names.HOST_MEMORY_TOTAL_BYTES, "Physical memory",
-                                value=snap.memory_total_bytes)
-        rss = _gauge(names.HOST_PROCESS_RSS_BYTES, "Resident memory of a watched process",
-                     ["pid", "service"])
+        yield GaugeMetricFamily(
+            names.HOST_CPU_UTILIZATION_RATIO,
+            "Fraction of CPU time spent busy since the previous scrape",
+            value=snap.cpu_utilization_ratio,
+        )
+        yield GaugeMetricFamily(
+            names.HOST_MEMORY_USED_BYTES,
+            "Memory in use (total minus available)",
+            value=snap.memory_used_bytes,
+        )
+        yield GaugeMetricFamily(
+            names.HOST_MEMORY_TOTAL_BYTES, "Physical memory", value=snap.memory_total_bytes
+        )
+        rss = _gauge(names.HOST_PROCESS_RSS_BYTES, "Resident memory of a watched process", ["pid", "service"])
         for proc in snap.processes:
             rss.add_metric([str(proc.pid), proc.service], proc.rss_bytes)
         yield rss
@@ -78,13 +89,15 @@ class HostCollector(Collector):
             "util": _gauge(names.DCGM_GPU_UTIL, "GPU utilization (in %).", names.DCGM_LABELS),
             "used": _gauge(names.DCGM_FB_USED, "Framebuffer memory used (in MiB).", names.DCGM_LABELS),
             "free": _gauge(names.DCGM_FB_FREE, "Framebuffer memory free (in MiB).", names.DCGM_LABELS),
-            "total": _gauge(names.DCGM_FB_TOTAL, "Framebuffer memory total (in MiB).",
-                            names.DCGM_LABELS),
+            "total": _gauge(names.DCGM_FB_TOTAL, "Framebuffer memory total (in MiB).", names.DCGM_LABELS),
             "power": _gauge(names.DCGM_POWER_USAGE, "Power draw (in W).", names.DCGM_LABELS),
             "temp": _gauge(names.DCGM_GPU_TEMP, "GPU temperature (in C).", names.DCGM_LABELS),
         }
-        procs = _gauge(names.GPU_PROCESS_MEMORY_BYTES, "GPU memory held by a process",
-                       [*names.GPU_LABELS, "pid", "service"])
+        procs = _gauge(
+            names.GPU_PROCESS_MEMORY_BYTES,
+            "GPU memory held by a process",
+            [*names.GPU_LABELS, "pid", "service"],
+        )
         for s in samples:
             d, r = s.device, s.reading
             ours_labels = [str(d.index), d.uuid, d.model_name, d.vendor, self._hostname]
@@ -103,8 +116,7 @@ class HostCollector(Collector):
                 ours["temp"].add_metric(ours_labels, r.temperature_celsius)
                 dcgm["temp"].add_metric(dcgm_labels, r.temperature_celsius)
             for p in s.processes:
-                procs.add_metric([*ours_labels, str(p.pid), self._service_of_pid(p.pid)],
-                                 p.memory_bytes)
+                procs.add_metric([*ours_labels, str(p.pid), self._service_of_pid(p.pid)], p.memory_bytes)
         yield from ours.values()
         yield procs
         yield from dcgm.values()
@@ -113,8 +125,12 @@ class HostCollector(Collector):
         return []  # collected lazily; describing would take a snapshot at registration
 
 
-def build_registry(provider: TelemetryProvider, gpu: GpuSource | None = None, hostname: str = "",
-                   service_of_pid: Callable[[int], str] | None = None) -> CollectorRegistry:
+def build_registry(
+    provider: TelemetryProvider,
+    gpu: GpuSource | None = None,
+    hostname: str = "",
+    service_of_pid: Callable[[int], str] | None = None,
+) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(HostCollector(provider, gpu, hostname, service_of_pid))
     return registry

@@ -10,12 +10,23 @@ memory bytes, with "N/A" / 0xFFFF for unavailable values. Utilisation and memory
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from furlong.dashboard.core.gpu_telemetry import (VENDOR_AMD, VENDOR_NVIDIA, GpuDevice, GpuProcess,
-                                                  GpuReading, amd_power_watts, amd_value,
-                                                  decode_text, mib_to_bytes, milliwatts_to_watts,
-                                                  order_by_bus_id, percent_to_ratio)
+from furlong.dashboard.core.gpu_telemetry import (
+    VENDOR_AMD,
+    VENDOR_NVIDIA,
+    GpuDevice,
+    GpuProcess,
+    GpuReading,
+    amd_power_watts,
+    amd_value,
+    decode_text,
+    mib_to_bytes,
+    milliwatts_to_watts,
+    order_by_bus_id,
+    percent_to_ratio,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +58,12 @@ class NvmlBackend:
             devices = []
             for index in range(pynvml.nvmlDeviceGetCount()):
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                device = GpuDevice(index=index, uuid=decode_text(pynvml.nvmlDeviceGetUUID(handle)),
-                                   model_name=decode_text(pynvml.nvmlDeviceGetName(handle)),
-                                   vendor=VENDOR_NVIDIA)
+                device = GpuDevice(
+                    index=index,
+                    uuid=decode_text(pynvml.nvmlDeviceGetUUID(handle)),
+                    model_name=decode_text(pynvml.nvmlDeviceGetName(handle)),
+                    vendor=VENDOR_NVIDIA,
+                )
                 self._handles[device.uuid] = handle
                 devices.append(device)
         except Exception:
@@ -61,13 +75,17 @@ class NvmlBackend:
         nv, handle = self._nvml, self._handles[device.uuid]
         utilization = nv.nvmlDeviceGetUtilizationRates(handle)
         memory = nv.nvmlDeviceGetMemoryInfo(handle)
-        power = _optional(lambda: milliwatts_to_watts(nv.nvmlDeviceGetPowerUsage(handle)),
-                          nv.NVMLError)
+        power = _optional(lambda: milliwatts_to_watts(nv.nvmlDeviceGetPowerUsage(handle)), nv.NVMLError)
         temperature = _optional(
-            lambda: float(nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU)), nv.NVMLError)
-        return GpuReading(utilization_ratio=percent_to_ratio(utilization.gpu),
-                          memory_used_bytes=int(memory.used), memory_total_bytes=int(memory.total),
-                          power_watts=power, temperature_celsius=temperature)
+            lambda: float(nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU)), nv.NVMLError
+        )
+        return GpuReading(
+            utilization_ratio=percent_to_ratio(utilization.gpu),
+            memory_used_bytes=int(memory.used),
+            memory_total_bytes=int(memory.total),
+            power_watts=power,
+            temperature_celsius=temperature,
+        )
 
     def processes(self, device: GpuDevice) -> list[GpuProcess]:
         nv, handle = self._nvml, self._handles[device.uuid]
@@ -104,15 +122,18 @@ class AmdSmiBackend:
         self._smi = amdsmi
         try:
             handles = amdsmi.amdsmi_get_processor_handles()
-            ordered = order_by_bus_id([(decode_text(amdsmi.amdsmi_get_gpu_device_bdf(h)), h)
-                                       for h in handles])
+            ordered = order_by_bus_id(
+                [(decode_text(amdsmi.amdsmi_get_gpu_device_bdf(h)), h) for h in handles]
+            )
             devices = []
             for index, handle in enumerate(ordered):
                 asic = amdsmi.amdsmi_get_gpu_asic_info(handle)
-                device = GpuDevice(index=index,
-                                   uuid=decode_text(amdsmi.amdsmi_get_gpu_device_uuid(handle)),
-                                   model_name=decode_text(asic.get("market_name") or "AMD GPU"),
-                                   vendor=VENDOR_AMD)
+                device = GpuDevice(
+                    index=index,
+                    uuid=decode_text(amdsmi.amdsmi_get_gpu_device_uuid(handle)),
+                    model_name=decode_text(asic.get("market_name") or "AMD GPU"),
+                    vendor=VENDOR_AMD,
+                )
                 self._handles[device.uuid] = handle
                 devices.append(device)
         except Exception:
@@ -126,22 +147,33 @@ class AmdSmiBackend:
         vram = smi.amdsmi_get_gpu_vram_usage(handle)
         used_mib, total_mib = amd_value(vram.get("vram_used")), amd_value(vram.get("vram_total"))
         if busy_percent is None or used_mib is None or total_mib is None:
-            raise ValueError(f"amdsmi gave no utilisation/VRAM for GPU {device.index} "
-                             f"(gfx_activity={busy_percent}, vram={dict(vram)})")
-        power = _optional(lambda: amd_power_watts(smi.amdsmi_get_power_info(handle)),
-                          smi.AmdSmiException)
-        return GpuReading(utilization_ratio=percent_to_ratio(busy_percent),
-                          memory_used_bytes=mib_to_bytes(used_mib),
-                          memory_total_bytes=mib_to_bytes(total_mib),
-                          power_watts=power, temperature_celsius=self._temperature(handle))
+            raise ValueError(
+                f"amdsmi gave no utilisation/VRAM for GPU {device.index} "
+                f"(gfx_activity={busy_percent}, vram={dict(vram)})"
+            )
+        power = _optional(lambda: amd_power_watts(smi.amdsmi_get_power_info(handle)), smi.AmdSmiException)
+        return GpuReading(
+            utilization_ratio=percent_to_ratio(busy_percent),
+            memory_used_bytes=mib_to_bytes(used_mib),
+            memory_total_bytes=mib_to_bytes(total_mib),
+            power_watts=power,
+            temperature_celsius=self._temperature(handle),
+        )
 
     def _temperature(self, handle: Any) -> float | None:
         smi = self._smi
         # MI200/MI300 report no edge sensor; the hotspot (junction) one exists on every generation.
         for sensor in ("HOTSPOT", "EDGE"):
-            value = _optional(lambda: amd_value(smi.amdsmi_get_temp_metric(
-                handle, getattr(smi.AmdSmiTemperatureType, sensor),
-                smi.AmdSmiTemperatureMetric.CURRENT)), smi.AmdSmiException)
+            value = _optional(
+                lambda sensor=sensor: amd_value(
+                    smi.amdsmi_get_temp_metric(
+                        handle,
+                        getattr(smi.AmdSmiTemperatureType, sensor),
+                        smi.AmdSmiTemperatureMetric.CURRENT,
+                    )
+                ),
+                smi.AmdSmiException,
+            )
             if value is not None:
                 return value
         return None

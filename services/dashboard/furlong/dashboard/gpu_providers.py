@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from furlong.dashboard.core.gpu_telemetry import GpuBackend, GpuDevice, GpuProcess, GpuSample
 from furlong.dashboard.gpu_backends import AmdSmiBackend, NvmlBackend
@@ -32,8 +32,13 @@ class GpuTelemetryUnavailable(RuntimeError):
 class GpuTelemetry:
     """Samples one initialised backend. Thread-safe (a lock serialises vendor-library calls)."""
 
-    def __init__(self, backend: GpuBackend, devices: list[GpuDevice], warn_interval_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        backend: GpuBackend,
+        devices: list[GpuDevice],
+        warn_interval_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.backend = backend
         self.devices = tuple(devices)
         self._warn_interval_s = warn_interval_s
@@ -73,8 +78,14 @@ class GpuTelemetry:
         last = self._last_warned.get(key)
         if last is None or now - last >= self._warn_interval_s:
             self._last_warned[key] = now
-            log.warning("%s: GPU %d (%s) %s failed, skipped this tick: %s", self.backend.name,
-                        device.index, device.uuid, what, exc)
+            log.warning(
+                "%s: GPU %d (%s) %s failed, skipped this tick: %s",
+                self.backend.name,
+                device.index,
+                device.uuid,
+                what,
+                exc,
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -83,9 +94,11 @@ class GpuTelemetry:
                 self.backend.shutdown()
 
 
-def open_gpu_telemetry(choice: str = "auto",
-                       backends: Mapping[str, Callable[[], GpuBackend]] = BACKENDS,
-                       warn_interval_s: float = 60.0) -> GpuTelemetry | None:
+def open_gpu_telemetry(
+    choice: str = "auto",
+    backends: Mapping[str, Callable[[], GpuBackend]] = BACKENDS,
+    warn_interval_s: float = 60.0,
+) -> GpuTelemetry | None:
     if choice not in GPU_BACKEND_CHOICES:
         raise ValueError(f"gpu backend {choice!r} not one of {list(GPU_BACKEND_CHOICES)}")
     if choice == "none":
@@ -103,8 +116,12 @@ def open_gpu_telemetry(choice: str = "auto",
             backend.shutdown()
             failures.append(f"{name}: no devices")
             continue
-        log.info("GPU telemetry from %s: %d device(s): %s", name, len(devices),
-                 ", ".join(f"{d.index}={d.model_name}" for d in devices))
+        log.info(
+            "GPU telemetry from %s: %d device(s): %s",
+            name,
+            len(devices),
+            ", ".join(f"{d.index}={d.model_name}" for d in devices),
+        )
         return GpuTelemetry(backend, devices, warn_interval_s=warn_interval_s)
     if choice != "auto":
         raise GpuTelemetryUnavailable(f"gpu backend {choice!r} unavailable: {failures[0]}")

@@ -10,12 +10,17 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 import psutil
 
-from furlong.dashboard.core.host_telemetry import (CpuTimes, HostSnapshot, ProcessSample,
-                                                   cpu_utilization, service_from_cmdline)
+from furlong.dashboard.core.host_telemetry import (
+    CpuTimes,
+    HostSnapshot,
+    ProcessSample,
+    cpu_utilization,
+    service_from_cmdline,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +51,12 @@ class HostTelemetryProvider:
                 self._last_ratio, self._last_times = ratio, times
             ratio = self._last_ratio
         memory = psutil.virtual_memory()
-        return HostSnapshot(cpu_utilization_ratio=ratio, memory_total_bytes=memory.total,
-                            memory_used_bytes=max(0, memory.total - memory.available),
-                            processes=tuple(self._processes()))
+        return HostSnapshot(
+            cpu_utilization_ratio=ratio,
+            memory_total_bytes=memory.total,
+            memory_used_bytes=max(0, memory.total - memory.available),
+            processes=tuple(self._processes()),
+        )
 
     def _processes(self) -> list[ProcessSample]:
         if self.watch_pids:

@@ -19,12 +19,12 @@ GPU_TEMPERATURE_CELSIUS = "furlong_gpu_temperature_celsius"
 GPU_PROCESS_MEMORY_BYTES = "furlong_gpu_process_memory_bytes"
 GPU_DEVICES = "furlong_gpu_devices"
 
-DCGM_GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"              # percent
-DCGM_FB_USED = "DCGM_FI_DEV_FB_USED"                # MiB
-DCGM_FB_FREE = "DCGM_FI_DEV_FB_FREE"                # MiB
-DCGM_FB_TOTAL = "DCGM_FI_DEV_FB_TOTAL"              # MiB
-DCGM_POWER_USAGE = "DCGM_FI_DEV_POWER_USAGE"        # W
-DCGM_GPU_TEMP = "DCGM_FI_DEV_GPU_TEMP"              # degrees C
+DCGM_GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"  # percent
+DCGM_FB_USED = "DCGM_FI_DEV_FB_USED"  # MiB
+DCGM_FB_FREE = "DCGM_FI_DEV_FB_FREE"  # MiB
+DCGM_FB_TOTAL = "DCGM_FI_DEV_FB_TOTAL"  # MiB
+DCGM_POWER_USAGE = "DCGM_FI_DEV_POWER_USAGE"  # W
+DCGM_GPU_TEMP = "DCGM_FI_DEV_GPU_TEMP"  # degrees C
 
 DCGM_LABELS = ("gpu", "UUID", "modelName", "Hostname")
 GPU_LABELS = ("gpu", "uuid", "model_name", "vendor", "hostname")

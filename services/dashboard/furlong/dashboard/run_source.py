@@ -24,8 +24,9 @@ class RunSource(Protocol):
 
 class ControllerRuns:
     def __init__(self, base_url: str, token: str, timeout_s: float = 5.0) -> None:
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s,
-                                  headers={"Authorization": f"Bearer {token}"})
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"), timeout=timeout_s, headers={"Authorization": f"Bearer {token}"}
+        )
 
     def _get(self, path: str) -> dict[str, Any]:
         try:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HTTP_METRICS = ("controller", "dashboard")       # /metrics on the service's own port
+HTTP_METRICS = ("controller", "dashboard")  # /metrics on the service's own port
 SEPARATE_METRICS = ("trainer", "rollout", "weight_broker")  # /metrics on metrics_port
 
 
@@ -32,8 +32,12 @@ def scrape_targets(stack: dict[str, Any], host: str = "127.0.0.1") -> list[dict[
                 raise ValueError(f"stack process {name!r} (pid {proc.get('pid')}) has no metrics_port")
         else:
             continue
-        groups.append({"targets": [f"{host}:{int(port)}"],
-                       "labels": {"job": f"furlong-{name.replace('_', '-')}", "service": name}})
+        groups.append(
+            {
+                "targets": [f"{host}:{int(port)}"],
+                "labels": {"job": f"furlong-{name.replace('_', '-')}", "service": name},
+            }
+        )
     return groups
 
 

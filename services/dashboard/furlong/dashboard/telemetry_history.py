@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from furlong.dashboard.core.host_telemetry import cpu_utilization
 from furlong.dashboard.core.lanes import UtilizationLanes
@@ -21,8 +21,13 @@ log = logging.getLogger(__name__)
 
 
 class TelemetryHistory:
-    def __init__(self, gpu: GpuSource | None, interval_s: float, max_points: int = 600,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        gpu: GpuSource | None,
+        interval_s: float,
+        max_points: int = 600,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self.lanes = UtilizationLanes(max_points)

@@ -18,12 +18,13 @@ import logging
 import signal
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import redis
 import torch
 from prometheus_client import REGISTRY, start_http_server
 
+from furlong import rpc
 from furlong.rollout.config import ENGINES_PROCESS, RolloutServerConfig
 from furlong.rollout.core.sampling import SupportBound
 from furlong.rollout.core.service import RolloutService
@@ -32,7 +33,6 @@ from furlong.rollout.process_engines import ProcessEnginesConfig, process_factor
 from furlong.rollout.receivers import broker_receiver_factory
 from furlong.rollout.rewards import resolve_user_reward, reward_registry
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
-from furlong import rpc
 from furlong.rpc import start_server
 from furlong.weight_broker.client import GrpcBrokerClient
 
@@ -41,8 +41,7 @@ log = logging.getLogger("furlong.rollout")
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = RolloutServerConfig.from_args(argv)
-    logging.basicConfig(level=config.logging_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.logging_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(config.num_threads)
     if not rpc.use_credentials(config.auth_token_file, config.tls):
         return 2
@@ -56,24 +55,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     receivers = broker_receiver_factory(broker)
     engines = None
     if config.engines == ENGINES_PROCESS:
-        engines = process_factory(ProcessEnginesConfig(
-            max_batch_size=config.engine_max_batch_size, num_threads=config.engine_threads,
-            chunk_rows=config.chunk_rows, work_root=config.engine_work_dir), receivers, metrics)
-    service = RolloutService(redis_client, receivers, engines=engines,
-                             max_batch_size=config.max_batch_size, observer=metrics,
-                             support_bound=SupportBound(max_size=config.max_support_size),
-                             rewards=reward_registry({name: resolve_user_reward(reference)
-                                                      for name, reference in config.user_rewards}),
-                             reward_timeout_s=config.reward_timeout_s,
-                             reward_workers=config.reward_workers)
+        engines = process_factory(
+            ProcessEnginesConfig(
+                max_batch_size=config.engine_max_batch_size,
+                num_threads=config.engine_threads,
+                chunk_rows=config.chunk_rows,
+                work_root=config.engine_work_dir,
+            ),
+            receivers,
+            metrics,
+        )
+    service = RolloutService(
+        redis_client,
+        receivers,
+        engines=engines,
+        max_batch_size=config.max_batch_size,
+        observer=metrics,
+        support_bound=SupportBound(max_size=config.max_support_size),
+        rewards=reward_registry(
+            {name: resolve_user_reward(reference) for name, reference in config.user_rewards}
+        ),
+        reward_timeout_s=config.reward_timeout_s,
+        reward_workers=config.reward_workers,
+    )
     metrics.watch_engines(service.status)
-    metrics_server, metrics_thread = start_http_server(config.metrics_port, addr=config.host,
-                                                       registry=REGISTRY)
-    server = start_server([RolloutServicer(service).add_to_server], [SERVICE_NAME], host=config.host,
-                          port=config.port, max_workers=config.max_workers)
-    log.info("rollout serving on %s:%d, metrics on %s:%d, broker %s, %d torch thread(s), engines %s",
-             config.host, server.port, config.host, metrics_server.server_port,
-             config.broker_address, config.num_threads, config.engines)
+    metrics_server, metrics_thread = start_http_server(
+        config.metrics_port, addr=config.host, registry=REGISTRY
+    )
+    server = start_server(
+        [RolloutServicer(service).add_to_server],
+        [SERVICE_NAME],
+        host=config.host,
+        port=config.port,
+        max_workers=config.max_workers,
+    )
+    log.info(
+        "rollout serving on %s:%d, metrics on %s:%d, broker %s, %d torch thread(s), engines %s",
+        config.host,
+        server.port,
+        config.host,
+        metrics_server.server_port,
+        config.broker_address,
+        config.num_threads,
+        config.engines,
+    )
 
     while not stop.wait(0.5):
         pass

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from furlong.rpc import add_tls_arguments
 from furlong.rpc.tls import TlsFiles
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-ENGINES_IN_PROCESS = "inprocess"   # engines inside the rollout service (the default)
-ENGINES_PROCESS = "process"        # one process per engine behind the engine pool
+ENGINES_IN_PROCESS = "inprocess"  # engines inside the rollout service (the default)
+ENGINES_PROCESS = "process"  # one process per engine behind the engine pool
 ENGINE_MODES = (ENGINES_IN_PROCESS, ENGINES_PROCESS)
 
 
@@ -32,25 +32,25 @@ def _user_reward(value: str) -> tuple[str, str]:
 @dataclass(frozen=True)
 class RolloutServerConfig:
     redis_url: str
-    broker_address: str            # HOST:PORT of the weight broker
+    broker_address: str  # HOST:PORT of the weight broker
     host: str = "127.0.0.1"
-    port: int = 0                  # 0 picks a free port
-    metrics_port: int = 0          # Prometheus /metrics; 0 picks a free port
-    num_threads: int = 2           # torch intra-op threads (trainer and rollout alternate on the cores)
-    max_batch_size: int = 256      # rows per engine forward pass
-    max_workers: int = 8           # concurrent gRPC calls
-    max_support_size: int = 0      # largest recorded sampling support; a larger one fails (0 = off)
+    port: int = 0  # 0 picks a free port
+    metrics_port: int = 0  # Prometheus /metrics; 0 picks a free port
+    num_threads: int = 2  # torch intra-op threads (trainer and rollout alternate on the cores)
+    max_batch_size: int = 256  # rows per engine forward pass
+    max_workers: int = 8  # concurrent gRPC calls
+    max_support_size: int = 0  # largest recorded sampling support; a larger one fails (0 = off)
     user_rewards: tuple[tuple[str, str], ...] = ()  # (name, "package.module:function") pairs
     reward_timeout_s: float = 60.0  # all rewards of one request must finish within this
-    reward_workers: int = 4         # threads scoring one request's samples
+    reward_workers: int = 4  # threads scoring one request's samples
     log_level: str = "INFO"
-    auth_token_file: str = ""       # "" = gRPC unauthenticated; else the shared service token's file
+    auth_token_file: str = ""  # "" = gRPC unauthenticated; else the shared service token's file
     engines: str = ENGINES_IN_PROCESS  # where a run's engines run (ENGINE_MODES)
-    engine_threads: int = 1         # process mode: torch threads per engine process
+    engine_threads: int = 1  # process mode: torch threads per engine process
     engine_max_batch_size: int = 64  # process mode: rows per forward pass of an engine process
-    chunk_rows: int = 8             # process mode: rows per chunk routed to one engine
-    engine_work_dir: str = ""       # process mode: weights and engine logs; "" = under /dev/shm
-    tls: TlsFiles = TlsFiles()      # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
+    chunk_rows: int = 8  # process mode: rows per chunk routed to one engine
+    engine_work_dir: str = ""  # process mode: weights and engine logs; "" = under /dev/shm
+    tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -58,15 +58,23 @@ class RolloutServerConfig:
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
+            raise ValueError(
+                f"redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}"
+            )
         host, sep, port = self.broker_address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
             raise ValueError(f"broker_address must be HOST:PORT, got {self.broker_address!r}")
         if self.engines not in ENGINE_MODES:
             raise ValueError(f"engines must be one of {ENGINE_MODES}, got {self.engines!r}")
-        for name, low in (("num_threads", 1), ("max_batch_size", 1), ("max_workers", 2),
-                          ("max_support_size", 0), ("engine_threads", 1),
-                          ("engine_max_batch_size", 1), ("chunk_rows", 1)):
+        for name, low in (
+            ("num_threads", 1),
+            ("max_batch_size", 1),
+            ("max_workers", 2),
+            ("max_support_size", 0),
+            ("engine_threads", 1),
+            ("engine_max_batch_size", 1),
+            ("chunk_rows", 1),
+        ):
             value = getattr(self, name)
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
@@ -84,9 +92,10 @@ class RolloutServerConfig:
             raise ValueError(f"log_level {self.log_level!r} not one of {_LOG_LEVELS}")
 
     @classmethod
-    def from_args(cls, argv: Sequence[str] | None = None) -> "RolloutServerConfig":
-        parser = argparse.ArgumentParser(prog="python -m furlong.rollout",
-                                         description="Furlong rollout service (gRPC)")
+    def from_args(cls, argv: Sequence[str] | None = None) -> RolloutServerConfig:
+        parser = argparse.ArgumentParser(
+            prog="python -m furlong.rollout", description="Furlong rollout service (gRPC)"
+        )
         parser.add_argument("--host", default=cls.host)
         parser.add_argument("--port", type=int, required=True)
         parser.add_argument("--metrics-port", type=int, required=True)
@@ -95,39 +104,67 @@ class RolloutServerConfig:
         parser.add_argument("--num-threads", type=int, default=cls.num_threads)
         parser.add_argument("--max-batch-size", type=int, default=cls.max_batch_size)
         parser.add_argument("--max-workers", type=int, default=cls.max_workers)
-        parser.add_argument("--max-support-size", type=int, default=cls.max_support_size,
-                            help="fail a request whose sampling support exceeds this (0 = off)")
-        parser.add_argument("--user-reward", action="append", default=[], metavar="NAME=MODULE:FN",
-                            help="register a reward callable fn(response_text, answer) -> float "
-                                 "under NAME (repeatable); resolved and checked at start-up")
+        parser.add_argument(
+            "--max-support-size",
+            type=int,
+            default=cls.max_support_size,
+            help="fail a request whose sampling support exceeds this (0 = off)",
+        )
+        parser.add_argument(
+            "--user-reward",
+            action="append",
+            default=[],
+            metavar="NAME=MODULE:FN",
+            help="register a reward callable fn(response_text, answer) -> float "
+            "under NAME (repeatable); resolved and checked at start-up",
+        )
         parser.add_argument("--reward-timeout-s", type=float, default=cls.reward_timeout_s)
         parser.add_argument("--reward-workers", type=int, default=cls.reward_workers)
         parser.add_argument("--log-level", default=cls.log_level, type=str.upper)
-        parser.add_argument("--auth-token-file", default="",
-                            help="file with the shared token every gRPC call (in and out) must carry")
+        parser.add_argument(
+            "--auth-token-file",
+            default="",
+            help="file with the shared token every gRPC call (in and out) must carry",
+        )
         add_tls_arguments(parser)
-        parser.add_argument("--engines", default=cls.engines, choices=ENGINE_MODES,
-                            help="run engines inside this process (inprocess) or as one process "
-                                 "per engine behind a pool that restarts them (process)")
+        parser.add_argument(
+            "--engines",
+            default=cls.engines,
+            choices=ENGINE_MODES,
+            help="run engines inside this process (inprocess) or as one process "
+            "per engine behind a pool that restarts them (process)",
+        )
         parser.add_argument("--engine-threads", type=int, default=cls.engine_threads)
         parser.add_argument("--engine-max-batch-size", type=int, default=cls.engine_max_batch_size)
         parser.add_argument("--chunk-rows", type=int, default=cls.chunk_rows)
-        parser.add_argument("--engine-work-dir", default=cls.engine_work_dir,
-                            help="process mode: folder for weight versions and engine logs "
-                                 "(default: under /dev/shm)")
+        parser.add_argument(
+            "--engine-work-dir",
+            default=cls.engine_work_dir,
+            help="process mode: folder for weight versions and engine logs (default: under /dev/shm)",
+        )
         args = parser.parse_args(argv)
-        return cls(redis_url=args.redis_url, broker_address=args.broker, host=args.host,
-                   port=args.port, metrics_port=args.metrics_port, num_threads=args.num_threads,
-                   max_batch_size=args.max_batch_size, max_workers=args.max_workers,
-                   max_support_size=args.max_support_size,
-                   user_rewards=tuple(_user_reward(v) for v in args.user_reward),
-                   reward_timeout_s=args.reward_timeout_s, reward_workers=args.reward_workers,
-                   log_level=args.log_level, auth_token_file=args.auth_token_file,
-                   engines=args.engines, engine_threads=args.engine_threads,
-                   engine_max_batch_size=args.engine_max_batch_size, chunk_rows=args.chunk_rows,
-                   engine_work_dir=args.engine_work_dir,
-                   tls=TlsFiles(args.tls_ca_file, args.tls_cert_file, args.tls_key_file,
-                                args.tls_server_name))
+        return cls(
+            redis_url=args.redis_url,
+            broker_address=args.broker,
+            host=args.host,
+            port=args.port,
+            metrics_port=args.metrics_port,
+            num_threads=args.num_threads,
+            max_batch_size=args.max_batch_size,
+            max_workers=args.max_workers,
+            max_support_size=args.max_support_size,
+            user_rewards=tuple(_user_reward(v) for v in args.user_reward),
+            reward_timeout_s=args.reward_timeout_s,
+            reward_workers=args.reward_workers,
+            log_level=args.log_level,
+            auth_token_file=args.auth_token_file,
+            engines=args.engines,
+            engine_threads=args.engine_threads,
+            engine_max_batch_size=args.engine_max_batch_size,
+            chunk_rows=args.chunk_rows,
+            engine_work_dir=args.engine_work_dir,
+            tls=TlsFiles(args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name),
+        )
 
     @property
     def logging_level(self) -> int:

@@ -23,8 +23,8 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Sequence
 
 import torch
 
@@ -39,8 +39,14 @@ log = logging.getLogger("furlong.rollout.engine_server")
 class EngineHttpServer:
     """Serves one built-in engine loaded from `model_dir` on host:port (0 picks a free port)."""
 
-    def __init__(self, model_dir: str, host: str = "127.0.0.1", port: int = 0,
-                 max_batch_size: int = 64, group_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_batch_size: int = 64,
+        group_timeout_s: float = 300.0,
+    ) -> None:
         if not group_timeout_s > 0:
             raise ValueError(f"group_timeout_s must be > 0, got {group_timeout_s!r}")
         model, self.tokenizer = load_policy(model_dir)
@@ -50,10 +56,12 @@ class EngineHttpServer:
         # reports the label of the version that drew it, so a load racing a request cannot mislabel
         self._labels: dict[int, str] = {}
         self.weights = EngineWeightUpdates(self.engine, host, group_timeout_s, self._loaded)
-        self._weight_routes = {"/update_weights_from_tensor": self.weights.from_tensor,
-                               "/init_weights_update_group": self.weights.init_group,
-                               "/update_weights_from_distributed": self.weights.from_distributed,
-                               "/destroy_weights_update_group": self.weights.destroy_group}
+        self._weight_routes = {
+            "/update_weights_from_tensor": self.weights.from_tensor,
+            "/init_weights_update_group": self.weights.init_group,
+            "/update_weights_from_distributed": self.weights.from_distributed,
+            "/destroy_weights_update_group": self.weights.destroy_group,
+        }
         self.running = threading.Event()
         self.running.set()
         handler = type("Handler", (_Handler,), {"target": self})
@@ -61,7 +69,7 @@ class EngineHttpServer:
         self.url = f"http://{host}:{self.server.server_port}"
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "EngineHttpServer":
+    def start(self) -> EngineHttpServer:
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()
         return self
@@ -77,13 +85,15 @@ class EngineHttpServer:
     def generate(self, body: dict) -> tuple[int, object]:
         params = body.get("sampling_params", {})
         try:
-            config = SamplingConfig(temperature=float(params.get("temperature", 1.0)),
-                                    top_k=max(0, int(params.get("top_k", -1))),
-                                    top_p=float(params.get("top_p", 1.0)),
-                                    min_p=float(params.get("min_p", 0.0)),
-                                    max_new_tokens=int(params.get("max_new_tokens", 16)),
-                                    seed=int(params.get("sampling_seed", 0)),
-                                    stop=_stop_param(params.get("stop")))
+            config = SamplingConfig(
+                temperature=float(params.get("temperature", 1.0)),
+                top_k=max(0, int(params.get("top_k", -1))),
+                top_p=float(params.get("top_p", 1.0)),
+                min_p=float(params.get("min_p", 0.0)),
+                max_new_tokens=int(params.get("max_new_tokens", 16)),
+                seed=int(params.get("sampling_seed", 0)),
+                stop=_stop_param(params.get("stop")),
+            )
             prompts = body["input_ids"]
             single = bool(prompts) and isinstance(prompts[0], int)
             prompts = [prompts] if single else prompts
@@ -99,12 +109,23 @@ class EngineHttpServer:
                 finish = {"type": "stop", "matched": g.stop_string}
             else:
                 finish = {"type": "length", "length": len(g.token_ids)}
-            out.append({"text": g.text, "output_ids": g.token_ids, "meta_info": {
-                "prompt_tokens": len(p), "completion_tokens": len(g.token_ids),
-                "finish_reason": finish, "weight_version": self._labels.get(g.policy_version, str(g.policy_version)),
-                "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.token_ids)],
-                "output_sampling_mask": {"token_ids": g.support.token_ids.tolist(),
-                                         "offsets": g.support.offsets.tolist()}}})
+            out.append(
+                {
+                    "text": g.text,
+                    "output_ids": g.token_ids,
+                    "meta_info": {
+                        "prompt_tokens": len(p),
+                        "completion_tokens": len(g.token_ids),
+                        "finish_reason": finish,
+                        "weight_version": self._labels.get(g.policy_version, str(g.policy_version)),
+                        "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.token_ids)],
+                        "output_sampling_mask": {
+                            "token_ids": g.support.token_ids.tolist(),
+                            "offsets": g.support.offsets.tolist(),
+                        },
+                    },
+                }
+            )
         return 200, out[0] if single else out
 
     def post(self, path: str, body: dict) -> tuple[int, object]:
@@ -117,7 +138,7 @@ class EngineHttpServer:
             self.running.set()
             return 200, {"success": True}
         if path == "/flush_cache":
-            return 200, {"success": True}   # the slot cache holds nothing between requests
+            return 200, {"success": True}  # the slot cache holds nothing between requests
         if path == "/update_weights_from_disk":
             return self._load(body)
         if path == "/update_weight_version":
@@ -205,8 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda received, frame: stop.set())
-    server = EngineHttpServer(args.model_dir, args.host, args.port, args.max_batch_size,
-                              args.group_timeout_s).start()
+    server = EngineHttpServer(
+        args.model_dir, args.host, args.port, args.max_batch_size, args.group_timeout_s
+    ).start()
     log.info("engine serving %s on %s", args.model_dir, server.url)
     while not stop.wait(0.5):
         pass

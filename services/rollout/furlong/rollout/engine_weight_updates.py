@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,27 +46,31 @@ def _bad(message: str) -> Reply:
 class EngineWeightUpdates:
     """Thread-safe. `on_loaded(version, label)` is called after every successful load."""
 
-    def __init__(self, engine: Engine, local_host: str, group_timeout_s: float,
-                 on_loaded: Callable[[int, str], None]) -> None:
+    def __init__(
+        self, engine: Engine, local_host: str, group_timeout_s: float, on_loaded: Callable[[int, str], None]
+    ) -> None:
         self._engine = engine
         self._local_host = local_host
         self._group_timeout_s = group_timeout_s
         self._on_loaded = on_loaded
         # no update can legitimately carry more than the model (each name once), even in float64
-        self._max_update_bytes = 2 * sum(t.numel() * t.element_size()
-                                         for t in engine.model.state_dict().values())
-        self._groups: dict[str, GroupMember | None] = {}    # None: joining
+        self._max_update_bytes = 2 * sum(
+            t.numel() * t.element_size() for t in engine.model.state_dict().values()
+        )
+        self._groups: dict[str, GroupMember | None] = {}  # None: joining
         self._lock = threading.Lock()
-        self._transfer = threading.Lock()    # one broadcast sequence at a time (they must not interleave)
+        self._transfer = threading.Lock()  # one broadcast sequence at a time (they must not interleave)
 
     # -- tensors ---------------------------------------------------------------------------------
 
     def from_tensor(self, body: dict) -> Reply:
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or len(entries) != 1:
-            return _bad(f"serialized_named_tensors must be a list with one entry per TP rank (this "
-                        f"server has 1), got "
-                        f"{len(entries) if isinstance(entries, list) else type(entries).__name__}")
+            return _bad(
+                f"serialized_named_tensors must be a list with one entry per TP rank (this "
+                f"server has 1), got "
+                f"{len(entries) if isinstance(entries, list) else type(entries).__name__}"
+            )
         problem = _common_problem(body)
         if problem:
             return _bad(problem)
@@ -80,11 +84,15 @@ class EngineWeightUpdates:
 
     def init_group(self, body: dict) -> Reply:
         try:
-            spec = GroupSpec(master_address=body.get("master_address"),
-                             master_port=body.get("master_port"), rank=body.get("rank_offset"),
-                             world_size=body.get("world_size"),
-                             group_name=body.get("group_name", DEFAULT_GROUP_NAME),
-                             backend=body.get("backend", "nccl"), timeout_s=self._group_timeout_s)
+            spec = GroupSpec(
+                master_address=body.get("master_address"),
+                master_port=body.get("master_port"),
+                rank=body.get("rank_offset"),
+                world_size=body.get("world_size"),
+                group_name=body.get("group_name", DEFAULT_GROUP_NAME),
+                backend=body.get("backend", "nccl"),
+                timeout_s=self._group_timeout_s,
+            )
             if spec.rank == 0:
                 raise ValueError("rank_offset must be >= 1: rank 0 is the trainer's")
             if spec.backend == "nccl" and not torch.cuda.is_available():
@@ -97,15 +105,22 @@ class EngineWeightUpdates:
             self._groups[spec.group_name] = None
         try:
             member = GroupMember.join(spec, self._local_host)
-        except (RuntimeError, ValueError) as exc:       # DistError is a RuntimeError
+        except (RuntimeError, ValueError) as exc:  # DistError is a RuntimeError
             with self._lock:
                 del self._groups[spec.group_name]
-            return 200, {"success": False, "message": f"joining {spec.init_method} as rank "
-                                                      f"{spec.rank} failed: {exc}"}
+            return 200, {
+                "success": False,
+                "message": f"joining {spec.init_method} as rank {spec.rank} failed: {exc}",
+            }
         with self._lock:
             self._groups[spec.group_name] = member
-        log.info("joined weight update group %s at %s as rank %d of %d", spec.group_name,
-                 spec.init_method, spec.rank, spec.world_size)
+        log.info(
+            "joined weight update group %s at %s as rank %d of %d",
+            spec.group_name,
+            spec.init_method,
+            spec.rank,
+            spec.world_size,
+        )
         return 200, {"success": True, "message": f"joined {spec.group_name} as rank {spec.rank}"}
 
     def from_distributed(self, body: dict) -> Reply:
@@ -119,8 +134,10 @@ class EngineWeightUpdates:
             return _bad(problem)
         num_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs)
         if num_bytes > self._max_update_bytes:
-            return _bad(f"the update declares {num_bytes} bytes, more than twice this model's "
-                        f"({self._max_update_bytes // 2})")
+            return _bad(
+                f"the update declares {num_bytes} bytes, more than twice this model's "
+                f"({self._max_update_bytes // 2})"
+            )
         member = self._member(body.get("group_name", DEFAULT_GROUP_NAME))
         if isinstance(member, tuple):
             return member
@@ -129,8 +146,10 @@ class EngineWeightUpdates:
             with self._transfer:
                 member.broadcast(tensors)
         except RuntimeError as exc:
-            return 200, {"success": False, "message": f"receiving {len(tensors)} tensor(s) from "
-                                                      f"rank 0 failed: {exc}"}
+            return 200, {
+                "success": False,
+                "message": f"receiving {len(tensors)} tensor(s) from rank 0 failed: {exc}",
+            }
         return self._load(body.get("weight_version"), list(zip(names, tensors)))
 
     def destroy_group(self, body: dict) -> Reply:
@@ -166,8 +185,7 @@ class EngineWeightUpdates:
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             return _bad(f"tensor name(s) repeat: {repeated}")
-        version = int(label) if label is not None and label.isdecimal() \
-            else self._engine.policy_version + 1
+        version = int(label) if label is not None and label.isdecimal() else self._engine.policy_version + 1
         try:
             self._engine.load_weights(version, self._complete(dict(pairs)))
         except ValueError as exc:
@@ -199,15 +217,19 @@ def _common_problem(body: dict) -> str | None:
 
 
 def _tensor_specs(names: object, dtypes: object, shapes: object) -> list[tuple[list[int], torch.dtype]]:
-    if not all(isinstance(v, list) for v in (names, dtypes, shapes)) \
-            or not len(names) == len(dtypes) == len(shapes) or not names:
+    if (
+        not all(isinstance(v, list) for v in (names, dtypes, shapes))
+        or not len(names) == len(dtypes) == len(shapes)
+        or not names
+    ):
         raise ValueError("names, dtypes and shapes must be non-empty lists of the same length")
     out = []
     for name, dtype, shape in zip(names, dtypes, shapes):
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
-        if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0
-                                              for d in shape):
+        if not isinstance(shape, list) or any(
+            isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
+        ):
             raise ValueError(f"{name}: shape must be a list of integers >= 0, got {shape!r}")
         try:
             out.append((shape, dtype_of(dtype)))

@@ -19,7 +19,8 @@ Redis being unreachable is an UnavailableError. Knows nothing about engines or H
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import redis
 
@@ -99,8 +100,9 @@ class Ledger:
         if not ids:
             return 0
         keys = [ledger_key(request_id), counts_key(self.scope)]
-        return int(self._call(f"{op} samples of {request_id}", self._change, keys,
-                              [op, value, LEDGER_TTL_S, *ids]))
+        return int(
+            self._call(f"{op} samples of {request_id}", self._change, keys, [op, value, LEDGER_TTL_S, *ids])
+        )
 
     def new_request(self, base: str) -> str:
         """A fresh request id `<base>/<n>` for the n-th attempt at `base`."""
@@ -111,6 +113,7 @@ class Ledger:
                 pipe.incr(key)
                 pipe.expire(key, LEDGER_TTL_S)
                 return pipe.execute()[0]
+
         return f"{base}/{self._call(f'number {base}', bump)}"
 
     def open(self, request_id: str, sample_ids: Iterable[str]) -> None:

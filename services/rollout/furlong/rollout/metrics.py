@@ -4,7 +4,7 @@ observer of the rollout service that keeps them up to date."""
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -37,27 +37,44 @@ class RolloutMetrics:
         self._registry = registry
         self._lock = threading.Lock()
         self._runs: set[str] = set()
-        self.samples = Counter(SAMPLES_TOTAL, "Samples generated and written to the run's stream",
-                               ["run_id"], registry=registry)
+        self.samples = Counter(
+            SAMPLES_TOTAL, "Samples generated and written to the run's stream", ["run_id"], registry=registry
+        )
         self.tokens = Counter(TOKENS_TOTAL, "Response tokens generated", ["run_id"], registry=registry)
-        self.generate_seconds = Histogram(GENERATE_SECONDS, "Wall time of one Generate request "
-                                          "(version wait, generation, rewards, stream write)",
-                                          buckets=_GENERATE_BUCKETS_S, registry=registry)
-        self.reward_mean = Gauge(REWARD_MEAN, "Mean reward of the latest Generate request",
-                                 ["run_id"], registry=registry)
-        self.policy_version = Gauge(POLICY_VERSION, "Policy version an engine serves", ["engine"],
-                                    registry=registry)
-        self.groups_dropped = Counter(GROUPS_DROPPED_TOTAL, "Dynamic sampling: groups with zero "
-                                      "reward variance after every refill round, not written",
-                                      ["run_id"], registry=registry)
-        self.groups_refilled = Counter(GROUPS_REFILLED_TOTAL, "Dynamic sampling: zero-variance "
-                                       "groups drawn again", ["run_id"], registry=registry)
-        self.surplus_groups = Counter(GROUPS_SURPLUS_TOTAL, "Over-sampling: groups beyond the "
-                                      "request's keep_groups, closed unwritten", ["run_id"],
-                                      registry=registry)
+        self.generate_seconds = Histogram(
+            GENERATE_SECONDS,
+            "Wall time of one Generate request (version wait, generation, rewards, stream write)",
+            buckets=_GENERATE_BUCKETS_S,
+            registry=registry,
+        )
+        self.reward_mean = Gauge(
+            REWARD_MEAN, "Mean reward of the latest Generate request", ["run_id"], registry=registry
+        )
+        self.policy_version = Gauge(
+            POLICY_VERSION, "Policy version an engine serves", ["engine"], registry=registry
+        )
+        self.groups_dropped = Counter(
+            GROUPS_DROPPED_TOTAL,
+            "Dynamic sampling: groups with zero reward variance after every refill round, not written",
+            ["run_id"],
+            registry=registry,
+        )
+        self.groups_refilled = Counter(
+            GROUPS_REFILLED_TOTAL,
+            "Dynamic sampling: zero-variance groups drawn again",
+            ["run_id"],
+            registry=registry,
+        )
+        self.surplus_groups = Counter(
+            GROUPS_SURPLUS_TOTAL,
+            "Over-sampling: groups beyond the request's keep_groups, closed unwritten",
+            ["run_id"],
+            registry=registry,
+        )
 
-    def generated(self, run_id: str, num_samples: int, num_tokens: int, seconds: float,
-                  reward_mean: float) -> None:
+    def generated(
+        self, run_id: str, num_samples: int, num_tokens: int, seconds: float, reward_mean: float
+    ) -> None:
         self.samples.labels(run_id=run_id).inc(num_samples)
         self.tokens.labels(run_id=run_id).inc(num_tokens)
         self.generate_seconds.observe(seconds)
@@ -89,8 +106,14 @@ class RolloutMetrics:
     def run_ended(self, run_id: str, engine_ids: list[str]) -> None:
         with self._lock:
             self._runs.discard(run_id)
-        for metric in (self.samples, self.tokens, self.reward_mean, self.groups_dropped,
-                       self.groups_refilled, self.surplus_groups):
+        for metric in (
+            self.samples,
+            self.tokens,
+            self.reward_mean,
+            self.groups_dropped,
+            self.groups_refilled,
+            self.surplus_groups,
+        ):
             try:
                 metric.remove(run_id)
             except KeyError:
@@ -108,16 +131,27 @@ class _EngineHealthCollector(Collector):
         self._status_of = status_of
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        healthy = GaugeMetricFamily(ENGINE_HEALTHY, "1 while the engine's last generation succeeded, "
-                                    "0 after it failed", labels=["run_id", "engine"])
-        drained = GaugeMetricFamily(ENGINE_DRAINED, "1 once the engine was drained (takes no new "
-                                    "work)", labels=["run_id", "engine"])
-        restarts = CounterMetricFamily(ENGINE_RESTARTS, "Times the engine process was restarted",
-                                       labels=["run_id", "engine"])
-        ledger = GaugeMetricFamily(LEDGER_SAMPLES, "Samples of the run's requests by ledger state "
-                                   "(pending, in_flight, done, surplus)", labels=["run_id", "state"])
-        refused = CounterMetricFamily(LEDGER_DUPLICATES_REFUSED, "Second results for a sample "
-                                      "already done, refused by the ledger", labels=["run_id"])
+        healthy = GaugeMetricFamily(
+            ENGINE_HEALTHY,
+            "1 while the engine's last generation succeeded, 0 after it failed",
+            labels=["run_id", "engine"],
+        )
+        drained = GaugeMetricFamily(
+            ENGINE_DRAINED, "1 once the engine was drained (takes no new work)", labels=["run_id", "engine"]
+        )
+        restarts = CounterMetricFamily(
+            ENGINE_RESTARTS, "Times the engine process was restarted", labels=["run_id", "engine"]
+        )
+        ledger = GaugeMetricFamily(
+            LEDGER_SAMPLES,
+            "Samples of the run's requests by ledger state (pending, in_flight, done, surplus)",
+            labels=["run_id", "state"],
+        )
+        refused = CounterMetricFamily(
+            LEDGER_DUPLICATES_REFUSED,
+            "Second results for a sample already done, refused by the ledger",
+            labels=["run_id"],
+        )
         for run_id in self._metrics.run_ids():
             try:
                 status = self._status_of(run_id)

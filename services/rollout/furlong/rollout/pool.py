@@ -31,10 +31,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,10 +53,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PoolConfig:
     num_engines: int
-    max_batch_size: int = 64          # per engine process
-    num_threads: int = 1              # torch threads per engine process
-    chunk_rows: int = 8               # rows per routed chunk
-    max_attempts: int = 3             # engines a chunk may be tried on
+    max_batch_size: int = 64  # per engine process
+    num_threads: int = 1  # torch threads per engine process
+    chunk_rows: int = 8  # rows per routed chunk
+    max_attempts: int = 3  # engines a chunk may be tried on
     startup_timeout_s: float = 120.0
     health_interval_s: float = 0.5
     request_timeout_s: float = 300.0  # one HTTP call to an engine
@@ -107,21 +108,31 @@ class _EngineProcess:
 class EnginePool:
     """Thread-safe. `start()` launches the processes; `close()` stops them."""
 
-    def __init__(self, model_dir: str, tokenizer: Any, vocab_size: int, config: PoolConfig,
-                 log_dir: Path, ledger: Ledger | None = None, name: str = "pool") -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        tokenizer: Any,
+        vocab_size: int,
+        config: PoolConfig,
+        log_dir: Path,
+        ledger: Ledger | None = None,
+        name: str = "pool",
+    ) -> None:
         self._model_dir = model_dir
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self.config = config
         self._ledger = ledger
-        self._version = 0              # the version engines load (restarts included)
-        self._served = 0               # the version every taken engine has finished loading
+        self._version = 0  # the version engines load (restarts included)
+        self._served = 0  # the version every taken engine has finished loading
         self._weights_dir = model_dir
         self._cond = threading.Condition()
         self._stop = threading.Event()
         log_dir.mkdir(parents=True, exist_ok=True)
-        self._engines = [_EngineProcess(f"{name}-engine-{i}", log_dir / f"{name}-engine-{i}.log")
-                         for i in range(config.num_engines)]
+        self._engines = [
+            _EngineProcess(f"{name}-engine-{i}", log_dir / f"{name}-engine-{i}.log")
+            for i in range(config.num_engines)
+        ]
         self._monitor = threading.Thread(target=self._watch, name=f"{name}-monitor", daemon=True)
         self.duplicates_refused = 0
 
@@ -139,31 +150,50 @@ class EnginePool:
 
     def _spawn(self, e: _EngineProcess) -> None:
         port = free_port()
-        cmd = [sys.executable, "-m", "furlong.rollout.engine_server", "--model-dir", self._model_dir,
-               "--host", "127.0.0.1", "--port", str(port), "--max-batch-size",
-               str(self.config.max_batch_size), "--num-threads", str(self.config.num_threads)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "furlong.rollout.engine_server",
+            "--model-dir",
+            self._model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-batch-size",
+            str(self.config.max_batch_size),
+            "--num-threads",
+            str(self.config.num_threads),
+        ]
         with open(e.log_path, "ab") as out:
             e.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        e.adapter = SGLangEngine(f"http://127.0.0.1:{port}", self._tokenizer, self._vocab_size,
-                                 timeout_s=self.config.request_timeout_s, name=e.engine_id)
+        e.adapter = SGLangEngine(
+            f"http://127.0.0.1:{port}",
+            self._tokenizer,
+            self._vocab_size,
+            timeout_s=self.config.request_timeout_s,
+            name=e.engine_id,
+        )
         log.info("%s started as pid %d on port %d", e.engine_id, e.proc.pid, port)
 
     def _wait_ready(self, e: _EngineProcess) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while not e.adapter.healthy():
             if not e.alive():
-                raise UnavailableError(f"{e.engine_id} exited with {e.proc.returncode} while starting "
-                                       f"(log {e.log_path})")
+                raise UnavailableError(
+                    f"{e.engine_id} exited with {e.proc.returncode} while starting (log {e.log_path})"
+                )
             if time.monotonic() > deadline:
-                raise UnavailableError(f"{e.engine_id} not healthy within "
-                                       f"{self.config.startup_timeout_s}s (log {e.log_path})")
+                raise UnavailableError(
+                    f"{e.engine_id} not healthy within {self.config.startup_timeout_s}s (log {e.log_path})"
+                )
             time.sleep(0.2)
 
     def close(self) -> None:
         self._stop.set()
         if self._monitor.is_alive():
             self._monitor.join(10)
-        for e in self._engines:          # all at once: each takes a moment to shut down
+        for e in self._engines:  # all at once: each takes a moment to shut down
             if e.proc is not None and e.proc.poll() is None:
                 e.proc.terminate()
         for e in self._engines:
@@ -183,8 +213,7 @@ class EnginePool:
                 return
             e.healthy, e.restarting = False, True
         log.warning("%s is down (%s); restarting", e.engine_id, why)
-        threading.Thread(target=self._restart, args=(e,), name=f"restart-{e.engine_id}",
-                         daemon=True).start()
+        threading.Thread(target=self._restart, args=(e,), name=f"restart-{e.engine_id}", daemon=True).start()
 
     def _restart(self, e: _EngineProcess) -> None:
         try:
@@ -193,7 +222,7 @@ class EnginePool:
                 e.proc.wait(10)
             self._spawn(e)
             self._wait_ready(e)
-            while True:                        # catch up with updates made while restarting
+            while True:  # catch up with updates made while restarting
                 with self._cond:
                     version, weights = self._version, self._weights_dir
                 if e.adapter.policy_version >= version:
@@ -203,8 +232,9 @@ class EnginePool:
                 e.healthy, e.restarting = True, False
                 e.restarts += 1
                 self._cond.notify_all()
-            log.info("%s restarted (pid %d), serving version %d", e.engine_id, e.proc.pid,
-                     e.adapter.policy_version)
+            log.info(
+                "%s restarted (pid %d), serving version %d", e.engine_id, e.proc.pid, e.adapter.policy_version
+            )
         except Exception:  # noqa: BLE001 - a failed restart is retried by the next failure check
             log.exception("%s restart failed", e.engine_id)
             with self._cond:
@@ -218,7 +248,7 @@ class EnginePool:
             while True:
                 serving = [e for e in self._engines if e.healthy and not e.draining]
                 ready = [e for e in serving if e.engine_id not in exclude]
-                if not ready:   # everyone was tried: allow a restarted engine again
+                if not ready:  # everyone was tried: allow a restarted engine again
                     ready = serving
                 if ready:
                     chosen = min(ready, key=lambda e: e.in_flight)
@@ -227,18 +257,23 @@ class EnginePool:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     drained = [e.engine_id for e in self._engines if e.draining]
-                    raise UnavailableError(f"no healthy engine within {self.config.startup_timeout_s}s"
-                                           f" (drained: {drained})")
+                    raise UnavailableError(
+                        f"no healthy engine within {self.config.startup_timeout_s}s (drained: {drained})"
+                    )
                 self._cond.wait(min(left, 0.5))
 
     def _release(self, e: _EngineProcess) -> None:
         with self._cond:
             e.in_flight -= 1
 
-    def generate(self, request_id: str, rows: Sequence[tuple[str, list[int]]],
-                 config: SamplingConfig, seed_of: Callable[[int], int] | None = None,
-                 enough: Callable[[Mapping[str, Generation]], bool] | None = None
-                 ) -> dict[str, Generation]:
+    def generate(
+        self,
+        request_id: str,
+        rows: Sequence[tuple[str, list[int]]],
+        config: SamplingConfig,
+        seed_of: Callable[[int], int] | None = None,
+        enough: Callable[[Mapping[str, Generation]], bool] | None = None,
+    ) -> dict[str, Generation]:
         """One generation per (sample id, prompt ids) row, keyed by sample id, in the order the
         chunks completed. Chunk i samples with seed `seed_of(i)` (default: derived from
         config.seed). Once `enough(results so far)` is true, chunks not yet started are skipped."""
@@ -249,25 +284,34 @@ class EnginePool:
             self._ledger.open(request_id, ids)
         seed_of = seed_of or (lambda i: chunk_seed(config.seed, i))
         size = self.config.chunk_rows
-        chunks = [list(rows[i:i + size]) for i in range(0, len(rows), size)]
+        chunks = [list(rows[i : i + size]) for i in range(0, len(rows), size)]
         out: dict[str, Generation] = {}
         stop = threading.Event()
         with ThreadPoolExecutor(max_workers=max(1, min(len(chunks), 2 * len(self._engines)))) as ex:
-            futures = [ex.submit(self._run_chunk, request_id, i, c,
-                                 dataclasses.replace(config, seed=seed_of(i)), stop)
-                       for i, c in enumerate(chunks)]
+            futures = [
+                ex.submit(
+                    self._run_chunk, request_id, i, c, dataclasses.replace(config, seed=seed_of(i)), stop
+                )
+                for i, c in enumerate(chunks)
+            ]
             try:
                 for f in as_completed(futures):
                     out.update(f.result())
                     if enough is not None and not stop.is_set() and enough(out):
                         stop.set()
             except BaseException:
-                stop.set()         # a failed request starts nothing more
+                stop.set()  # a failed request starts nothing more
                 raise
         return out
 
-    def _run_chunk(self, request_id: str, index: int, chunk: list[tuple[str, list[int]]],
-                   chunk_config: SamplingConfig, stop: threading.Event) -> dict[str, Generation]:
+    def _run_chunk(
+        self,
+        request_id: str,
+        index: int,
+        chunk: list[tuple[str, list[int]]],
+        chunk_config: SamplingConfig,
+        stop: threading.Event,
+    ) -> dict[str, Generation]:
         tried: set[str] = set()
         errors: list[str] = []
         for _ in range(self.config.max_attempts):
@@ -286,8 +330,9 @@ class EnginePool:
             finally:
                 self._release(e)
             return self._deliver(request_id, chunk, gens)
-        raise UnavailableError(f"request {request_id} chunk {index} failed on "
-                               f"{self.config.max_attempts} engines: {errors}")
+        raise UnavailableError(
+            f"request {request_id} chunk {index} failed on {self.config.max_attempts} engines: {errors}"
+        )
 
     def _deliver(self, request_id: str, chunk, gens: list[Generation]) -> dict[str, Generation]:
         out = {}
@@ -312,7 +357,7 @@ class EnginePool:
             try:
                 e.adapter.update_weights_from_disk(version, model_dir)
             except UnavailableError as exc:
-                self._mark_dead(e, str(exc))   # the restart loads this version
+                self._mark_dead(e, str(exc))  # the restart loads this version
         with self._cond:
             self._served = max(self._served, version)
             self._cond.notify_all()
@@ -329,11 +374,22 @@ class EnginePool:
 
     @staticmethod
     def _status(e: _EngineProcess) -> EngineStatus:
-        state = (EngineState.SERVING if not e.draining else
-                 EngineState.DRAINING if e.in_flight else EngineState.DRAINED)
-        return EngineStatus(engine_id=e.engine_id, healthy=e.healthy,
-                            policy_version=e.adapter.policy_version if e.adapter else 0,
-                            state=state, pid=e.pid or 0, restarts=e.restarts, in_flight=e.in_flight)
+        state = (
+            EngineState.SERVING
+            if not e.draining
+            else EngineState.DRAINING
+            if e.in_flight
+            else EngineState.DRAINED
+        )
+        return EngineStatus(
+            engine_id=e.engine_id,
+            healthy=e.healthy,
+            policy_version=e.adapter.policy_version if e.adapter else 0,
+            state=state,
+            pid=e.pid or 0,
+            restarts=e.restarts,
+            in_flight=e.in_flight,
+        )
 
     def status(self) -> list[EngineStatus]:
         with self._cond:

@@ -18,19 +18,19 @@ import logging
 import shutil
 import tempfile
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from furlong.core.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from furlong.rollout.core.engine import Generation
-from furlong.rollout.core.engine_set import Enough, EngineSet, EngineSetFactory, Row, SampleLedger, SeedOf
+from furlong.rollout.core.engine_set import EngineSet, EngineSetFactory, Enough, Row, SampleLedger, SeedOf
 from furlong.rollout.core.sampling import SamplingConfig
-from furlong.rollout.core.types import (EngineStatus, ReceiverFactory, RolloutObserver,
-                                        WeightReceiverLike)
+from furlong.rollout.core.types import EngineStatus, ReceiverFactory, RolloutObserver, WeightReceiverLike
 from furlong.rollout.pool import EnginePool, PoolConfig
 
 log = logging.getLogger(__name__)
@@ -55,22 +55,36 @@ class ProcessEnginesConfig:
     startup_timeout_s: float = 120.0
     health_interval_s: float = 0.5
     request_timeout_s: float = 300.0
-    work_root: str = ""            # "" = default_work_root()
+    work_root: str = ""  # "" = default_work_root()
 
     def pool(self, num_engines: int) -> PoolConfig:
-        return PoolConfig(num_engines=num_engines, max_batch_size=self.max_batch_size,
-                          num_threads=self.num_threads, chunk_rows=self.chunk_rows,
-                          max_attempts=self.max_attempts, startup_timeout_s=self.startup_timeout_s,
-                          health_interval_s=self.health_interval_s,
-                          request_timeout_s=self.request_timeout_s)
+        return PoolConfig(
+            num_engines=num_engines,
+            max_batch_size=self.max_batch_size,
+            num_threads=self.num_threads,
+            chunk_rows=self.chunk_rows,
+            max_attempts=self.max_attempts,
+            startup_timeout_s=self.startup_timeout_s,
+            health_interval_s=self.health_interval_s,
+            request_timeout_s=self.request_timeout_s,
+        )
 
 
 class ProcessEngines:
     """Starts the pool in the constructor (returns once every engine is healthy)."""
 
-    def __init__(self, run_id: str, model_dir: str, model: Any, tokenizer: Any, num_engines: int,
-                 ledger: SampleLedger, config: ProcessEnginesConfig,
-                 receiver_factory: ReceiverFactory | None, observer: RolloutObserver) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        model_dir: str,
+        model: Any,
+        tokenizer: Any,
+        num_engines: int,
+        ledger: SampleLedger,
+        config: ProcessEnginesConfig,
+        receiver_factory: ReceiverFactory | None,
+        observer: RolloutObserver,
+    ) -> None:
         self._run_id = run_id
         self._model_dir = Path(model_dir)
         self._observer = observer
@@ -78,9 +92,15 @@ class ProcessEngines:
         root.mkdir(parents=True, exist_ok=True)
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"furlong-rollout-{run_id}-", dir=root))
         self._apply_lock = threading.Lock()
-        self.pool = EnginePool(model_dir, tokenizer, int(model.config.vocab_size),
-                               config.pool(num_engines), log_dir=self.work_dir / "logs",
-                               ledger=ledger, name=run_id)  # type: ignore[arg-type]
+        self.pool = EnginePool(
+            model_dir,
+            tokenizer,
+            int(model.config.vocab_size),
+            config.pool(num_engines),
+            log_dir=self.work_dir / "logs",
+            ledger=ledger,
+            name=run_id,
+        )  # type: ignore[arg-type]
         self.engine_ids = [s.engine_id for s in self.pool.status()]
         self.max_positions: int | None = int(model.config.max_position_embeddings)
         self._receiver: WeightReceiverLike | None = None
@@ -94,8 +114,13 @@ class ProcessEngines:
         except BaseException:
             self.close()
             raise
-        log.info("run %s: %d engine process(es) %s, work dir %s", run_id, num_engines,
-                 self.pool.pids(), self.work_dir)
+        log.info(
+            "run %s: %d engine process(es) %s, work dir %s",
+            run_id,
+            num_engines,
+            self.pool.pids(),
+            self.work_dir,
+        )
 
     def _apply(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Write the version's checkpoint directory, then have every engine load it."""
@@ -107,10 +132,13 @@ class ProcessEngines:
             staging.mkdir(parents=True)
             for name in (CONFIG_FILE, TOKENIZER_FILE):
                 shutil.copyfile(self._model_dir / name, staging / name)
-            save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()},
-                      str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+            save_file(
+                {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()},
+                str(staging / WEIGHTS_FILE),
+                metadata={"format": "pt"},
+            )
             shutil.rmtree(target, ignore_errors=True)
-            staging.rename(target)             # engines never see a half-written directory
+            staging.rename(target)  # engines never see a half-written directory
             self.pool.update_weights(version, str(target))
             for status in self.pool.status():
                 self._observer.version_applied(self._run_id, status.engine_id, status.policy_version)
@@ -124,8 +152,14 @@ class ProcessEngines:
     def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
         return self.pool.wait_for_version(min_version, timeout_s)
 
-    def generate(self, request_id: str, rows: Sequence[Row], sampling: SamplingConfig,
-                 seed_of: SeedOf, enough: Enough | None = None) -> dict[str, Generation]:
+    def generate(
+        self,
+        request_id: str,
+        rows: Sequence[Row],
+        sampling: SamplingConfig,
+        seed_of: SeedOf,
+        enough: Enough | None = None,
+    ) -> dict[str, Generation]:
         return self.pool.generate(request_id, rows, sampling, seed_of, enough)
 
     def status(self) -> list[EngineStatus]:
@@ -145,10 +179,14 @@ class ProcessEngines:
         shutil.rmtree(self.work_dir / "weights", ignore_errors=True)
 
 
-def process_factory(config: ProcessEnginesConfig, receiver_factory: ReceiverFactory | None,
-                    observer: RolloutObserver) -> EngineSetFactory:
-    def make(run_id: str, model_dir: str, model: Any, tokenizer: Any, num_engines: int,
-             ledger: SampleLedger) -> EngineSet:
-        return ProcessEngines(run_id, model_dir, model, tokenizer, num_engines, ledger, config,
-                              receiver_factory, observer)
+def process_factory(
+    config: ProcessEnginesConfig, receiver_factory: ReceiverFactory | None, observer: RolloutObserver
+) -> EngineSetFactory:
+    def make(
+        run_id: str, model_dir: str, model: Any, tokenizer: Any, num_engines: int, ledger: SampleLedger
+    ) -> EngineSet:
+        return ProcessEngines(
+            run_id, model_dir, model, tokenizer, num_engines, ledger, config, receiver_factory, observer
+        )
+
     return make

@@ -10,8 +10,9 @@ from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.receiver import WeightReceiver
 
 
-def broker_receiver_factory(broker: BrokerClient,
-                            transfer: TransferConfig = TransferConfig()) -> ReceiverFactory:
+def broker_receiver_factory(
+    broker: BrokerClient, transfer: TransferConfig = TransferConfig()
+) -> ReceiverFactory:
     """A factory of broker-backed receivers; the engine id doubles as its NIXL agent name prefix."""
 
     def make(run_id: str, engine_id: str, apply: ApplyWeightsFn) -> WeightReceiver:

@@ -19,8 +19,8 @@ import inspect
 import math
 import re
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Mapping, Sequence
 
 from furlong.core.tasks import ADDITION_REWARD, exact_match_reward
 
@@ -57,8 +57,10 @@ def check_signature(name: str, fn: object) -> RewardFn:
     try:
         signature.bind("response", "answer")
     except TypeError as exc:
-        raise ValueError(f"reward {name!r} must be callable as fn(response_text: str, answer: str)"
-                         f" -> float; its signature is {signature}: {exc}") from None
+        raise ValueError(
+            f"reward {name!r} must be callable as fn(response_text: str, answer: str)"
+            f" -> float; its signature is {signature}: {exc}"
+        ) from None
     return fn  # type: ignore[return-value]
 
 
@@ -95,8 +97,9 @@ def resolve_user_reward(reference: str) -> RewardFn:
     return check_signature(reference, fn)
 
 
-def reward_registry(user: Mapping[str, RewardFn] | None = None,
-                    include_builtin: bool = True) -> dict[str, RewardFn]:
+def reward_registry(
+    user: Mapping[str, RewardFn] | None = None, include_builtin: bool = True
+) -> dict[str, RewardFn]:
     """Built-in rewards plus `user` ones, every signature checked; a user name that shadows a
     built-in one is refused."""
     registry = builtin_rewards() if include_builtin else {}
@@ -134,14 +137,16 @@ def score(name: str, fn: RewardFn, response_text: str, answer: str, where: str) 
     return _checked(name, value, where)
 
 
-def score_all(name: str, fn: RewardFn, items: Sequence[tuple[str, str, str]], timeout_s: float,
-              max_workers: int) -> list[float]:
+def score_all(
+    name: str, fn: RewardFn, items: Sequence[tuple[str, str, str]], timeout_s: float, max_workers: int
+) -> list[float]:
     """Score (response_text, answer, where) items concurrently; all must finish within timeout_s.
     The first failure in item order is raised as a RewardError."""
     if not items:
         return []
-    pool = ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(items))),
-                              thread_name_prefix=f"reward-{name}")
+    pool = ThreadPoolExecutor(
+        max_workers=max(1, min(max_workers, len(items))), thread_name_prefix=f"reward-{name}"
+    )
     try:
         futures = [pool.submit(fn, text, answer) for text, answer, _ in items]
         deadline = time.monotonic() + timeout_s
@@ -150,11 +155,9 @@ def score_all(name: str, fn: RewardFn, items: Sequence[tuple[str, str, str]], ti
             try:
                 value = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                raise RewardError(f"reward {name!r} did not finish within {timeout_s} s on "
-                                  f"{where}") from None
+                raise RewardError(f"reward {name!r} did not finish within {timeout_s} s on {where}") from None
             except Exception as exc:  # noqa: BLE001 - any failure of a reward fails the request
-                raise RewardError(f"reward {name!r} failed on {where}: {type(exc).__name__}: "
-                                  f"{exc}") from exc
+                raise RewardError(f"reward {name!r} failed on {where}: {type(exc).__name__}: {exc}") from exc
             out.append(_checked(name, value, where))
         return out
     finally:

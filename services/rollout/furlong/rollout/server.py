@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import grpc
 
-from furlong.rollout.convert import (engine_status_to_proto, prompt_from_proto, result_to_proto, run_info_to_proto,
-                                     sampling_from_proto, status_to_proto)
+from furlong.rollout.convert import (
+    engine_status_to_proto,
+    prompt_from_proto,
+    result_to_proto,
+    run_info_to_proto,
+    sampling_from_proto,
+    status_to_proto,
+)
 from furlong.rollout.core.service import RolloutService
 from furlong.rpc import rpc_errors
-from furlong.v1 import rollout_pb2 as pb, rollout_pb2_grpc as pb_grpc
+from furlong.v1 import rollout_pb2 as pb
+from furlong.v1 import rollout_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Rollout"].full_name  # "furlong.v1.Rollout"
 
@@ -26,8 +33,9 @@ class RolloutServicer(pb_grpc.RolloutServicer):
 
     @rpc_errors
     def ConfigureRun(self, request, context):
-        info = self._service.configure_run(request.run_id, request.model_dir, request.reward,
-                                           request.num_engines, request.seed)
+        info = self._service.configure_run(
+            request.run_id, request.model_dir, request.reward, request.num_engines, request.seed
+        )
         return run_info_to_proto(info)
 
     @rpc_errors
@@ -35,12 +43,16 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         if not request.HasField("sampling"):
             raise ValueError(f"run {request.run_id}: sampling is required")
         result = self._service.generate(
-            run_id=request.run_id, step=request.step,
+            run_id=request.run_id,
+            step=request.step,
             prompts=[prompt_from_proto(p) for p in request.prompts],
             samples_per_prompt=request.samples_per_prompt,
             sampling=sampling_from_proto(request.sampling, request.min_p),
-            min_policy_version=request.min_policy_version, timeout_s=request.timeout_s,
-            max_refill_rounds=request.max_refill_rounds, keep_groups=request.keep_groups)
+            min_policy_version=request.min_policy_version,
+            timeout_s=request.timeout_s,
+            max_refill_rounds=request.max_refill_rounds,
+            keep_groups=request.keep_groups,
+        )
         return result_to_proto(result)
 
     @rpc_errors

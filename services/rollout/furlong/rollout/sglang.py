@@ -31,8 +31,9 @@ ValueError carrying the server's message.
 
 Every response is checked before it becomes a `Generation` (lengths agree, each token lies in its
 support, log-probs are finite and <= 0); anything else is an error naming the request row, never a
-guess; response text is decoded here with the given tokenizer. HTTP 400 becomes ValueError (a bad request; the server is fine); unreachable servers and
-other failures become UnavailableError. Knows nothing about runs, rewards or Redis.
+guess; response text is decoded here with the given tokenizer. HTTP 400 becomes ValueError (a bad
+request; the server is fine); unreachable servers and other failures become UnavailableError. Knows
+nothing about runs, rewards or Redis.
 """
 
 from __future__ import annotations
@@ -43,15 +44,15 @@ import math
 import threading
 import urllib.error
 import urllib.request
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from furlong.core.errors import UnavailableError
 from furlong.core.sampling_mask import RolloutSamplingMask
-from furlong.rollout.core.engine import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Generation,
-                                         TokenizerLike)
+from furlong.rollout.core.engine import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Generation, TokenizerLike
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.stop_strings import cut_at_stop
 from furlong.rollout.tensor_payload import payload_of
@@ -65,15 +66,24 @@ class SGLangEngine:
     decimal form). `tp_size` is the server's tensor-parallel size (its ranks in a weight update
     group, its entries in a tensor update)."""
 
-    def __init__(self, base_url: str, tokenizer: TokenizerLike, vocab_size: int,
-                 timeout_s: float = 120.0, policy_version: int = 0, name: str = "sglang",
-                 tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        tokenizer: TokenizerLike,
+        vocab_size: int,
+        timeout_s: float = 120.0,
+        policy_version: int = 0,
+        name: str = "sglang",
+        tp_size: int = 1,
+    ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
         eos_id = tokenizer.eos_id
         if vocab_size <= 0 or not 0 <= eos_id < vocab_size:
-            raise ValueError(f"need vocab_size > 0 and the tokenizer's eos_id in [0, vocab_size), "
-                             f"got {vocab_size}, {eos_id}")
+            raise ValueError(
+                f"need vocab_size > 0 and the tokenizer's eos_id in [0, vocab_size), "
+                f"got {vocab_size}, {eos_id}"
+            )
         self.tokenizer = tokenizer
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -94,13 +104,13 @@ class SGLangEngine:
 
     def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
         with self._version_changed:
-            return self._version_changed.wait_for(lambda: self._policy_version >= min_version,
-                                                  timeout_s)
+            return self._version_changed.wait_for(lambda: self._policy_version >= min_version, timeout_s)
 
     def _request(self, method: str, path: str, body: dict | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self._timeout_s) as resp:
                 raw = resp.read()
@@ -141,47 +151,86 @@ class SGLangEngine:
         self._check_newer(version)
         self.pause()
         try:
-            reply = self._request("POST", "/update_weights_from_disk",
-                                  {"model_path": model_path, "weight_version": str(version)})
+            reply = self._request(
+                "POST",
+                "/update_weights_from_disk",
+                {"model_path": model_path, "weight_version": str(version)},
+            )
             self._check_success("/update_weights_from_disk", reply)
             self.flush_cache()
         finally:
             self.resume()
         self._set_version(version)
 
-    def update_weights_from_tensor(self, version: int, named_tensors: Mapping[str, torch.Tensor]
-                                   | Sequence[tuple[str, torch.Tensor]]) -> None:
+    def update_weights_from_tensor(
+        self, version: int, named_tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]
+    ) -> None:
         """Load `named_tensors` (all parameters or some; state-dict names) on the server as policy
         `version`, shared through memory rather than copied over HTTP (paused around the load)."""
         self._check_newer(version)
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         if not items:
             raise ValueError(f"{self.name}: a weight update needs at least one tensor")
-        payload = payload_of(items)      # alive until the server answered: it maps these tensors
-        self._paused_update("/update_weights_from_tensor", version, {
-            "serialized_named_tensors": [payload.text] * self.tp_size, "flush_cache": True,
-            "weight_version": str(version)})
+        payload = payload_of(items)  # alive until the server answered: it maps these tensors
+        self._paused_update(
+            "/update_weights_from_tensor",
+            version,
+            {
+                "serialized_named_tensors": [payload.text] * self.tp_size,
+                "flush_cache": True,
+                "weight_version": str(version),
+            },
+        )
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str, backend: str) -> None:
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
         """Have the server join a weight update group at ranks rank_offset.. (one per TP rank);
         returns once every rank of the group joined."""
-        reply = self._request("POST", "/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port,
-            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
-            "backend": backend})
+        reply = self._request(
+            "POST",
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
         self._check_success("/init_weights_update_group", reply)
 
-    def update_weights_from_distributed(self, version: int, names: Sequence[str],
-                                        dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-                                        group_name: str) -> None:
+    def update_weights_from_distributed(
+        self,
+        version: int,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+    ) -> None:
         """The server's half of a distributed update: it receives the tensors that rank 0 of
         `group_name` broadcasts (in `names` order) and loads them as `version` (paused around it).
         Rank 0 must broadcast concurrently; see `WeightUpdateGroup.update`."""
         self._check_newer(version)
-        self._paused_update("/update_weights_from_distributed", version, {
-            "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-            "group_name": group_name, "flush_cache": True, "weight_version": str(version)})
+        self._paused_update(
+            "/update_weights_from_distributed",
+            version,
+            {
+                "names": list(names),
+                "dtypes": list(dtypes),
+                "shapes": [list(s) for s in shapes],
+                "group_name": group_name,
+                "flush_cache": True,
+                "weight_version": str(version),
+            },
+        )
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         reply = self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
@@ -204,8 +253,10 @@ class SGLangEngine:
 
     def _check_newer(self, version: int) -> None:
         if isinstance(version, bool) or not isinstance(version, int) or version < self._policy_version:
-            raise ValueError(f"{self.name}: policy version {version!r} is older than the served "
-                             f"version {self._policy_version}")
+            raise ValueError(
+                f"{self.name}: policy version {version!r} is older than the served "
+                f"version {self._policy_version}"
+            )
 
     def _check_success(self, path: str, reply: Any) -> None:
         if not isinstance(reply, dict) or reply.get("success") is not True:
@@ -217,25 +268,37 @@ class SGLangEngine:
             self._version_changed.notify_all()
         log.info("%s serves policy version %d", self.name, version)
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], config: SamplingConfig,
-                 ignore_eos: bool = False) -> list[Generation]:
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], config: SamplingConfig, ignore_eos: bool = False
+    ) -> list[Generation]:
         """One response per prompt, drawn by the server; same contract as `Engine.generate`."""
         prompts = [list(p) for p in prompt_ids]
         if not prompts:
             return []
         version = self._policy_version
-        body = {"input_ids": prompts, "return_logprob": True, "return_sampling_mask": True,
-                "sampling_params": {"temperature": config.temperature, "top_k": config.top_k or -1,
-                                    "top_p": config.top_p, "min_p": config.min_p,
-                                    "max_new_tokens": config.max_new_tokens,
-                                    "sampling_seed": config.seed, "ignore_eos": ignore_eos}}
+        body = {
+            "input_ids": prompts,
+            "return_logprob": True,
+            "return_sampling_mask": True,
+            "sampling_params": {
+                "temperature": config.temperature,
+                "top_k": config.top_k or -1,
+                "top_p": config.top_p,
+                "min_p": config.min_p,
+                "max_new_tokens": config.max_new_tokens,
+                "sampling_seed": config.seed,
+                "ignore_eos": ignore_eos,
+            },
+        }
         if config.stop:
             body["sampling_params"]["stop"] = list(config.stop)
         reply = self._request("POST", "/generate", body)
         if not isinstance(reply, list) or len(reply) != len(prompts):
-            raise UnavailableError(f"{self.name} /generate returned {type(reply).__name__} "
-                                   f"{'of length ' + str(len(reply)) if isinstance(reply, list) else ''}"
-                                   f" for {len(prompts)} prompts")
+            raise UnavailableError(
+                f"{self.name} /generate returned {type(reply).__name__} "
+                f"{'of length ' + str(len(reply)) if isinstance(reply, list) else ''}"
+                f" for {len(prompts)} prompts"
+            )
         return [self._generation(i, item, version, config.stop) for i, item in enumerate(reply)]
 
     def _generation(self, row: int, item: Any, version: int, stops: tuple[str, ...]) -> Generation:
@@ -246,24 +309,29 @@ class SGLangEngine:
             logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
             lp_ids = [int(entry[1]) for entry in meta["output_token_logprobs"]]
             mask = meta["output_sampling_mask"]
-            support = RolloutSamplingMask(token_ids=np.asarray(mask["token_ids"], dtype=np.int32),
-                                          offsets=np.asarray(mask["offsets"], dtype=np.int64),
-                                          vocab_size=self.vocab_size)
+            support = RolloutSamplingMask(
+                token_ids=np.asarray(mask["token_ids"], dtype=np.int32),
+                offsets=np.asarray(mask["offsets"], dtype=np.int64),
+                vocab_size=self.vocab_size,
+            )
             finish = meta["finish_reason"]
             label = meta.get("weight_version")
-            if isinstance(label, str) and label.isdecimal():   # the version that drew this row
+            if isinstance(label, str) and label.isdecimal():  # the version that drew this row
                 version = int(label)
         except (KeyError, TypeError, IndexError) as exc:
             raise UnavailableError(f"{where}: response is missing {exc}") from None
         except ValueError as exc:
             raise UnavailableError(f"{where}: bad sampling mask: {exc}") from None
         if not ids or lp_ids != ids or support.num_rows != len(ids):
-            raise UnavailableError(f"{where}: {len(ids)} tokens, log-probs for {lp_ids[:8]}..., "
-                                   f"{support.num_rows} support rows do not agree")
+            raise UnavailableError(
+                f"{where}: {len(ids)} tokens, log-probs for {lp_ids[:8]}..., "
+                f"{support.num_rows} support rows do not agree"
+            )
         for pos, (tok, lp) in enumerate(zip(ids, logprobs)):
             if not (math.isfinite(lp) and lp <= 0.0) or not support.contains(pos, tok):
-                raise UnavailableError(f"{where}: token {tok} at {pos} (log-prob {lp}) is not a "
-                                       f"finite draw from its support")
+                raise UnavailableError(
+                    f"{where}: token {tok} at {pos} (log-prob {lp}) is not a finite draw from its support"
+                )
         reason = self._finish(finish, ids, where, stops)
         text = self.tokenizer.decode(ids, skip_special=True)
         stop_string = finish.get("matched") if reason == FINISH_STOP else None
@@ -271,8 +339,15 @@ class SGLangEngine:
             text = cut_at_stop(text, stops)
         else:
             stop_string = None
-        return Generation(token_ids=ids, logprobs=logprobs, support=support, finish_reason=reason,
-                          text=text, policy_version=version, stop_string=stop_string)
+        return Generation(
+            token_ids=ids,
+            logprobs=logprobs,
+            support=support,
+            finish_reason=reason,
+            text=text,
+            policy_version=version,
+            stop_string=stop_string,
+        )
 
     def _finish(self, finish: Any, ids: list[int], where: str, stops: tuple[str, ...]) -> str:
         kind = finish.get("type") if isinstance(finish, dict) else None
@@ -281,8 +356,9 @@ class SGLangEngine:
         if kind == "stop":
             matched = finish.get("matched")
             if isinstance(matched, str) and matched not in stops:
-                raise UnavailableError(f"{where}: finish_reason matched {matched!r}, which is not "
-                                       f"one of the request's stop strings {list(stops)}")
-            return FINISH_EOS if matched == self.eos_id and ids[-1] == self.eos_id \
-                else FINISH_STOP
+                raise UnavailableError(
+                    f"{where}: finish_reason matched {matched!r}, which is not "
+                    f"one of the request's stop strings {list(stops)}"
+                )
+            return FINISH_EOS if matched == self.eos_id and ids[-1] == self.eos_id else FINISH_STOP
         raise UnavailableError(f"{where}: unknown finish_reason {finish!r}")

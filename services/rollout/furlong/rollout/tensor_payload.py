@@ -20,9 +20,9 @@ import base64
 import binascii
 import io
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Sequence
 
 import torch
 import torch.multiprocessing.reductions as torch_reductions
@@ -31,8 +31,10 @@ import torch.multiprocessing.reductions as torch_reductions
 _ALLOWED_CALLABLES = {
     ("torch.multiprocessing.reductions", "rebuild_tensor"): torch_reductions.rebuild_tensor,
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"): torch_reductions.rebuild_typed_storage,
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"):
-        torch_reductions.rebuild_storage_filename,
+    (
+        "torch.multiprocessing.reductions",
+        "rebuild_storage_filename",
+    ): torch_reductions.rebuild_storage_filename,
     ("torch.multiprocessing.reductions", "rebuild_storage_empty"): torch_reductions.rebuild_storage_empty,
     ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
     ("torch", "UntypedStorage"): torch.UntypedStorage,
@@ -58,12 +60,13 @@ class Payload:
 def _reduce_storage_as_file(storage: torch.UntypedStorage):
     # torch's own reducer with the "file_system" branch taken unconditionally.
     if storage.device.type != "cpu":
-        raise ValueError(f"cannot share a {storage.device.type} storage through a file; "
-                         f"pickle the tensor instead")
+        raise ValueError(
+            f"cannot share a {storage.device.type} storage through a file; pickle the tensor instead"
+        )
     if storage.size() == 0:
         return torch_reductions.rebuild_storage_empty, (type(storage),)
     manager, handle, size = storage._share_filename_cpu_()
-    storage._shared_incref()          # the receiver's rebuild takes this reference over
+    storage._shared_incref()  # the receiver's rebuild takes this reference over
     torch_reductions.shared_cache[handle] = torch_reductions.StorageWeakRef(storage)
     return torch_reductions.rebuild_storage_filename, (type(storage), manager, handle, size)
 
@@ -87,8 +90,9 @@ def payload_of(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Payload:
     pickler = ForkingPickler(buffer)
     pickler.dispatch_table[torch.UntypedStorage] = _reduce_storage_as_file
     pickler.dump(shared)
-    return Payload(text=base64.b64encode(buffer.getvalue()).decode("ascii"),
-                   tensors=tuple(t for _, t in shared))
+    return Payload(
+        text=base64.b64encode(buffer.getvalue()).decode("ascii"), tensors=tuple(t for _, t in shared)
+    )
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -105,8 +109,7 @@ def named_tensors_from_text(text: object) -> list[tuple[str, torch.Tensor]]:
     """The `(name, tensor)` pairs of one entry. ValueError (ForbiddenGlobalError for a global
     outside the allowed list) naming what is wrong; nothing outside the list is ever called."""
     if not isinstance(text, str):
-        raise ValueError(f"a serialized_named_tensors entry must be base64 text, got "
-                         f"{type(text).__name__}")
+        raise ValueError(f"a serialized_named_tensors entry must be base64 text, got {type(text).__name__}")
     try:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -116,10 +119,15 @@ def named_tensors_from_text(text: object) -> list[tuple[str, torch.Tensor]]:
     except ForbiddenGlobalError:
         raise
     except (pickle.UnpicklingError, EOFError, TypeError, AttributeError, RuntimeError) as exc:
-        raise ValueError(f"a serialized_named_tensors entry does not unpickle: "
-                         f"{type(exc).__name__}: {exc}") from None
+        raise ValueError(
+            f"a serialized_named_tensors entry does not unpickle: {type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(value, list) or not all(
-            isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-            and isinstance(item[1], torch.Tensor) for item in value):
+        isinstance(item, tuple)
+        and len(item) == 2
+        and isinstance(item[0], str)
+        and isinstance(item[1], torch.Tensor)
+        for item in value
+    ):
         raise ValueError("a serialized_named_tensors entry must hold a list of (name, tensor) pairs")
     return value

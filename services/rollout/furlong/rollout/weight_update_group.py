@@ -29,9 +29,9 @@ import dataclasses
 import datetime
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,13 +43,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 BACKENDS = ("gloo", "nccl")
-_GRACE_S = 5.0                 # how long a finished exchange may lag its last reply
+_GRACE_S = 5.0  # how long a finished exchange may lag its last reply
 
 
 def dtype_of(text: object) -> torch.dtype:
     """A torch dtype from SGLang's wire form ("bfloat16" or "torch.bfloat16")."""
     try:
-        return dtype_from_name(text.removeprefix("torch."))   # AttributeError: not a string
+        return dtype_from_name(text.removeprefix("torch."))  # AttributeError: not a string
     except (AttributeError, ValueError):
         raise ValueError(f"unknown dtype {text!r}") from None
 
@@ -67,15 +67,20 @@ class GroupSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.master_address, str) or not self.master_address:
             raise ValueError(f"master_address must be a host name or address, got {self.master_address!r}")
-        if isinstance(self.master_port, bool) or not isinstance(self.master_port, int) \
-                or not 0 < self.master_port < 65536:
+        if (
+            isinstance(self.master_port, bool)
+            or not isinstance(self.master_port, int)
+            or not 0 < self.master_port < 65536
+        ):
             raise ValueError(f"master_port must be an integer in [1, 65535], got {self.master_port!r}")
         for name in ("rank", "world_size"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.world_size < 2 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"need world_size >= 2 (rank 0 is the trainer) and 0 <= rank < "
-                             f"world_size, got rank {self.rank}, world_size {self.world_size}")
+            raise ValueError(
+                f"need world_size >= 2 (rank 0 is the trainer) and 0 <= rank < "
+                f"world_size, got rank {self.rank}, world_size {self.world_size}"
+            )
         if not isinstance(self.group_name, str) or not self.group_name:
             raise ValueError(f"group_name must be a non-empty string, got {self.group_name!r}")
         if self.backend not in BACKENDS:
@@ -94,8 +99,14 @@ class GroupSpec:
 
 def open_store(spec: GroupSpec, is_master: bool) -> dist.TCPStore:
     """The group's TCPStore (rank 0 hosts it; the others connect, retrying until the timeout)."""
-    return dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, is_master,
-                         spec.timeout, wait_for_workers=False)
+    return dist.TCPStore(
+        spec.master_address,
+        spec.master_port,
+        spec.world_size,
+        is_master,
+        spec.timeout,
+        wait_for_workers=False,
+    )
 
 
 class GroupMember:
@@ -106,10 +117,11 @@ class GroupMember:
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs a CUDA device; this process has none (use 'gloo')")
         self.spec = spec
-        self._store = store                 # kept: nccl exchanges its unique id lazily through it
+        self._store = store  # kept: nccl exchanges its unique id lazily through it
         device = "cpu" if spec.backend == "gloo" else "cuda"
-        prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(
-            f"{spec.group_name}/", dist.PrefixStore(spec.init_method, store)))
+        prefixed = dist.PrefixStore(
+            f"{device}/", dist.PrefixStore(f"{spec.group_name}/", dist.PrefixStore(spec.init_method, store))
+        )
         if spec.backend == "gloo":
             options = dist.ProcessGroupGloo._Options()
             options._timeout = spec.timeout
@@ -122,11 +134,11 @@ class GroupMember:
             options._timeout = spec.timeout
             options.group_name = spec.group_name
             self._backend = dist.ProcessGroupNCCL(prefixed, spec.rank, spec.world_size, options)
-        self._backend._set_sequence_number_for_group()    # as torch does for a named group
+        self._backend._set_sequence_number_for_group()  # as torch does for a named group
         self.device = torch.device(device)
 
     @classmethod
-    def join(cls, spec: GroupSpec, local_host: str) -> "GroupMember":
+    def join(cls, spec: GroupSpec, local_host: str) -> GroupMember:
         """Connect to the store at the spec's master and join at `spec.rank` (never rank 0)."""
         if spec.rank == 0:
             raise ValueError("rank 0 is the trainer's; a joining engine needs rank >= 1")
@@ -148,7 +160,7 @@ class GroupMember:
     def close(self) -> None:
         try:
             self._backend.shutdown()
-        except RuntimeError as exc:        # a broken group may refuse; it is dropped either way
+        except RuntimeError as exc:  # a broken group may refuse; it is dropped either way
             log.debug("weight update group %s: shutdown: %s", self.spec.group_name, exc)
 
 
@@ -157,9 +169,14 @@ class WeightUpdateGroup:
     previous engines' (one per TP rank: `engine.tp_size`). Opens in the constructor. Not
     thread-safe: one update at a time."""
 
-    def __init__(self, engines: Sequence, master_address: str = "127.0.0.1",
-                 group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo",
-                 timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        engines: Sequence,
+        master_address: str = "127.0.0.1",
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+    ) -> None:
         if not engines:
             raise ValueError("a weight update group needs at least one engine")
         names = [e.name for e in engines]
@@ -171,14 +188,24 @@ class WeightUpdateGroup:
         self._broken: str | None = None
         # checked before the store exists; its port is only known once it listens
         wanted = GroupSpec(master_address, 1, 0, 1 + sum(ranks), group_name, backend, timeout_s)
-        store = dist.TCPStore(master_address, 0, wanted.world_size, True, wanted.timeout,
-                              wait_for_workers=False)           # port 0: the OS picks a free one
+        store = dist.TCPStore(
+            master_address, 0, wanted.world_size, True, wanted.timeout, wait_for_workers=False
+        )  # port 0: the OS picks a free one
         self.spec = dataclasses.replace(wanted, master_port=store.port)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         pool = ThreadPoolExecutor(max_workers=len(engines) + 1, thread_name_prefix=group_name)
-        joins = {pool.submit(e.init_weights_update_group, master_address, self.spec.master_port,
-                             offset, self.spec.world_size, group_name, backend): e
-                 for e, offset in zip(self.engines, offsets)}
+        joins = {
+            pool.submit(
+                e.init_weights_update_group,
+                master_address,
+                self.spec.master_port,
+                offset,
+                self.spec.world_size,
+                group_name,
+                backend,
+            ): e
+            for e, offset in zip(self.engines, offsets)
+        }
         rendezvous = pool.submit(GroupMember, self.spec, store, master_address)
         pool.shutdown(wait=False)
         try:
@@ -186,38 +213,49 @@ class WeightUpdateGroup:
         except BaseException:
             rendezvous.add_done_callback(lambda f: f.exception() or f.result().close())
             raise
-        log.info("weight update group %s: rank 0 at %s, %d engine(s), world size %d, %s",
-                 group_name, self.spec.init_method, len(self.engines), self.spec.world_size, backend)
+        log.info(
+            "weight update group %s: rank 0 at %s, %d engine(s), world size %d, %s",
+            group_name,
+            self.spec.init_method,
+            len(self.engines),
+            self.spec.world_size,
+            backend,
+        )
 
     def _await_join(self, joins: Mapping[Future, object], rendezvous: Future) -> GroupMember:
         pending = set(joins) | {rendezvous}
         deadline = time.monotonic() + self.spec.timeout_s + _GRACE_S
         while pending:
-            done, pending = wait(pending, timeout=max(0.0, deadline - time.monotonic()),
-                                 return_when="FIRST_EXCEPTION")
+            done, pending = wait(
+                pending, timeout=max(0.0, deadline - time.monotonic()), return_when="FIRST_EXCEPTION"
+            )
             if not done:
-                raise UnavailableError(f"weight update group {self.group_name}: engines did not join "
-                                       f"within {self.spec.timeout_s}s")
+                raise UnavailableError(
+                    f"weight update group {self.group_name}: engines did not join "
+                    f"within {self.spec.timeout_s}s"
+                )
             for f in done:
                 if f.exception() is None:
                     continue
                 who = joins[f].name if f in joins else "rank 0"
                 exc = f.exception()
                 kind = ValueError if isinstance(exc, ValueError) else UnavailableError
-                raise kind(f"weight update group {self.group_name}: {who} could not join: {exc}") \
-                    from None
+                raise kind(f"weight update group {self.group_name}: {who} could not join: {exc}") from None
         return rendezvous.result()
 
-    def update(self, version: int, named_tensors: Mapping[str, torch.Tensor]
-               | Sequence[tuple[str, torch.Tensor]]) -> None:
+    def update(
+        self, version: int, named_tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]
+    ) -> None:
         """Every engine loads `named_tensors` (a full or partial set of its parameters) as policy
         `version`. ValueError when the version is older than an engine's or an engine refuses the
         update (every engine still received every tensor); UnavailableError when the broadcast
         fails (the group is then broken) or an engine cannot be reached. Failures name the engine
         and the tensor count; engines that succeeded serve the new version."""
         if self._broken is not None:
-            raise UnavailableError(f"weight update group {self.group_name} is broken ({self._broken});"
-                                   f" close it and open a new one")
+            raise UnavailableError(
+                f"weight update group {self.group_name} is broken ({self._broken});"
+                f" close it and open a new one"
+            )
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         tensors = self._checked(items)
         stale = [f"{e.name} serves {e.policy_version}" for e in self.engines if version < e.policy_version]
@@ -226,22 +264,26 @@ class WeightUpdateGroup:
         names = [name for name, _ in items]
         dtypes = [dtype_name(t.dtype) for t in tensors]
         shapes = [list(t.shape) for t in tensors]
-        pool = ThreadPoolExecutor(max_workers=len(self.engines) + 1,
-                                  thread_name_prefix=self.group_name)
-        replies = {pool.submit(e.update_weights_from_distributed, version, names, dtypes, shapes,
-                               self.group_name): e for e in self.engines}
+        pool = ThreadPoolExecutor(max_workers=len(self.engines) + 1, thread_name_prefix=self.group_name)
+        replies = {
+            pool.submit(e.update_weights_from_distributed, version, names, dtypes, shapes, self.group_name): e
+            for e in self.engines
+        }
         sent = pool.submit(self._member.broadcast, tensors)
         pool.shutdown(wait=False)
         where = f"weight update group {self.group_name}: version {version} ({len(names)} tensors)"
         # An engine that fails before the broadcast is done (unreachable, refused up front) would
         # leave it waiting for the group timeout: stop waiting at the first failure.
         wait([sent, *replies], timeout=self.spec.timeout_s + _GRACE_S, return_when="FIRST_EXCEPTION")
-        wait([sent], timeout=_GRACE_S)     # a refusal after the last tensor races its completion
+        wait([sent], timeout=_GRACE_S)  # a refusal after the last tensor races its completion
         if not sent.done() or sent.exception() is not None:
             why = "did not finish" if not sent.done() else f"failed: {sent.exception()}"
             self._broken = f"broadcast {why}"
-            failed = [f"{replies[f].name}: {f.exception()}" for f in replies
-                      if f.done() and f.exception() is not None]
+            failed = [
+                f"{replies[f].name}: {f.exception()}"
+                for f in replies
+                if f.done() and f.exception() is not None
+            ]
             raise UnavailableError(f"{where}: broadcast {why}; engine errors: {failed}")
         errors = []
         for f, engine in replies.items():
@@ -250,8 +292,10 @@ class WeightUpdateGroup:
                 errors.append((engine.name, exc))
         if errors:
             kind = ValueError if all(isinstance(e, ValueError) for _, e in errors) else UnavailableError
-            raise kind(f"{where} failed on {len(errors)} of {len(self.engines)} engine(s): "
-                       + "; ".join(f"{name}: {exc}" for name, exc in errors))
+            raise kind(
+                f"{where} failed on {len(errors)} of {len(self.engines)} engine(s): "
+                + "; ".join(f"{name}: {exc}" for name, exc in errors)
+            )
 
     def _checked(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         if not items:
@@ -265,8 +309,10 @@ class WeightUpdateGroup:
             if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
                 raise ValueError(f"{name} is not a dense tensor")
             if tensor.device.type != self._member.device.type:
-                raise ValueError(f"{name} is on {tensor.device}; a {self.spec.backend} group sends "
-                                 f"{self._member.device.type} tensors")
+                raise ValueError(
+                    f"{name} is on {tensor.device}; a {self.spec.backend} group sends "
+                    f"{self._member.device.type} tensors"
+                )
             out.append(tensor.detach().contiguous())
         return out
 
@@ -276,7 +322,6 @@ class WeightUpdateGroup:
             try:
                 engine.destroy_weights_update_group(self.group_name)
             except (ValueError, UnavailableError) as exc:
-                log.warning("weight update group %s: %s did not leave: %s", self.group_name,
-                            engine.name, exc)
+                log.warning("weight update group %s: %s did not leave: %s", self.group_name, engine.name, exc)
         self.engines = []
         self._member.close()

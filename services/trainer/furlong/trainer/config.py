@@ -11,14 +11,14 @@ from furlong.rpc.tls import TlsFiles
 class TrainerServiceConfig:
     host: str = "127.0.0.1"
     port: int = 0
-    metrics_port: int = 0            # 0 = no Prometheus endpoint
+    metrics_port: int = 0  # 0 = no Prometheus endpoint
     redis_url: str = "redis://127.0.0.1:6379/0"
     broker_address: str = "127.0.0.1:50051"
     consumer_name: str = "trainer-0"  # stable across restarts so pending samples are replayed
     num_threads: int = 2
-    checkpoint_dir: str = ""          # "" = no training checkpoints; else one directory per run under it
-    auth_token_file: str = ""         # "" = gRPC unauthenticated; else the shared service token's file
-    tls: TlsFiles = TlsFiles()        # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
+    checkpoint_dir: str = ""  # "" = no training checkpoints; else one directory per run under it
+    auth_token_file: str = ""  # "" = gRPC unauthenticated; else the shared service token's file
+    tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
     # Before a run's first version: sync its weights once into garbage-filled copies through a
     # private broker and compare bit-exactly (furlong.weight_broker.equality); a mismatch fails it.
     check_weight_update_equal: bool = False

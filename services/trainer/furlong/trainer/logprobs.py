@@ -40,7 +40,7 @@ DEFAULT_CHUNK_ROWS = 256
 
 class LogProbs(NamedTuple):
     logprobs: torch.Tensor  # (N,) log p(target) over the support, work dtype (>= float32)
-    entropy: torch.Tensor   # (N,) entropy of softmax(logits / T) over the full vocabulary
+    entropy: torch.Tensor  # (N,) entropy of softmax(logits / T) over the full vocabulary
 
 
 class SupportViolation(ValueError):
@@ -48,8 +48,10 @@ class SupportViolation(ValueError):
 
     def __init__(self, row: int, support_row: int, token_id: int):
         self.row, self.support_row, self.token_id = row, support_row, token_id
-        super().__init__(f"target id {token_id} at row {row} (response position {support_row}) "
-                         f"is outside its sampling support")
+        super().__init__(
+            f"target id {token_id} at row {row} (response position {support_row}) "
+            f"is outside its sampling support"
+        )
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,8 @@ def _in_support(coords, local: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     """Per partial row: does this rank's part of its support contain the (owned) target?"""
     partial, rows, ids = coords
     hit = torch.zeros(partial.numel(), dtype=torch.float64).index_add_(
-        0, rows, (ids == local[partial][rows]).double())
+        0, rows, (ids == local[partial][rows]).double()
+    )
     return (hit > 0) & own[partial]
 
 
@@ -228,7 +231,9 @@ class _SupportLogProbs(torch.autograd.Function):
                 g.addcmul_(q, full_rows.unsqueeze(-1), value=-1.0)
                 del q
                 local, own = plan.local_targets(targets[a:b])
-                g.scatter_add_(-1, local.unsqueeze(-1), torch.where(own, gl, torch.zeros_like(gl)).unsqueeze(-1))
+                g.scatter_add_(
+                    -1, local.unsqueeze(-1), torch.where(own, gl, torch.zeros_like(gl)).unsqueeze(-1)
+                )
             g.div_(plan.temperature)
             if plan.positions is None:
                 grad[a:b] = g.to(grad.dtype)
@@ -243,12 +248,17 @@ def _support_row(plan: _Plan, row: int) -> int:
     return row if plan.support_rows is None else int(plan.support_rows[row])
 
 
-def log_probs_with_support(logits: torch.Tensor, target_ids: torch.Tensor,
-                           support: RolloutSamplingMask | None = None, temperature: float = 1.0, *,
-                           positions: torch.Tensor | None = None,
-                           support_rows: np.ndarray | torch.Tensor | None = None,
-                           vocab_shard: VocabShard | None = None,
-                           chunk_rows: int = DEFAULT_CHUNK_ROWS) -> LogProbs:
+def log_probs_with_support(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    support: RolloutSamplingMask | None = None,
+    temperature: float = 1.0,
+    *,
+    positions: torch.Tensor | None = None,
+    support_rows: np.ndarray | torch.Tensor | None = None,
+    vocab_shard: VocabShard | None = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> LogProbs:
     """Log-prob of each target under softmax(logits / temperature) renormalised over its support,
     and the entropy of the full tempered distribution. Differentiable w.r.t. `logits`.
 
@@ -281,18 +291,27 @@ def log_probs_with_support(logits: torch.Tensor, target_ids: torch.Tensor,
         if support.vocab_size != full_vocab:
             raise ValueError(f"support vocab_size {support.vocab_size} != logits vocabulary {full_vocab}")
         if support_rows is not None:
-            rows_idx = np.asarray(support_rows.cpu() if isinstance(support_rows, torch.Tensor)
-                                  else support_rows, dtype=np.int64).reshape(-1)
+            rows_idx = np.asarray(
+                support_rows.cpu() if isinstance(support_rows, torch.Tensor) else support_rows, dtype=np.int64
+            ).reshape(-1)
             if rows_idx.size != n:
                 raise ValueError(f"{rows_idx.size} support_rows for {n} scored rows")
             support = support.select(rows_idx) if n else support
         elif support.num_rows != n:
             raise ValueError(f"support has {support.num_rows} rows for {n} scored rows")
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    plan = _Plan(n=n, temperature=float(temperature), chunk_rows=chunk_rows, dtype=dtype,
-                 positions=positions, support=support, shard=vocab_shard, local_vocab=logits2d.shape[-1],
-                 support_rows=rows_idx,
-                 unique_positions=positions is None or int(positions.unique().numel()) == n)
+    plan = _Plan(
+        n=n,
+        temperature=float(temperature),
+        chunk_rows=chunk_rows,
+        dtype=dtype,
+        positions=positions,
+        support=support,
+        shard=vocab_shard,
+        local_vocab=logits2d.shape[-1],
+        support_rows=rows_idx,
+        unique_positions=positions is None or int(positions.unique().numel()) == n,
+    )
     if n == 0:
         empty = logits2d.new_zeros(0, dtype=dtype)
         return LogProbs(empty, empty.clone())

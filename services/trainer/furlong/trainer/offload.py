@@ -16,8 +16,8 @@ has a master, so all are backed up. Not thread-safe; do not train while offloade
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import torch
 
@@ -26,16 +26,20 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Slot:
-    tensor: torch.Tensor          # the live Parameter / buffer object (its .data is swapped)
+    tensor: torch.Tensor  # the live Parameter / buffer object (its .data is swapped)
     device: torch.device
-    backup: torch.Tensor | None   # host copy, or None when restored from its master
+    backup: torch.Tensor | None  # host copy, or None when restored from its master
     master: torch.Tensor | None
 
 
 class Offloader:
-    def __init__(self, modules: Iterable[torch.nn.Module], optimizer: torch.optim.Optimizer | None = None,
-                 masters: Mapping[torch.Tensor, torch.Tensor] | None = None,
-                 backup_device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        modules: Iterable[torch.nn.Module],
+        optimizer: torch.optim.Optimizer | None = None,
+        masters: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        backup_device: str | torch.device = "cpu",
+    ):
         self._modules = list(modules)
         self._optimizer = optimizer
         self._masters = {id(k): v for k, v in (masters or {}).items()}
@@ -75,7 +79,7 @@ class Offloader:
             released += t.numel() * t.element_size()
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         if self._optimizer is not None:
-            for index, (param, state) in enumerate(self._optimizer.state.items()):
+            for param, state in self._optimizer.state.items():
                 saved = {}
                 for name, value in state.items():
                     if isinstance(value, torch.Tensor):
@@ -93,8 +97,11 @@ class Offloader:
         for slot in self._slots:
             source = slot.backup if slot.master is None else slot.master.detach().to(slot.tensor.dtype)
             # A host backup of a host tensor is handed back as is: no second copy.
-            slot.tensor.data = source if slot.master is None and source.device == slot.device \
+            slot.tensor.data = (
+                source
+                if slot.master is None and source.device == slot.device
                 else source.to(slot.device, copy=True)
+            )
         if self._optimizer is not None:
             for param, state in self._optimizer.state.items():
                 for name, (backup, device) in self._optim_backup.get(id(param), {}).items():

@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import redis
 
@@ -58,19 +58,25 @@ class StreamBatch:
     groups: list[SampleGroup]
     entry_ids: list[bytes]
     num_rejected: int
-    num_refused: int = 0          # valid groups refused by the ledger (already trained, duplicate)
+    num_refused: int = 0  # valid groups refused by the ledger (already trained, duplicate)
 
 
 class SampleReader:
-    def __init__(self, client: redis.Redis, run_id: str, consumer: str, group: str = TRAINER_GROUP,
-                 validate: Callable[[SampleGroup], None] | None = None,
-                 ledger: RunLedger | None = None):
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        consumer: str,
+        group: str = TRAINER_GROUP,
+        validate: Callable[[SampleGroup], None] | None = None,
+        ledger: RunLedger | None = None,
+    ):
         """validate(group) raises ValueError for a group that decodes but must not be trained on
         (ids outside the vocabulary, a version from the future...); such a group is rejected."""
         self._redis = client
         self._validate = validate
         self._ledger = ledger
-        self._held: set[bytes] = set()   # returned by read(), not yet acknowledged
+        self._held: set[bytes] = set()  # returned by read(), not yet acknowledged
         self._run_id = run_id
         self._key = stream_key(run_id)
         self._consumer = consumer
@@ -108,17 +114,24 @@ class SampleReader:
         while len(groups) < num_groups:
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
-                raise TimeoutError(f"run {self._run_id}: {len(groups)} of {num_groups} sample groups "
-                                   f"arrived within {timeout_s:.1f}s")
+                raise TimeoutError(
+                    f"run {self._run_id}: {len(groups)} of {num_groups} sample groups "
+                    f"arrived within {timeout_s:.1f}s"
+                )
             # First re-read what this consumer had read but not acknowledged (after a restart or a
             # failed step), then new entries.
             if self._replay_pending:
-                reply = self._redis.xreadgroup(self._group, self._consumer, {self._key: replay_from},
-                                               count=num_groups - len(groups))
+                reply = self._redis.xreadgroup(
+                    self._group, self._consumer, {self._key: replay_from}, count=num_groups - len(groups)
+                )
             else:
-                reply = self._redis.xreadgroup(self._group, self._consumer, {self._key: ">"},
-                                               count=num_groups - len(groups),
-                                               block=max(1, int(min(remaining_s, 1.0) * 1000)))
+                reply = self._redis.xreadgroup(
+                    self._group,
+                    self._consumer,
+                    {self._key: ">"},
+                    count=num_groups - len(groups),
+                    block=max(1, int(min(remaining_s, 1.0) * 1000)),
+                )
             entries = reply[0][1] if reply else []
             if self._replay_pending and not entries:
                 self._replay_pending = False
@@ -127,7 +140,7 @@ class SampleReader:
                 if self._replay_pending:
                     replay_from = entry_id
                     if entry_id in self._held:
-                        continue   # returned by an earlier read; its step still holds it
+                        continue  # returned by an earlier read; its step still holds it
                 group = self._decode(entry_id, fields)
                 if group is None:
                     rejected += 1
@@ -143,22 +156,28 @@ class SampleReader:
         """True when the ledger lets the trainer train on group (always, without a ledger)."""
         if self._ledger is None:
             return True
-        verdict = self._ledger.claim(entry_id.decode(), group.step, group.prompt_id,
-                                     [s.policy_version for s in group.samples])
+        verdict = self._ledger.claim(
+            entry_id.decode(), group.step, group.prompt_id, [s.policy_version for s in group.samples]
+        )
         if verdict == "ok":
             return True
-        what = ("already trained" if verdict == "trained"
-                else f"a duplicate of entry {verdict.split(':', 1)[1]}")
-        reason = (f"entry {entry_id.decode()}: group {group.step}/{group.prompt_id} is {what}; "
-                  "refused so that it is never trained twice")
+        what = (
+            "already trained" if verdict == "trained" else f"a duplicate of entry {verdict.split(':', 1)[1]}"
+        )
+        reason = (
+            f"entry {entry_id.decode()}: group {group.step}/{group.prompt_id} is {what}; "
+            "refused so that it is never trained twice"
+        )
         log.warning("refusing sample group: %s", reason)
         self._move_to_rejected(entry_id, fields, reason)
         return False
 
     def _move_to_rejected(self, entry_id: bytes, fields: dict, reason: str) -> None:
         pipe = self._redis.pipeline()
-        pipe.xadd(rejected_key(self._run_id), {b"entry_id": entry_id, b"reason": reason.encode(),
-                                               **{k: v for k, v in fields.items()}})
+        pipe.xadd(
+            rejected_key(self._run_id),
+            {b"entry_id": entry_id, b"reason": reason.encode(), **{k: v for k, v in fields.items()}},
+        )
         pipe.xack(self._key, self._group, entry_id)
         pipe.execute()
 

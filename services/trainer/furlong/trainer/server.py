@@ -17,15 +17,29 @@ _OPTIONAL = ("is_high", "gamma", "gae_lambda", "value_coef", "value_clip")  # un
 def learner_config(request: trainer_pb2.ConfigureRunRequest) -> LearnerConfig:
     algo = request.algorithm
     if algo.name not in SUPPORTED_ALGORITHMS:
-        raise ValueError(f"algorithm.name {algo.name!r} is not supported; known: {list(SUPPORTED_ALGORITHMS)}")
+        raise ValueError(
+            f"algorithm.name {algo.name!r} is not supported; known: {list(SUPPORTED_ALGORITHMS)}"
+        )
     return LearnerConfig(
-        learning_rate=algo.learning_rate, clip_eps=algo.clip_eps, weight_decay=algo.weight_decay,
-        max_grad_norm=algo.max_grad_norm, epochs_per_batch=algo.epochs_per_batch,
-        micro_batch_size=algo.micro_batch_size, adam_beta1=algo.adam_beta1,
-        adam_beta2=algo.adam_beta2, temperature=request.sampling_temperature, seed=request.seed,
-        algorithm=algo.name, clip_eps_high=algo.clip_eps_high, loss_aggregation=algo.loss_aggregation,
-        kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator or "k3", kl_mode=algo.kl_mode or "loss",
-        entropy_coef=algo.entropy_coef, off_policy=algo.off_policy or "none", is_low=algo.is_low,
+        learning_rate=algo.learning_rate,
+        clip_eps=algo.clip_eps,
+        weight_decay=algo.weight_decay,
+        max_grad_norm=algo.max_grad_norm,
+        epochs_per_batch=algo.epochs_per_batch,
+        micro_batch_size=algo.micro_batch_size,
+        adam_beta1=algo.adam_beta1,
+        adam_beta2=algo.adam_beta2,
+        temperature=request.sampling_temperature,
+        seed=request.seed,
+        algorithm=algo.name,
+        clip_eps_high=algo.clip_eps_high,
+        loss_aggregation=algo.loss_aggregation,
+        kl_coef=algo.kl_coef,
+        kl_estimator=algo.kl_estimator or "k3",
+        kl_mode=algo.kl_mode or "loss",
+        entropy_coef=algo.entropy_coef,
+        off_policy=algo.off_policy or "none",
+        is_low=algo.is_low,
         **{name: getattr(algo, name) for name in _OPTIONAL if algo.HasField(name)},
     )
 
@@ -37,25 +51,37 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @rpc_errors
     def ConfigureRun(self, request, context):
         version, num_parameters = self._service.configure_run(
-            request.run_id, request.model_dir, learner_config(request), request.total_steps)
-        return trainer_pb2.ConfigureRunResponse(run_id=request.run_id, policy_version=version,
-                                                num_parameters=num_parameters)
+            request.run_id, request.model_dir, learner_config(request), request.total_steps
+        )
+        return trainer_pb2.ConfigureRunResponse(
+            run_id=request.run_id, policy_version=version, num_parameters=num_parameters
+        )
 
     @rpc_errors
     def TrainStep(self, request, context):
-        stats, version = self._service.train_step(request.run_id, request.step, request.num_groups,
-                                                  request.timeout_s)
+        stats, version = self._service.train_step(
+            request.run_id, request.step, request.num_groups, request.timeout_s
+        )
         return trainer_pb2.TrainStepResponse(
-            run_id=request.run_id, step=request.step, loss=stats.loss, policy_version=version,
-            num_samples=stats.num_samples, num_groups=stats.num_groups,
-            step_seconds=stats.step_seconds, metrics=stats.as_metrics())
+            run_id=request.run_id,
+            step=request.step,
+            loss=stats.loss,
+            policy_version=version,
+            num_samples=stats.num_samples,
+            num_groups=stats.num_groups,
+            step_seconds=stats.step_seconds,
+            metrics=stats.as_metrics(),
+        )
 
     @rpc_errors
     def PublishWeights(self, request, context):
         result = self._service.publish_weights(request.run_id, request.version)
-        return trainer_pb2.PublishWeightsResponse(run_id=request.run_id, version=result.version,
-                                                  num_bytes=result.num_bytes,
-                                                  stage_seconds=result.stage_seconds)
+        return trainer_pb2.PublishWeightsResponse(
+            run_id=request.run_id,
+            version=result.version,
+            num_bytes=result.num_bytes,
+            stage_seconds=result.stage_seconds,
+        )
 
     @rpc_errors
     def EndRun(self, request, context):
@@ -65,8 +91,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @rpc_errors
     def Offload(self, request, context):
         released, num_tensors = self._service.offload(request.run_id)
-        return trainer_pb2.OffloadResponse(run_id=request.run_id, released_bytes=released,
-                                           num_tensors=num_tensors)
+        return trainer_pb2.OffloadResponse(
+            run_id=request.run_id, released_bytes=released, num_tensors=num_tensors
+        )
 
     @rpc_errors
     def Restore(self, request, context):
@@ -76,8 +103,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @rpc_errors
     def Checkpoint(self, request, context):
         info = self._service.checkpoint(request.run_id, request.directory)
-        return trainer_pb2.CheckpointResponse(run_id=request.run_id, path=str(info.path),
-                                              step=info.step, policy_version=info.version)
+        return trainer_pb2.CheckpointResponse(
+            run_id=request.run_id, path=str(info.path), step=info.step, policy_version=info.version
+        )
 
 
 def register(service: TrainerService):

@@ -17,25 +17,30 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import redis
 import torch
 
 from furlong.core.checkpoint import load_policy
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
+from furlong.core.run_ledger import RunLedger
 from furlong.core.samples import TRAINER_GROUP, stream_key
 from furlong.core.weights import WeightLayout
 from furlong.trainer import metrics
 from furlong.trainer.core.learner import Learner, LearnerConfig, StepStats
 from furlong.trainer.offload import Offloader, learner_offloader
-from furlong.core.run_ledger import RunLedger
 from furlong.trainer.sample_reader import SampleReader
 from furlong.trainer.step_ledger import StepLedger
-from furlong.trainer.train_checkpoint import (MANIFEST, CheckpointInfo, load_training_checkpoint,
-                                              save_training_checkpoint)
+from furlong.trainer.train_checkpoint import (
+    MANIFEST,
+    CheckpointInfo,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
 from furlong.weight_broker.client import BrokerClient
 from furlong.weight_broker.equality import check_weight_update_equal
 from furlong.weight_broker.publisher import PublishResult, WeightPublisher
@@ -54,9 +59,9 @@ class _Run:
     lock: threading.Lock
     last_step: int = 0
     published_version: int = 0
-    data_cursor: Any = None              # what the last step consumed (a checkpoint's data cursor)
-    offloader: Offloader | None = None   # set while the run's tensors are offloaded
-    ledger: StepLedger | None = None     # what of the run is durable (see step_ledger)
+    data_cursor: Any = None  # what the last step consumed (a checkpoint's data cursor)
+    offloader: Offloader | None = None  # set while the run's tensors are offloaded
+    ledger: StepLedger | None = None  # what of the run is durable (see step_ledger)
 
     @property
     def offloaded(self) -> bool:
@@ -68,20 +73,26 @@ def _check_weight_update_equal(run_id: str, state: dict[str, torch.Tensor]) -> N
     engine = {name: tensor.detach().clone() for name, tensor in state.items()}
     report = check_weight_update_equal(state, engine)
     if not report.ok:
-        raise IntegrityError(f"run {run_id}: weight update equality check failed: mismatched "
-                             f"{list(report.mismatched)}, unexpected {list(report.unexpected)}")
-    log.info("run %s: weight update equality check passed (%d parameters)", run_id,
-             report.num_parameters)
+        raise IntegrityError(
+            f"run {run_id}: weight update equality check failed: mismatched "
+            f"{list(report.mismatched)}, unexpected {list(report.unexpected)}"
+        )
+    log.info("run %s: weight update equality check passed (%d parameters)", run_id, report.num_parameters)
 
 
 class TrainerService:
     """Thread-safe: calls for one run are serialised by that run's lock."""
 
-    def __init__(self, redis_client: redis.Redis, broker: BrokerClient, consumer_name: str,
-                 agent_name_prefix: str = "trainer",
-                 publisher_factory: Callable[..., WeightPublisher] = WeightPublisher,
-                 checkpoint_root: str | Path | None = None,
-                 check_weight_update_equal: bool = False):
+    def __init__(
+        self,
+        redis_client: redis.Redis,
+        broker: BrokerClient,
+        consumer_name: str,
+        agent_name_prefix: str = "trainer",
+        publisher_factory: Callable[..., WeightPublisher] = WeightPublisher,
+        checkpoint_root: str | Path | None = None,
+        check_weight_update_equal: bool = False,
+    ):
         self._redis = redis_client
         self._check_weight_update_equal = check_weight_update_equal
         self._checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
@@ -92,8 +103,9 @@ class TrainerService:
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
 
-    def configure_run(self, run_id: str, model_dir: str, config: LearnerConfig,
-                      total_steps: int) -> tuple[int, int]:
+    def configure_run(
+        self, run_id: str, model_dir: str, config: LearnerConfig, total_steps: int
+    ) -> tuple[int, int]:
         """Load the checkpoint and get ready to train; returns (policy version, parameter count)."""
         if not run_id:
             raise ValueError("run_id must not be empty")
@@ -110,33 +122,48 @@ class TrainerService:
         learner = Learner(model, config)
         last_step, cursor = 0, None
         ledger = StepLedger.for_run(RunLedger(self._redis, run_id))
-        reader = SampleReader(self._redis, run_id, self._consumer, validate=learner.check_group,
-                              ledger=ledger.ledger)
+        reader = SampleReader(
+            self._redis, run_id, self._consumer, validate=learner.check_group, ledger=ledger.ledger
+        )
         resume = self._checkpoint_dir(run_id)
         if resume is not None and (resume / MANIFEST).is_file():
             info = load_training_checkpoint(learner, resume)
             last_step, cursor = info.step, info.data_cursor
             ledger.reconcile(cursor, info.step, info.version, reader)
-            log.info("run %s: resumed from %s at step %d, version %d", run_id, resume, info.step, info.version)
+            log.info(
+                "run %s: resumed from %s at step %d, version %d", run_id, resume, info.step, info.version
+            )
         learner.version = ledger.next_version(learner.version)
         state = learner.state_dict()
         layout = WeightLayout.from_state_dict(state)
         if self._check_weight_update_equal:
             _check_weight_update_equal(run_id, state)
-        publisher = self._publisher_factory(self._broker, run_id, layout,
-                                            f"{self._agent_prefix}-{run_id}")
+        publisher = self._publisher_factory(self._broker, run_id, layout, f"{self._agent_prefix}-{run_id}")
         num_parameters = sum(t.numel() for t in state.values())
-        run = _Run(run_id=run_id, learner=learner, publisher=publisher,
-                   reader=reader,
-                   total_steps=total_steps, num_parameters=num_parameters, lock=threading.Lock(),
-                   last_step=last_step, data_cursor=cursor, ledger=ledger)
+        run = _Run(
+            run_id=run_id,
+            learner=learner,
+            publisher=publisher,
+            reader=reader,
+            total_steps=total_steps,
+            num_parameters=num_parameters,
+            lock=threading.Lock(),
+            last_step=last_step,
+            data_cursor=cursor,
+            ledger=ledger,
+        )
         with self._lock:
             if run_id in self._runs:
                 publisher.close()
                 raise ConflictError(f"run {run_id} is already configured on this trainer")
             self._runs[run_id] = run
-        log.info("run %s: %d parameters from %s, %d bytes per version", run_id, num_parameters,
-                 model_dir, layout.total_bytes)
+        log.info(
+            "run %s: %d parameters from %s, %d bytes per version",
+            run_id,
+            num_parameters,
+            model_dir,
+            layout.total_bytes,
+        )
         return learner.version, num_parameters
 
     def _checkpoint_dir(self, run_id: str) -> Path | None:
@@ -213,11 +240,15 @@ class TrainerService:
         with run.lock:
             _require_resident(run, "publish")
             if version != run.learner.version:
-                raise ConflictError(f"run {run_id}: version {version} requested, the trainer holds "
-                                    f"version {run.learner.version}")
+                raise ConflictError(
+                    f"run {run_id}: version {version} requested, the trainer holds "
+                    f"version {run.learner.version}"
+                )
             if version <= run.published_version:
-                raise ConflictError(f"run {run_id}: version {version} is not newer than the published "
-                                    f"version {run.published_version}")
+                raise ConflictError(
+                    f"run {run_id}: version {version} is not newer than the published "
+                    f"version {run.published_version}"
+                )
             run.ledger.ledger.record_published(version)
             result = run.publisher.publish(version, run.learner.state_dict())
             run.published_version = version
@@ -259,8 +290,10 @@ class TrainerService:
         else:
             target = self._checkpoint_dir(run_id)
             if target is None:
-                raise ConflictError(f"run {run_id}: this trainer has no --checkpoint-dir; name a "
-                                    "directory to write the checkpoint to")
+                raise ConflictError(
+                    f"run {run_id}: this trainer has no --checkpoint-dir; name a "
+                    "directory to write the checkpoint to"
+                )
         with run.lock:
             _require_resident(run, "checkpoint")
             if target != self._checkpoint_dir(run_id):  # a snapshot: the resume point is unchanged

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from furlong.core.run_ledger import RunLedger, ledger_id
-
 from furlong.trainer.sample_reader import SampleReader, StreamBatch
 
 log = logging.getLogger(__name__)
@@ -29,11 +28,11 @@ log = logging.getLogger(__name__)
 class StepLedger:
     ledger: RunLedger
     every_steps: int = 1
-    entry_ids: list[bytes] = field(default_factory=list)   # trained, not yet durable
+    entry_ids: list[bytes] = field(default_factory=list)  # trained, not yet durable
     ids: list[str] = field(default_factory=list)
 
     @classmethod
-    def for_run(cls, ledger: RunLedger) -> "StepLedger":
+    def for_run(cls, ledger: RunLedger) -> StepLedger:
         return cls(ledger, ledger.every_steps())
 
     def add(self, batch: StreamBatch) -> None:
@@ -45,8 +44,7 @@ class StepLedger:
 
     def cursor(self, step: int) -> dict[str, Any]:
         """The data cursor of a checkpoint after step: what it makes durable."""
-        return {"step": step, "entry_ids": [e.decode() for e in self.entry_ids],
-                "ledger_ids": list(self.ids)}
+        return {"step": step, "entry_ids": [e.decode() for e in self.entry_ids], "ledger_ids": list(self.ids)}
 
     def commit(self, step: int, version: int, reader: SampleReader, durable: bool = True) -> None:
         """The checkpoint of step is written (or, not `durable`, there are no checkpoints): mark its
@@ -54,16 +52,18 @@ class StepLedger:
         recovery resumes from."""
         refused = self.ledger.commit_trained(self.ids, step if durable else -1, version)
         if refused:  # the reader refuses trained groups, so this would be a bug worth seeing
-            log.error("run %s: step %d trained groups already trained: %s", self.ledger.run_id,
-                      step, refused)
+            log.error("run %s: step %d trained groups already trained: %s", self.ledger.run_id, step, refused)
         reader.ack(self.entry_ids)
         self.entry_ids, self.ids = [], []
 
     def reconcile(self, cursor: Any, step: int, version: int, reader: SampleReader) -> None:
         """On resume from a checkpoint: record what it made durable (idempotent)."""
         if not isinstance(cursor, dict) or "ledger_ids" not in cursor:
-            log.warning("run %s: checkpoint of step %d has no ledger ids in its data cursor; "
-                        "recording the step only", self.ledger.run_id, step)
+            log.warning(
+                "run %s: checkpoint of step %d has no ledger ids in its data cursor; recording the step only",
+                self.ledger.run_id,
+                step,
+            )
             self.ledger.commit_trained([], step, version, reconcile=True)
             return
         self.ledger.commit_trained(list(cursor["ledger_ids"]), step, version, reconcile=True)

@@ -76,8 +76,9 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
 
 
-def save_training_checkpoint(learner: Learner, directory: str | Path, step: int,
-                             data_cursor: Any = None) -> CheckpointInfo:
+def save_training_checkpoint(
+    learner: Learner, directory: str | Path, step: int, data_cursor: Any = None
+) -> CheckpointInfo:
     """Write the learner's full training state after `step` to `directory` (replaced atomically)."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -87,14 +88,20 @@ def save_training_checkpoint(learner: Learner, directory: str | Path, step: int,
     tmp.mkdir(parents=True)
     files = {}
     for name, model in _models(learner).items():
-        save_file({k: v.detach().contiguous() for k, v in unique_state(model).items()}, tmp / f"{name}.safetensors")
+        save_file(
+            {k: v.detach().contiguous() for k, v in unique_state(model).items()}, tmp / f"{name}.safetensors"
+        )
         files[name] = f"{name}.safetensors"
     tensors, optim_meta = _optimizer_tensors(learner.optimizer)
     save_file(tensors, tmp / "optimizer.safetensors")
     save_file({"torch_cpu": torch.get_rng_state()}, tmp / "rng.safetensors")
     manifest = {
-        "format": FORMAT, "step": step, "version": learner.version, "data_cursor": data_cursor,
-        "config": dataclasses.asdict(learner.config), "optimizer": optim_meta,
+        "format": FORMAT,
+        "step": step,
+        "version": learner.version,
+        "data_cursor": data_cursor,
+        "config": dataclasses.asdict(learner.config),
+        "optimizer": optim_meta,
         "models": files,
         "sha256": {f.name: _sha256(f) for f in sorted(tmp.iterdir())},
     }
@@ -120,8 +127,10 @@ def _load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], what: s
     with torch.no_grad():
         for name, tensor in expected.items():
             if tensors[name].shape != tensor.shape or tensors[name].dtype != tensor.dtype:
-                raise ValueError(f"{what}: {name} is {tensors[name].dtype} {tuple(tensors[name].shape)} in the "
-                                 f"checkpoint, {tensor.dtype} {tuple(tensor.shape)} in the model")
+                raise ValueError(
+                    f"{what}: {name} is {tensors[name].dtype} {tuple(tensors[name].shape)} in the "
+                    f"checkpoint, {tensor.dtype} {tuple(tensor.shape)} in the model"
+                )
             tensor.copy_(tensors[name])
 
 
@@ -139,12 +148,17 @@ def load_training_checkpoint(learner: Learner, directory: str | Path) -> Checkpo
             raise ValueError(f"{path / name}: SHA-256 does not match the manifest (corrupt checkpoint)")
     models = _models(learner)
     if set(models) != set(manifest["models"]):
-        raise ValueError(f"{path}: checkpoint holds models {sorted(manifest['models'])}, the learner "
-                         f"{sorted(models)}")
+        raise ValueError(
+            f"{path}: checkpoint holds models {sorted(manifest['models'])}, the learner {sorted(models)}"
+        )
     saved = manifest["config"]
     current = dataclasses.asdict(learner.config)
     if saved != current:
-        diff = {k: (saved.get(k), current.get(k)) for k in set(saved) | set(current) if saved.get(k) != current.get(k)}
+        diff = {
+            k: (saved.get(k), current.get(k))
+            for k in set(saved) | set(current)
+            if saved.get(k) != current.get(k)
+        }
         raise ValueError(f"{path}: learner config differs from the checkpoint's: {diff}")
     for name, model in models.items():
         _load_into(model, load_file(path / manifest["models"][name]), name)
@@ -157,5 +171,6 @@ def load_training_checkpoint(learner: Learner, directory: str | Path) -> Checkpo
     learner.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(load_file(path / "rng.safetensors")["torch_cpu"])
     learner.version = int(manifest["version"])
-    return CheckpointInfo(step=int(manifest["step"]), version=learner.version,
-                          data_cursor=manifest["data_cursor"], path=path)
+    return CheckpointInfo(
+        step=int(manifest["step"]), version=learner.version, data_cursor=manifest["data_cursor"], path=path
+    )

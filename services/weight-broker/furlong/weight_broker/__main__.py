@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from prometheus_client import REGISTRY, start_http_server
 
@@ -35,8 +35,7 @@ log = logging.getLogger("furlong.weight_broker")
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = BrokerConfig.from_args(argv)
-    logging.basicConfig(level=config.logging_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.logging_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not rpc.use_credentials(config.auth_token_file, config.tls):
         return 2
     stop = threading.Event()
@@ -44,23 +43,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, lambda received, frame: stop.set())
 
     try:  # a test-only fault hook, off unless its variable is set (see fault_hooks)
-        core = broker_core(os.environ, max_ack_attempts=config.max_ack_attempts,
-                           observer=BrokerMetrics(REGISTRY), ack_timeout_s=config.ack_timeout_s)
+        core = broker_core(
+            os.environ,
+            max_ack_attempts=config.max_ack_attempts,
+            observer=BrokerMetrics(REGISTRY),
+            ack_timeout_s=config.ack_timeout_s,
+        )
     except ValueError as exc:
         log.error("%s", exc)
         return 2
     servicer = WeightBrokerServicer(core)
-    metrics_server, metrics_thread = start_http_server(config.metrics_port, addr=config.host,
-                                                       registry=REGISTRY)
-    server = start_server([servicer.add_to_server], [SERVICE_NAME], host=config.host,
-                          port=config.port, max_workers=config.max_workers)
-    log.info("weight broker serving on %s:%d, metrics on %s:%d", config.host, server.port,
-             config.host, metrics_server.server_port)
+    metrics_server, metrics_thread = start_http_server(
+        config.metrics_port, addr=config.host, registry=REGISTRY
+    )
+    server = start_server(
+        [servicer.add_to_server],
+        [SERVICE_NAME],
+        host=config.host,
+        port=config.port,
+        max_workers=config.max_workers,
+    )
+    log.info(
+        "weight broker serving on %s:%d, metrics on %s:%d",
+        config.host,
+        server.port,
+        config.host,
+        metrics_server.server_port,
+    )
     relay_client = InProcessBrokerClient(core)
     relays = []
     for run_id in config.relay_runs:
-        relay = WeightRelay(relay_client, run_id, f"broker-relay-{run_id}-{os.getpid()}",
-                            config=TransferConfig(lanes=config.relay_lanes))
+        relay = WeightRelay(
+            relay_client,
+            run_id,
+            f"broker-relay-{run_id}-{os.getpid()}",
+            config=TransferConfig(lanes=config.relay_lanes),
+        )
         relay.start()
         relays.append(relay)
 
@@ -70,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for relay in relays:
         relay.close()
     relay_client.close()
-    core.shutdown()          # end watch streams so that their handler threads return
+    core.shutdown()  # end watch streams so that their handler threads return
     server.stop(grace_s=2.0)
     metrics_server.shutdown()
     metrics_server.server_close()

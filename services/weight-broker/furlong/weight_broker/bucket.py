@@ -9,12 +9,13 @@ Knows nothing about versions or the broker; the publisher (and the relay) decide
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from furlong.rpc import rpc_errors, start_server
-from furlong.v1 import weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
+from furlong.v1 import weight_broker_pb2 as pb
+from furlong.v1 import weight_broker_pb2_grpc as pb_grpc
 from furlong.weight_broker.core import WeightSourceInfo
 from furlong.weight_broker.host_memory import host_buffer
 from furlong.weight_broker.lanes import LANE_GRPC, LANE_NIXL, LANE_SHM, LANES
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 STREAM_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightStream"].full_name
 _DEFAULT_CHUNK_BYTES = 1 << 20
-_MAX_CHUNK_BYTES = 4 << 20    # well below furlong.rpc's 64 MiB message limit; bounds per-read copies
+_MAX_CHUNK_BYTES = 4 << 20  # well below furlong.rpc's 64 MiB message limit; bounds per-read copies
 
 
 class WeightStreamServicer(pb_grpc.WeightStreamServicer):
@@ -42,9 +43,11 @@ class WeightStreamServicer(pb_grpc.WeightStreamServicer):
     def ReadRange(self, request, context):
         size = self._buffer.numel()
         if request.offset_bytes + request.size_bytes > size:
-            raise ValueError(f"range [{request.offset_bytes}, "
-                             f"{request.offset_bytes + request.size_bytes}) is outside the "
-                             f"{size}-byte bucket")
+            raise ValueError(
+                f"range [{request.offset_bytes}, "
+                f"{request.offset_bytes + request.size_bytes}) is outside the "
+                f"{size}-byte bucket"
+            )
         chunk = request.chunk_bytes or _DEFAULT_CHUNK_BYTES
         if chunk > _MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes {chunk} > {_MAX_CHUNK_BYTES}")
@@ -54,8 +57,7 @@ class WeightStreamServicer(pb_grpc.WeightStreamServicer):
         end = offset + size
         while offset < end:
             n = min(chunk, end - offset)
-            yield pb.RangeChunk(offset_bytes=offset,
-                                data=self._buffer[offset:offset + n].numpy().tobytes())
+            yield pb.RangeChunk(offset_bytes=offset, data=self._buffer[offset : offset + n].numpy().tobytes())
             offset += n
 
 
@@ -64,9 +66,17 @@ class StagingBucket:
     stream_workers sizes the WeightStream server's thread pool (one per engine it feeds), so reads
     keep being answered while the owner waits on the broker."""
 
-    def __init__(self, agent_name: str, size_bytes: int, lanes: Sequence[str] = LANES, *,
-                 backends: Sequence[str] = ("UCX",), host: str = "127.0.0.1",
-                 stream_workers: int = 4, holds_all_rounds: bool = False) -> None:
+    def __init__(
+        self,
+        agent_name: str,
+        size_bytes: int,
+        lanes: Sequence[str] = LANES,
+        *,
+        backends: Sequence[str] = ("UCX",),
+        host: str = "127.0.0.1",
+        stream_workers: int = 4,
+        holds_all_rounds: bool = False,
+    ) -> None:
         unknown = [lane for lane in lanes if lane not in LANES]
         if unknown or not lanes:
             raise ValueError(f"lanes {list(lanes)} must be a non-empty subset of {LANES}")
@@ -90,14 +100,25 @@ class StagingBucket:
             stream_address = ""
             if LANE_GRPC in lanes:
                 servicer = WeightStreamServicer(self.tensor)
-                self._server = start_server([servicer.add_to_server], [STREAM_SERVICE_NAME],
-                                            host=host, port=0, max_workers=max(2, stream_workers))
+                self._server = start_server(
+                    [servicer.add_to_server],
+                    [STREAM_SERVICE_NAME],
+                    host=host,
+                    port=0,
+                    max_workers=max(2, stream_workers),
+                )
                 stream_address = f"{host}:{self._server.port}"
             self.source = WeightSourceInfo(
-                agent_name=agent_name, agent_metadata=metadata, base_address=address,
-                size_bytes=size_bytes, memory_kind="DRAM", device_id=0,
+                agent_name=agent_name,
+                agent_metadata=metadata,
+                base_address=address,
+                size_bytes=size_bytes,
+                memory_kind="DRAM",
+                device_id=0,
                 shm_name=self._shm.name if self._shm is not None else "",
-                stream_address=stream_address, holds_all_rounds=holds_all_rounds)
+                stream_address=stream_address,
+                holds_all_rounds=holds_all_rounds,
+            )
         except BaseException:
             self.close()
             raise

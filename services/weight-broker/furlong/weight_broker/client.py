@@ -15,16 +15,27 @@ import grpc
 from furlong.core.weight_shards import ShardLayout
 from furlong.core.weights import Manifest
 from furlong.rpc import call, channel, error_from_rpc
-from furlong.v1 import weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
+from furlong.v1 import weight_broker_pb2 as pb
+from furlong.v1 import weight_broker_pb2_grpc as pb_grpc
 from furlong.weight_broker.core import (
-    BrokerCore, EventSubscription, VersionEventInfo, VersionStatusInfo, WeightSourceInfo)
+    BrokerCore,
+    EventSubscription,
+    VersionEventInfo,
+    VersionStatusInfo,
+    WeightSourceInfo,
+)
 from furlong.weight_broker.server import (
-    event_from_proto, manifest_to_proto, shard_layout_from_proto, shard_layout_to_proto,
-    source_to_proto, status_from_proto)
+    event_from_proto,
+    manifest_to_proto,
+    shard_layout_from_proto,
+    shard_layout_to_proto,
+    source_to_proto,
+    status_from_proto,
+)
 
 log = logging.getLogger(__name__)
 
-_WAIT_MARGIN_S = 5.0   # the WaitCommitted deadline exceeds the server-side wait by this much
+_WAIT_MARGIN_S = 5.0  # the WaitCommitted deadline exceeds the server-side wait by this much
 
 
 class BrokerClient(Protocol):
@@ -33,20 +44,38 @@ class BrokerClient(Protocol):
     (ConflictError for stale versions and failed versions, NotFoundError for unknown runs/engines,
     TimeoutError, UnavailableError when the broker cannot be reached)."""
 
-    def register_engine(self, run_id: str, engine_id: str,
-                        shard_layout: ShardLayout | None = None) -> int: ...
+    def register_engine(
+        self, run_id: str, engine_id: str, shard_layout: ShardLayout | None = None
+    ) -> int: ...
     def unregister_engine(self, run_id: str, engine_id: str) -> None: ...
     def destinations(self, run_id: str) -> list[ShardLayout]: ...
     def begin_version(self, run_id: str, manifest: Manifest, source: WeightSourceInfo) -> list[str]: ...
     def stage_round(self, run_id: str, version: int, index: int) -> list[str]: ...
     def wait_round(self, run_id: str, version: int, index: int, timeout_s: float) -> list[str]: ...
-    def ack_round(self, run_id: str, engine_id: str, version: int, index: int, ok: bool,
-                  error: str = "", transfer_seconds: float = 0.0, transfer_bytes: int = 0,
-                  lane: str = "") -> None: ...
-    def watch_versions(self, run_id: str, engine_id: str) -> "VersionWatch": ...
-    def ack_version(self, run_id: str, engine_id: str, version: int, ok: bool, error: str = "",
-                    transfer_seconds: float = 0.0, transfer_bytes: int = 0,
-                    lane: str = "") -> int: ...
+    def ack_round(
+        self,
+        run_id: str,
+        engine_id: str,
+        version: int,
+        index: int,
+        ok: bool,
+        error: str = "",
+        transfer_seconds: float = 0.0,
+        transfer_bytes: int = 0,
+        lane: str = "",
+    ) -> None: ...
+    def watch_versions(self, run_id: str, engine_id: str) -> VersionWatch: ...
+    def ack_version(
+        self,
+        run_id: str,
+        engine_id: str,
+        version: int,
+        ok: bool,
+        error: str = "",
+        transfer_seconds: float = 0.0,
+        transfer_bytes: int = 0,
+        lane: str = "",
+    ) -> int: ...
     def wait_committed(self, run_id: str, version: int, timeout_s: float) -> VersionStatusInfo: ...
     def get_version(self, run_id: str) -> VersionStatusInfo: ...
     def end_run(self, run_id: str) -> None: ...
@@ -103,25 +132,27 @@ class GrpcBrokerClient:
         self._lock = threading.Lock()
         self._watches: set[_GrpcVersionWatch] = set()
 
-    def register_engine(self, run_id: str, engine_id: str,
-                        shard_layout: ShardLayout | None = None) -> int:
+    def register_engine(self, run_id: str, engine_id: str, shard_layout: ShardLayout | None = None) -> int:
         req = pb.RegisterEngineRequest(run_id=run_id, engine_id=engine_id)
         if shard_layout is not None:
             req.shard_layout.CopyFrom(shard_layout_to_proto(shard_layout))
         return call(self._stub.RegisterEngine, req, self._timeout_s).committed_version
 
     def destinations(self, run_id: str) -> list[ShardLayout]:
-        resp = call(self._stub.GetDestinations, pb.GetDestinationsRequest(run_id=run_id),
-                    self._timeout_s)
+        resp = call(self._stub.GetDestinations, pb.GetDestinationsRequest(run_id=run_id), self._timeout_s)
         return [shard_layout_from_proto(layout) for layout in resp.layouts]
 
     def unregister_engine(self, run_id: str, engine_id: str) -> None:
-        call(self._stub.UnregisterEngine,
-             pb.UnregisterEngineRequest(run_id=run_id, engine_id=engine_id), self._timeout_s)
+        call(
+            self._stub.UnregisterEngine,
+            pb.UnregisterEngineRequest(run_id=run_id, engine_id=engine_id),
+            self._timeout_s,
+        )
 
     def begin_version(self, run_id: str, manifest: Manifest, source: WeightSourceInfo) -> list[str]:
-        req = pb.BeginVersionRequest(run_id=run_id, manifest=manifest_to_proto(manifest),
-                                     source=source_to_proto(source))
+        req = pb.BeginVersionRequest(
+            run_id=run_id, manifest=manifest_to_proto(manifest), source=source_to_proto(source)
+        )
         return list(call(self._stub.BeginVersion, req, self._timeout_s).engine_ids)
 
     def stage_round(self, run_id: str, version: int, index: int) -> list[str]:
@@ -132,17 +163,33 @@ class GrpcBrokerClient:
         req = pb.WaitRoundRequest(run_id=run_id, version=version, round=index, timeout_s=timeout_s)
         return list(call(self._stub.WaitRound, req, timeout_s + _WAIT_MARGIN_S).fenced_engine_ids)
 
-    def ack_round(self, run_id: str, engine_id: str, version: int, index: int, ok: bool,
-                  error: str = "", transfer_seconds: float = 0.0, transfer_bytes: int = 0,
-                  lane: str = "") -> None:
-        req = pb.AckRoundRequest(run_id=run_id, engine_id=engine_id, version=version, round=index,
-                                 ok=ok, error=error, transfer_seconds=transfer_seconds,
-                                 transfer_bytes=transfer_bytes, lane=lane)
+    def ack_round(
+        self,
+        run_id: str,
+        engine_id: str,
+        version: int,
+        index: int,
+        ok: bool,
+        error: str = "",
+        transfer_seconds: float = 0.0,
+        transfer_bytes: int = 0,
+        lane: str = "",
+    ) -> None:
+        req = pb.AckRoundRequest(
+            run_id=run_id,
+            engine_id=engine_id,
+            version=version,
+            round=index,
+            ok=ok,
+            error=error,
+            transfer_seconds=transfer_seconds,
+            transfer_bytes=transfer_bytes,
+            lane=lane,
+        )
         call(self._stub.AckRound, req, self._timeout_s)
 
     def watch_versions(self, run_id: str, engine_id: str) -> VersionWatch:
-        rendezvous = self._stub.WatchVersions(
-            pb.WatchVersionsRequest(run_id=run_id, engine_id=engine_id))
+        rendezvous = self._stub.WatchVersions(pb.WatchVersionsRequest(run_id=run_id, engine_id=engine_id))
         watch = _GrpcVersionWatch(rendezvous, self._forget)
         with self._lock:
             self._watches.add(watch)
@@ -152,11 +199,27 @@ class GrpcBrokerClient:
         with self._lock:
             self._watches.discard(watch)
 
-    def ack_version(self, run_id: str, engine_id: str, version: int, ok: bool, error: str = "",
-                    transfer_seconds: float = 0.0, transfer_bytes: int = 0, lane: str = "") -> int:
-        req = pb.AckVersionRequest(run_id=run_id, engine_id=engine_id, version=version, ok=ok,
-                                   error=error, transfer_seconds=transfer_seconds,
-                                   transfer_bytes=transfer_bytes, lane=lane)
+    def ack_version(
+        self,
+        run_id: str,
+        engine_id: str,
+        version: int,
+        ok: bool,
+        error: str = "",
+        transfer_seconds: float = 0.0,
+        transfer_bytes: int = 0,
+        lane: str = "",
+    ) -> int:
+        req = pb.AckVersionRequest(
+            run_id=run_id,
+            engine_id=engine_id,
+            version=version,
+            ok=ok,
+            error=error,
+            transfer_seconds=transfer_seconds,
+            transfer_bytes=transfer_bytes,
+            lane=lane,
+        )
         return call(self._stub.AckVersion, req, self._timeout_s).committed_version
 
     def wait_committed(self, run_id: str, version: int, timeout_s: float) -> VersionStatusInfo:
@@ -164,8 +227,9 @@ class GrpcBrokerClient:
         return status_from_proto(call(self._stub.WaitCommitted, req, timeout_s + _WAIT_MARGIN_S))
 
     def get_version(self, run_id: str) -> VersionStatusInfo:
-        return status_from_proto(call(self._stub.GetVersion, pb.GetVersionRequest(run_id=run_id),
-                                      self._timeout_s))
+        return status_from_proto(
+            call(self._stub.GetVersion, pb.GetVersionRequest(run_id=run_id), self._timeout_s)
+        )
 
     def end_run(self, run_id: str) -> None:
         call(self._stub.EndRun, pb.EndRunBrokerRequest(run_id=run_id), self._timeout_s)
@@ -208,8 +272,7 @@ class InProcessBrokerClient:
         self._lock = threading.Lock()
         self._watches: list[_SubscriptionWatch] = []
 
-    def register_engine(self, run_id: str, engine_id: str,
-                        shard_layout: ShardLayout | None = None) -> int:
+    def register_engine(self, run_id: str, engine_id: str, shard_layout: ShardLayout | None = None) -> int:
         return self._core.register_engine(run_id, engine_id, shard_layout)
 
     def destinations(self, run_id: str) -> list[ShardLayout]:
@@ -227,11 +290,21 @@ class InProcessBrokerClient:
     def wait_round(self, run_id: str, version: int, index: int, timeout_s: float) -> list[str]:
         return self._core.wait_round(run_id, version, index, timeout_s)
 
-    def ack_round(self, run_id: str, engine_id: str, version: int, index: int, ok: bool,
-                  error: str = "", transfer_seconds: float = 0.0, transfer_bytes: int = 0,
-                  lane: str = "") -> None:
-        self._core.ack_round(run_id, engine_id, version, index, ok, error, transfer_seconds,
-                             transfer_bytes, lane)
+    def ack_round(
+        self,
+        run_id: str,
+        engine_id: str,
+        version: int,
+        index: int,
+        ok: bool,
+        error: str = "",
+        transfer_seconds: float = 0.0,
+        transfer_bytes: int = 0,
+        lane: str = "",
+    ) -> None:
+        self._core.ack_round(
+            run_id, engine_id, version, index, ok, error, transfer_seconds, transfer_bytes, lane
+        )
 
     def watch_versions(self, run_id: str, engine_id: str) -> VersionWatch:
         watch = _SubscriptionWatch(self._core.subscribe(run_id, engine_id))
@@ -239,10 +312,20 @@ class InProcessBrokerClient:
             self._watches = [w for w in self._watches if not w.ended] + [watch]
         return watch
 
-    def ack_version(self, run_id: str, engine_id: str, version: int, ok: bool, error: str = "",
-                    transfer_seconds: float = 0.0, transfer_bytes: int = 0, lane: str = "") -> int:
-        return self._core.ack_version(run_id, engine_id, version, ok, error, transfer_seconds,
-                                      transfer_bytes, lane)
+    def ack_version(
+        self,
+        run_id: str,
+        engine_id: str,
+        version: int,
+        ok: bool,
+        error: str = "",
+        transfer_seconds: float = 0.0,
+        transfer_bytes: int = 0,
+        lane: str = "",
+    ) -> int:
+        return self._core.ack_version(
+            run_id, engine_id, version, ok, error, transfer_seconds, transfer_bytes, lane
+        )
 
     def wait_committed(self, run_id: str, version: int, timeout_s: float) -> VersionStatusInfo:
         return self._core.wait_committed(run_id, version, timeout_s)

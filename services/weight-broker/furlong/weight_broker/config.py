@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from furlong.rpc import add_tls_arguments
 from furlong.rpc.tls import TlsFiles
@@ -29,16 +29,16 @@ def _check_port(name: str, port: int) -> None:
 @dataclass(frozen=True)
 class BrokerConfig:
     host: str = "127.0.0.1"
-    port: int = 0                 # 0 picks a free port
-    metrics_port: int = 0         # Prometheus /metrics; 0 picks a free port
-    max_workers: int = 64         # each watch stream and WaitCommitted call holds one while open
-    max_ack_attempts: int = 3     # an engine is fenced after this many ok=False acks of a version
-    ack_timeout_s: float = 60.0   # an engine that has not acknowledged the current stage is fenced
-    relay_runs: tuple[str, ...] = ()   # runs this process relays (trainers publish to <run>~upstream)
-    relay_lanes: tuple[str, ...] = _LANES   # the relays' lanes, in order
+    port: int = 0  # 0 picks a free port
+    metrics_port: int = 0  # Prometheus /metrics; 0 picks a free port
+    max_workers: int = 64  # each watch stream and WaitCommitted call holds one while open
+    max_ack_attempts: int = 3  # an engine is fenced after this many ok=False acks of a version
+    ack_timeout_s: float = 60.0  # an engine that has not acknowledged the current stage is fenced
+    relay_runs: tuple[str, ...] = ()  # runs this process relays (trainers publish to <run>~upstream)
+    relay_lanes: tuple[str, ...] = _LANES  # the relays' lanes, in order
     log_level: str = "INFO"
-    auth_token_file: str = ""     # "" = gRPC unauthenticated; else the shared service token's file
-    tls: TlsFiles = TlsFiles()    # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
+    auth_token_file: str = ""  # "" = gRPC unauthenticated; else the shared service token's file
+    tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -46,9 +46,11 @@ class BrokerConfig:
         if not (math.isfinite(self.ack_timeout_s) and self.ack_timeout_s > 0):
             raise ValueError(f"ack_timeout_s {self.ack_timeout_s} is not a finite number > 0")
         if any(not run or run.endswith("~upstream") for run in self.relay_runs) or len(
-                set(self.relay_runs)) != len(self.relay_runs):
-            raise ValueError(f"relay_runs {self.relay_runs!r} must be distinct run ids not ending "
-                             f"in '~upstream'")
+            set(self.relay_runs)
+        ) != len(self.relay_runs):
+            raise ValueError(
+                f"relay_runs {self.relay_runs!r} must be distinct run ids not ending in '~upstream'"
+            )
         _check_lanes("relay_lanes", self.relay_lanes)
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
@@ -60,36 +62,51 @@ class BrokerConfig:
             raise ValueError(f"log_level {self.log_level!r} not one of {_LOG_LEVELS}")
 
     @classmethod
-    def from_args(cls, argv: Sequence[str] | None = None) -> "BrokerConfig":
-        parser = argparse.ArgumentParser(prog="python -m furlong.weight_broker",
-                                         description="Furlong weight broker (gRPC)")
+    def from_args(cls, argv: Sequence[str] | None = None) -> BrokerConfig:
+        parser = argparse.ArgumentParser(
+            prog="python -m furlong.weight_broker", description="Furlong weight broker (gRPC)"
+        )
         parser.add_argument("--host", default=cls.host)
         parser.add_argument("--port", type=int, required=True)
         parser.add_argument("--metrics-port", type=int, required=True)
         parser.add_argument("--max-workers", type=int, default=cls.max_workers)
         parser.add_argument("--max-ack-attempts", type=int, default=cls.max_ack_attempts)
         parser.add_argument("--ack-timeout-s", type=float, default=cls.ack_timeout_s)
-        parser.add_argument("--relay-run", action="append", default=[], dest="relay_runs",
-                            help="hold run RUN's latest version here (repeatable); its trainer "
-                                 "publishes to RUN~upstream")
-        parser.add_argument("--relay-lanes", default=",".join(cls.relay_lanes),
-                            help="comma-separated lanes a relay pulls over and serves on, in order "
-                                 "(default nixl,shm,grpc; without shm its bucket gets huge pages)")
+        parser.add_argument(
+            "--relay-run",
+            action="append",
+            default=[],
+            dest="relay_runs",
+            help="hold run RUN's latest version here (repeatable); its trainer publishes to RUN~upstream",
+        )
+        parser.add_argument(
+            "--relay-lanes",
+            default=",".join(cls.relay_lanes),
+            help="comma-separated lanes a relay pulls over and serves on, in order "
+            "(default nixl,shm,grpc; without shm its bucket gets huge pages)",
+        )
         parser.add_argument("--log-level", default=cls.log_level, type=str.upper)
-        parser.add_argument("--auth-token-file", default="",
-                            help="file with the shared token every gRPC call must carry")
+        parser.add_argument(
+            "--auth-token-file", default="", help="file with the shared token every gRPC call must carry"
+        )
         add_tls_arguments(parser)
         args = parser.parse_args(argv)
         try:
-            return cls(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                       max_workers=args.max_workers, max_ack_attempts=args.max_ack_attempts,
-                       ack_timeout_s=args.ack_timeout_s, relay_runs=tuple(args.relay_runs),
-                       relay_lanes=tuple(lane.strip() for lane in args.relay_lanes.split(",")),
-                       log_level=args.log_level, auth_token_file=args.auth_token_file,
-                       tls=TlsFiles(args.tls_ca_file, args.tls_cert_file, args.tls_key_file,
-                                    args.tls_server_name))
+            return cls(
+                host=args.host,
+                port=args.port,
+                metrics_port=args.metrics_port,
+                max_workers=args.max_workers,
+                max_ack_attempts=args.max_ack_attempts,
+                ack_timeout_s=args.ack_timeout_s,
+                relay_runs=tuple(args.relay_runs),
+                relay_lanes=tuple(lane.strip() for lane in args.relay_lanes.split(",")),
+                log_level=args.log_level,
+                auth_token_file=args.auth_token_file,
+                tls=TlsFiles(args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name),
+            )
         except ValueError as exc:
-            parser.error(str(exc))   # exits with status 2 and the message
+            parser.error(str(exc))  # exits with status 2 and the message
 
     @property
     def logging_level(self) -> int:
@@ -107,15 +124,15 @@ class TransferConfig:
     backends: tuple[str, ...] = ("UCX",)
     lanes: tuple[str, ...] = _LANES
     bucket_size_bytes: int = 256 << 20
-    transfer_timeout_s: float = 60.0   # one read of one round
-    round_timeout_s: float = 60.0      # publisher: engines that have not pulled a round by then are fenced
-    rpc_retry_s: float = 1.0           # pause before re-registering after the broker went away
+    transfer_timeout_s: float = 60.0  # one read of one round
+    round_timeout_s: float = 60.0  # publisher: engines that have not pulled a round by then are fenced
+    rpc_retry_s: float = 1.0  # pause before re-registering after the broker went away
     stream_chunk_bytes: int = 1 << 20  # grpc lane chunk size
-    stream_workers: int = 4            # publisher: WeightStream threads (one per engine it feeds)
-    pull_lock_wait_s: float = 5.0      # receiver: wait for the host's pull lock (0: never take it)
-    double_buffer: bool = False        # publisher: stage the next round in the other half of the
-                                       # bucket while engines pull the current one (needs spare
-                                       # cores: on 2 cores it slowed switches, see the docs)
+    stream_workers: int = 4  # publisher: WeightStream threads (one per engine it feeds)
+    pull_lock_wait_s: float = 5.0  # receiver: wait for the host's pull lock (0: never take it)
+    double_buffer: bool = False  # publisher: stage the next round in the other half of the
+    # bucket while engines pull the current one (needs spare
+    # cores: on 2 cores it slowed switches, see the docs)
 
     def __post_init__(self) -> None:
         if not self.backends or any(not b for b in self.backends):

@@ -16,13 +16,19 @@ once and reused, as are the lanes' prepared requests. Receive buffers are huge-p
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
 from furlong.core.block_checksum import range_checksum
 from furlong.core.weight_shards import (
-    PieceCopy, ShardLayout, ShardPiece, ShardTensor, digest_copies, plan_shards)
+    PieceCopy,
+    ShardLayout,
+    ShardPiece,
+    ShardTensor,
+    digest_copies,
+    plan_shards,
+)
 from furlong.core.weights import BucketRound, Manifest, WeightLayout, checksum
 from furlong.weight_broker.host_memory import host_buffer
 from furlong.weight_broker.lanes import Lane
@@ -61,20 +67,23 @@ class BufferDestination:
     def check(self, manifest: Manifest) -> None:
         why = layout_mismatch(self.layout, manifest.layout)
         if why:
-            raise ValueError(f"version {manifest.version} has a different layout than the receive "
-                             f"buffer: {why}")
+            raise ValueError(
+                f"version {manifest.version} has a different layout than the receive buffer: {why}"
+            )
 
     def round_bytes(self, rnd: BucketRound) -> int:
         return rnd.size_bytes
 
-    def pull(self, lane: Lane, rnd: BucketRound, holds_all_rounds: bool,
-             timeout_s: float) -> tuple[float, str]:
-        dst = self.buffer[rnd.offset_bytes:rnd.end_bytes]
+    def pull(
+        self, lane: Lane, rnd: BucketRound, holds_all_rounds: bool, timeout_s: float
+    ) -> tuple[float, str]:
+        dst = self.buffer[rnd.offset_bytes : rnd.end_bytes]
         src_offset = rnd.offset_bytes if holds_all_rounds else rnd.bucket_offset_bytes
         read_hashed = getattr(lane, "read_hashed", None)
         if read_hashed is not None:
-            return read_hashed(rnd.size_bytes, [(0, src_offset, dst)], timeout_s,
-                               ("round", rnd.index, holds_all_rounds))
+            return read_hashed(
+                rnd.size_bytes, [(0, src_offset, dst)], timeout_s, ("round", rnd.index, holds_all_rounds)
+            )
         return lane.read(src_offset, dst, timeout_s), ""
 
     def digest(self, rnd: BucketRound) -> str:
@@ -97,8 +106,13 @@ class PieceDestination:
     host) or, without them, views of a receive buffer laid out for the shard layout.
     shard_layout None: the published tensors as published (verified against round checksums)."""
 
-    def __init__(self, manifest: Manifest, shard_layout: ShardLayout | None,
-                 params: Mapping[str, torch.Tensor] | None, endpoint: NixlEndpoint | None) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        shard_layout: ShardLayout | None,
+        params: Mapping[str, torch.Tensor] | None,
+        endpoint: NixlEndpoint | None,
+    ) -> None:
         self._own_layout = shard_layout is not None
         layout = shard_layout or identity_layout(manifest.layout)
         self.plan = plan_shards(manifest.layout, manifest.plan, layout)
@@ -118,32 +132,44 @@ class PieceDestination:
     @staticmethod
     def _plan_key(manifest: Manifest) -> tuple:
         assert manifest.plan is not None
-        return (manifest.layout, tuple((r.offset_bytes, r.size_bytes, r.names,
-                                        r.bucket_offset_bytes) for r in manifest.plan.rounds))
+        return (
+            manifest.layout,
+            tuple(
+                (r.offset_bytes, r.size_bytes, r.names, r.bucket_offset_bytes) for r in manifest.plan.rounds
+            ),
+        )
 
     def check(self, manifest: Manifest) -> None:
         if self._plan_key(manifest) != self._key:
-            raise ValueError(f"version {manifest.version} is laid out or cut into rounds "
-                             f"differently from the first version this engine took")
+            raise ValueError(
+                f"version {manifest.version} is laid out or cut into rounds "
+                f"differently from the first version this engine took"
+            )
 
     def round_bytes(self, rnd: BucketRound) -> int:
         return self.plan.rounds[rnd.index].size_bytes
 
-    def pull(self, lane: Lane, rnd: BucketRound, holds_all_rounds: bool,
-             timeout_s: float) -> tuple[float, str]:
+    def pull(
+        self, lane: Lane, rnd: BucketRound, holds_all_rounds: bool, timeout_s: float
+    ) -> tuple[float, str]:
         copies = self.plan.rounds[rnd.index].copies
         region = _region_offset(rnd, holds_all_rounds)
         read_hashed = getattr(lane, "read_hashed", None)
         whole = not self._own_layout and all(c.num_rows == 1 for c in copies)
         if read_hashed is not None and whole:
             # whole published tensors, one contiguous piece each: hashed like the round checksum
-            pieces = [(c.src_offset_bytes - rnd.offset_bytes, c.src_offset_bytes - region,
-                       self._raw[c.dst_name][c.dst_offset_bytes:c.dst_offset_bytes + c.size_bytes])
-                      for c in sorted(copies, key=lambda c: c.src_offset_bytes)]
-            return read_hashed(rnd.size_bytes, pieces, timeout_s,
-                               ("round", rnd.index, holds_all_rounds))
-        return lane.read_copies(region, copies, self._raw, timeout_s,
-                                cache_key=("round", rnd.index, holds_all_rounds)), ""
+            pieces = [
+                (
+                    c.src_offset_bytes - rnd.offset_bytes,
+                    c.src_offset_bytes - region,
+                    self._raw[c.dst_name][c.dst_offset_bytes : c.dst_offset_bytes + c.size_bytes],
+                )
+                for c in sorted(copies, key=lambda c: c.src_offset_bytes)
+            ]
+            return read_hashed(rnd.size_bytes, pieces, timeout_s, ("round", rnd.index, holds_all_rounds))
+        return lane.read_copies(
+            region, copies, self._raw, timeout_s, cache_key=("round", rnd.index, holds_all_rounds)
+        ), ""
 
     def digest(self, rnd: BucketRound) -> str:
         copies = self.plan.rounds[rnd.index].copies
@@ -156,22 +182,29 @@ class PieceDestination:
             return rnd.checksum
         digests = manifest.destination_checksums(self.plan.layout_id)
         if digests is None:
-            raise ValueError(f"version {manifest.version} carries no checksums for this engine's "
-                             f"shard layout {self.plan.layout_id}")
+            raise ValueError(
+                f"version {manifest.version} carries no checksums for this engine's "
+                f"shard layout {self.plan.layout_id}"
+            )
         return digests[rnd.index]
 
     def tensors(self, manifest: Manifest) -> Mapping[str, torch.Tensor]:
         return self._typed
 
 
-def _round_digest(rnd: BucketRound, copies: tuple[PieceCopy, ...],
-                  raw: Mapping[str, torch.Tensor]) -> str:
+def _round_digest(rnd: BucketRound, copies: tuple[PieceCopy, ...], raw: Mapping[str, torch.Tensor]) -> str:
     """The round checksum of whole published tensors held apart: their bytes in source order with
     the zero padding of the staged round between them (see furlong.core.weights.round_checksums)."""
-    return range_checksum(rnd.size_bytes, [
-        (c.src_offset_bytes - rnd.offset_bytes,
-         raw[c.dst_name][c.dst_offset_bytes:c.dst_offset_bytes + c.size_bytes])
-        for c in sorted(copies, key=lambda c: c.src_offset_bytes)])
+    return range_checksum(
+        rnd.size_bytes,
+        [
+            (
+                c.src_offset_bytes - rnd.offset_bytes,
+                raw[c.dst_name][c.dst_offset_bytes : c.dst_offset_bytes + c.size_bytes],
+            )
+            for c in sorted(copies, key=lambda c: c.src_offset_bytes)
+        ],
+    )
 
 
 def _check_params(layout: WeightLayout, params: Mapping[str, torch.Tensor]) -> None:
@@ -180,8 +213,14 @@ def _check_params(layout: WeightLayout, params: Mapping[str, torch.Tensor]) -> N
         raise ValueError(f"the engine's parameters lack tensors {missing} it must receive")
     for slot in layout.slots:
         tensor = params[slot.name]
-        if (tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape
-                or not tensor.is_contiguous() or tensor.device.type != "cpu"):
-            raise ValueError(f"parameter {slot.name!r} ({tensor.dtype}, {tuple(tensor.shape)}, "
-                             f"contiguous={tensor.is_contiguous()}, {tensor.device}) cannot take "
-                             f"{slot.dtype} {slot.shape} in place")
+        if (
+            tensor.dtype != slot.dtype
+            or tuple(tensor.shape) != slot.shape
+            or not tensor.is_contiguous()
+            or tensor.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"parameter {slot.name!r} ({tensor.dtype}, {tuple(tensor.shape)}, "
+                f"contiguous={tensor.is_contiguous()}, {tensor.device}) cannot take "
+                f"{slot.dtype} {slot.shape} in place"
+            )

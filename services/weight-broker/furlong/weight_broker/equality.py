@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
@@ -44,19 +44,22 @@ _RUN = "weight-update-equality"
 @dataclass(frozen=True)
 class EqualityReport:
     num_parameters: int
-    mismatched: tuple[str, ...]   # engine parameters that differ from their snapshot after the sync
-    unexpected: tuple[str, ...]   # published tensors the engine has no parameter for
+    mismatched: tuple[str, ...]  # engine parameters that differ from their snapshot after the sync
+    unexpected: tuple[str, ...]  # published tensors the engine has no parameter for
 
     @property
     def ok(self) -> bool:
         return not self.mismatched and not self.unexpected
 
 
-def check_weight_update_equal(published: Mapping[str, torch.Tensor],
-                              engine_params: Mapping[str, torch.Tensor], *,
-                              config: TransferConfig = TransferConfig(),
-                              timeout_s: float = 60.0,
-                              shard_layout: ShardLayout | None = None) -> EqualityReport:
+def check_weight_update_equal(
+    published: Mapping[str, torch.Tensor],
+    engine_params: Mapping[str, torch.Tensor],
+    *,
+    config: TransferConfig = TransferConfig(),
+    timeout_s: float = 60.0,
+    shard_layout: ShardLayout | None = None,
+) -> EqualityReport:
     """Run the check. `published` is what the trainer publishes; `engine_params` are the engine's
     parameter tensors (contiguous; written in place, left equal to their snapshot when the check
     passes). The garbage is every byte XOR 0xA5, so no byte of it equals the original.
@@ -89,10 +92,18 @@ def check_weight_update_equal(published: Mapping[str, torch.Tensor],
     if shard_layout is None:
         receiver = WeightReceiver(client, _RUN, "equality-engine", apply, config=config)
     else:
-        receiver = WeightReceiver(client, _RUN, "equality-engine", lambda version, params: None,
-                                  config=config, shard_layout=shard_layout, params=engine_params)
-    publisher = WeightPublisher(client, _RUN, WeightLayout.from_state_dict(published),
-                                "equality-trainer", config=config)
+        receiver = WeightReceiver(
+            client,
+            _RUN,
+            "equality-engine",
+            lambda version, params: None,
+            config=config,
+            shard_layout=shard_layout,
+            params=engine_params,
+        )
+    publisher = WeightPublisher(
+        client, _RUN, WeightLayout.from_state_dict(published), "equality-trainer", config=config
+    )
     try:
         receiver.start()
         publisher.publish(1, published)
@@ -101,61 +112,74 @@ def check_weight_update_equal(published: Mapping[str, torch.Tensor],
         publisher.close()
         receiver.close()
         client.close()
-    mismatched = tuple(name for name, tensor in engine_params.items()
-                       if not torch.equal(tensor.detach().reshape(-1).view(torch.uint8),
-                                          snapshot[name].reshape(-1).view(torch.uint8)))
+    mismatched = tuple(
+        name
+        for name, tensor in engine_params.items()
+        if not torch.equal(
+            tensor.detach().reshape(-1).view(torch.uint8), snapshot[name].reshape(-1).view(torch.uint8)
+        )
+    )
     report = EqualityReport(len(engine_params), mismatched, tuple(sorted(unexpected)))
     if report.ok:
-        log.info("weight update equal: %d parameters bit-identical after the sync",
-                 report.num_parameters)
+        log.info("weight update equal: %d parameters bit-identical after the sync", report.num_parameters)
     else:
-        log.error("weight update NOT equal: mismatched %s, unexpected %s", list(mismatched),
-                  list(report.unexpected))
+        log.error(
+            "weight update NOT equal: mismatched %s, unexpected %s", list(mismatched), list(report.unexpected)
+        )
     return report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from furlong.core.checkpoint import load_policy, unique_state
 
-    parser = argparse.ArgumentParser(prog="python -m furlong.weight_broker.equality",
-                                     description="weight-update equality check")
+    parser = argparse.ArgumentParser(
+        prog="python -m furlong.weight_broker.equality", description="weight-update equality check"
+    )
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--lanes", default="nixl,shm,grpc")
-    parser.add_argument("--bucket-bytes", type=int, default=64 << 10,
-                        help="small by default so that the model goes in several rounds")
-    parser.add_argument("--leave-out", action="append", default=[],
-                        help="publish without this tensor (repeatable)")
-    parser.add_argument("--tp-size", type=int, default=0,
-                        help="the engine holds a tensor-parallel shard (Llama-style names)")
+    parser.add_argument(
+        "--bucket-bytes",
+        type=int,
+        default=64 << 10,
+        help="small by default so that the model goes in several rounds",
+    )
+    parser.add_argument(
+        "--leave-out", action="append", default=[], help="publish without this tensor (repeatable)"
+    )
+    parser.add_argument(
+        "--tp-size", type=int, default=0, help="the engine holds a tensor-parallel shard (Llama-style names)"
+    )
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--fuse", action="store_true", help="fused qkv_proj and gate_up_proj")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = TransferConfig(lanes=tuple(args.lanes.split(",")),
-                                bucket_size_bytes=args.bucket_bytes)
+        config = TransferConfig(lanes=tuple(args.lanes.split(",")), bucket_size_bytes=args.bucket_bytes)
     except ValueError as exc:
         parser.error(str(exc))
     trainer, _ = load_policy(args.model_dir)
     engine, _ = load_policy(args.model_dir)
-    published = {n: t.detach() for n, t in unique_state(trainer).items()
-                 if n not in args.leave_out}
+    published = {n: t.detach() for n, t in unique_state(trainer).items() if n not in args.leave_out}
     unknown = sorted(set(args.leave_out) - set(unique_state(trainer)))
     if unknown:
         parser.error(f"--leave-out names unknown tensors {unknown}")
     if args.tp_size:
         full = {n: t.detach() for n, t in unique_state(trainer).items()}
         try:
-            shards = llama_tensor_parallel(WeightLayout.from_state_dict(full), args.tp_rank,
-                                           args.tp_size, fuse=args.fuse)
+            shards = llama_tensor_parallel(
+                WeightLayout.from_state_dict(full), args.tp_rank, args.tp_size, fuse=args.fuse
+            )
         except ValueError as exc:
             parser.error(str(exc))
-        report = check_weight_update_equal(published, expected_shards(shards, full),
-                                           config=config, shard_layout=shards)
+        report = check_weight_update_equal(
+            published, expected_shards(shards, full), config=config, shard_layout=shards
+        )
     else:
         report = check_weight_update_equal(published, unique_state(engine), config=config)
-    print(f"parameters: {report.num_parameters}, mismatched: {list(report.mismatched)}, "
-          f"unexpected: {list(report.unexpected)}")
+    print(
+        f"parameters: {report.num_parameters}, mismatched: {list(report.mismatched)}, "
+        f"unexpected: {list(report.unexpected)}"
+    )
     return 0 if report.ok else 1
 
 

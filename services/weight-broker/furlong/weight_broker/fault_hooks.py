@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Mapping
+from collections.abc import Mapping
 
 from furlong.weight_broker.core import BrokerCore
 
@@ -26,8 +26,7 @@ def parse_drop_bucket(value: str) -> tuple[int, int]:
     try:
         version, index = (int(part) for part in value.split(":"))
     except ValueError:
-        raise ValueError(f"{DROP_BUCKET_ENV} must be VERSION:ROUND (two integers), got "
-                         f"{value!r}") from None
+        raise ValueError(f"{DROP_BUCKET_ENV} must be VERSION:ROUND (two integers), got {value!r}") from None
     if version < 0 or index < 0:
         raise ValueError(f"{DROP_BUCKET_ENV}: version and round must be >= 0, got {value!r}")
     return version, index
@@ -45,8 +44,13 @@ class BucketDroppingCore(BrokerCore):
         with self._drop_lock:
             if self._drop == (version, index):
                 self._drop = None
-                log.error("FAULT INJECTION (%s): dropping round %d of version %d of run %s; no "
-                          "engine will pull it", DROP_BUCKET_ENV, index, version, run_id)
+                log.error(
+                    "FAULT INJECTION (%s): dropping round %d of version %d of run %s; no engine will pull it",
+                    DROP_BUCKET_ENV,
+                    index,
+                    version,
+                    run_id,
+                )
                 return []
         return super().stage_round(run_id, version, index)
 

@@ -33,15 +33,15 @@ def host_buffer(size_bytes: int) -> torch.Tensor:
     if size_bytes < 1:
         raise ValueError(f"host buffer size_bytes {size_bytes} < 1")
     # Private: an anonymous shared mapping is shmem, which gets no transparent huge pages.
-    mapping = mmap.mmap(-1, size_bytes + HUGE_PAGE_BYTES,
-                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping = mmap.mmap(-1, size_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError) as exc:
         if not _warned:
             _warned = True
-            log.warning("transparent huge pages not available for transfer buffers (%s); using "
-                        "4 KiB pages", exc)
+            log.warning(
+                "transparent huge pages not available for transfer buffers (%s); using 4 KiB pages", exc
+            )
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE_BYTES
-    return whole[skip:skip + size_bytes]
+    return whole[skip : skip + size_bytes]

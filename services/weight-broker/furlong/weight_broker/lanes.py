@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Hashable, Mapping, Protocol, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -29,7 +30,8 @@ from furlong.core.block_checksum import RangeHasher, copy_checksum
 from furlong.core.errors import UnavailableError
 from furlong.core.weight_shards import PieceCopy, copy_rows
 from furlong.rpc import channel, error_from_rpc
-from furlong.v1 import weight_broker_pb2 as pb, weight_broker_pb2_grpc as pb_grpc
+from furlong.v1 import weight_broker_pb2 as pb
+from furlong.v1 import weight_broker_pb2_grpc as pb_grpc
 from furlong.weight_broker.core import WeightSourceInfo
 from furlong.weight_broker.nixl_transport import NixlEndpoint
 from furlong.weight_broker.shm import SharedBuffer
@@ -53,9 +55,14 @@ class Lane(Protocol):
         TimeoutError after timeout_s."""
         ...
 
-    def read_copies(self, region_offset_bytes: int, copies: Sequence[PieceCopy],
-                    dst: Mapping[str, torch.Tensor], timeout_s: float,
-                    cache_key: Hashable | None = None) -> float:
+    def read_copies(
+        self,
+        region_offset_bytes: int,
+        copies: Sequence[PieceCopy],
+        dst: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        cache_key: Hashable | None = None,
+    ) -> float:
         """Carry out piece copies from the source (whose region holds logical bytes from
         region_offset_bytes on) into the destination tensors dst (contiguous 1-D uint8 host
         tensors, by destination name); returns the seconds it took. cache_key names a set of
@@ -69,8 +76,10 @@ def _check_copies(copies: Sequence[PieceCopy], dst: Mapping[str, torch.Tensor]) 
     for copy in copies:
         tensor = dst.get(copy.dst_name)
         if tensor is None or copy.dst_offset_bytes + copy.size_bytes > tensor.numel():
-            raise ValueError(f"copy into {copy.dst_name!r} at {copy.dst_offset_bytes} "
-                             f"(+{copy.size_bytes} bytes) has no destination tensor that holds it")
+            raise ValueError(
+                f"copy into {copy.dst_name!r} at {copy.dst_offset_bytes} "
+                f"(+{copy.size_bytes} bytes) has no destination tensor that holds it"
+            )
 
 
 class NixlLane:
@@ -90,9 +99,14 @@ class NixlLane:
     def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
         return self._endpoint.read(self._source, dst, dst.numel(), timeout_s, src_offset_bytes)
 
-    def read_copies(self, region_offset_bytes: int, copies: Sequence[PieceCopy],
-                    dst: Mapping[str, torch.Tensor], timeout_s: float,
-                    cache_key: Hashable | None = None) -> float:
+    def read_copies(
+        self,
+        region_offset_bytes: int,
+        copies: Sequence[PieceCopy],
+        dst: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        cache_key: Hashable | None = None,
+    ) -> float:
         """One READ with a descriptor per contiguous run, straight into dst (which must be
         registered with the endpoint); built with numpy, no per-row Python loop, and with a
         cache_key built once per lane (dst and the pieces must then be the same on every call)."""
@@ -106,8 +120,13 @@ class NixlLane:
                 self._descs[cache_key] = descs
         return self._endpoint.read_descs(self._source, *descs, timeout_s, cache_key)
 
-    def read_hashed(self, size_bytes: int, pieces: Sequence[tuple[int, int, torch.Tensor]],
-                    timeout_s: float, cache_key: Hashable) -> tuple[float, str]:
+    def read_hashed(
+        self,
+        size_bytes: int,
+        pieces: Sequence[tuple[int, int, torch.Tensor]],
+        timeout_s: float,
+        cache_key: Hashable,
+    ) -> tuple[float, str]:
         """READ `pieces` (offset within a range of size_bytes, offset in the source's region,
         destination: a contiguous 1-D uint8 tensor registered with the endpoint) one checksum
         block at a time, hashing each block as soon as it landed while the next one is read;
@@ -116,49 +135,63 @@ class NixlLane:
         hasher = RangeHasher(size_bytes, [(offset, dst) for offset, _, dst in pieces])
         blocks = self._blocks.get(cache_key)
         if blocks is None:
-            blocks = [self._block_descs(hasher.segment_parts(k), pieces)
-                      for k in range(hasher.num_blocks)]
+            blocks = [self._block_descs(hasher.segment_parts(k), pieces) for k in range(hasher.num_blocks)]
             self._blocks[cache_key] = blocks
         digests = [b""] * hasher.num_blocks
 
         def landed(k: int) -> None:
             digests[k] = hasher.block_digest(k)
 
-        seconds = self._endpoint.read_blocks(self._source, blocks, timeout_s, landed,
-                                             ("hashed", cache_key))
+        seconds = self._endpoint.read_blocks(self._source, blocks, timeout_s, landed, ("hashed", cache_key))
         return seconds, RangeHasher.combine(digests)
 
-    def _block_descs(self, parts: Sequence[tuple[int, int, int]],
-                     pieces: Sequence[tuple[int, int, torch.Tensor]]
-                     ) -> tuple[np.ndarray, np.ndarray] | None:
+    def _block_descs(
+        self, parts: Sequence[tuple[int, int, int]], pieces: Sequence[tuple[int, int, torch.Tensor]]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         if not parts:
             return None
-        local = np.array([[pieces[i][2].data_ptr() + start, length, 0]
-                          for i, start, length in parts], dtype=np.uint64)
-        remote = np.array([[self._source.base_address + pieces[i][1] + start, length,
-                            self._source.device_id] for i, start, length in parts],
-                          dtype=np.uint64)
+        local = np.array(
+            [[pieces[i][2].data_ptr() + start, length, 0] for i, start, length in parts], dtype=np.uint64
+        )
+        remote = np.array(
+            [
+                [self._source.base_address + pieces[i][1] + start, length, self._source.device_id]
+                for i, start, length in parts
+            ],
+            dtype=np.uint64,
+        )
         return local, remote
 
-    def _build_descs(self, region_offset_bytes: int, copies: Sequence[PieceCopy],
-                     dst: Mapping[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    def _build_descs(
+        self, region_offset_bytes: int, copies: Sequence[PieceCopy], dst: Mapping[str, torch.Tensor]
+    ) -> tuple[np.ndarray, np.ndarray]:
         counts = np.array([c.num_rows for c in copies], dtype=np.int64)
         rows = np.repeat(np.arange(len(copies)), counts)
         index = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
         row_bytes = np.array([c.row_bytes for c in copies], dtype=np.uint64)[rows]
-        dst_base = np.array([dst[c.dst_name].data_ptr() + c.dst_offset_bytes for c in copies],
-                            dtype=np.uint64)[rows]
-        src_base = np.array([self._source.base_address + c.src_offset_bytes - region_offset_bytes
-                             for c in copies], dtype=np.uint64)[rows]
+        dst_base = np.array(
+            [dst[c.dst_name].data_ptr() + c.dst_offset_bytes for c in copies], dtype=np.uint64
+        )[rows]
+        src_base = np.array(
+            [self._source.base_address + c.src_offset_bytes - region_offset_bytes for c in copies],
+            dtype=np.uint64,
+        )[rows]
         stride = np.array([c.src_stride_bytes for c in copies], dtype=np.uint64)[rows]
-        local = np.stack([dst_base + index.astype(np.uint64) * row_bytes, row_bytes,
-                          np.zeros_like(row_bytes)], axis=1)
-        remote = np.stack([src_base + index.astype(np.uint64) * stride, row_bytes,
-                           np.full_like(row_bytes, self._source.device_id)], axis=1)
+        local = np.stack(
+            [dst_base + index.astype(np.uint64) * row_bytes, row_bytes, np.zeros_like(row_bytes)], axis=1
+        )
+        remote = np.stack(
+            [
+                src_base + index.astype(np.uint64) * stride,
+                row_bytes,
+                np.full_like(row_bytes, self._source.device_id),
+            ],
+            axis=1,
+        )
         return local, remote
 
     def close(self) -> None:
-        pass   # the endpoint outlives the lane; peers are reused across versions
+        pass  # the endpoint outlives the lane; peers are reused across versions
 
 
 class ShmLane:
@@ -172,23 +205,31 @@ class ShmLane:
         try:
             self._shm = SharedBuffer.open(source.shm_name, source.size_bytes)
         except (FileNotFoundError, PermissionError, ValueError) as exc:
-            raise UnavailableError(f"shared memory {source.shm_name} of {source.agent_name} is "
-                                   f"not reachable here: {exc}") from exc
+            raise UnavailableError(
+                f"shared memory {source.shm_name} of {source.agent_name} is not reachable here: {exc}"
+            ) from exc
 
     def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
         src = self._shm.tensor
         if src is None:
             raise UnavailableError(f"shared memory {self._shm.name} is closed")
         if src_offset_bytes < 0 or src_offset_bytes + dst.numel() > src.numel():
-            raise ValueError(f"read of {dst.numel()} bytes at {src_offset_bytes} exceeds the "
-                             f"{src.numel()}-byte shared buffer {self._shm.name}")
+            raise ValueError(
+                f"read of {dst.numel()} bytes at {src_offset_bytes} exceeds the "
+                f"{src.numel()}-byte shared buffer {self._shm.name}"
+            )
         started = time.perf_counter()
-        dst.copy_(src[src_offset_bytes:src_offset_bytes + dst.numel()])
+        dst.copy_(src[src_offset_bytes : src_offset_bytes + dst.numel()])
         return time.perf_counter() - started
 
-    def read_copies(self, region_offset_bytes: int, copies: Sequence[PieceCopy],
-                    dst: Mapping[str, torch.Tensor], timeout_s: float,
-                    cache_key: Hashable | None = None) -> float:
+    def read_copies(
+        self,
+        region_offset_bytes: int,
+        copies: Sequence[PieceCopy],
+        dst: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        cache_key: Hashable | None = None,
+    ) -> float:
         """One strided torch copy per piece, straight from the mapping into dst."""
         src = self._shm.tensor
         if src is None:
@@ -199,8 +240,13 @@ class ShmLane:
             copy_rows(src, region_offset_bytes, copy, dst[copy.dst_name])
         return time.perf_counter() - started
 
-    def read_hashed(self, size_bytes: int, pieces: Sequence[tuple[int, int, torch.Tensor]],
-                    timeout_s: float, cache_key: Hashable = None) -> tuple[float, str]:
+    def read_hashed(
+        self,
+        size_bytes: int,
+        pieces: Sequence[tuple[int, int, torch.Tensor]],
+        timeout_s: float,
+        cache_key: Hashable = None,
+    ) -> tuple[float, str]:
         """Copy `pieces` (offset within a range of size_bytes, offset in the bucket, destination:
         a contiguous 1-D uint8 host tensor) out of the bucket; returns the seconds it took and the
         checksum of the range as it landed (zeros between pieces), hashed while copying."""
@@ -209,11 +255,14 @@ class ShmLane:
             raise UnavailableError(f"shared memory {self._shm.name} is closed")
         for _, src_offset, dst in pieces:
             if src_offset < 0 or src_offset + dst.numel() > src.numel():
-                raise ValueError(f"read of {dst.numel()} bytes at {src_offset} exceeds the "
-                                 f"{src.numel()}-byte shared buffer {self._shm.name}")
+                raise ValueError(
+                    f"read of {dst.numel()} bytes at {src_offset} exceeds the "
+                    f"{src.numel()}-byte shared buffer {self._shm.name}"
+                )
         started = time.perf_counter()
-        digest = copy_checksum(size_bytes, [(offset, src[at:at + dst.numel()], dst)
-                                            for offset, at, dst in pieces])
+        digest = copy_checksum(
+            size_bytes, [(offset, src[at : at + dst.numel()], dst) for offset, at, dst in pieces]
+        )
         return time.perf_counter() - started, digest
 
     def close(self) -> None:
@@ -235,28 +284,37 @@ class GrpcStreamLane:
 
     def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
         started = time.perf_counter()
-        req = pb.ReadRangeRequest(offset_bytes=src_offset_bytes, size_bytes=dst.numel(),
-                                  chunk_bytes=self._chunk_bytes)
+        req = pb.ReadRangeRequest(
+            offset_bytes=src_offset_bytes, size_bytes=dst.numel(), chunk_bytes=self._chunk_bytes
+        )
         filled = 0
         try:
             for chunk in self._stub.ReadRange(req, timeout=timeout_s):
                 at = chunk.offset_bytes - src_offset_bytes
                 if at != filled or filled + len(chunk.data) > dst.numel():
-                    raise UnavailableError(f"weight stream {self._address} sent {len(chunk.data)} "
-                                           f"bytes at {chunk.offset_bytes}, expected offset "
-                                           f"{src_offset_bytes + filled}")
-                dst[at:at + len(chunk.data)].numpy()[:] = np.frombuffer(chunk.data, dtype=np.uint8)
+                    raise UnavailableError(
+                        f"weight stream {self._address} sent {len(chunk.data)} "
+                        f"bytes at {chunk.offset_bytes}, expected offset "
+                        f"{src_offset_bytes + filled}"
+                    )
+                dst[at : at + len(chunk.data)].numpy()[:] = np.frombuffer(chunk.data, dtype=np.uint8)
                 filled += len(chunk.data)
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
         if filled != dst.numel():
-            raise UnavailableError(f"weight stream {self._address} ended after {filled} of "
-                                   f"{dst.numel()} bytes")
+            raise UnavailableError(
+                f"weight stream {self._address} ended after {filled} of {dst.numel()} bytes"
+            )
         return time.perf_counter() - started
 
-    def read_copies(self, region_offset_bytes: int, copies: Sequence[PieceCopy],
-                    dst: Mapping[str, torch.Tensor], timeout_s: float,
-                    cache_key: Hashable | None = None) -> float:
+    def read_copies(
+        self,
+        region_offset_bytes: int,
+        copies: Sequence[PieceCopy],
+        dst: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        cache_key: Hashable | None = None,
+    ) -> float:
         """Streams each piece's source span (first to last byte, at most one source tensor) into
         a scratch buffer and copies the piece's rows out of it."""
         _check_copies(copies, dst)
@@ -273,8 +331,9 @@ class GrpcStreamLane:
         self._channel.close()
 
 
-def connect_lane(source: WeightSourceInfo, preference: Sequence[str], endpoint: NixlEndpoint | None,
-                 chunk_bytes: int) -> Lane:
+def connect_lane(
+    source: WeightSourceInfo, preference: Sequence[str], endpoint: NixlEndpoint | None, chunk_bytes: int
+) -> Lane:
     """The first lane in preference order that reaches source. UnavailableError naming every
     lane's reason when none does."""
     reasons = []
@@ -294,8 +353,7 @@ def connect_lane(source: WeightSourceInfo, preference: Sequence[str], endpoint: 
             reasons.append(f"{name}: {exc}")
             continue
         if reasons:
-            log.warning("source %s: using lane %s because %s", source.agent_name, name,
-                        "; ".join(reasons))
+            log.warning("source %s: using lane %s because %s", source.agent_name, name, "; ".join(reasons))
         else:
             log.info("source %s: using lane %s", source.agent_name, name)
         return lane

@@ -27,7 +27,7 @@ ENGINE_VERSION_LAG = "furlong_broker_engine_version_lag"
 LANE_NIXL = "nixl"
 LANE_SHM = "shm"
 LANE_GRPC = "grpc"
-LANE_NONE = "none"     # an acknowledgement without a transfer (failure, nothing pulled)
+LANE_NONE = "none"  # an acknowledgement without a transfer (failure, nothing pulled)
 ACK_OK = "ok"
 ACK_ERROR = "error"
 
@@ -40,41 +40,76 @@ class BrokerMetrics:
     default in the service, a private one in tests)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.transfer_bytes = Counter(TRANSFER_BYTES_TOTAL, "Bytes engines pulled, from their "
-                                      "acknowledgements", ["lane"], registry=registry)
-        self.transfer_seconds = Counter(TRANSFER_SECONDS_TOTAL, "Seconds engines spent pulling, from "
-                                        "their acknowledgements", ["lane"], registry=registry)
-        self.acks = Counter(ACKS_TOTAL, "Version acknowledgements by result", ["result"],
-                            registry=registry)
-        self.versions_committed = Counter(VERSIONS_COMMITTED_TOTAL, "Versions committed",
-                                          ["run_id"], registry=registry)
-        self.versions_failed = Counter(VERSIONS_FAILED_TOTAL, "Versions that failed", ["run_id"],
-                                       registry=registry)
-        self.committed_version = Gauge(COMMITTED_VERSION, "Latest committed policy version",
-                                       ["run_id"], registry=registry)
-        self.registered_engines = Gauge(REGISTERED_ENGINES, "Engines registered for a run",
-                                        ["run_id"], registry=registry)
-        self.engines_fenced = Counter(ENGINES_FENCED_TOTAL, "Engines fenced out of a version",
-                                      ["run_id"], registry=registry)
-        self.commit_latency = Histogram(COMMIT_LATENCY_SECONDS, "Seconds from BeginVersion to "
-                                        "commit", buckets=_COMMIT_BUCKETS_S, registry=registry)
-        self.weight_sync_seconds = Histogram(WEIGHT_SYNC_SECONDS, "Seconds one engine spent pulling "
-                                             "one version, from its acknowledgement", ["lane"],
-                                             buckets=_SYNC_BUCKETS_S, registry=registry)
-        self.transfer_gbps = Gauge(TRANSFER_GBPS, "Pull rate of the latest acknowledged transfer "
-                                   "(1e9 bytes/s)", ["lane"], registry=registry)
-        self.engine_version_lag = Gauge(ENGINE_VERSION_LAG, "Committed version minus the latest "
-                                        "version the engine acknowledged", ["run_id", "engine"],
-                                        registry=registry)
+        self.transfer_bytes = Counter(
+            TRANSFER_BYTES_TOTAL,
+            "Bytes engines pulled, from their acknowledgements",
+            ["lane"],
+            registry=registry,
+        )
+        self.transfer_seconds = Counter(
+            TRANSFER_SECONDS_TOTAL,
+            "Seconds engines spent pulling, from their acknowledgements",
+            ["lane"],
+            registry=registry,
+        )
+        self.acks = Counter(ACKS_TOTAL, "Version acknowledgements by result", ["result"], registry=registry)
+        self.versions_committed = Counter(
+            VERSIONS_COMMITTED_TOTAL, "Versions committed", ["run_id"], registry=registry
+        )
+        self.versions_failed = Counter(
+            VERSIONS_FAILED_TOTAL, "Versions that failed", ["run_id"], registry=registry
+        )
+        self.committed_version = Gauge(
+            COMMITTED_VERSION, "Latest committed policy version", ["run_id"], registry=registry
+        )
+        self.registered_engines = Gauge(
+            REGISTERED_ENGINES, "Engines registered for a run", ["run_id"], registry=registry
+        )
+        self.engines_fenced = Counter(
+            ENGINES_FENCED_TOTAL, "Engines fenced out of a version", ["run_id"], registry=registry
+        )
+        self.commit_latency = Histogram(
+            COMMIT_LATENCY_SECONDS,
+            "Seconds from BeginVersion to commit",
+            buckets=_COMMIT_BUCKETS_S,
+            registry=registry,
+        )
+        self.weight_sync_seconds = Histogram(
+            WEIGHT_SYNC_SECONDS,
+            "Seconds one engine spent pulling one version, from its acknowledgement",
+            ["lane"],
+            buckets=_SYNC_BUCKETS_S,
+            registry=registry,
+        )
+        self.transfer_gbps = Gauge(
+            TRANSFER_GBPS,
+            "Pull rate of the latest acknowledged transfer (1e9 bytes/s)",
+            ["lane"],
+            registry=registry,
+        )
+        self.engine_version_lag = Gauge(
+            ENGINE_VERSION_LAG,
+            "Committed version minus the latest version the engine acknowledged",
+            ["run_id", "engine"],
+            registry=registry,
+        )
         self._lock = threading.Lock()
         self._committed: dict[str, int] = {}
-        self._acked: dict[str, dict[str, int]] = {}   # run -> engine -> latest acknowledged version
+        self._acked: dict[str, dict[str, int]] = {}  # run -> engine -> latest acknowledged version
 
     def engines_changed(self, run_id: str, num_engines: int) -> None:
         self.registered_engines.labels(run_id=run_id).set(num_engines)
 
-    def ack_received(self, run_id: str, engine_id: str, version: int, ok: bool,
-                     transfer_seconds: float, transfer_bytes: int, lane: str = LANE_NIXL) -> None:
+    def ack_received(
+        self,
+        run_id: str,
+        engine_id: str,
+        version: int,
+        ok: bool,
+        transfer_seconds: float,
+        transfer_bytes: int,
+        lane: str = LANE_NIXL,
+    ) -> None:
         lane = lane or LANE_NONE
         self.acks.labels(result=ACK_OK if ok else ACK_ERROR).inc()
         self.transfer_bytes.labels(lane=lane).inc(transfer_bytes)
@@ -93,8 +128,7 @@ class BrokerMetrics:
         """An engine that acknowledged a version not yet committed is not behind: lag 0."""
         committed = self._committed.get(run_id, 0)
         for engine_id, acked in self._acked.get(run_id, {}).items():
-            self.engine_version_lag.labels(run_id=run_id, engine=engine_id).set(
-                max(0, committed - acked))
+            self.engine_version_lag.labels(run_id=run_id, engine=engine_id).set(max(0, committed - acked))
 
     def version_committed(self, run_id: str, version: int, commit_seconds: float) -> None:
         self.versions_committed.labels(run_id=run_id).inc()
@@ -120,8 +154,13 @@ class BrokerMetrics:
                     self.engine_version_lag.remove(run_id, engine_id)
                 except KeyError:
                     pass
-        for metric in (self.versions_committed, self.versions_failed, self.committed_version,
-                       self.registered_engines, self.engines_fenced):
+        for metric in (
+            self.versions_committed,
+            self.versions_failed,
+            self.committed_version,
+            self.registered_engines,
+            self.engines_fenced,
+        ):
             try:
                 metric.remove(run_id)
             except KeyError:

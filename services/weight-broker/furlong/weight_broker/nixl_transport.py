@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -79,11 +79,13 @@ class NixlEndpoint:
         self._agent = _new_agent(agent_name, backends)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
-            raise UnavailableError(f"NIXL agent {agent_name}: backends {missing} are not available "
-                                   f"(plugins: {self._agent.get_plugin_list()})")
+            raise UnavailableError(
+                f"NIXL agent {agent_name}: backends {missing} are not available "
+                f"(plugins: {self._agent.get_plugin_list()})"
+            )
         self._registrations: list[tuple[torch.Tensor, object]] = []
-        self._peers: dict[str, tuple[bytes, str | bytes]] = {}   # name -> (metadata, NIXL peer id)
-        self._handles: dict[Hashable, object] = {}   # reusable READ requests (read_descs cache_key)
+        self._peers: dict[str, tuple[bytes, str | bytes]] = {}  # name -> (metadata, NIXL peer id)
+        self._handles: dict[Hashable, object] = {}  # reusable READ requests (read_descs cache_key)
         self._closed = False
 
     @property
@@ -97,13 +99,21 @@ class NixlEndpoint:
         tensors = [buffers] if isinstance(buffers, torch.Tensor) else list(buffers)
         for buffer in tensors:
             if not buffer.is_contiguous() or buffer.device.type != "cpu":
-                raise ValueError(f"NIXL agent {self.agent_name}: can only register contiguous "
-                                 f"host tensors, got device {buffer.device}")
+                raise ValueError(
+                    f"NIXL agent {self.agent_name}: can only register contiguous "
+                    f"host tensors, got device {buffer.device}"
+                )
         descs = self._agent.register_memory(tensors[0] if len(tensors) == 1 else tensors)
         self._registrations.append((tensors, descs))
 
-    def read_descs(self, source: WeightSourceInfo, local: np.ndarray, remote: np.ndarray,
-                   timeout_s: float, cache_key: Hashable | None = None) -> float:
+    def read_descs(
+        self,
+        source: WeightSourceInfo,
+        local: np.ndarray,
+        remote: np.ndarray,
+        timeout_s: float,
+        cache_key: Hashable | None = None,
+    ) -> float:
         """One NIXL READ of many pieces: row i of `remote` (address, bytes, device; Nx3 uint64, in
         source's region) into row i of `local` (registered here). With a cache_key, the transfer
         request is built once and posted again on later calls with the same key and source: the
@@ -114,9 +124,14 @@ class NixlEndpoint:
         self._finish(key, handle, num_bytes, source, started + timeout_s, cache_key is not None)
         return time.perf_counter() - started
 
-    def read_blocks(self, source: WeightSourceInfo,
-                    blocks: Sequence[tuple[np.ndarray, np.ndarray] | None], timeout_s: float,
-                    on_block: Callable[[int], None], cache_key: Hashable) -> float:
+    def read_blocks(
+        self,
+        source: WeightSourceInfo,
+        blocks: Sequence[tuple[np.ndarray, np.ndarray] | None],
+        timeout_s: float,
+        on_block: Callable[[int], None],
+        cache_key: Hashable,
+    ) -> float:
         """READs of several blocks (each a (local, remote) descriptor pair as for read_descs, or
         None for nothing to read), one after the other, calling on_block(k) once block k landed
         while block k + 1 is already being read (a caller hashes each block while it is still in
@@ -124,8 +139,10 @@ class NixlEndpoint:
         on a failure, nothing is left in flight."""
         started = time.perf_counter()
         deadline = started + timeout_s
-        requests = [None if b is None else self._request(source, b[0], b[1], (cache_key, k))
-                    for k, b in enumerate(blocks)]
+        requests = [
+            None if b is None else self._request(source, b[0], b[1], (cache_key, k))
+            for k, b in enumerate(blocks)
+        ]
         posted: set[int] = set()
 
         def post(k: int) -> None:
@@ -145,7 +162,7 @@ class NixlEndpoint:
                     post(k + 1)
                 on_block(k)
         except BaseException:
-            for k in posted:   # let a READ in flight end before its memory is reused
+            for k in posted:  # let a READ in flight end before its memory is reused
                 try:
                     self._finish(*requests[k], source, deadline, True)
                 except Exception:  # noqa: BLE001 - the first error is the one to report
@@ -153,19 +170,23 @@ class NixlEndpoint:
             raise
         return time.perf_counter() - started
 
-    def _request(self, source: WeightSourceInfo, local: np.ndarray, remote: np.ndarray,
-                 cache_key: Hashable | None) -> tuple[tuple, object, int]:
+    def _request(
+        self, source: WeightSourceInfo, local: np.ndarray, remote: np.ndarray, cache_key: Hashable | None
+    ) -> tuple[tuple, object, int]:
         """(cache key, transfer request, bytes) for a READ, built now or taken from the cache."""
         if local.shape != remote.shape or local.ndim != 2 or local.shape[1] != 3 or not len(local):
-            raise ValueError(f"descriptor lists of shapes {local.shape} and {remote.shape} are "
-                             f"not two equal non-empty Nx3 arrays")
+            raise ValueError(
+                f"descriptor lists of shapes {local.shape} and {remote.shape} are "
+                f"not two equal non-empty Nx3 arrays"
+            )
         if not np.array_equal(local[:, 1], remote[:, 1]):
             raise ValueError("local and remote descriptors differ in length")
         start = remote[:, 0].min()
         end = (remote[:, 0] + remote[:, 1]).max()
         if start < source.base_address or end > source.base_address + source.size_bytes:
-            raise ValueError(f"READ of [{start:#x}, {end:#x}) exceeds the source region of "
-                             f"{source.agent_name}")
+            raise ValueError(
+                f"READ of [{start:#x}, {end:#x}) exceeds the source region of {source.agent_name}"
+            )
         peer = self._peer(source)
         key = (source.agent_name, source.agent_metadata, cache_key)
         handle = self._handles.get(key) if cache_key is not None else None
@@ -173,12 +194,17 @@ class NixlEndpoint:
         if handle is None:
             try:
                 handle = self._agent.initialize_xfer(
-                    "READ", self._agent.get_xfer_descs(local, "DRAM"),
-                    self._agent.get_xfer_descs(remote, source.memory_kind), peer)
+                    "READ",
+                    self._agent.get_xfer_descs(local, "DRAM"),
+                    self._agent.get_xfer_descs(remote, source.memory_kind),
+                    peer,
+                )
             except Exception as exc:  # noqa: BLE001 - NIXL raises its own binding error types
-                raise UnavailableError(f"NIXL agent {self.agent_name}: cannot set up a READ of "
-                                       f"{num_bytes} bytes in {len(local)} pieces from "
-                                       f"{source.agent_name}: {exc!r}") from exc
+                raise UnavailableError(
+                    f"NIXL agent {self.agent_name}: cannot set up a READ of "
+                    f"{num_bytes} bytes in {len(local)} pieces from "
+                    f"{source.agent_name}: {exc!r}"
+                ) from exc
             if cache_key is not None:
                 self._handles[key] = handle
         return key, handle, num_bytes
@@ -191,16 +217,18 @@ class NixlEndpoint:
             raise
         if state not in ("PROC", "DONE"):
             self._drop_handle(key, handle)
-            raise UnavailableError(f"NIXL READ of {num_bytes} bytes from {source.agent_name} could "
-                                   f"not start (state {state})")
+            raise UnavailableError(
+                f"NIXL READ of {num_bytes} bytes from {source.agent_name} could not start (state {state})"
+            )
 
-    def _finish(self, key, handle, num_bytes: int, source: WeightSourceInfo, deadline: float,
-                keep: bool) -> None:
+    def _finish(
+        self, key, handle, num_bytes: int, source: WeightSourceInfo, deadline: float, keep: bool
+    ) -> None:
         """Wait for a posted request; a failed one, or one not kept, is released."""
         try:
             self._wait(handle, source, num_bytes, deadline)
         except BaseException:
-            self._drop_handle(key, handle)   # a failed request is not posted again
+            self._drop_handle(key, handle)  # a failed request is not posted again
             raise
         if not keep:
             self._drop_handle(key, handle)
@@ -213,48 +241,64 @@ class NixlEndpoint:
         except Exception:  # noqa: BLE001 - a transfer NIXL could not cancel; nothing else to do
             log.exception("NIXL agent %s: could not release a transfer handle", self.agent_name)
 
-    def read(self, source: WeightSourceInfo, dst: torch.Tensor, num_bytes: int,
-             timeout_s: float, src_offset_bytes: int = 0) -> float:
+    def read(
+        self,
+        source: WeightSourceInfo,
+        dst: torch.Tensor,
+        num_bytes: int,
+        timeout_s: float,
+        src_offset_bytes: int = 0,
+    ) -> float:
         """Copy num_bytes from source's region at src_offset_bytes into the start of dst (a view
         into a buffer registered here) with a NIXL READ. Returns the seconds the transfer took;
         UnavailableError if NIXL refuses or fails it, TimeoutError after timeout_s."""
-        if (src_offset_bytes < 0 or src_offset_bytes + num_bytes > source.size_bytes
-                or num_bytes > dst.numel() * dst.element_size()):
-            raise ValueError(f"read of {num_bytes} bytes at offset {src_offset_bytes} exceeds the "
-                             f"source region ({source.size_bytes} bytes) or the destination buffer")
+        if (
+            src_offset_bytes < 0
+            or src_offset_bytes + num_bytes > source.size_bytes
+            or num_bytes > dst.numel() * dst.element_size()
+        ):
+            raise ValueError(
+                f"read of {num_bytes} bytes at offset {src_offset_bytes} exceeds the "
+                f"source region ({source.size_bytes} bytes) or the destination buffer"
+            )
         local = np.array([[dst.data_ptr(), num_bytes, 0]], dtype=np.uint64)
-        remote = np.array([[source.base_address + src_offset_bytes, num_bytes, source.device_id]],
-                          dtype=np.uint64)
-        return self.read_descs(source, local, remote, timeout_s,
-                               cache_key=("range", dst.data_ptr(), src_offset_bytes, num_bytes))
+        remote = np.array(
+            [[source.base_address + src_offset_bytes, num_bytes, source.device_id]], dtype=np.uint64
+        )
+        return self.read_descs(
+            source, local, remote, timeout_s, cache_key=("range", dst.data_ptr(), src_offset_bytes, num_bytes)
+        )
 
     def _wait(self, handle, source: WeightSourceInfo, num_bytes: int, deadline: float) -> None:
         state = self._agent.check_xfer_state(handle)
         pause_s = _POLL_MIN_S
         while state == "PROC":
             if time.perf_counter() > deadline:
-                raise TimeoutError(f"NIXL READ of {num_bytes} bytes from {source.agent_name} did not "
-                                   f"finish in time")
-            time.sleep(pause_s)   # back off: small transfers finish in microseconds, big ones in ms
+                raise TimeoutError(
+                    f"NIXL READ of {num_bytes} bytes from {source.agent_name} did not finish in time"
+                )
+            time.sleep(pause_s)  # back off: small transfers finish in microseconds, big ones in ms
             pause_s = min(pause_s * 2, _POLL_MAX_S)
             state = self._agent.check_xfer_state(handle)
         if state != "DONE":
-            raise UnavailableError(f"NIXL READ of {num_bytes} bytes from {source.agent_name} ended "
-                                   f"in state {state}")
+            raise UnavailableError(
+                f"NIXL READ of {num_bytes} bytes from {source.agent_name} ended in state {state}"
+            )
 
     def _peer(self, source: WeightSourceInfo) -> str | bytes:
         known = self._peers.get(source.agent_name)
         if known is not None and known[0] == source.agent_metadata:
             return known[1]
-        if known is not None:   # the peer restarted under the same name
+        if known is not None:  # the peer restarted under the same name
             for key in [k for k in self._handles if k[0] == source.agent_name]:
                 self._drop_handle(key, self._handles[key])
             self._agent.remove_remote_agent(known[1])
         try:
             peer = self._agent.add_remote_agent(source.agent_metadata)
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own binding error types
-            raise UnavailableError(f"NIXL agent {self.agent_name}: cannot load metadata of "
-                                   f"{source.agent_name}: {exc!r}") from exc
+            raise UnavailableError(
+                f"NIXL agent {self.agent_name}: cannot load metadata of {source.agent_name}: {exc!r}"
+            ) from exc
         self._peers[source.agent_name] = (source.agent_metadata, peer)
         return peer
 
@@ -271,7 +315,7 @@ class NixlEndpoint:
             except Exception:  # noqa: BLE001 - best effort while shutting down
                 log.warning("NIXL agent %s: could not remove peer %r", self.agent_name, peer)
         self._peers.clear()
-        for buffer, descs in self._registrations:
+        for _buffer, descs in self._registrations:
             self._agent.deregister_memory(descs)
         self._registrations.clear()
         del self._agent

@@ -12,15 +12,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
 from furlong.core.errors import ConflictError, NotFoundError
 from furlong.core.weight_shards import ShardPlan, plan_shards, shard_checksums
 from furlong.core.weights import (
-    Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums, stage_round)
+    Manifest,
+    WeightLayout,
+    combine_checksums,
+    plan_buckets,
+    round_checksums,
+    stage_round,
+)
 from furlong.weight_broker.bucket import StagingBucket
 from furlong.weight_broker.client import BrokerClient
 from furlong.weight_broker.config import TransferConfig
@@ -33,9 +39,9 @@ log = logging.getLogger(__name__)
 class PublishResult:
     version: int
     num_bytes: int
-    stage_seconds: float          # hashing, packing and handing every round to the engines
+    stage_seconds: float  # hashing, packing and handing every round to the engines
     num_rounds: int = 1
-    fenced_engine_ids: tuple[str, ...] = ()   # engines fenced out while rounds were pulled
+    fenced_engine_ids: tuple[str, ...] = ()  # engines fenced out while rounds were pulled
 
 
 class WeightPublisher:
@@ -46,8 +52,15 @@ class WeightPublisher:
     fenced), and a new version begins only after the previous one committed or failed, so an engine
     never reads half-overwritten bytes the broker still expects it to take."""
 
-    def __init__(self, broker: BrokerClient, run_id: str, layout: WeightLayout, agent_name: str,
-                 *, config: TransferConfig = TransferConfig()) -> None:
+    def __init__(
+        self,
+        broker: BrokerClient,
+        run_id: str,
+        layout: WeightLayout,
+        agent_name: str,
+        *,
+        config: TransferConfig = TransferConfig(),
+    ) -> None:
         if not run_id:
             raise ValueError("empty run_id")
         self._broker = broker
@@ -55,15 +68,26 @@ class WeightPublisher:
         self._layout = layout
         self._config = config
         self._plan = plan_buckets(layout, config.bucket_size_bytes, config.double_buffer)
-        self._bucket = StagingBucket(agent_name, self._plan.bucket_size_bytes, config.lanes,
-                                     backends=config.backends, stream_workers=config.stream_workers)
+        self._bucket = StagingBucket(
+            agent_name,
+            self._plan.bucket_size_bytes,
+            config.lanes,
+            backends=config.backends,
+            stream_workers=config.stream_workers,
+        )
         self._lock = threading.Lock()
-        self._shard_plans: dict[str, ShardPlan] = {}   # by layout id; the source plan never changes
+        self._shard_plans: dict[str, ShardPlan] = {}  # by layout id; the source plan never changes
         self._last_version: int | None = None
         self._closed = False
-        log.info("run %s: publisher %s staged %d tensors (%d bytes) through a %d-byte bucket in %d "
-                 "rounds", run_id, agent_name, len(layout.slots), layout.total_bytes,
-                 self._plan.bucket_size_bytes, len(self._plan.rounds))
+        log.info(
+            "run %s: publisher %s staged %d tensors (%d bytes) through a %d-byte bucket in %d rounds",
+            run_id,
+            agent_name,
+            len(layout.slots),
+            layout.total_bytes,
+            self._plan.bucket_size_bytes,
+            len(self._plan.rounds),
+        )
 
     @property
     def layout(self) -> WeightLayout:
@@ -83,8 +107,9 @@ class WeightPublisher:
         with self._lock:
             return self._last_version
 
-    def publish(self, version: int, state_dict: Mapping[str, torch.Tensor],
-                commit_timeout_s: float = 120.0) -> PublishResult:
+    def publish(
+        self, version: int, state_dict: Mapping[str, torch.Tensor], commit_timeout_s: float = 120.0
+    ) -> PublishResult:
         """Stage `version` round by round and return once its last round is staged, without waiting
         for its commit (engines may still be pulling the last round).
 
@@ -97,35 +122,52 @@ class WeightPublisher:
         self._layout.check(state_dict)
         with self._lock:
             if self._closed:
-                raise ConflictError(f"run {self._run_id}: publisher {self.source.agent_name} is "
-                                    f"closed")
+                raise ConflictError(f"run {self._run_id}: publisher {self.source.agent_name} is closed")
             previous = self._last_version
             if previous is not None and version <= previous:
-                raise ConflictError(f"run {self._run_id}: version {version} is not newer than the "
-                                    f"last published version {previous}")
+                raise ConflictError(
+                    f"run {self._run_id}: version {version} is not newer than the "
+                    f"last published version {previous}"
+                )
             if previous is not None:
                 self._wait_previous(previous, commit_timeout_s)
             started = time.perf_counter()
             # Engines wait for the manifest meanwhile: rounds are hashed on every core.
             digests = round_checksums(self._layout, self._plan, state_dict)
-            manifest = Manifest(version, self._layout, combine_checksums(digests),
-                                self._plan.with_checksums(digests),
-                                destinations=self._destination_checksums(state_dict))
+            manifest = Manifest(
+                version,
+                self._layout,
+                combine_checksums(digests),
+                self._plan.with_checksums(digests),
+                destinations=self._destination_checksums(state_dict),
+            )
             engines = self._broker.begin_version(self._run_id, manifest, self.source)
             fenced = self._stage_rounds(manifest, state_dict)
             # Only a fully staged version counts: after a broker restart mid-publish (an
             # UnavailableError above), the same version can be published again.
             self._last_version = version
             stage_seconds = time.perf_counter() - started
-        log.info("run %s: version %d staged in %.3f s (%d bytes, %d rounds), engines: %s, fenced: "
-                 "%s", self._run_id, version, stage_seconds, self._layout.total_bytes,
-                 len(manifest.rounds), engines, fenced)
-        return PublishResult(version=version, num_bytes=self._layout.total_bytes,
-                             stage_seconds=stage_seconds, num_rounds=len(manifest.rounds),
-                             fenced_engine_ids=tuple(fenced))
+        log.info(
+            "run %s: version %d staged in %.3f s (%d bytes, %d rounds), engines: %s, fenced: %s",
+            self._run_id,
+            version,
+            stage_seconds,
+            self._layout.total_bytes,
+            len(manifest.rounds),
+            engines,
+            fenced,
+        )
+        return PublishResult(
+            version=version,
+            num_bytes=self._layout.total_bytes,
+            stage_seconds=stage_seconds,
+            num_rounds=len(manifest.rounds),
+            fenced_engine_ids=tuple(fenced),
+        )
 
-    def _destination_checksums(self, state_dict: Mapping[str, torch.Tensor]
-                               ) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    def _destination_checksums(
+        self, state_dict: Mapping[str, torch.Tensor]
+    ) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """Round digests for every shard layout registered for the run, hashed from the state
         dict. A layout that does not fit the published tensors is logged and left out: its engines
         take no version until they register a layout that fits."""
@@ -140,8 +182,12 @@ class WeightPublisher:
                 try:
                     plan = plan_shards(self._layout, self._plan, layout)
                 except ValueError as exc:
-                    log.error("run %s: shard layout %s does not fit the published tensors: %s",
-                              self._run_id, layout.layout_id, exc)
+                    log.error(
+                        "run %s: shard layout %s does not fit the published tensors: %s",
+                        self._run_id,
+                        layout.layout_id,
+                        exc,
+                    )
                     continue
                 self._shard_plans[layout.layout_id] = plan
             out.append((layout.layout_id, shard_checksums(self._layout, plan, state_dict)))
@@ -160,21 +206,26 @@ class WeightPublisher:
         for rnd in rounds:
             try:
                 if rnd.index > 0:
-                    fenced = self._broker.wait_round(self._run_id, manifest.version, rnd.index - 1,
-                                                     self._config.round_timeout_s)
+                    fenced = self._broker.wait_round(
+                        self._run_id, manifest.version, rnd.index - 1, self._config.round_timeout_s
+                    )
                 if staged_ahead != rnd.index:
                     stage_round(self._layout, rnd, state_dict, bucket)
                 self._broker.stage_round(self._run_id, manifest.version, rnd.index)
                 following = rounds[rnd.index + 1] if rnd.index + 1 < len(rounds) else None
-                if following is not None and \
-                        following.bucket_offset_bytes != rnd.bucket_offset_bytes:
+                if following is not None and following.bucket_offset_bytes != rnd.bucket_offset_bytes:
                     stage_round(self._layout, following, state_dict, bucket)
                     staged_ahead = following.index
             except ConflictError as exc:
                 # The version failed (every engine fenced): nobody reads further rounds. The
                 # failure is the broker's to report (wait_committed); the trainer carries on.
-                log.error("run %s: version %d failed while staging round %d: %s", self._run_id,
-                          manifest.version, rnd.index, exc)
+                log.error(
+                    "run %s: version %d failed while staging round %d: %s",
+                    self._run_id,
+                    manifest.version,
+                    rnd.index,
+                    exc,
+                )
                 break
         return fenced
 
@@ -182,17 +233,20 @@ class WeightPublisher:
         try:
             if self._broker.get_version(self._run_id).latest_version < previous:
                 # The broker restarted and forgot it: nobody is reading it any more.
-                log.warning("run %s: the broker does not know version %d; not waiting for it",
-                            self._run_id, previous)
+                log.warning(
+                    "run %s: the broker does not know version %d; not waiting for it", self._run_id, previous
+                )
                 return
             self._broker.wait_committed(self._run_id, previous, timeout_s)
         except NotFoundError:
-            log.warning("run %s: the broker does not know the run; not waiting for version %d",
-                        self._run_id, previous)
+            log.warning(
+                "run %s: the broker does not know the run; not waiting for version %d", self._run_id, previous
+            )
         except ConflictError as exc:
             # A failed version is over: nobody will read its bytes again, so they may be replaced.
-            log.warning("run %s: previous version %d failed (%s); staging the next one",
-                        self._run_id, previous, exc)
+            log.warning(
+                "run %s: previous version %d failed (%s); staging the next one", self._run_id, previous, exc
+            )
 
     def close(self) -> None:
         """Stop serving and free the bucket; idempotent. Engines still reading fail their transfer
@@ -203,7 +257,7 @@ class WeightPublisher:
             self._closed = True
             self._bucket.close()
 
-    def __enter__(self) -> "WeightPublisher":
+    def __enter__(self) -> WeightPublisher:
         return self
 
     def __exit__(self, *exc_info) -> None:

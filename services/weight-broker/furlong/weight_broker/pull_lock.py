@@ -25,18 +25,19 @@ import logging
 import os
 import tempfile
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
 _POLL_MIN_S = 200e-6
 _POLL_MAX_S = 2e-3
-BYPASS_S = 60.0   # after a missed deadline, pull without waiting for the lock for this long
+BYPASS_S = 60.0  # after a missed deadline, pull without waiting for the lock for this long
 
 
 def lock_directory() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
-        else tempfile.gettempdir()
+    return (
+        "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    )
 
 
 LOCK_FILE = "furlong-pull.lock"
@@ -69,7 +70,7 @@ class PullLock:
     def _acquire(self, deadline: float) -> bool:
         if self._fd is None:
             return False
-        bypassing = time.monotonic() < self._bypass_until   # one try, no wait
+        bypassing = time.monotonic() < self._bypass_until  # one try, no wait
         pause = _POLL_MIN_S
         while True:
             try:
@@ -82,9 +83,12 @@ class PullLock:
             if bypassing:
                 return False
             if time.monotonic() >= deadline:
-                log.warning("pull lock %s still held by another engine after the wait allowed; "
-                            "pulling without it (and without waiting for it for %.0f s)",
-                            self.path, BYPASS_S)
+                log.warning(
+                    "pull lock %s still held by another engine after the wait allowed; "
+                    "pulling without it (and without waiting for it for %.0f s)",
+                    self.path,
+                    BYPASS_S,
+                )
                 self._bypass_until = time.monotonic() + BYPASS_S
                 return False
             time.sleep(pause)

@@ -23,8 +23,8 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import torch
 
@@ -45,7 +45,7 @@ ApplyFn = Callable[[int, Mapping[str, torch.Tensor]], None]
 PrepareFn = Callable[[int], None]
 Destination = BufferDestination | PieceDestination
 ConnectFn = Callable[[WeightSourceInfo], Lane]
-_PULLS_PER_ROUND = 2   # a checksum mismatch is re-pulled once before the round is refused
+_PULLS_PER_ROUND = 2  # a checksum mismatch is re-pulled once before the round is refused
 
 
 @dataclass
@@ -74,11 +74,20 @@ class WeightReceiver:
     watches again every `config.rpc_retry_s`; it stops for good when the run has ended.
     `connect` picks the lane for a source (default: `connect_lane` over config.lanes)."""
 
-    def __init__(self, broker: BrokerClient, run_id: str, engine_id: str, apply: ApplyFn,
-                 agent_name: str | None = None, *, config: TransferConfig = TransferConfig(),
-                 connect: ConnectFn | None = None, shard_layout: ShardLayout | None = None,
-                 params: Mapping[str, torch.Tensor] | None = None,
-                 prepare: PrepareFn | None = None) -> None:
+    def __init__(
+        self,
+        broker: BrokerClient,
+        run_id: str,
+        engine_id: str,
+        apply: ApplyFn,
+        agent_name: str | None = None,
+        *,
+        config: TransferConfig = TransferConfig(),
+        connect: ConnectFn | None = None,
+        shard_layout: ShardLayout | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+        prepare: PrepareFn | None = None,
+    ) -> None:
         if not run_id or not engine_id:
             raise ValueError(f"run_id {run_id!r} and engine_id {engine_id!r} must not be empty")
         if prepare is not None and params is None:
@@ -93,10 +102,12 @@ class WeightReceiver:
         self._config = config
         self._endpoint: NixlEndpoint | None = None
         if LANE_NIXL in config.lanes:
-            self._endpoint = NixlEndpoint(agent_name or f"{engine_id}-{uuid.uuid4().hex[:12]}",
-                                          config.backends)
-        self._connect = connect or (lambda source: connect_lane(
-            source, config.lanes, self._endpoint, config.stream_chunk_bytes))
+            self._endpoint = NixlEndpoint(
+                agent_name or f"{engine_id}-{uuid.uuid4().hex[:12]}", config.backends
+            )
+        self._connect = connect or (
+            lambda source: connect_lane(source, config.lanes, self._endpoint, config.stream_chunk_bytes)
+        )
         self._lanes: dict[WeightSourceInfo, Lane] = {}
         self._pull_lock = PullLock() if config.pull_lock_wait_s > 0 else None
         self._destination: Destination | None = None
@@ -123,8 +134,9 @@ class WeightReceiver:
         if self._thread is not None:
             raise ConflictError(f"receiver of engine {self._engine_id} already started")
         self._broker.register_engine(self._run_id, self._engine_id, self._shard_layout)
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"weight-receiver-{self._engine_id}")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name=f"weight-receiver-{self._engine_id}"
+        )
         self._thread.start()
 
     def _run(self) -> None:
@@ -132,20 +144,27 @@ class WeightReceiver:
         while not self._stop.is_set():
             try:
                 if not registered:
-                    self._broker.register_engine(self._run_id, self._engine_id,
-                                                 self._shard_layout)
+                    self._broker.register_engine(self._run_id, self._engine_id, self._shard_layout)
                     registered = True
                 self._watch_once()
                 if self._stop.is_set():
                     return
-                log.warning("run %s: engine %s: version stream ended; registering again",
-                            self._run_id, self._engine_id)
+                log.warning(
+                    "run %s: engine %s: version stream ended; registering again",
+                    self._run_id,
+                    self._engine_id,
+                )
             except ConflictError as exc:
                 log.info("run %s: engine %s stops receiving: %s", self._run_id, self._engine_id, exc)
                 return
             except Exception as exc:  # noqa: BLE001 - keep the engine alive across broker outages
-                log.warning("run %s: engine %s: %s; retrying in %.1f s", self._run_id,
-                            self._engine_id, exc, self._config.rpc_retry_s)
+                log.warning(
+                    "run %s: engine %s: %s; retrying in %.1f s",
+                    self._run_id,
+                    self._engine_id,
+                    exc,
+                    self._config.rpc_retry_s,
+                )
             registered = False
             self._stop.wait(self._config.rpc_retry_s)
 
@@ -169,8 +188,13 @@ class WeightReceiver:
         if event.kind is EventKind.COMMITTED:
             log.debug("run %s: version %d committed", self._run_id, event.version)
         elif event.kind is EventKind.FENCED:
-            log.error("run %s: engine %s fenced out of version %d: %s", self._run_id,
-                      self._engine_id, event.version, event.reason)
+            log.error(
+                "run %s: engine %s fenced out of version %d: %s",
+                self._run_id,
+                self._engine_id,
+                event.version,
+                event.reason,
+            )
             self._incoming = None
         elif event.kind is EventKind.PUBLISHED:
             self._begin(event)
@@ -182,15 +206,14 @@ class WeightReceiver:
         assert manifest is not None and source is not None
         self._incoming = None
         with self._lock:
-            already = (manifest.version == self._version
-                       and manifest.checksum == self._applied_checksum)
-        if already:   # re-sent after our acknowledgement was lost
+            already = manifest.version == self._version and manifest.checksum == self._applied_checksum
+        if already:  # re-sent after our acknowledgement was lost
             self._ack_version(manifest.version, True, "", 0.0, 0, "")
             return
         try:
             destination = self._destination_for(manifest)
             for rnd in manifest.rounds:
-                destination.expected(manifest, rnd)   # fails now if the version cannot be verified
+                destination.expected(manifest, rnd)  # fails now if the version cannot be verified
             incoming = _Incoming(manifest, source, self._lane_for(source))
             if self._prepare is not None:
                 self._prepare(manifest.version)
@@ -201,22 +224,33 @@ class WeightReceiver:
     def _pull_round(self, version: int, index: int) -> None:
         incoming = self._incoming
         if incoming is None or incoming.manifest.version != version:
-            log.warning("run %s: engine %s: round %d of version %d is not for the version being "
-                        "received; ignored", self._run_id, self._engine_id, index, version)
+            log.warning(
+                "run %s: engine %s: round %d of version %d is not for the version being received; ignored",
+                self._run_id,
+                self._engine_id,
+                index,
+                version,
+            )
             return
         rnd = incoming.manifest.rounds[index]
         try:
             seconds = self._pull_verified(incoming, rnd)
         except Exception as exc:  # noqa: BLE001 - every failure is reported to the broker
-            log.warning("run %s: engine %s: round %d of version %d: %s", self._run_id,
-                        self._engine_id, index, version, exc)
-            self._ack_round(version, index, False, f"{type(exc).__name__}: {exc}", 0.0, 0,
-                            incoming.lane.name)
+            log.warning(
+                "run %s: engine %s: round %d of version %d: %s",
+                self._run_id,
+                self._engine_id,
+                index,
+                version,
+                exc,
+            )
+            self._ack_round(version, index, False, f"{type(exc).__name__}: {exc}", 0.0, 0, incoming.lane.name)
             return
         incoming.verified.add(index)
         assert self._destination is not None
-        self._ack_round(version, index, True, "", seconds, self._destination.round_bytes(rnd),
-                        incoming.lane.name)
+        self._ack_round(
+            version, index, True, "", seconds, self._destination.round_bytes(rnd), incoming.lane.name
+        )
         if len(incoming.verified) == len(incoming.manifest.rounds):
             self._finish(incoming)
 
@@ -229,28 +263,41 @@ class WeightReceiver:
         for pull in range(1, _PULLS_PER_ROUND + 1):
             with self._pull_turn(incoming):
                 # digest: of what landed, when the lane hashes while it copies ("" otherwise)
-                took, digest = destination.pull(incoming.lane, rnd,
-                                                incoming.source.holds_all_rounds,
-                                                self._config.transfer_timeout_s)
+                took, digest = destination.pull(
+                    incoming.lane, rnd, incoming.source.holds_all_rounds, self._config.transfer_timeout_s
+                )
             seconds += took
             incoming.seconds += took
             incoming.num_bytes += destination.round_bytes(rnd)
             digest = digest or destination.digest(rnd)
             if digest == expected:
                 return seconds
-            log.warning("run %s: engine %s: version %d round %d checksum mismatch on pull %d over "
-                        "%s (expected %s, got %s)", self._run_id, self._engine_id,
-                        incoming.manifest.version, rnd.index, pull, incoming.lane.name,
-                        expected, digest)
-        raise IntegrityError(f"checksum mismatch for version {incoming.manifest.version} round "
-                             f"{rnd.index} read from {incoming.source.agent_name} over "
-                             f"{incoming.lane.name}: expected {expected}, got {digest} after "
-                             f"{_PULLS_PER_ROUND} pulls")
+            log.warning(
+                "run %s: engine %s: version %d round %d checksum mismatch on pull %d over "
+                "%s (expected %s, got %s)",
+                self._run_id,
+                self._engine_id,
+                incoming.manifest.version,
+                rnd.index,
+                pull,
+                incoming.lane.name,
+                expected,
+                digest,
+            )
+        raise IntegrityError(
+            f"checksum mismatch for version {incoming.manifest.version} round "
+            f"{rnd.index} read from {incoming.source.agent_name} over "
+            f"{incoming.lane.name}: expected {expected}, got {digest} after "
+            f"{_PULLS_PER_ROUND} pulls"
+        )
 
     def _pull_turn(self, incoming: _Incoming):
         """The host's pull lock for copies out of host memory on this host (see pull_lock)."""
-        if (self._pull_lock is None or incoming.lane.name not in (LANE_NIXL, LANE_SHM)
-                or incoming.source.memory_kind != "DRAM"):
+        if (
+            self._pull_lock is None
+            or incoming.lane.name not in (LANE_NIXL, LANE_SHM)
+            or incoming.source.memory_kind != "DRAM"
+        ):
             return contextlib.nullcontext()
         return self._pull_lock.held(time.monotonic() + self._config.pull_lock_wait_s)
 
@@ -266,40 +313,63 @@ class WeightReceiver:
         with self._lock:
             self._version = manifest.version
             self._applied_checksum = manifest.checksum
-        log.info("run %s: engine %s applied version %d (%d bytes over %s in %.4f s)", self._run_id,
-                 self._engine_id, manifest.version, incoming.num_bytes, incoming.lane.name,
-                 incoming.seconds)
-        self._ack_version(manifest.version, True, "", incoming.seconds, incoming.num_bytes,
-                          incoming.lane.name)
+        log.info(
+            "run %s: engine %s applied version %d (%d bytes over %s in %.4f s)",
+            self._run_id,
+            self._engine_id,
+            manifest.version,
+            incoming.num_bytes,
+            incoming.lane.name,
+            incoming.seconds,
+        )
+        self._ack_version(
+            manifest.version, True, "", incoming.seconds, incoming.num_bytes, incoming.lane.name
+        )
 
     def _refuse(self, version: int, exc: Exception) -> None:
-        log.warning("run %s: engine %s could not take version %d: %s", self._run_id,
-                    self._engine_id, version, exc)
+        log.warning(
+            "run %s: engine %s could not take version %d: %s", self._run_id, self._engine_id, version, exc
+        )
         self._ack_version(version, False, f"{type(exc).__name__}: {exc}", 0.0, 0, "")
 
-    def _ack_version(self, version: int, ok: bool, error: str, seconds: float, num_bytes: int,
-                     lane: str) -> None:
+    def _ack_version(
+        self, version: int, ok: bool, error: str, seconds: float, num_bytes: int, lane: str
+    ) -> None:
         try:
-            self._broker.ack_version(self._run_id, self._engine_id, version, ok, error, seconds,
-                                     num_bytes, lane)
+            self._broker.ack_version(
+                self._run_id, self._engine_id, version, ok, error, seconds, num_bytes, lane
+            )
         except (ConflictError, NotFoundError) as exc:
             # The broker moved on (version failed, engine dropped): a later event sets things right.
-            log.warning("run %s: engine %s: acknowledgement of version %d refused: %s",
-                        self._run_id, self._engine_id, version, exc)
+            log.warning(
+                "run %s: engine %s: acknowledgement of version %d refused: %s",
+                self._run_id,
+                self._engine_id,
+                version,
+                exc,
+            )
 
-    def _ack_round(self, version: int, index: int, ok: bool, error: str, seconds: float,
-                   num_bytes: int, lane: str) -> None:
+    def _ack_round(
+        self, version: int, index: int, ok: bool, error: str, seconds: float, num_bytes: int, lane: str
+    ) -> None:
         try:
-            self._broker.ack_round(self._run_id, self._engine_id, version, index, ok, error,
-                                   seconds, num_bytes, lane)
+            self._broker.ack_round(
+                self._run_id, self._engine_id, version, index, ok, error, seconds, num_bytes, lane
+            )
         except (ConflictError, NotFoundError) as exc:
-            log.warning("run %s: engine %s: acknowledgement of version %d round %d refused: %s",
-                        self._run_id, self._engine_id, version, index, exc)
+            log.warning(
+                "run %s: engine %s: acknowledgement of version %d round %d refused: %s",
+                self._run_id,
+                self._engine_id,
+                version,
+                index,
+                exc,
+            )
 
     def _lane_for(self, source: WeightSourceInfo) -> Lane:
         lane = self._lanes.get(source)
         if lane is None:
-            for old in self._lanes.values():   # a new publisher (restart, relay): drop the old lane
+            for old in self._lanes.values():  # a new publisher (restart, relay): drop the old lane
                 old.close()
             self._lanes = {source: self._connect(source)}
             lane = self._lanes[source]
@@ -311,8 +381,9 @@ class WeightReceiver:
             if self._shard_layout is None and self._params is None:
                 self._destination = BufferDestination(manifest.layout, self._endpoint)
             else:
-                self._destination = PieceDestination(manifest, self._shard_layout, self._params,
-                                                     self._endpoint)
+                self._destination = PieceDestination(
+                    manifest, self._shard_layout, self._params, self._endpoint
+                )
         self._destination.check(manifest)
         return self._destination
 
@@ -326,16 +397,18 @@ class WeightReceiver:
             try:
                 self._broker.unregister_engine(self._run_id, self._engine_id)
             except (UnavailableError, NotFoundError, TimeoutError) as exc:
-                log.warning("run %s: engine %s: could not unregister: %s", self._run_id,
-                            self._engine_id, exc)
+                log.warning("run %s: engine %s: could not unregister: %s", self._run_id, self._engine_id, exc)
             with self._lock:
                 watch = self._watch
             if watch is not None:
                 watch.close()
             self._thread.join(self._config.transfer_timeout_s + self._config.rpc_retry_s)
             if self._thread.is_alive():
-                log.error("run %s: engine %s: receiver thread did not stop; keeping its NIXL "
-                          "buffer registered", self._run_id, self._engine_id)
+                log.error(
+                    "run %s: engine %s: receiver thread did not stop; keeping its NIXL buffer registered",
+                    self._run_id,
+                    self._engine_id,
+                )
                 return
         for lane in self._lanes.values():
             lane.close()

@@ -9,9 +9,9 @@ bucket, which holds the whole version, verified against the upstream checksum, a
 and staged downstream at once, so engines pull round r from the relay while the relay pulls round
 r+1 from the trainer. The downstream version carries the upstream manifest unchanged (same rounds,
 same checksums, and digests for the shard layouts of the downstream engines, which the trainer
-computes because the broker lists those layouts as destinations of the upstream run). A new version overwrites the bucket only after the served one committed (or failed)
-downstream; until then the relay does not take it, which holds the trainer back instead of tearing
-what engines are reading.
+computes because the broker lists those layouts as destinations of the upstream run). A new version
+overwrites the bucket only after the served one committed (or failed) downstream; until then the
+relay does not take it, which holds the trainer back instead of tearing what engines are reading.
 
 Knows nothing about models; runs wherever a broker client reaches (the broker process by default).
 """
@@ -28,8 +28,8 @@ from furlong.weight_broker.bucket import StagingBucket
 from furlong.weight_broker.client import BrokerClient, VersionWatch
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.core import UPSTREAM_SUFFIX, EventKind, VersionEventInfo
-from furlong.weight_broker.lanes import Lane, connect_lane
 from furlong.weight_broker.destination import layout_mismatch
+from furlong.weight_broker.lanes import Lane, connect_lane
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,15 @@ class WeightRelay:
     waits at most commit_timeout_s for the served one to commit downstream; after that it is refused
     upstream (and retried by the broker)."""
 
-    def __init__(self, broker: BrokerClient, run_id: str, agent_name: str, *,
-                 config: TransferConfig = TransferConfig(), commit_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        broker: BrokerClient,
+        run_id: str,
+        agent_name: str,
+        *,
+        config: TransferConfig = TransferConfig(),
+        commit_timeout_s: float = 120.0,
+    ) -> None:
         self._broker = broker
         self._run_id = run_id
         self._upstream = upstream_run_id(run_id)
@@ -89,8 +96,7 @@ class WeightRelay:
 
     def start(self) -> None:
         self._broker.register_engine(self._upstream, RELAY_ENGINE_ID)
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"weight-relay-{self._run_id}")
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"weight-relay-{self._run_id}")
         self._thread.start()
         log.info("relaying run %s from %s", self._run_id, self._upstream)
 
@@ -129,8 +135,12 @@ class WeightRelay:
         elif event.kind is EventKind.ROUND_READY:
             self._forward_round(event.version, event.round)
         elif event.kind is EventKind.FENCED:
-            log.error("relay of run %s fenced out of upstream version %d: %s", self._run_id,
-                      event.version, event.reason)
+            log.error(
+                "relay of run %s fenced out of upstream version %d: %s",
+                self._run_id,
+                event.version,
+                event.reason,
+            )
             self._current = None
 
     def _begin(self, event: VersionEventInfo) -> None:
@@ -140,21 +150,27 @@ class WeightRelay:
         self._wait_served_committed()
         if self._bucket is None:
             self._bucket = StagingBucket(
-                f"{self._agent_name}-serve", manifest.total_bytes, self._config.lanes,
-                backends=self._config.backends, stream_workers=self._config.stream_workers,
-                holds_all_rounds=True)
+                f"{self._agent_name}-serve",
+                manifest.total_bytes,
+                self._config.lanes,
+                backends=self._config.backends,
+                stream_workers=self._config.stream_workers,
+                holds_all_rounds=True,
+            )
             self._layout = manifest.layout
         assert self._layout is not None
         why = layout_mismatch(self._layout, manifest.layout)
         if why:
-            raise ValueError(f"version {manifest.version} has a different layout than the relay's "
-                             f"bucket: {why}")
+            raise ValueError(
+                f"version {manifest.version} has a different layout than the relay's bucket: {why}"
+            )
         lane = self._lanes.get(source)
         if lane is None:
             for old in self._lanes.values():
                 old.close()
-            lane = connect_lane(source, self._config.lanes, self._bucket.endpoint,
-                                self._config.stream_chunk_bytes)
+            lane = connect_lane(
+                source, self._config.lanes, self._bucket.endpoint, self._config.stream_chunk_bytes
+            )
             self._lanes = {source: lane}
         self._broker.begin_version(self._run_id, manifest, self._bucket.source)
         self._current = _Forwarding(manifest, lane, source.holds_all_rounds)
@@ -167,27 +183,36 @@ class WeightRelay:
         try:
             self._broker.wait_committed(self._run_id, served, self._commit_timeout_s)
         except (ConflictError, NotFoundError) as exc:
-            log.warning("relay of run %s: served version %d did not commit (%s); replacing it",
-                        self._run_id, served, exc)
+            log.warning(
+                "relay of run %s: served version %d did not commit (%s); replacing it",
+                self._run_id,
+                served,
+                exc,
+            )
 
     def _forward_round(self, version: int, index: int) -> None:
         current = self._current
         if current is None or current.manifest.version != version or self._bucket is None:
-            log.warning("relay of run %s: round %d of version %d is not being forwarded; ignored",
-                        self._run_id, index, version)
+            log.warning(
+                "relay of run %s: round %d of version %d is not being forwarded; ignored",
+                self._run_id,
+                index,
+                version,
+            )
             return
         rnd = current.manifest.rounds[index]
         bucket = self._bucket.tensor
         assert bucket is not None
-        dst = bucket[rnd.offset_bytes:rnd.end_bytes]
+        dst = bucket[rnd.offset_bytes : rnd.end_bytes]
         src_offset = rnd.offset_bytes if current.src_holds_all_rounds else rnd.bucket_offset_bytes
         try:
             read_hashed = getattr(current.lane, "read_hashed", None)
             for _ in range(_PULLS_PER_ROUND):
                 timeout_s = self._config.transfer_timeout_s
-                if read_hashed is not None:   # hashed while copied
-                    seconds, digest = read_hashed(rnd.size_bytes, [(0, src_offset, dst)],
-                                                  timeout_s, ("relay", index, src_offset))
+                if read_hashed is not None:  # hashed while copied
+                    seconds, digest = read_hashed(
+                        rnd.size_bytes, [(0, src_offset, dst)], timeout_s, ("relay", index, src_offset)
+                    )
                 else:
                     seconds = current.lane.read(src_offset, dst, timeout_s)
                     digest = checksum(bucket, rnd.size_bytes, rnd.offset_bytes)
@@ -198,11 +223,28 @@ class WeightRelay:
             else:
                 raise IntegrityError(f"checksum mismatch for version {version} round {index}")
         except Exception as exc:  # noqa: BLE001 - reported upstream, which re-sends the round
-            self._call(self._broker.ack_round, self._upstream, RELAY_ENGINE_ID, version, index,
-                       False, f"{type(exc).__name__}: {exc}")
+            self._call(
+                self._broker.ack_round,
+                self._upstream,
+                RELAY_ENGINE_ID,
+                version,
+                index,
+                False,
+                f"{type(exc).__name__}: {exc}",
+            )
             return
-        self._call(self._broker.ack_round, self._upstream, RELAY_ENGINE_ID, version, index, True,
-                   "", 0.0, rnd.size_bytes, current.lane.name)
+        self._call(
+            self._broker.ack_round,
+            self._upstream,
+            RELAY_ENGINE_ID,
+            version,
+            index,
+            True,
+            "",
+            0.0,
+            rnd.size_bytes,
+            current.lane.name,
+        )
         self._call(self._broker.stage_round, self._run_id, version, index)
         current.verified += 1
         if current.verified == len(current.manifest.rounds):
@@ -211,11 +253,20 @@ class WeightRelay:
             self._current = None
             self._ack_upstream_version(version, True, "", current)
 
-    def _ack_upstream_version(self, version: int, ok: bool, error: str,
-                              done: _Forwarding | None = None) -> None:
-        self._call(self._broker.ack_version, self._upstream, RELAY_ENGINE_ID, version, ok, error,
-                   done.seconds if done else 0.0, done.num_bytes if done else 0,
-                   done.lane.name if done else "")
+    def _ack_upstream_version(
+        self, version: int, ok: bool, error: str, done: _Forwarding | None = None
+    ) -> None:
+        self._call(
+            self._broker.ack_version,
+            self._upstream,
+            RELAY_ENGINE_ID,
+            version,
+            ok,
+            error,
+            done.seconds if done else 0.0,
+            done.num_bytes if done else 0,
+            done.lane.name if done else "",
+        )
 
     def _call(self, method, *args) -> None:
         try:

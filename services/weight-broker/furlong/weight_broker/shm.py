@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
-_CREATED = re.compile(r"^furlong-[A-Za-z0-9._-]*-[0-9a-f]{12}$")   # names `create` makes
+_CREATED = re.compile(r"^furlong-[A-Za-z0-9._-]*-[0-9a-f]{12}$")  # names `create` makes
 
 
 def _path(name: str) -> str:
@@ -56,8 +56,9 @@ class SharedBuffer:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 os.ftruncate(fd, size_bytes)
             elif os.fstat(fd).st_size < size_bytes:
-                raise ValueError(f"shared buffer {name!r} holds {os.fstat(fd).st_size} bytes, "
-                                 f"fewer than {size_bytes}")
+                raise ValueError(
+                    f"shared buffer {name!r} holds {os.fstat(fd).st_size} bytes, fewer than {size_bytes}"
+                )
             self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -65,13 +66,13 @@ class SharedBuffer:
                 os.unlink(path)
             raise
         if create:
-            self._lock_fd = fd   # held open (and locked) until close()
+            self._lock_fd = fd  # held open (and locked) until close()
         else:
             os.close(fd)
         self.tensor: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
 
     @classmethod
-    def create(cls, prefix: str, size_bytes: int) -> "SharedBuffer":
+    def create(cls, prefix: str, size_bytes: int) -> SharedBuffer:
         """A new object named furlong-<prefix>-<random>, zero-filled. Objects left by creators
         that died are removed first (see remove_stale)."""
         remove_stale()
@@ -79,7 +80,7 @@ class SharedBuffer:
         return cls(f"furlong-{safe}-{uuid.uuid4().hex[:12]}", size_bytes, create=True)
 
     @classmethod
-    def open(cls, name: str, size_bytes: int) -> "SharedBuffer":
+    def open(cls, name: str, size_bytes: int) -> SharedBuffer:
         """Map an existing object; FileNotFoundError if there is none (another host)."""
         return cls(name, size_bytes, create=False)
 
@@ -116,7 +117,7 @@ def remove_stale(directory: str = SHM_DIR) -> list[str]:
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError:
-            continue   # gone meanwhile, or not ours to touch
+            continue  # gone meanwhile, or not ours to touch
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             size = os.fstat(fd).st_size
@@ -124,8 +125,9 @@ def remove_stale(directory: str = SHM_DIR) -> list[str]:
                 continue
             os.unlink(path)
             removed.append(name)
-            log.warning("removed shared-memory object %s (%d bytes) left by a process that exited",
-                        name, size)
+            log.warning(
+                "removed shared-memory object %s (%d bytes) left by a process that exited", name, size
+            )
         except OSError as exc:
             if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.ENOENT):
                 log.warning("could not check shared-memory object %s: %s", name, exc)

@@ -11,15 +11,15 @@ then goes tensor by tensor. Knows nothing about model families or quantisation f
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
-from furlong.core.safetensors_io import (Header, SafetensorsFormatError, SafetensorsReader,
-                                         TensorEntry)
+from furlong.core.safetensors_io import Header, SafetensorsFormatError, SafetensorsReader, TensorEntry
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -44,10 +44,17 @@ def read_config(model_dir: Path | str) -> dict[str, Any]:
 
 
 def _check_shard_name(index_path: Path, name: Any) -> str:
-    if (not isinstance(name, str) or not name.endswith(".safetensors") or "/" in name
-            or "\\" in name or name.startswith(".") or "\0" in name):
-        raise SafetensorsFormatError(f"index {index_path}: shard name {name!r} is not a plain "
-                                     f".safetensors file name")
+    if (
+        not isinstance(name, str)
+        or not name.endswith(".safetensors")
+        or "/" in name
+        or "\\" in name
+        or name.startswith(".")
+        or "\0" in name
+    ):
+        raise SafetensorsFormatError(
+            f"index {index_path}: shard name {name!r} is not a plain .safetensors file name"
+        )
     return name
 
 
@@ -81,7 +88,7 @@ class CheckpointDir:
     _readers: dict[str, SafetensorsReader] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def open(cls, path: Path | str) -> "CheckpointDir":
+    def open(cls, path: Path | str) -> CheckpointDir:
         path = Path(path)
         if not path.is_dir():
             raise ValueError(f"checkpoint directory {path} does not exist")
@@ -92,14 +99,12 @@ class CheckpointDir:
         elif (path / SINGLE_FILE).is_file():
             weight_map, metadata, indexed = {}, {}, False
         else:
-            raise ValueError(f"checkpoint directory {path} has neither {INDEX_FILE} nor "
-                             f"{SINGLE_FILE}")
+            raise ValueError(f"checkpoint directory {path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
         shards = tuple(dict.fromkeys(weight_map.values())) if indexed else (SINGLE_FILE,)
         readers: dict[str, SafetensorsReader] = {}
         for shard in shards:
             if not (path / shard).is_file():
-                raise ValueError(f"checkpoint {path}: shard {shard} listed in {INDEX_FILE} does "
-                                 f"not exist")
+                raise ValueError(f"checkpoint {path}: shard {shard} listed in {INDEX_FILE} does not exist")
             readers[shard] = SafetensorsReader(path / shard)
         if indexed:
             for shard, reader in readers.items():
@@ -108,11 +113,13 @@ class CheckpointDir:
                     if listed != shard:
                         raise SafetensorsFormatError(
                             f"checkpoint {path}: tensor {name!r} is stored in {shard} but the "
-                            f"index maps it to {listed!r}")
+                            f"index maps it to {listed!r}"
+                        )
             for name, shard in weight_map.items():
                 if name not in readers[shard].header.entries:
-                    raise SafetensorsFormatError(f"checkpoint {path}: index maps tensor {name!r} "
-                                                 f"to {shard}, which does not hold it")
+                    raise SafetensorsFormatError(
+                        f"checkpoint {path}: index maps tensor {name!r} to {shard}, which does not hold it"
+                    )
         else:
             weight_map = {name: SINGLE_FILE for name in readers[SINGLE_FILE].header.entries}
         return cls(path, shards, weight_map, indexed, metadata, readers)
@@ -149,8 +156,12 @@ class CheckpointDir:
         return sum(self.entry(name).nbytes for name in self.weight_map)
 
 
-def write_index(model_dir: Path, weight_map: Mapping[str, str], total_size: int,
-                extra_metadata: Mapping[str, Any] | None = None) -> None:
+def write_index(
+    model_dir: Path,
+    weight_map: Mapping[str, str],
+    total_size: int,
+    extra_metadata: Mapping[str, Any] | None = None,
+) -> None:
     """Write `model.safetensors.index.json` (tensor names sorted, as Hugging Face writes them)."""
     metadata = dict(extra_metadata or {})
     metadata["total_size"] = int(total_size)

@@ -47,8 +47,11 @@ def _element_shape(entry: TensorEntry) -> tuple[int, ...]:
 
 
 def _scale_fits(weight_shape: tuple[int, ...], scale: TensorEntry) -> bool:
-    return (len(weight_shape) >= 2 and weight_shape[-1] % BLOCK == 0
-            and scale.shape == weight_shape[:-1] + (weight_shape[-1] // BLOCK,))
+    return (
+        len(weight_shape) >= 2
+        and weight_shape[-1] % BLOCK == 0
+        and scale.shape == weight_shape[:-1] + (weight_shape[-1] // BLOCK,)
+    )
 
 
 def find_fp4_tensors(ckpt: CheckpointDir) -> dict[str, Fp4Tensor]:
@@ -61,8 +64,9 @@ def find_fp4_tensors(ckpt: CheckpointDir) -> dict[str, Fp4Tensor]:
         if entry.dtype != "F4" and entry.dtype not in _PACKED_DTYPES:
             continue
         if not entry.shape:
-            raise ValueError(f"checkpoint {ckpt.path}: tensor {name!r} of {entry.dtype} is a "
-                             f"scalar, not a weight")
+            raise ValueError(
+                f"checkpoint {ckpt.path}: tensor {name!r} of {entry.dtype} is a scalar, not a weight"
+            )
         shape = _element_shape(entry)
         prefix = name[: -len("weight")]
         candidates = []
@@ -74,14 +78,18 @@ def find_fp4_tensors(ckpt: CheckpointDir) -> dict[str, Fp4Tensor]:
                 if scale.dtype in allowed and _scale_fits(shape, scale):
                     candidates.append(scale_name)
         if len(candidates) > 1:
-            raise ValueError(f"checkpoint {ckpt.path}: FP4 weight {name!r} has several e8m0 "
-                             f"scale tensors {candidates}; expected exactly one")
+            raise ValueError(
+                f"checkpoint {ckpt.path}: FP4 weight {name!r} has several e8m0 "
+                f"scale tensors {candidates}; expected exactly one"
+            )
         if not candidates:
             if entry.dtype == "F4":
-                raise ValueError(f"checkpoint {ckpt.path}: FP4 weight {name!r} has no e8m0 scale "
-                                 f"tensor (looked for {prefix}{{{','.join(SOURCE_SCALE_SUFFIXES)}}}"
-                                 f" of dtype F8_E8M0 or U8 shaped {shape[:-1]} + "
-                                 f"({shape[-1]} / {BLOCK},))")
+                raise ValueError(
+                    f"checkpoint {ckpt.path}: FP4 weight {name!r} has no e8m0 scale "
+                    f"tensor (looked for {prefix}{{{','.join(SOURCE_SCALE_SUFFIXES)}}}"
+                    f" of dtype F8_E8M0 or U8 shaped {shape[:-1]} + "
+                    f"({shape[-1]} / {BLOCK},))"
+                )
             continue  # plain int8/uint8 weight, not MXFP4
         found[name] = Fp4Tensor(name, candidates[0], shape)
     return found

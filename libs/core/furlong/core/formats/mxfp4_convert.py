@@ -35,11 +35,17 @@ import numpy as np
 import torch
 
 from furlong.core import mxfp4
-from furlong.core.fp8 import DEFAULT_SCALE_SUFFIX
-from furlong.core.formats.checkpoint_dir import (CONFIG_FILE, INDEX_FILE, CheckpointDir,
-                                                 read_config, read_json_object, write_index)
+from furlong.core.formats.checkpoint_dir import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    CheckpointDir,
+    read_config,
+    read_json_object,
+    write_index,
+)
 from furlong.core.formats.fp4_tensors import Fp4Tensor, find_fp4_tensors, scale_names
 from furlong.core.formats.mxfp4_kernels import KERNELS, Fp8Encoder, select_encoder
+from furlong.core.fp8 import DEFAULT_SCALE_SUFFIX
 from furlong.core.safetensors_io import ShardWriter, header_bound, nbytes_of, read_header
 
 log = logging.getLogger(__name__)
@@ -47,7 +53,7 @@ log = logging.getLogger(__name__)
 MARKER_FILE = "furlong-conversion.json"
 ON_LOSSY = ("error", "bf16")
 _COPY_CHUNK_BYTES = 64 << 20
-_BF16_LIMIT = 2.0 ** 128
+_BF16_LIMIT = 2.0**128
 
 
 class LossyConversionError(ValueError):
@@ -105,8 +111,9 @@ def source_fingerprint(ckpt: CheckpointDir, options: ConvertOptions) -> str:
     return digest.hexdigest()
 
 
-def _plan_entries(ckpt: CheckpointDir, shard: str, fp4: dict[str, Fp4Tensor],
-                  dropped: set[str], options: ConvertOptions):
+def _plan_entries(
+    ckpt: CheckpointDir, shard: str, fp4: dict[str, Fp4Tensor], dropped: set[str], options: ConvertOptions
+):
     """(name, dtype, shape) of the largest possible output of one shard, and its data bound."""
     entries, bound = [], 0
     for name in ckpt.names_in(shard):
@@ -131,18 +138,21 @@ def _fp4_arrays(ckpt: CheckpointDir, t: Fp4Tensor) -> tuple[np.ndarray, np.ndarr
     return packed, scales
 
 
-def _write_bf16(writer: ShardWriter, t: Fp4Tensor, packed: np.ndarray, scales: np.ndarray,
-                options: ConvertOptions) -> None:
+def _write_bf16(
+    writer: ShardWriter, t: Fp4Tensor, packed: np.ndarray, scales: np.ndarray, options: ConvertOptions
+) -> None:
     writer.begin(t.name, "BF16", t.shape)
     rows = packed.reshape(-1, packed.shape[-1])
     row_scales = scales.reshape(-1, scales.shape[-1])
     rows_per_chunk = options.rows_per_chunk(t.shape[-1] * 2)
     for start in range(0, rows.shape[0], rows_per_chunk):
-        values = mxfp4.dequantize(rows[start:start + rows_per_chunk],
-                                  row_scales[start:start + rows_per_chunk])
+        values = mxfp4.dequantize(
+            rows[start : start + rows_per_chunk], row_scales[start : start + rows_per_chunk]
+        )
         if (np.abs(values) >= _BF16_LIMIT).any():
-            raise LossyConversionError(f"tensor {t.name!r}: values of 2^128 or more in rows from "
-                                       f"{start} do not fit bf16 either")
+            raise LossyConversionError(
+                f"tensor {t.name!r}: values of 2^128 or more in rows from {start} do not fit bf16 either"
+            )
         chunk = torch.from_numpy(values).to(torch.bfloat16)
         writer.write(chunk.view(torch.uint8).numpy())
 
@@ -164,8 +174,14 @@ def _load_fp4(ckpt: CheckpointDir, t: Fp4Tensor, encoder: Fp8Encoder) -> _Loaded
     return _LoadedFp4(packed, scales, check)
 
 
-def _convert_fp4(writer: ShardWriter, t: Fp4Tensor, loaded: _LoadedFp4, options: ConvertOptions,
-                 encoder: Fp8Encoder, report: dict) -> None:
+def _convert_fp4(
+    writer: ShardWriter,
+    t: Fp4Tensor,
+    loaded: _LoadedFp4,
+    options: ConvertOptions,
+    encoder: Fp8Encoder,
+    report: dict,
+) -> None:
     check = loaded.check
     if not check.exact:
         report["lossy_tiles"][t.name] = check.num_lossy_tiles
@@ -173,7 +189,8 @@ def _convert_fp4(writer: ShardWriter, t: Fp4Tensor, loaded: _LoadedFp4, options:
             raise LossyConversionError(
                 f"tensor {t.name!r} cannot be cast to FP8 exactly: {check.num_lossy_tiles} lossy "
                 f"tile(s); {check.lossy[0].describe()}. Rerun with --on-lossy bf16 to write this "
-                f"tensor in bf16")
+                f"tensor in bf16"
+            )
         log.warning("tensor %s: %d lossy tiles, written in bf16", t.name, check.num_lossy_tiles)
         _write_bf16(writer, t, loaded.packed, loaded.scales, options)
         report["bf16"].append(t.name)
@@ -182,15 +199,21 @@ def _convert_fp4(writer: ShardWriter, t: Fp4Tensor, loaded: _LoadedFp4, options:
     for _, chunk in encoder.encode_fp8(loaded.packed, check, options.rows_per_chunk(t.shape[-1])):
         writer.write(chunk)
     tile_scales = mxfp4.tile_scale_float32(check.tile_bmax)
-    writer.begin(t.prefix + options.scale_suffix, "F32",
-                 t.shape[:-2] + tile_scales.shape[1:])
+    writer.begin(t.prefix + options.scale_suffix, "F32", t.shape[:-2] + tile_scales.shape[1:])
     writer.write(tile_scales)
     report["fp8"] += 1
 
 
-def _convert_shard(ckpt: CheckpointDir, shard: str, out_dir: Path, fp4: dict[str, Fp4Tensor],
-                   dropped: set[str], options: ConvertOptions, encoder: Fp8Encoder,
-                   report: dict) -> dict[str, str]:
+def _convert_shard(
+    ckpt: CheckpointDir,
+    shard: str,
+    out_dir: Path,
+    fp4: dict[str, Fp4Tensor],
+    dropped: set[str],
+    options: ConvertOptions,
+    encoder: Fp8Encoder,
+    report: dict,
+) -> dict[str, str]:
     """Write one output shard. While a weight is being encoded and written, a loader thread reads
     and checks the shard's next MXFP4 weight, so at most two source weights are in memory."""
     entries, bound = _plan_entries(ckpt, shard, fp4, dropped, options)
@@ -199,8 +222,10 @@ def _convert_shard(ckpt: CheckpointDir, shard: str, out_dir: Path, fp4: dict[str
     metadata = ckpt.header(shard).metadata or None
     written: dict[str, str] = {}
     upcoming = iter([name for name in ckpt.names_in(shard) if name in fp4])
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4-load") as loader, \
-            ShardWriter(out_dir / shard, header_bound(entries, bound, metadata)) as writer:
+    with (
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4-load") as loader,
+        ShardWriter(out_dir / shard, header_bound(entries, bound, metadata)) as writer,
+    ):
 
         def load_next() -> Future | None:
             name = next(upcoming, None)
@@ -244,8 +269,12 @@ def _rewrite_config(src: Path, dst: Path, bf16_tensors: list[str]) -> None:
 def _copy_other_files(ckpt: CheckpointDir, dst: Path) -> None:
     skip = set(ckpt.shards) | {INDEX_FILE, CONFIG_FILE, MARKER_FILE}
     for path in sorted(ckpt.path.iterdir()):
-        if path.is_file() and not path.is_symlink() and path.name not in skip \
-                and not path.name.endswith(".safetensors"):
+        if (
+            path.is_file()
+            and not path.is_symlink()
+            and path.name not in skip
+            and not path.name.endswith(".safetensors")
+        ):
             shutil.copy2(path, dst / path.name)
 
 
@@ -255,12 +284,15 @@ def _already_converted(dst: Path, fingerprint: str) -> bool:
     marker = dst / MARKER_FILE
     if marker.is_file() and read_json_object(marker).get("source_fingerprint") == fingerprint:
         return True
-    raise ValueError(f"destination {dst} already exists and is not a conversion of this source "
-                     f"with these options; remove it or choose another destination")
+    raise ValueError(
+        f"destination {dst} already exists and is not a conversion of this source "
+        f"with these options; remove it or choose another destination"
+    )
 
 
-def convert_mxfp4_to_fp8(src: Path | str, dst: Path | str,
-                         options: ConvertOptions = ConvertOptions()) -> ConversionReport:
+def convert_mxfp4_to_fp8(
+    src: Path | str, dst: Path | str, options: ConvertOptions = ConvertOptions()
+) -> ConversionReport:
     """Convert checkpoint directory src into dst (see the module docstring)."""
     src, dst = Path(src), Path(dst)
     ckpt = CheckpointDir.open(src)
@@ -274,15 +306,22 @@ def convert_mxfp4_to_fp8(src: Path | str, dst: Path | str,
     if _already_converted(dst, fingerprint):
         marker = read_json_object(dst / MARKER_FILE)
         log.info("%s already holds this conversion of %s", dst, src)
-        return ConversionReport(src, dst, marker["num_tensors"], marker["num_fp8"],
-                                marker["num_copied"], tuple(marker["bf16_tensors"]),
-                                marker["output_bytes"], already_done=True)
+        return ConversionReport(
+            src,
+            dst,
+            marker["num_tensors"],
+            marker["num_fp8"],
+            marker["num_copied"],
+            tuple(marker["bf16_tensors"]),
+            marker["output_bytes"],
+            already_done=True,
+        )
     dropped = scale_names(fp4)
-    collisions = {t.prefix + options.scale_suffix for t in fp4.values()} & (
-        set(ckpt.weight_map) - dropped)
+    collisions = {t.prefix + options.scale_suffix for t in fp4.values()} & (set(ckpt.weight_map) - dropped)
     if collisions:
-        raise ValueError(f"checkpoint {src} already holds {sorted(collisions)[:3]}, which the "
-                         f"FP8 scales would be named")
+        raise ValueError(
+            f"checkpoint {src} already holds {sorted(collisions)[:3]}, which the FP8 scales would be named"
+        )
     encoder = select_encoder(options.kernel)
     scratch = dst.parent / f".{dst.name}.partial-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -291,19 +330,27 @@ def convert_mxfp4_to_fp8(src: Path | str, dst: Path | str,
     try:
         weight_map: dict[str, str] = {}
         for shard in ckpt.shards:
-            weight_map.update(_convert_shard(ckpt, shard, scratch, fp4, dropped, options, encoder,
-                                             report))
-        output_bytes = sum(e.nbytes for shard in set(weight_map.values())
-                           for e in read_header(scratch / shard).entries.values())
+            weight_map.update(_convert_shard(ckpt, shard, scratch, fp4, dropped, options, encoder, report))
+        output_bytes = sum(
+            e.nbytes
+            for shard in set(weight_map.values())
+            for e in read_header(scratch / shard).entries.values()
+        )
         if ckpt.indexed:
             extra = {k: v for k, v in ckpt.index_metadata.items() if k != "total_size"}
             write_index(scratch, weight_map, output_bytes, extra)
         _rewrite_config(src, scratch, report["bf16"])
         _copy_other_files(ckpt, scratch)
-        summary = {"source_fingerprint": fingerprint, "num_tensors": len(weight_map),
-                   "num_fp8": report["fp8"], "num_copied": report["copied"],
-                   "bf16_tensors": report["bf16"], "output_bytes": output_bytes,
-                   "on_lossy": options.on_lossy, "scale_suffix": options.scale_suffix}
+        summary = {
+            "source_fingerprint": fingerprint,
+            "num_tensors": len(weight_map),
+            "num_fp8": report["fp8"],
+            "num_copied": report["copied"],
+            "bf16_tensors": report["bf16"],
+            "output_bytes": output_bytes,
+            "on_lossy": options.on_lossy,
+            "scale_suffix": options.scale_suffix,
+        }
         (scratch / MARKER_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         CheckpointDir.open(scratch)
         os.replace(scratch, dst)
@@ -312,7 +359,22 @@ def convert_mxfp4_to_fp8(src: Path | str, dst: Path | str,
         raise
     finally:
         encoder.close()
-    log.info("converted %s -> %s: %d FP8, %d bf16, %d copied", src, dst, report["fp8"],
-             len(report["bf16"]), report["copied"])
-    return ConversionReport(src, dst, len(weight_map), report["fp8"], report["copied"],
-                            tuple(report["bf16"]), output_bytes, False, report["lossy_tiles"])
+    log.info(
+        "converted %s -> %s: %d FP8, %d bf16, %d copied",
+        src,
+        dst,
+        report["fp8"],
+        len(report["bf16"]),
+        report["copied"],
+    )
+    return ConversionReport(
+        src,
+        dst,
+        len(weight_map),
+        report["fp8"],
+        report["copied"],
+        tuple(report["bf16"]),
+        output_bytes,
+        False,
+        report["lossy_tiles"],
+    )

@@ -19,8 +19,9 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -43,8 +44,9 @@ class Fp8Encoder(Protocol):
         """As `mxfp4.check_tiles`: ValueError for NaN scales, lossy tiles listed."""
         ...
 
-    def encode_fp8(self, packed: np.ndarray, check: mxfp4.TileCheck,
-                   rows_per_chunk: int) -> Iterator[tuple[int, np.ndarray]]:
+    def encode_fp8(
+        self, packed: np.ndarray, check: mxfp4.TileCheck, rows_per_chunk: int
+    ) -> Iterator[tuple[int, np.ndarray]]:
         """As `mxfp4.encode_fp8`: (flat row start, e4m3 bytes [chunk rows, cols]) in order. A
         yielded array is only valid until the next one is requested (buffers may be reused)."""
         ...
@@ -66,8 +68,9 @@ class NumpyEncoder:
     def check_tiles(self, packed: np.ndarray, scales: np.ndarray) -> mxfp4.TileCheck:
         return mxfp4.check_tiles(packed, scales)
 
-    def encode_fp8(self, packed: np.ndarray, check: mxfp4.TileCheck,
-                   rows_per_chunk: int) -> Iterator[tuple[int, np.ndarray]]:
+    def encode_fp8(
+        self, packed: np.ndarray, check: mxfp4.TileCheck, rows_per_chunk: int
+    ) -> Iterator[tuple[int, np.ndarray]]:
         return mxfp4.encode_fp8(packed, check, rows_per_chunk)
 
     def warm_up(self) -> None:
@@ -109,24 +112,31 @@ class NumbaEncoder:
         spread = np.empty((batch * rows, nb), np.uint8)
         num_nan, num_lossy = self._k.scan_tiles(
             np.ascontiguousarray(packed, dtype=np.uint8).reshape(batch * rows, cols // 2),
-            np.ascontiguousarray(scales, dtype=np.uint8).reshape(batch * rows, nb), rows,
-            tile_bmax, spread)
+            np.ascontiguousarray(scales, dtype=np.uint8).reshape(batch * rows, nb),
+            rows,
+            tile_bmax,
+            spread,
+        )
         if num_nan or num_lossy:
             return mxfp4.check_tiles(packed, scales)  # raises, or lists the lossy tiles
-        return mxfp4.TileCheck(tile_bmax.reshape(batch, tile_rows, tile_cols),
-                               spread.reshape(batch, rows, nb), (), 0)
+        return mxfp4.TileCheck(
+            tile_bmax.reshape(batch, tile_rows, tile_cols), spread.reshape(batch, rows, nb), (), 0
+        )
 
     def _buffer(self, slot: int, rows: int, row_pairs: int) -> np.ndarray:
         if self._buffers[slot].size < rows * row_pairs:
             self._buffers[slot] = np.empty(rows * row_pairs, np.uint16)
-        return self._buffers[slot][:rows * row_pairs].reshape(rows, row_pairs)
+        return self._buffers[slot][: rows * row_pairs].reshape(rows, row_pairs)
 
-    def encode_fp8(self, packed: np.ndarray, check: mxfp4.TileCheck,
-                   rows_per_chunk: int) -> Iterator[tuple[int, np.ndarray]]:
+    def encode_fp8(
+        self, packed: np.ndarray, check: mxfp4.TileCheck, rows_per_chunk: int
+    ) -> Iterator[tuple[int, np.ndarray]]:
         if not check.exact:
-            raise ValueError(f"MXFP4 tensor is not exactly representable in FP8: "
-                             f"{check.num_lossy_tiles} lossy tiles, first "
-                             f"{check.lossy[0].describe()}")
+            raise ValueError(
+                f"MXFP4 tensor is not exactly representable in FP8: "
+                f"{check.num_lossy_tiles} lossy tiles, first "
+                f"{check.lossy[0].describe()}"
+            )
         if rows_per_chunk < 1:
             raise ValueError(f"rows_per_chunk {rows_per_chunk} < 1")
         batch, rows, nb = check.block_spread.shape
@@ -174,7 +184,7 @@ class NumbaEncoder:
             pass
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _numba_kernels():
     """The compiled-kernel module, or why it cannot be imported (imported once per process)."""
     try:

@@ -18,12 +18,13 @@ import torch
 
 from furlong.core import mxfp4
 from furlong.core.errors import IntegrityError
-from furlong.core.fp8 import DEFAULT_SCALE_SUFFIX
 from furlong.core.formats.checkpoint_dir import CheckpointDir
 from furlong.core.formats.fp4_tensors import Fp4Tensor, find_fp4_tensors, scale_names
+from furlong.core.fp8 import DEFAULT_SCALE_SUFFIX
 
-_E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(
-    torch.float8_e4m3fn).to(torch.float64).numpy()
+_E4M3_VALUES = (
+    torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+)
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,14 @@ def _fp8_values(dst: CheckpointDir, name: str, scale_name: str, shape: tuple[int
     scales = dst.read_bytes(scale_name).view(np.float32).reshape(-1, *scale_entry.shape[-2:])
     tiles = (-(-shape[-2] // mxfp4.TILE), -(-shape[-1] // mxfp4.TILE))
     if scales.shape[-2:] != tiles or scales.shape[0] != codes.shape[0]:
-        raise IntegrityError(f"destination scale {scale_name!r} of shape {scale_entry.shape} does "
-                             f"not tile {shape} in {mxfp4.TILE}x{mxfp4.TILE}")
+        raise IntegrityError(
+            f"destination scale {scale_name!r} of shape {scale_entry.shape} does "
+            f"not tile {shape} in {mxfp4.TILE}x{mxfp4.TILE}"
+        )
     for b in range(codes.shape[0]):
-        factors = np.repeat(np.repeat(scales[b].astype(np.float64), mxfp4.TILE, 0),
-                            mxfp4.TILE, 1)[:shape[-2], :shape[-1]]
+        factors = np.repeat(np.repeat(scales[b].astype(np.float64), mxfp4.TILE, 0), mxfp4.TILE, 1)[
+            : shape[-2], : shape[-1]
+        ]
         yield _E4M3_VALUES[codes[b]] * factors
 
 
@@ -56,8 +60,7 @@ def _bf16_values(dst: CheckpointDir, name: str, shape: tuple[int, ...]):
         yield raw[b].to(torch.float64).numpy()
 
 
-def _compare_fp4(src: CheckpointDir, dst: CheckpointDir, t: Fp4Tensor,
-                 scale_suffix: str) -> tuple[int, bool]:
+def _compare_fp4(src: CheckpointDir, dst: CheckpointDir, t: Fp4Tensor, scale_suffix: str) -> tuple[int, bool]:
     if t.name not in dst.weight_map:
         raise IntegrityError(f"destination lacks converted tensor {t.name!r}")
     entry = dst.entry(t.name)
@@ -68,8 +71,9 @@ def _compare_fp4(src: CheckpointDir, dst: CheckpointDir, t: Fp4Tensor,
     elif entry.dtype == "BF16":
         got, is_bf16 = _bf16_values(dst, t.name, t.shape), True
     else:
-        raise IntegrityError(f"tensor {t.name!r}: destination dtype {entry.dtype} is neither "
-                             f"F8_E4M3 nor BF16")
+        raise IntegrityError(
+            f"tensor {t.name!r}: destination dtype {entry.dtype} is neither F8_E4M3 nor BF16"
+        )
     rows, cols = t.shape[-2], t.shape[-1]
     packed = src.read_bytes(t.name).reshape(-1, rows, cols // 2)
     scales = src.read_bytes(t.scale_name).reshape(-1, rows, cols // mxfp4.BLOCK)
@@ -79,8 +83,10 @@ def _compare_fp4(src: CheckpointDir, dst: CheckpointDir, t: Fp4Tensor,
         bad = (values != want) | (np.signbit(values) != np.signbit(want))
         if bad.any():
             r, c = (int(i) for i in np.argwhere(bad)[0])
-            raise IntegrityError(f"tensor {t.name!r} slice {b} element ({r}, {c}): destination "
-                                 f"{values[r, c]!r} != source {want[r, c]!r}")
+            raise IntegrityError(
+                f"tensor {t.name!r} slice {b} element ({r}, {c}): destination "
+                f"{values[r, c]!r} != source {want[r, c]!r}"
+            )
         compared += values.size
     return compared, is_bf16
 
@@ -90,8 +96,9 @@ def _compare_copy(src: CheckpointDir, dst: CheckpointDir, name: str) -> None:
         raise IntegrityError(f"destination lacks tensor {name!r}")
     a, b = src.entry(name), dst.entry(name)
     if (a.dtype, a.shape) != (b.dtype, b.shape):
-        raise IntegrityError(f"tensor {name!r}: destination {b.dtype}{list(b.shape)} != source "
-                             f"{a.dtype}{list(a.shape)}")
+        raise IntegrityError(
+            f"tensor {name!r}: destination {b.dtype}{list(b.shape)} != source {a.dtype}{list(a.shape)}"
+        )
     offset = 0
     for x, y in zip(src.iter_bytes(name), dst.iter_bytes(name)):
         if not np.array_equal(x, y):
@@ -100,8 +107,9 @@ def _compare_copy(src: CheckpointDir, dst: CheckpointDir, name: str) -> None:
         offset += x.size
 
 
-def verify_conversion(src: Path | str, dst: Path | str,
-                      scale_suffix: str = DEFAULT_SCALE_SUFFIX) -> VerifyReport:
+def verify_conversion(
+    src: Path | str, dst: Path | str, scale_suffix: str = DEFAULT_SCALE_SUFFIX
+) -> VerifyReport:
     source, target = CheckpointDir.open(src), CheckpointDir.open(dst)
     fp4 = find_fp4_tensors(source)
     if not fp4:
@@ -123,6 +131,7 @@ def verify_conversion(src: Path | str, dst: Path | str,
     extra = sorted(set(target.weight_map) - expected)
     missing = sorted(expected - set(target.weight_map))
     if extra or missing:
-        raise IntegrityError(f"destination tensors differ from the expected set: unexpected "
-                             f"{extra[:5]}, missing {missing[:5]}")
+        raise IntegrityError(
+            f"destination tensors differ from the expected set: unexpected {extra[:5]}, missing {missing[:5]}"
+        )
     return VerifyReport(len(fp4), values, copies, tuple(bf16))

@@ -16,14 +16,23 @@ RoPE mismatch rather than as an unknown model. Knows nothing about weights.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from furlong.core.models.registry import SPECS, get_spec
 from furlong.core.models.spec import AttentionKind, ModelSpec, RopeSpec, RopeType
 
-_SCALING_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-                 "mscale_all_dim", "low_freq_factor", "high_freq_factor")
+_SCALING_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "low_freq_factor",
+    "high_freq_factor",
+)
 _TYPE_KEYS = ("rope_type", "type")
 _IGNORED_SCALING_KEYS = ("rope_theta", "partial_rotary_factor")
 
@@ -47,16 +56,17 @@ def config_rope(config: Mapping[str, Any]) -> tuple[str, Any, dict[str, Any]]:
     theta = config.get("rope_theta")
     if isinstance(params, dict) and "rope_type" in params:
         if scaling is not None and scaling != params:
-            raise ContractError(f"config states both rope_scaling {scaling!r} and rope_parameters "
-                                f"{params!r}")
+            raise ContractError(f"config states both rope_scaling {scaling!r} and rope_parameters {params!r}")
         scaling = params
     if scaling is not None and not isinstance(scaling, dict):
         raise ContractError(f"config rope_scaling {scaling!r} is neither null nor an object")
     scaling = dict(scaling or {})
     if "rope_theta" in scaling:
         if theta is not None and not _num_equal(theta, scaling["rope_theta"]):
-            raise ContractError(f"config rope_theta {theta!r} differs from "
-                                f"rope_parameters.rope_theta {scaling['rope_theta']!r}")
+            raise ContractError(
+                f"config rope_theta {theta!r} differs from "
+                f"rope_parameters.rope_theta {scaling['rope_theta']!r}"
+            )
         theta = scaling["rope_theta"]
     types = {scaling[k] for k in _TYPE_KEYS if k in scaling}
     if len(types) > 1:
@@ -92,15 +102,16 @@ def _rope_differences(rope: RopeSpec, config: Mapping[str, Any]) -> list[str]:
     rope_type, theta, stated = config_rope(config)
     out = []
     if rope_type != rope.type.value:
-        out.append(f"RoPE type: spec {rope.type.value!r}, config {rope_type!r} (rope_scaling "
-                   f"{'null' if rope_type == 'default' else 'type ' + repr(rope_type)})")
+        out.append(
+            f"RoPE type: spec {rope.type.value!r}, config {rope_type!r} (rope_scaling "
+            f"{'null' if rope_type == 'default' else 'type ' + repr(rope_type)})"
+        )
     if theta is None or not _num_equal(theta, rope.theta):
         out.append(f"rope_theta: spec {rope.theta}, config {theta!r}")
     declared = rope.scaling_items()
     for key in sorted(set(declared) | set(stated)):
         if key not in _SCALING_KEYS:
-            out.append(f"rope_scaling.{key}: config states {stated[key]!r}, which no spec field "
-                       f"covers")
+            out.append(f"rope_scaling.{key}: config states {stated[key]!r}, which no spec field covers")
         elif key not in stated:
             out.append(f"rope_scaling.{key}: spec {declared[key]}, config does not state it")
         elif key not in declared:
@@ -109,7 +120,8 @@ def _rope_differences(rope: RopeSpec, config: Mapping[str, Any]) -> list[str]:
             out.append(f"rope_scaling.{key}: spec {declared[key]}, config {stated[key]!r}")
     compress = config.get("compress_rope_theta")
     if (compress is None) != (rope.compress_theta is None) or (
-            compress is not None and not _num_equal(compress, rope.compress_theta)):
+        compress is not None and not _num_equal(compress, rope.compress_theta)
+    ):
         out.append(f"compress_rope_theta: spec {rope.compress_theta}, config {compress!r}")
     return out
 
@@ -119,46 +131,50 @@ def _expert_differences(spec: ModelSpec, config: Mapping[str, Any]) -> list[str]
     if spec.experts is None:
         return [] if not num else [f"experts: spec is dense, config has {num} routed experts"]
     e = spec.experts
-    pairs = (("n_routed_experts", e.num_experts, num),
-             ("num_experts_per_tok", e.experts_per_token, config.get("num_experts_per_tok")),
-             ("n_shared_experts", e.num_shared_experts, config.get("n_shared_experts") or 0),
-             ("moe_intermediate_size", e.moe_intermediate_size,
-              config.get("moe_intermediate_size")),
-             ("expert storage", e.stored_dtype, stored_expert_dtype(config)))
-    return [f"{field}: spec {want!r}, config {got!r}" for field, want, got in pairs
-            if not _num_equal(want, got)]
+    pairs = (
+        ("n_routed_experts", e.num_experts, num),
+        ("num_experts_per_tok", e.experts_per_token, config.get("num_experts_per_tok")),
+        ("n_shared_experts", e.num_shared_experts, config.get("n_shared_experts") or 0),
+        ("moe_intermediate_size", e.moe_intermediate_size, config.get("moe_intermediate_size")),
+        ("expert storage", e.stored_dtype, stored_expert_dtype(config)),
+    )
+    return [
+        f"{field}: spec {want!r}, config {got!r}" for field, want, got in pairs if not _num_equal(want, got)
+    ]
 
 
 def check_config(spec: ModelSpec, config: Mapping[str, Any]) -> None:
     """ContractError listing every numeric where config.json disagrees with the spec."""
     problems = _differences(spec, config)
     if problems:
-        raise ContractError(f"checkpoint config does not match model spec {spec.name!r}:\n  - "
-                            + "\n  - ".join(problems))
+        raise ContractError(
+            f"checkpoint config does not match model spec {spec.name!r}:\n  - " + "\n  - ".join(problems)
+        )
 
 
 def _differences(spec: ModelSpec, config: Mapping[str, Any]) -> list[str]:
     problems = []
     if config.get("model_type") != spec.model_type:
-        problems.append(f"model_type: spec {spec.model_type!r}, config "
-                        f"{config.get('model_type')!r}")
+        problems.append(f"model_type: spec {spec.model_type!r}, config {config.get('model_type')!r}")
     try:
         problems += _rope_differences(spec.rope, config)
     except ContractError as exc:
         problems.append(str(exc))
     for field, want, got in (
-            ("rotary dim (qk_rope_head_dim / head_dim)", spec.rotary_dim, _rotary_dim(config)),
-            ("rms_norm_eps", spec.norm_eps, config.get("rms_norm_eps")),
-            ("vocab_size", spec.vocab_size, config.get("vocab_size")),
-            ("hidden_size", spec.hidden_size, config.get("hidden_size")),
-            ("num_hidden_layers", spec.num_hidden_layers, config.get("num_hidden_layers")),
-            ("max_position_embeddings", spec.max_position_embeddings,
-             config.get("max_position_embeddings"))):
+        ("rotary dim (qk_rope_head_dim / head_dim)", spec.rotary_dim, _rotary_dim(config)),
+        ("rms_norm_eps", spec.norm_eps, config.get("rms_norm_eps")),
+        ("vocab_size", spec.vocab_size, config.get("vocab_size")),
+        ("hidden_size", spec.hidden_size, config.get("hidden_size")),
+        ("num_hidden_layers", spec.num_hidden_layers, config.get("num_hidden_layers")),
+        ("max_position_embeddings", spec.max_position_embeddings, config.get("max_position_embeddings")),
+    ):
         if not _num_equal(want, got):
             problems.append(f"{field}: spec {want!r}, config {got!r}")
     if (spec.attention is AttentionKind.MLA) != ("kv_lora_rank" in config):
-        problems.append(f"attention: spec {spec.attention.value!r}, config "
-                        f"{'has' if 'kv_lora_rank' in config else 'has no'} kv_lora_rank")
+        problems.append(
+            f"attention: spec {spec.attention.value!r}, config "
+            f"{'has' if 'kv_lora_rank' in config else 'has no'} kv_lora_rank"
+        )
     problems += _expert_differences(spec, config)
     return problems
 
@@ -170,8 +186,13 @@ def _identity(spec: ModelSpec) -> tuple:
 
 def identify(config: Mapping[str, Any]) -> ModelSpec:
     """The one registered spec whose identity matches the config; ContractError otherwise."""
-    key = (config.get("model_type"), config.get("hidden_size"), config.get("num_hidden_layers"),
-           config.get("vocab_size"), stored_expert_dtype(config))
+    key = (
+        config.get("model_type"),
+        config.get("hidden_size"),
+        config.get("num_hidden_layers"),
+        config.get("vocab_size"),
+        stored_expert_dtype(config),
+    )
     matches = [s for s in SPECS.values() if _identity(s) == key]
     if len(matches) == 1:
         return matches[0]
@@ -180,12 +201,16 @@ def identify(config: Mapping[str, Any]) -> ModelSpec:
         passing = [s for s in matches if not _differences(s, config)]
         if len(passing) == 1:
             return passing[0]
-        raise ContractError(f"config matches several specs {[s.name for s in matches]} and "
-                            f"{len(passing)} of them fully; name one")
+        raise ContractError(
+            f"config matches several specs {[s.name for s in matches]} and "
+            f"{len(passing)} of them fully; name one"
+        )
     same_type = sorted(s.name for s in SPECS.values() if s.model_type == key[0])
-    raise ContractError(f"no registered spec for model_type {key[0]!r}, hidden_size {key[1]!r}, "
-                        f"num_hidden_layers {key[2]!r}, vocab_size {key[3]!r}, experts stored as "
-                        f"{key[4]}; specs of that model_type: {same_type or 'none'}")
+    raise ContractError(
+        f"no registered spec for model_type {key[0]!r}, hidden_size {key[1]!r}, "
+        f"num_hidden_layers {key[2]!r}, vocab_size {key[3]!r}, experts stored as "
+        f"{key[4]}; specs of that model_type: {same_type or 'none'}"
+    )
 
 
 def load_checked_spec(config: Mapping[str, Any], spec_name: str | None = None) -> ModelSpec:

@@ -22,13 +22,16 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def _yarn(rope: RopeSpec, base: float, dim: int) -> tuple[torch.Tensor, float]:
     exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
-    extrapolated = 1.0 / base ** exponents
+    extrapolated = 1.0 / base**exponents
     interpolated = extrapolated / rope.factor
 
     def correction_dim(rotations: float) -> float:
         # the dimension whose wavelength makes `rotations` turns over the original context
-        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
-                / (2 * math.log(base)))
+        return (
+            dim
+            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
 
     low = max(math.floor(correction_dim(rope.beta_fast)), 0)
     high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
@@ -38,8 +41,7 @@ def _yarn(rope: RopeSpec, base: float, dim: int) -> tuple[torch.Tensor, float]:
     keep_extrapolated = 1.0 - ramp
     inv_freq = interpolated * (1 - keep_extrapolated) + extrapolated * keep_extrapolated
     if rope.mscale is not None:
-        scaling = _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor,
-                                                                         rope.mscale_all_dim)
+        scaling = _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
     else:
         scaling = _yarn_mscale(rope.factor)
     return inv_freq, scaling
@@ -51,15 +53,15 @@ def _llama3(rope: RopeSpec, base: float, dim: int) -> torch.Tensor:
     low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
     high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
     scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = ((rope.original_max_position_embeddings / wavelen - rope.low_freq_factor)
-              / (rope.high_freq_factor - rope.low_freq_factor))
+    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
 
 
-def inverse_frequencies(rope: RopeSpec, dim: int, compressed: bool = False
-                        ) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(rope: RopeSpec, dim: int, compressed: bool = False) -> tuple[torch.Tensor, float]:
     """(float64 inverse frequencies [dim/2], attention scaling) for the declared RoPE. `compressed`
     selects DeepSeek-V4's compress_theta base."""
     if dim < 2 or dim % 2:
@@ -94,8 +96,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim or x.shape[-2] != positions.shape[0]:
-            raise ValueError(f"expected [..., {positions.shape[0]}, {self.dim}], got "
-                             f"{tuple(x.shape)}")
+            raise ValueError(f"expected [..., {positions.shape[0]}, {self.dim}], got {tuple(x.shape)}")
         cos, sin = self.cos_sin(positions)
         half = self.dim // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -17,13 +17,13 @@ from dataclasses import dataclass, fields
 
 
 class AttentionKind(enum.Enum):
-    GQA = "gqa"                    # grouped-query (MHA when kv heads == heads)
-    MLA = "mla"                    # multi-latent attention (DeepSeek-V2/V3 style)
+    GQA = "gqa"  # grouped-query (MHA when kv heads == heads)
+    MLA = "mla"  # multi-latent attention (DeepSeek-V2/V3 style)
     COMPRESSED_MQA = "compressed_mqa"  # DeepSeek-V4: one shared KV head, sliding + compressed KV
 
 
 class RopeType(enum.Enum):
-    PLAIN = "default"   # config: rope_scaling null (or rope_type "default")
+    PLAIN = "default"  # config: rope_scaling null (or rope_type "default")
     YARN = "yarn"
     LLAMA3 = "llama3"
 
@@ -33,10 +33,17 @@ class NormKind(enum.Enum):
 
 
 _YARN_REQUIRED = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
-_LLAMA3_REQUIRED = ("factor", "original_max_position_embeddings", "low_freq_factor",
-                    "high_freq_factor")
-_SCALING_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-                   "mscale", "mscale_all_dim", "low_freq_factor", "high_freq_factor")
+_LLAMA3_REQUIRED = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")
+_SCALING_FIELDS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "low_freq_factor",
+    "high_freq_factor",
+)
 
 
 @dataclass(frozen=True)
@@ -61,31 +68,33 @@ class RopeSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.type, RopeType):
             raise ValueError(f"rope type {self.type!r} is not a RopeType")
-        if not (isinstance(self.theta, (int, float)) and math.isfinite(self.theta)
-                and self.theta > 1):
+        if not (isinstance(self.theta, (int, float)) and math.isfinite(self.theta) and self.theta > 1):
             raise ValueError(f"rope theta {self.theta!r} must be a finite number > 1")
-        required = {RopeType.YARN: _YARN_REQUIRED, RopeType.LLAMA3: _LLAMA3_REQUIRED}.get(
-            self.type, ())
+        required = {RopeType.YARN: _YARN_REQUIRED, RopeType.LLAMA3: _LLAMA3_REQUIRED}.get(self.type, ())
         for name in _SCALING_FIELDS:
             value = getattr(self, name)
             if name in required and value is None:
                 raise ValueError(f"{self.type.value} RoPE needs {name}")
-            allowed = required + (("mscale", "mscale_all_dim") if self.type is RopeType.YARN
-                                  else ())
+            allowed = required + (("mscale", "mscale_all_dim") if self.type is RopeType.YARN else ())
             if value is not None and name not in allowed:
                 raise ValueError(f"{self.type.value} RoPE takes no {name} (got {value!r})")
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"rope {name} {value!r} must be a finite number > 0")
         if (self.mscale is None) != (self.mscale_all_dim is None):
-            raise ValueError(f"YaRN mscale {self.mscale!r} and mscale_all_dim "
-                             f"{self.mscale_all_dim!r} must both be stated or both be absent")
+            raise ValueError(
+                f"YaRN mscale {self.mscale!r} and mscale_all_dim "
+                f"{self.mscale_all_dim!r} must both be stated or both be absent"
+            )
         if self.type is not RopeType.PLAIN and self.factor is not None and self.factor <= 1:
             raise ValueError(f"{self.type.value} RoPE factor {self.factor} must be > 1")
 
     def scaling_items(self) -> dict[str, float | int]:
         """The stated scaling parameters, as config.json's rope_scaling would hold them."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name in _SCALING_FIELDS and getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name in _SCALING_FIELDS and getattr(self, f.name) is not None
+        }
 
 
 @dataclass(frozen=True)
@@ -101,11 +110,14 @@ class ExpertLayout:
 
     def __post_init__(self) -> None:
         if not 0 < self.experts_per_token <= self.num_experts:
-            raise ValueError(f"experts_per_token {self.experts_per_token} must lie in "
-                             f"1..num_experts {self.num_experts}")
+            raise ValueError(
+                f"experts_per_token {self.experts_per_token} must lie in 1..num_experts {self.num_experts}"
+            )
         if self.num_shared_experts < 0 or self.moe_intermediate_size < 1:
-            raise ValueError(f"bad expert layout: {self.num_shared_experts} shared, "
-                             f"moe_intermediate_size {self.moe_intermediate_size}")
+            raise ValueError(
+                f"bad expert layout: {self.num_shared_experts} shared, "
+                f"moe_intermediate_size {self.moe_intermediate_size}"
+            )
         if self.stored_dtype not in ("bf16", "fp8", "mxfp4"):
             raise ValueError(f"expert stored_dtype {self.stored_dtype!r} is not bf16, fp8 or mxfp4")
 
@@ -131,20 +143,23 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if not self.name or not self.model_type:
-            raise ValueError(f"model spec needs a name and a model_type, got {self.name!r}, "
-                             f"{self.model_type!r}")
+            raise ValueError(
+                f"model spec needs a name and a model_type, got {self.name!r}, {self.model_type!r}"
+            )
         if not isinstance(self.attention, AttentionKind):
-            raise ValueError(f"model {self.name}: attention {self.attention!r} is not an "
-                             f"AttentionKind")
+            raise ValueError(f"model {self.name}: attention {self.attention!r} is not an AttentionKind")
         if self.rope is None:
-            hint = (" — multi-latent attention does not imply YaRN" if
-                    self.attention is not AttentionKind.GQA else "")
+            hint = (
+                " — multi-latent attention does not imply YaRN"
+                if self.attention is not AttentionKind.GQA
+                else ""
+            )
             raise ValueError(
                 f"model {self.name}: no RoPE declared{hint}. Copy rope_theta and rope_scaling "
-                f"(null means plain RoPE) from the checkpoint's config.json into its spec")
+                f"(null means plain RoPE) from the checkpoint's config.json into its spec"
+            )
         if self.rotary_dim < 2 or self.rotary_dim % 2:
-            raise ValueError(f"model {self.name}: rotary_dim {self.rotary_dim} must be even and "
-                             f">= 2")
+            raise ValueError(f"model {self.name}: rotary_dim {self.rotary_dim} must be even and >= 2")
         if not (0 < self.norm_eps < 1):
             raise ValueError(f"model {self.name}: norm_eps {self.norm_eps} must lie in (0, 1)")
         for label in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"):

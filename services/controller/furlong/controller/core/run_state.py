@@ -10,8 +10,8 @@
 after a stop request; the terminal state says why the run ended. A stop request on a started run is
 recorded as `stop_requested`, a pause request as `pause_requested`; the run's driver acts on both
 between phases (it enters `paused` before the next step and leaves it when the request is
-cleared). `-> failed` from pending, starting, running or paused is for runs a restarted controller finds orphaned. Knows nothing about
-Redis or HTTP.
+cleared). `-> failed` from pending, starting, running or paused is for runs a restarted controller
+finds orphaned. Knows nothing about Redis or HTTP.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Any
 
-from furlong.core.errors import ConflictError
-
 from furlong.controller.run_spec import RunSpec, parse_run_spec
+from furlong.core.errors import ConflictError
 
 
 class RunState(str, enum.Enum):
@@ -40,7 +39,7 @@ class RunState(str, enum.Enum):
         return self in TERMINAL_STATES
 
     @classmethod
-    def parse(cls, value: str) -> "RunState":
+    def parse(cls, value: str) -> RunState:
         try:
             return cls(value)
         except ValueError:
@@ -48,8 +47,7 @@ class RunState(str, enum.Enum):
 
 
 TERMINAL_STATES = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED})
-ACTIVE_STATES = frozenset({RunState.STARTING, RunState.RUNNING, RunState.PAUSED,
-                           RunState.STOPPING})
+ACTIVE_STATES = frozenset({RunState.STARTING, RunState.RUNNING, RunState.PAUSED, RunState.STOPPING})
 
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     RunState.PENDING: frozenset({RunState.STARTING, RunState.CANCELLED, RunState.FAILED}),
@@ -67,8 +65,10 @@ def check_transition(run_id: str, current: RunState, target: RunState) -> None:
     """Raise ConflictError unless current -> target is in the transition table."""
     if target not in TRANSITIONS[current]:
         allowed = sorted(s.value for s in TRANSITIONS[current]) or "none (terminal)"
-        raise ConflictError(f"run {run_id}: illegal transition {current.value} -> {target.value} "
-                            f"(allowed from {current.value}: {allowed})")
+        raise ConflictError(
+            f"run {run_id}: illegal transition {current.value} -> {target.value} "
+            f"(allowed from {current.value}: {allowed})"
+        )
 
 
 @dataclass(frozen=True)
@@ -83,17 +83,24 @@ class CheckpointRef:
 
     def __post_init__(self) -> None:
         if self.step < 0 or not self.path:
-            raise ValueError(f"checkpoint step {self.step} must be >= 0 and path {self.path!r} "
-                             "non-empty")
+            raise ValueError(f"checkpoint step {self.step} must be >= 0 and path {self.path!r} non-empty")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "path": self.path, "policy_version": self.policy_version,
-                "created_at": self.created_at}
+        return {
+            "step": self.step,
+            "path": self.path,
+            "policy_version": self.policy_version,
+            "created_at": self.created_at,
+        }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "CheckpointRef":
-        return cls(step=int(data["step"]), path=str(data["path"]),
-                   policy_version=int(data["policy_version"]), created_at=float(data["created_at"]))
+    def from_dict(cls, data: dict[str, Any]) -> CheckpointRef:
+        return cls(
+            step=int(data["step"]),
+            path=str(data["path"]),
+            policy_version=int(data["policy_version"]),
+            created_at=float(data["created_at"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -113,13 +120,15 @@ class Run:
     policy_version: int = 0
     stop_requested: bool = False
     pause_requested: bool = False
-    checkpoint: CheckpointRef | None = None   # the latest checkpoint taken on request
+    checkpoint: CheckpointRef | None = None  # the latest checkpoint taken on request
 
-    def transitioned(self, target: RunState, now: float, reason: str | None = None) -> "Run":
+    def transitioned(self, target: RunState, now: float, reason: str | None = None) -> Run:
         """This run moved to target at time now; raises ConflictError for an illegal move."""
         check_transition(self.run_id, self.state, target)
         return replace(
-            self, state=target, updated_at=now,
+            self,
+            state=target,
+            updated_at=now,
             reason=self.reason if reason is None else reason,
             started_at=now if target == RunState.STARTING else self.started_at,
             finished_at=now if target.terminal else self.finished_at,
@@ -127,27 +136,37 @@ class Run:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "run_id": self.run_id, "name": self.spec.name, "state": self.state.value,
-            "reason": self.reason, "created_at": self.created_at, "updated_at": self.updated_at,
-            "started_at": self.started_at, "finished_at": self.finished_at,
-            "current_step": self.current_step, "total_steps": self.spec.steps,
-            "policy_version": self.policy_version, "stop_requested": self.stop_requested,
+            "run_id": self.run_id,
+            "name": self.spec.name,
+            "state": self.state.value,
+            "reason": self.reason,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "current_step": self.current_step,
+            "total_steps": self.spec.steps,
+            "policy_version": self.policy_version,
+            "stop_requested": self.stop_requested,
             "pause_requested": self.pause_requested,
             "checkpoint": self.checkpoint.to_dict() if self.checkpoint is not None else None,
             "spec": self.spec.to_dict(),
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Run":
+    def from_dict(cls, data: dict[str, Any]) -> Run:
         return cls(
-            run_id=data["run_id"], spec=parse_run_spec(data["spec"]),
-            state=RunState.parse(data["state"]), created_at=float(data["created_at"]),
-            updated_at=float(data["updated_at"]), reason=data.get("reason", ""),
-            started_at=data.get("started_at"), finished_at=data.get("finished_at"),
+            run_id=data["run_id"],
+            spec=parse_run_spec(data["spec"]),
+            state=RunState.parse(data["state"]),
+            created_at=float(data["created_at"]),
+            updated_at=float(data["updated_at"]),
+            reason=data.get("reason", ""),
+            started_at=data.get("started_at"),
+            finished_at=data.get("finished_at"),
             current_step=int(data.get("current_step", 0)),
             policy_version=int(data.get("policy_version", 0)),
             stop_requested=bool(data.get("stop_requested", False)),
             pause_requested=bool(data.get("pause_requested", False)),
-            checkpoint=CheckpointRef.from_dict(data["checkpoint"]) if data.get("checkpoint")
-            else None,
+            checkpoint=CheckpointRef.from_dict(data["checkpoint"]) if data.get("checkpoint") else None,
         )

@@ -25,37 +25,49 @@ def sampling_seed(run_seed: int, step: int) -> int:
 @dataclass(frozen=True)
 class StepRecord:
     step: int
-    reward_mean: float            # mean reward of the step's samples, as rollout scored them
+    reward_mean: float  # mean reward of the step's samples, as rollout scored them
     loss: float
-    policy_version: int           # the version committed at the end of the step
-    samples: int                  # samples generated (and trained on) in the step
-    step_seconds: float           # wall time of the whole step as the controller saw it
-    generate_seconds: float       # rollout.Generate
-    train_seconds: float          # trainer.TrainStep
-    sync_seconds: float           # trainer.PublishWeights + broker.WaitCommitted
-    num_tokens: int = 0           # generated tokens
+    policy_version: int  # the version committed at the end of the step
+    samples: int  # samples generated (and trained on) in the step
+    step_seconds: float  # wall time of the whole step as the controller saw it
+    generate_seconds: float  # rollout.Generate
+    train_seconds: float  # trainer.TrainStep
+    sync_seconds: float  # trainer.PublishWeights + broker.WaitCommitted
+    num_tokens: int = 0  # generated tokens
     sampled_policy_version: int = 0  # the version the step's samples were drawn with
     trainer_metrics: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.step < 1:
             raise ValueError(f"step must be >= 1, got {self.step}")
-        for name in ("reward_mean", "loss", "step_seconds", "generate_seconds", "train_seconds",
-                     "sync_seconds"):
+        for name in (
+            "reward_mean",
+            "loss",
+            "step_seconds",
+            "generate_seconds",
+            "train_seconds",
+            "sync_seconds",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or math.isnan(value):
                 raise ValueError(f"step {self.step}: {name} must be a number, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step, "reward_mean": self.reward_mean, "loss": self.loss,
-            "policy_version": self.policy_version, "samples": self.samples,
-            "step_seconds": self.step_seconds, "generate_seconds": self.generate_seconds,
-            "train_seconds": self.train_seconds, "sync_seconds": self.sync_seconds,
-            "num_tokens": self.num_tokens, "sampled_policy_version": self.sampled_policy_version,
+            "step": self.step,
+            "reward_mean": self.reward_mean,
+            "loss": self.loss,
+            "policy_version": self.policy_version,
+            "samples": self.samples,
+            "step_seconds": self.step_seconds,
+            "generate_seconds": self.generate_seconds,
+            "train_seconds": self.train_seconds,
+            "sync_seconds": self.sync_seconds,
+            "num_tokens": self.num_tokens,
+            "sampled_policy_version": self.sampled_policy_version,
             "trainer_metrics": dict(self.trainer_metrics),
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "StepRecord":
+    def from_dict(cls, data: dict[str, Any]) -> StepRecord:
         return cls(**{**data, "trainer_metrics": dict(data.get("trainer_metrics", {}))})

@@ -7,8 +7,9 @@ No I/O: the backends in `gpu_backends.py` call the vendor libraries.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 MIB = 1 << 20
 VENDOR_NVIDIA = "nvidia"
@@ -43,8 +44,9 @@ class GpuReading:
         if not 0.0 <= self.utilization_ratio <= 1.0:
             raise ValueError(f"utilization_ratio {self.utilization_ratio} not in [0, 1]")
         if not 0 <= self.memory_used_bytes <= self.memory_total_bytes:
-            raise ValueError(f"memory_used_bytes {self.memory_used_bytes} not in "
-                             f"[0, {self.memory_total_bytes}]")
+            raise ValueError(
+                f"memory_used_bytes {self.memory_used_bytes} not in [0, {self.memory_total_bytes}]"
+            )
         if self.power_watts is not None and self.power_watts < 0:
             raise ValueError(f"power_watts {self.power_watts} is negative")
 

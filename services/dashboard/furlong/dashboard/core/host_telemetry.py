@@ -7,8 +7,8 @@ of CPU time into a utilisation ratio and a command line into a service name. No 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 # Linux counts guest time inside user/nice as well; adding it again would count it twice.
 _NOT_SUMMED = frozenset({"guest", "guest_nice"})
@@ -51,15 +51,16 @@ class ProcessSample:
 class HostSnapshot:
     cpu_utilization_ratio: float
     memory_total_bytes: int
-    memory_used_bytes: int        # total minus what is available to new work without swapping
+    memory_used_bytes: int  # total minus what is available to new work without swapping
     processes: tuple[ProcessSample, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cpu_utilization_ratio <= 1.0:
             raise ValueError(f"cpu_utilization_ratio {self.cpu_utilization_ratio} not in [0, 1]")
         if not 0 <= self.memory_used_bytes <= self.memory_total_bytes:
-            raise ValueError(f"memory_used_bytes {self.memory_used_bytes} not in "
-                             f"[0, {self.memory_total_bytes}]")
+            raise ValueError(
+                f"memory_used_bytes {self.memory_used_bytes} not in [0, {self.memory_total_bytes}]"
+            )
 
 
 def service_from_cmdline(cmdline: Sequence[str]) -> str | None:

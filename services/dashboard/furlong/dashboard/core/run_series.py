@@ -7,7 +7,8 @@ a list of `[step, value]`; a step whose record lacks a value leaves a gap instea
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 Point = list[float]
 
@@ -31,8 +32,9 @@ def run_series(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     mean minus 1 for records from trainers that do not report it), staleness (versions between the
     policy at step start and the one the samples were drawn with), throughput (generated tokens per
     second), and the weight-sync timeline (each step's sync phase on the run's wall clock)."""
-    series: dict[str, list[Point]] = {k: [] for k in
-                                      ("reward", "loss", "kl", "mismatch", "staleness", "throughput")}
+    series: dict[str, list[Point]] = {
+        k: [] for k in ("reward", "loss", "kl", "mismatch", "staleness", "throughput")
+    }
     sync: list[dict[str, float]] = []
     previous_version = 0.0
     elapsed_s = 0.0

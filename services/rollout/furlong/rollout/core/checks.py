@@ -5,7 +5,7 @@ and the bad value. Knows nothing about transports.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from furlong.rollout.core.types import Prompt
 
@@ -15,8 +15,12 @@ MAX_ID_CHARS = 256
 
 
 def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low \
-            or (high is not None and value > high):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
     return value
@@ -26,14 +30,19 @@ def check_id(name: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a non-empty string, got {value!r}")
     if len(value) > MAX_ID_CHARS or any(ch.isspace() or not ch.isprintable() for ch in value):
-        raise ValueError(f"{name} {value!r} must be at most {MAX_ID_CHARS} printable characters "
-                         f"without whitespace")
+        raise ValueError(
+            f"{name} {value!r} must be at most {MAX_ID_CHARS} printable characters without whitespace"
+        )
     return value
 
 
 def check_timeout(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
     return float(value)
 
@@ -53,8 +62,10 @@ def check_prompts(prompts: Sequence[Prompt]) -> list[Prompt]:
         if not isinstance(p.text, str) or not p.text:
             raise ValueError(f"prompts[{i}].text (prompt {p.prompt_id!r}) must be a non-empty string")
         if not isinstance(p.answer, str):
-            raise ValueError(f"prompts[{i}].answer (prompt {p.prompt_id!r}) must be a string, "
-                             f"got {type(p.answer).__name__}")
+            raise ValueError(
+                f"prompts[{i}].answer (prompt {p.prompt_id!r}) must be a string, "
+                f"got {type(p.answer).__name__}"
+            )
     return prompts
 
 

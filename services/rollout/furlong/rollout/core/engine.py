@@ -16,8 +16,8 @@ Every step samples one token per running or joining row with `sample_step` and r
 `DecodeTrace`. Slot bookkeeping is host-side (`SlotTable`); decode attention reads each slot's
 own cache columns (numba, on the CPU) or a few slot ranges each up to its longest row (SDPA, see
 `llama_runner`).
-The only per-step device-to-host transfer is the sampled tokens. A lock is held for a whole `generate` call and by `load_weights`,
-so a batch never sees two policy versions.
+The only per-step device-to-host transfer is the sampled tokens. A lock is held for a whole
+`generate` call and by `load_weights`, so a batch never sees two policy versions.
 
 Knows nothing about text prompts, rewards, runs, Redis or transports; the tokenizer is only used for
 its special ids and to decode responses (and to match stop strings, see `stop_strings`).
@@ -28,15 +28,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
 from furlong.core.sampling_mask import RolloutSamplingMask
+from furlong.rollout.core.llama_runner import LlamaRunner
 from furlong.rollout.core.sampler import UNBOUNDED, sample_step
 from furlong.rollout.core.sampling import SamplingConfig, SupportBound
-from furlong.rollout.core.llama_runner import LlamaRunner
 from furlong.rollout.core.slot_table import SlotTable
 from furlong.rollout.core.stop_strings import StopMatcher, cut_at_stop
 from furlong.rollout.core.trace import DecodeTrace, RowTrace
@@ -65,25 +66,32 @@ class TokenizerLike(Protocol):
 @dataclass(frozen=True)
 class Generation:
     token_ids: list[int]
-    logprobs: list[float]             # under the sampling distribution, one per token
-    support: RolloutSamplingMask      # one row per token: the ids the sampler could have drawn
-    finish_reason: str                # "eos" (EOS is the last token), "stop" or "length"
-    text: str                         # decoded, special tokens skipped; cut before a stop string
+    logprobs: list[float]  # under the sampling distribution, one per token
+    support: RolloutSamplingMask  # one row per token: the ids the sampler could have drawn
+    finish_reason: str  # "eos" (EOS is the last token), "stop" or "length"
+    text: str  # decoded, special tokens skipped; cut before a stop string
     policy_version: int
     full_logprobs: list[float] = field(default_factory=list)  # under the full tempered softmax
     truncated_positions: list[int] = field(default_factory=list)  # supports the bound cut
-    stop_string: str | None = None    # the stop string that ended the response ("stop")
+    stop_string: str | None = None  # the stop string that ended the response ("stop")
 
 
 class Engine:
     """One model replica. `generate` and `load_weights` are thread-safe and mutually exclusive."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: TokenizerLike, max_batch_size: int = 256,
-                 policy_version: int = 0, name: str = "engine",
-                 support_bound: SupportBound = UNBOUNDED, batching: str = CONTINUOUS,
-                 prefill_min_rows: int | None = None, decode_attention: str = "auto") -> None:
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) \
-                or max_batch_size < 1:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: TokenizerLike,
+        max_batch_size: int = 256,
+        policy_version: int = 0,
+        name: str = "engine",
+        support_bound: SupportBound = UNBOUNDED,
+        batching: str = CONTINUOUS,
+        prefill_min_rows: int | None = None,
+        decode_attention: str = "auto",
+    ) -> None:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
@@ -91,19 +99,26 @@ class Engine:
         for special in ("pad_id", "eos_id"):
             value = getattr(tokenizer, special)
             if not 0 <= value < self.vocab_size:
-                raise ValueError(f"tokenizer {special} {value} outside the model vocabulary "
-                                 f"[0, {self.vocab_size})")
+                raise ValueError(
+                    f"tokenizer {special} {value} outside the model vocabulary [0, {self.vocab_size})"
+                )
         if not isinstance(support_bound, SupportBound):
             raise ValueError(f"support_bound must be a SupportBound, got {type(support_bound).__name__}")
         if batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {', '.join(map(repr, BATCHING_MODES))}, "
-                             f"got {batching!r}")
+            raise ValueError(
+                f"batching must be one of {', '.join(map(repr, BATCHING_MODES))}, got {batching!r}"
+            )
         if prefill_min_rows is None:
-            prefill_min_rows = 1      # joining costs no extra pass: admit into any free slot
-        if isinstance(prefill_min_rows, bool) or not isinstance(prefill_min_rows, int) \
-                or not 1 <= prefill_min_rows <= max_batch_size:
-            raise ValueError(f"prefill_min_rows must be an integer in [1, max_batch_size="
-                             f"{max_batch_size}], got {prefill_min_rows!r}")
+            prefill_min_rows = 1  # joining costs no extra pass: admit into any free slot
+        if (
+            isinstance(prefill_min_rows, bool)
+            or not isinstance(prefill_min_rows, int)
+            or not 1 <= prefill_min_rows <= max_batch_size
+        ):
+            raise ValueError(
+                f"prefill_min_rows must be an integer in [1, max_batch_size="
+                f"{max_batch_size}], got {prefill_min_rows!r}"
+            )
         self.name = name
         self.support_bound = support_bound
         self.batching = batching
@@ -124,8 +139,7 @@ class Engine:
     def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
         """Block until the engine serves at least `min_version`; False when timeout_s passed first."""
         with self._version_changed:
-            return self._version_changed.wait_for(lambda: self._policy_version >= min_version,
-                                                  timeout_s)
+            return self._version_changed.wait_for(lambda: self._policy_version >= min_version, timeout_s)
 
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Switch to policy `version`: waits for the running batch, copies every tensor into the
@@ -136,8 +150,9 @@ class Engine:
             raise ValueError(f"policy version must be an integer >= 0, got {version!r}")
         with self._batch_lock:
             if version < self._policy_version:
-                raise ValueError(f"policy version {version} is older than the served version "
-                                 f"{self._policy_version}")
+                raise ValueError(
+                    f"policy version {version} is older than the served version {self._policy_version}"
+                )
             pairs = match_state(self.model.state_dict(keep_vars=True), tensors)
             started = time.perf_counter()
             with torch.no_grad():
@@ -146,12 +161,21 @@ class Engine:
             with self._version_changed:
                 self._policy_version = version
                 self._version_changed.notify_all()
-        log.info("%s serves policy version %d (%d tensors copied in %.3f s)", self.name, version,
-                 len(pairs), time.perf_counter() - started)
+        log.info(
+            "%s serves policy version %d (%d tensors copied in %.3f s)",
+            self.name,
+            version,
+            len(pairs),
+            time.perf_counter() - started,
+        )
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], config: SamplingConfig,
-                 max_new_tokens: Sequence[int] | None = None,
-                 ignore_eos: bool = False) -> list[Generation]:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        config: SamplingConfig,
+        max_new_tokens: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> list[Generation]:
         """Sample one response per prompt. `max_new_tokens` optionally gives each row its own limit
         (default: config.max_new_tokens for all); `ignore_eos` runs every row to its limit (for
         measurements). Same prompts, config (seed included), limits and weights give the same
@@ -165,16 +189,29 @@ class Engine:
             # Static batching's padding draws go to one extra row that the trace drops.
             trace = DecodeTrace(len(prompts), self.vocab_size, discard_row=len(prompts))
             stops = StopMatcher(config.stop, self._decode) if config.stop else None
-            stopped = self._run_rows(prompts, limits, config, generator, trace,
-                                     None if ignore_eos else self.tokenizer.eos_id, stops)
-            return [self._to_generation(row, version, ignore_eos, config.stop, stopped.get(i))
-                    for i, row in enumerate(trace.rows())]
+            stopped = self._run_rows(
+                prompts,
+                limits,
+                config,
+                generator,
+                trace,
+                None if ignore_eos else self.tokenizer.eos_id,
+                stops,
+            )
+            return [
+                self._to_generation(row, version, ignore_eos, config.stop, stopped.get(i))
+                for i, row in enumerate(trace.rows())
+            ]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special=True)
 
-    def _validate_prompts(self, prompt_ids: Sequence[Sequence[int]], config: SamplingConfig,
-                          max_new_tokens: Sequence[int] | None) -> tuple[list[list[int]], list[int]]:
+    def _validate_prompts(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        config: SamplingConfig,
+        max_new_tokens: Sequence[int] | None,
+    ) -> tuple[list[list[int]], list[int]]:
         if not isinstance(config, SamplingConfig):
             raise ValueError(f"config must be a SamplingConfig, got {type(config).__name__}")
         prompts = [list(p) for p in prompt_ids]
@@ -190,39 +227,57 @@ class Engine:
         for i, (p, limit) in enumerate(zip(prompts, limits)):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < self.vocab_size]
+            bad = [
+                t for t in p if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+            ]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
             if len(p) + limit > self.max_positions:
-                raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens {limit} exceeds "
-                                 f"the model's max_position_embeddings {self.max_positions}")
+                raise ValueError(
+                    f"prompt {i} ({len(p)} tokens) + max_new_tokens {limit} exceeds "
+                    f"the model's max_position_embeddings {self.max_positions}"
+                )
         return prompts, limits
 
-    def _run_rows(self, prompts: list[list[int]], limits: list[int], config: SamplingConfig,
-                  generator: torch.Generator, trace: DecodeTrace, eos: int | None,
-                  stops: StopMatcher | None) -> dict[int, str]:
+    def _run_rows(
+        self,
+        prompts: list[list[int]],
+        limits: list[int],
+        config: SamplingConfig,
+        generator: torch.Generator,
+        trace: DecodeTrace,
+        eos: int | None,
+        stops: StopMatcher | None,
+    ) -> dict[int, str]:
         """The scheduler: admit, step, retire until every row has finished; the stop string each
         row stopped at (rows that stopped otherwise are absent). Slot state lives on the host
         (`SlotTable`); the only per-step device-to-host transfer is the sampled tokens."""
         device = self._runner.device
         table = SlotTable(self.max_batch_size)
         waiting = list(range(len(prompts)))
-        waiting.reverse()                                       # pop() takes the lowest row first
+        waiting.reverse()  # pop() takes the lowest row first
         tokens = torch.zeros(self.max_batch_size, dtype=torch.long, device=device)  # last draws
         stopped: dict[int, str] = {}
-        padded = len(prompts)           # the row of a finished slot that keeps decoding (STATIC)
+        padded = len(prompts)  # the row of a finished slot that keeps decoding (STATIC)
         last_position = self.max_positions - 1
         while waiting or table.busy:
             room = min(table.num_free, len(waiting))
-            admit = room > 0 and (not table.busy or (self.batching == CONTINUOUS and
-                                                     room >= min(self.prefill_min_rows, len(waiting))))
+            admit = room > 0 and (
+                not table.busy
+                or (self.batching == CONTINUOUS and room >= min(self.prefill_min_rows, len(waiting)))
+            )
             join_rows = [waiting.pop() for _ in range(room)] if admit else []
             join_slots = table.take_slots(len(join_rows))
             n = table.decode_slots
             groups = table.groups() if self._runner.uses_groups else ()
-            logits = self._runner.step(tokens[:n], table.position[:n], groups, table.busy,
-                                       join_slots, [prompts[r] for r in join_rows])
+            logits = self._runner.step(
+                tokens[:n],
+                table.position[:n],
+                groups,
+                table.busy,
+                join_slots,
+                [prompts[r] for r in join_rows],
+            )
             draw = sample_step(logits, config, generator, self.support_bound)
             trace.add(torch.tensor([table.row[s] for s in table.busy] + join_rows), draw)
             stepped = table.stepped(join_slots, join_rows, [len(prompts[r]) for r in join_rows])
@@ -245,12 +300,13 @@ class Engine:
                 if any(table.row[s] != padded for s in stepped):
                     finished = [s for s in finished if table.position[s] >= last_position]
                 else:
-                    finished = stepped                          # the whole batch has finished
+                    finished = stepped  # the whole batch has finished
             table.retire(finished, stepped)
         return stopped
 
-    def _to_generation(self, row: RowTrace, version: int, ignore_eos: bool,
-                       stops: tuple[str, ...], stop_string: str | None) -> Generation:
+    def _to_generation(
+        self, row: RowTrace, version: int, ignore_eos: bool, stops: tuple[str, ...], stop_string: str | None
+    ) -> Generation:
         text = self._decode(row.token_ids)
         if stop_string is not None:
             finish = FINISH_STOP
@@ -259,7 +315,14 @@ class Engine:
             finish = FINISH_EOS
         else:
             finish = FINISH_LENGTH
-        return Generation(token_ids=row.token_ids, logprobs=row.logprobs, support=row.support,
-                          finish_reason=finish, policy_version=version, text=text,
-                          full_logprobs=row.full_logprobs,
-                          truncated_positions=row.truncated_positions, stop_string=stop_string)
+        return Generation(
+            token_ids=row.token_ids,
+            logprobs=row.logprobs,
+            support=row.support,
+            finish_reason=finish,
+            policy_version=version,
+            text=text,
+            full_logprobs=row.full_logprobs,
+            truncated_positions=row.truncated_positions,
+            stop_string=stop_string,
+        )

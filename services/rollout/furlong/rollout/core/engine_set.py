@@ -16,19 +16,25 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 from furlong.core.errors import NotFoundError, UnavailableError
 from furlong.rollout.core.checks import split_evenly
 from furlong.rollout.core.engine import Engine, Generation
 from furlong.rollout.core.sampling import SamplingConfig, SupportBound
-from furlong.rollout.core.types import (EngineState, EngineStatus, ReceiverFactory,
-                                        RolloutObserver, WeightReceiverLike)
+from furlong.rollout.core.types import (
+    EngineState,
+    EngineStatus,
+    ReceiverFactory,
+    RolloutObserver,
+    WeightReceiverLike,
+)
 
 log = logging.getLogger(__name__)
 
-Row = tuple[str, list[int]]                       # (sample id, prompt token ids)
-SeedOf = Callable[[int], int]                     # share/chunk index -> sampling seed
+Row = tuple[str, list[int]]  # (sample id, prompt token ids)
+SeedOf = Callable[[int], int]  # share/chunk index -> sampling seed
 Enough = Callable[[Mapping[str, Generation]], bool]
 
 
@@ -57,8 +63,14 @@ class EngineSet(Protocol):
 
     def wait_for_version(self, min_version: int, timeout_s: float) -> bool: ...
 
-    def generate(self, request_id: str, rows: Sequence[Row], sampling: SamplingConfig,
-                 seed_of: SeedOf, enough: Enough | None = None) -> dict[str, Generation]: ...
+    def generate(
+        self,
+        request_id: str,
+        rows: Sequence[Row],
+        sampling: SamplingConfig,
+        seed_of: SeedOf,
+        enough: Enough | None = None,
+    ) -> dict[str, Generation]: ...
 
     def status(self) -> list[EngineStatus]: ...
 
@@ -87,16 +99,36 @@ class InProcessEngines:
     the serving (not drained) engines, which take their shares one after another: on a CPU host
     each already uses all torch threads. Share i samples with `seed_of(i)`."""
 
-    def __init__(self, run_id: str, model: Any, tokenizer: Any, num_engines: int,
-                 ledger: SampleLedger, *, max_batch_size: int, support_bound: SupportBound,
-                 receiver_factory: ReceiverFactory | None, observer: RolloutObserver) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        model: Any,
+        tokenizer: Any,
+        num_engines: int,
+        ledger: SampleLedger,
+        *,
+        max_batch_size: int,
+        support_bound: SupportBound,
+        receiver_factory: ReceiverFactory | None,
+        observer: RolloutObserver,
+    ) -> None:
         self._run_id = run_id
         self._ledger = ledger
         self._observer = observer
         self._lock = threading.Lock()
-        self._slots = [_Slot(engine_id=f"{run_id}-engine-{i}", engine=Engine(
-            model if i == 0 else copy.deepcopy(model), tokenizer, max_batch_size,
-            name=f"{run_id}-engine-{i}", support_bound=support_bound)) for i in range(num_engines)]
+        self._slots = [
+            _Slot(
+                engine_id=f"{run_id}-engine-{i}",
+                engine=Engine(
+                    model if i == 0 else copy.deepcopy(model),
+                    tokenizer,
+                    max_batch_size,
+                    name=f"{run_id}-engine-{i}",
+                    support_bound=support_bound,
+                ),
+            )
+            for i in range(num_engines)
+        ]
         self.engine_ids = [s.engine_id for s in self._slots]
         self.max_positions = self._slots[0].engine.max_positions
         for slot in self._slots:
@@ -115,6 +147,7 @@ class InProcessEngines:
         def apply(version, tensors) -> None:
             slot.engine.load_weights(version, tensors)
             self._observer.version_applied(self._run_id, slot.engine_id, version)
+
         return apply
 
     def policy_version(self) -> int:
@@ -122,11 +155,18 @@ class InProcessEngines:
 
     def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        return all(s.engine.wait_for_version(min_version, max(0.0, deadline - time.monotonic()))
-                   for s in self._slots)
+        return all(
+            s.engine.wait_for_version(min_version, max(0.0, deadline - time.monotonic())) for s in self._slots
+        )
 
-    def generate(self, request_id: str, rows: Sequence[Row], sampling: SamplingConfig,
-                 seed_of: SeedOf, enough: Enough | None = None) -> dict[str, Generation]:
+    def generate(
+        self,
+        request_id: str,
+        rows: Sequence[Row],
+        sampling: SamplingConfig,
+        seed_of: SeedOf,
+        enough: Enough | None = None,
+    ) -> dict[str, Generation]:
         with self._lock:
             serving = [s for s in self._slots if not s.draining]
         if not serving:
@@ -167,10 +207,20 @@ class InProcessEngines:
         raise NotFoundError(f"run {self._run_id} has no engine {engine_id!r}")
 
     def _status(self, slot: _Slot) -> EngineStatus:
-        state = (EngineState.SERVING if not slot.draining else
-                 EngineState.DRAINING if slot.in_flight else EngineState.DRAINED)
-        return EngineStatus(engine_id=slot.engine_id, policy_version=slot.engine.policy_version,
-                            healthy=slot.healthy, state=state, in_flight=slot.in_flight)
+        state = (
+            EngineState.SERVING
+            if not slot.draining
+            else EngineState.DRAINING
+            if slot.in_flight
+            else EngineState.DRAINED
+        )
+        return EngineStatus(
+            engine_id=slot.engine_id,
+            policy_version=slot.engine.policy_version,
+            healthy=slot.healthy,
+            state=state,
+            in_flight=slot.in_flight,
+        )
 
     def status(self) -> list[EngineStatus]:
         with self._lock:
@@ -196,12 +246,26 @@ class InProcessEngines:
             slot.receiver = None
 
 
-def in_process_factory(*, max_batch_size: int, support_bound: SupportBound,
-                       receiver_factory: ReceiverFactory | None,
-                       observer: RolloutObserver) -> EngineSetFactory:
-    def make(run_id: str, model_dir: str, model: Any, tokenizer: Any, num_engines: int,
-             ledger: SampleLedger) -> EngineSet:
-        return InProcessEngines(run_id, model, tokenizer, num_engines, ledger,
-                                max_batch_size=max_batch_size, support_bound=support_bound,
-                                receiver_factory=receiver_factory, observer=observer)
+def in_process_factory(
+    *,
+    max_batch_size: int,
+    support_bound: SupportBound,
+    receiver_factory: ReceiverFactory | None,
+    observer: RolloutObserver,
+) -> EngineSetFactory:
+    def make(
+        run_id: str, model_dir: str, model: Any, tokenizer: Any, num_engines: int, ledger: SampleLedger
+    ) -> EngineSet:
+        return InProcessEngines(
+            run_id,
+            model,
+            tokenizer,
+            num_engines,
+            ledger,
+            max_batch_size=max_batch_size,
+            support_bound=support_bound,
+            receiver_factory=receiver_factory,
+            observer=observer,
+        )
+
     return make

@@ -10,8 +10,8 @@ Knows nothing about engines, Redis or transports.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from furlong.rollout.core.checks import check_int
 
@@ -33,9 +33,11 @@ class DynamicSampling:
 
     def check_group_size(self, samples_per_prompt: int) -> None:
         if self.enabled and samples_per_prompt < 2:
-            raise ValueError(f"dynamic sampling (max_refill_rounds {self.max_refill_rounds}) needs "
-                             f"samples_per_prompt >= 2, got {samples_per_prompt}: a group of one "
-                             f"always has zero reward variance")
+            raise ValueError(
+                f"dynamic sampling (max_refill_rounds {self.max_refill_rounds}) needs "
+                f"samples_per_prompt >= 2, got {samples_per_prompt}: a group of one "
+                f"always has zero reward variance"
+            )
 
 
 def zero_variance(rewards: Sequence[float]) -> bool:
@@ -50,9 +52,9 @@ def constant_groups(rewards_by_group: Sequence[Sequence[float]]) -> list[int]:
 
 @dataclass(frozen=True)
 class GroupOutcome:
-    kept: list[int]          # group indices written, in request order
-    dropped: list[int]       # constant after every round
-    refills: int             # groups drawn again (summed over rounds)
+    kept: list[int]  # group indices written, in request order
+    dropped: list[int]  # constant after every round
+    refills: int  # groups drawn again (summed over rounds)
 
 
 @dataclass(frozen=True)
@@ -74,12 +76,11 @@ class OverSampling:
 
     def check(self, num_prompts: int) -> None:
         if self.keep_groups > num_prompts:
-            raise ValueError(f"keep_groups {self.keep_groups} exceeds the request's {num_prompts} "
-                             f"prompts")
+            raise ValueError(f"keep_groups {self.keep_groups} exceeds the request's {num_prompts} prompts")
 
     def keep(self, completed: Sequence[int]) -> list[int]:
         """The groups kept, from group indices in the order they completed."""
-        return list(completed[:self.keep_groups]) if self.enabled else list(completed)
+        return list(completed[: self.keep_groups]) if self.enabled else list(completed)
 
     @staticmethod
     def prompts_for(needed: int, factor: float) -> int:

@@ -25,7 +25,7 @@ SDPA. Knows nothing about sampling, tokenizers or requests.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 DECODE_ATTENTION = ("auto", "numba", "sdpa")
 MAX_ATTENTION_GROUPS = 4
 MIN_GROUP_ROWS = 8
-GROUP_CALL_COLUMNS = 256   # what one more attention call costs, in cache columns read (CPU, measured)
+GROUP_CALL_COLUMNS = 256  # what one more attention call costs, in cache columns read (CPU, measured)
 
 
 def check_supported(model: torch.nn.Module) -> None:
@@ -46,11 +46,14 @@ def check_supported(model: torch.nn.Module) -> None:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"the built-in engine runs model types {SUPPORTED_MODEL_TYPES}, got "
-                         f"{model_type!r} ({type(model).__name__})")
+        raise ValueError(
+            f"the built-in engine runs model types {SUPPORTED_MODEL_TYPES}, got "
+            f"{model_type!r} ({type(model).__name__})"
+        )
     if getattr(config, "max_position_embeddings", None) is None:
-        raise ValueError("the model config declares no max_position_embeddings; the KV cache "
-                         "size must be explicit")
+        raise ValueError(
+            "the model config declares no max_position_embeddings; the KV cache size must be explicit"
+        )
 
 
 class LlamaRunner:
@@ -65,8 +68,9 @@ class LlamaRunner:
         config = model.config
         self.max_positions = int(config.max_position_embeddings)
         self.num_kv_heads = int(config.num_key_value_heads)
-        self.head_dim = int(getattr(config, "head_dim", None)
-                            or config.hidden_size // config.num_attention_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
 
@@ -96,9 +100,15 @@ class LlamaRunner:
         """Drop the cache buffers (they are allocated again on the next call)."""
         self._keys, self._values = [], []
 
-    def step(self, tokens: torch.Tensor, positions: Sequence[int],
-             groups: Sequence[tuple[int, int, int]], out_rows: Sequence[int],
-             join_slots: Sequence[int], join_prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: Sequence[int],
+        groups: Sequence[tuple[int, int, int]],
+        out_rows: Sequence[int],
+        join_slots: Sequence[int],
+        join_prompts: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
         """One forward pass; the next-token logits (len(out_rows) + len(join_prompts), vocab).
 
         Decode part: `tokens[i]` at `positions[i]` for slot i of [0, n) (n = tokens.numel(), may be
@@ -136,9 +146,9 @@ class LlamaRunner:
         rows_index = torch.tensor(rows, dtype=torch.long, device=device)
         total = n + j * width
         inner = self.model.model
-        hidden = inner.embed_tokens(flat_ids)                       # (total, hidden)
+        hidden = inner.embed_tokens(flat_ids)  # (total, hidden)
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids[None])
-        cos, sin = cos[0], sin[0]                                   # (total, head_dim)
+        cos, sin = cos[0], sin[0]  # (total, head_dim)
         masks: list[torch.Tensor] = []
         kernel = self._kernel
         if n:
@@ -149,15 +159,17 @@ class LlamaRunner:
                 decode_out = torch.empty(n, self.model.config.num_attention_heads, self.head_dim)
             else:
                 columns = torch.arange(max(span for _, _, span in groups), device=device)
-                masks = [(columns[None, :span] <= decode_positions[a:b, None])[:, None, None, :]
-                         for a, b, span in groups]
+                masks = [
+                    (columns[None, :span] <= decode_positions[a:b, None])[:, None, None, :]
+                    for a, b, span in groups
+                ]
         for layer, keys, values in zip(inner.layers, self._keys, self._values):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             q = attn.q_proj(x).view(total, -1, self.head_dim)
             k = attn.k_proj(x).view(total, -1, self.head_dim)
             v = attn.v_proj(x).view(total, -1, self.head_dim)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)   # (total, heads, dim)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # (total, heads, dim)
             outs = []
             gqa = q.shape[1] != k.shape[1]
             if n:
@@ -169,18 +181,30 @@ class LlamaRunner:
                 keys[join_index, :, :width] = kj
                 values[join_index, :, :width] = vj
             if n and kernel is not None:
-                kernel(q[:n].contiguous().numpy(), keys.numpy(), values.numpy(),
-                       decode_positions_np, np.float32(attn.scaling), decode_out.numpy())
-                outs.append(decode_out.view(n, -1))   # used up (o_proj, cat) before the next layer
-            for (a, b, span), mask in zip(groups, masks):     # SDPA only: masks is empty else
-                out = scaled_dot_product_attention(q[a:b, :, None], keys[a:b, :, :span],
-                                                   values[a:b, :, :span], attn_mask=mask,
-                                                   scale=attn.scaling, enable_gqa=gqa)
+                kernel(
+                    q[:n].contiguous().numpy(),
+                    keys.numpy(),
+                    values.numpy(),
+                    decode_positions_np,
+                    np.float32(attn.scaling),
+                    decode_out.numpy(),
+                )
+                outs.append(decode_out.view(n, -1))  # used up (o_proj, cat) before the next layer
+            for (a, b, span), mask in zip(groups, masks):  # SDPA only: masks is empty else
+                out = scaled_dot_product_attention(
+                    q[a:b, :, None],
+                    keys[a:b, :, :span],
+                    values[a:b, :, :span],
+                    attn_mask=mask,
+                    scale=attn.scaling,
+                    enable_gqa=gqa,
+                )
                 outs.append(out.reshape(b - a, -1))
             if j:
                 qj = q[n:].view(j, width, -1, self.head_dim).transpose(1, 2)
-                out = scaled_dot_product_attention(qj, kj, vj, is_causal=True, scale=attn.scaling,
-                                                   enable_gqa=gqa)
+                out = scaled_dot_product_attention(
+                    qj, kj, vj, is_causal=True, scale=attn.scaling, enable_gqa=gqa
+                )
                 outs.append(out.transpose(1, 2).reshape(j * width, -1))
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             hidden = hidden + attn.o_proj(out)
@@ -199,8 +223,10 @@ def _select_kernel(model: torch.nn.Module, choice: str):
     fits = param.device.type == "cpu" and param.dtype == torch.float32
     if not fits:
         if choice == "numba":
-            raise ValueError(f"the numba decode attention runs float32 models on the CPU, this one "
-                             f"is {param.dtype} on {param.device}")
+            raise ValueError(
+                f"the numba decode attention runs float32 models on the CPU, this one "
+                f"is {param.dtype} on {param.device}"
+            )
         return None
     try:
         from furlong.rollout.core._decode_attention import decode_attention
@@ -220,7 +246,7 @@ def attention_groups(positions: Sequence[int], n: int) -> list[tuple[int, int, i
     range is one more kernel call, so neighbours are merged when splitting them saves fewer than
     GROUP_CALL_COLUMNS columns (sequences of equal length get a single range)."""
     size = max(MIN_GROUP_ROWS, -(-n // MAX_ATTENTION_GROUPS))
-    groups = [(a, min(n, a + size), max(positions[a:a + size]) + 1) for a in range(0, n, size)]
+    groups = [(a, min(n, a + size), max(positions[a : a + size]) + 1) for a in range(0, n, size)]
     merged = [groups[0]] if groups else []
     for a, b, span in groups[1:]:
         a0, _, span0 = merged[-1]

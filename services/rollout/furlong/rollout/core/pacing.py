@@ -24,7 +24,7 @@ MAX_STALENESS = 64
 
 @dataclass(frozen=True)
 class StalenessPacer:
-    max_staleness: int     # 0 = synchronous: step s is generated with version s
+    max_staleness: int  # 0 = synchronous: step s is generated with version s
 
     def __post_init__(self) -> None:
         s = self.max_staleness
@@ -48,6 +48,8 @@ class StalenessPacer:
         """ValueError naming the oldest sample when a batch is staler than allowed."""
         oldest = min(sample_versions)
         if self.staleness(trained_version, oldest) > self.max_staleness:
-            raise ValueError(f"a sample drawn with version {oldest} is {trained_version - oldest} "
-                             f"versions older than the trained version {trained_version} "
-                             f"(max_staleness {self.max_staleness})")
+            raise ValueError(
+                f"a sample drawn with version {oldest} is {trained_version - oldest} "
+                f"versions older than the trained version {trained_version} "
+                f"(max_staleness {self.max_staleness})"
+            )

@@ -19,11 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from furlong.rollout.core.sampling import (MAX_SEED, OVERFLOW_ERROR, SamplingConfig, SupportBound,
-                                           SupportOverflowError)
+from furlong.rollout.core.sampling import (
+    MAX_SEED,
+    OVERFLOW_ERROR,
+    SamplingConfig,
+    SupportBound,
+    SupportOverflowError,
+)
 
-__all__ = ["MAX_SEED", "SamplingConfig", "StepDraw", "SupportBound", "SupportOverflowError",
-           "sample_step"]
+__all__ = ["MAX_SEED", "SamplingConfig", "StepDraw", "SupportBound", "SupportOverflowError", "sample_step"]
 
 UNBOUNDED = SupportBound()
 
@@ -38,16 +42,17 @@ class StepDraw:
     `truncated[r]` says the support bound cut row r's support (None: nothing was cut).
     """
 
-    tokens: torch.Tensor               # int64 (A,)
-    logprobs: torch.Tensor             # float32 (A,)
-    kept_ids: torch.Tensor | None      # int64 (A, K)
-    kept_counts: torch.Tensor | None   # int64 (A,)
+    tokens: torch.Tensor  # int64 (A,)
+    logprobs: torch.Tensor  # float32 (A,)
+    kept_ids: torch.Tensor | None  # int64 (A, K)
+    kept_counts: torch.Tensor | None  # int64 (A,)
     full_logprobs: torch.Tensor | None = None  # float32 (A,)
-    truncated: torch.Tensor | None = None      # bool (A,)
+    truncated: torch.Tensor | None = None  # bool (A,)
 
 
-def sample_step(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator,
-                bound: SupportBound = UNBOUNDED) -> StepDraw:
+def sample_step(
+    logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator, bound: SupportBound = UNBOUNDED
+) -> StepDraw:
     """Draw one token per row of `logits` (A, V). No Python loop over rows. SupportOverflowError
     when a support exceeds `bound` and the bound says to fail."""
     scaled = logits.float()
@@ -59,8 +64,9 @@ def sample_step(logits: torch.Tensor, config: SamplingConfig, generator: torch.G
     if not config.filters_vocab(vocab_size) and not bound.bounds(vocab_size):
         tokens = _draw(full, generator)
         logprobs = full.gather(-1, tokens[:, None]).squeeze(-1)
-        return StepDraw(tokens=tokens, logprobs=logprobs, kept_ids=None, kept_counts=None,
-                        full_logprobs=logprobs)
+        return StepDraw(
+            tokens=tokens, logprobs=logprobs, kept_ids=None, kept_counts=None, full_logprobs=logprobs
+        )
     if 0 < config.top_k < vocab_size:
         values, ids = torch.topk(scaled, config.top_k, dim=-1, sorted=True)
     else:
@@ -86,7 +92,8 @@ def sample_step(logits: torch.Tensor, config: SamplingConfig, generator: torch.G
                 raise SupportOverflowError(
                     f"sampling support of {int(counts[row])} token ids (batch row {row}) exceeds "
                     f"max_support_size {bound.max_size}; raise the bound, filter harder (top_k, "
-                    f"top_p, min_p) or choose on_overflow='truncate'")
+                    f"top_p, min_p) or choose on_overflow='truncate'"
+                )
             keep &= torch.arange(values.shape[1], device=values.device)[None, :] < bound.max_size
             counts = counts.clamp(max=bound.max_size)
             truncated = over
@@ -96,8 +103,14 @@ def sample_step(logits: torch.Tensor, config: SamplingConfig, generator: torch.G
     picks = _draw(logp, generator)[:, None]
     tokens = ids.gather(-1, picks).squeeze(-1)
     full_logprobs = full.gather(-1, tokens[:, None]).squeeze(-1)
-    return StepDraw(tokens=tokens, logprobs=logp.gather(-1, picks).squeeze(-1), kept_ids=ids,
-                    kept_counts=counts, full_logprobs=full_logprobs, truncated=truncated)
+    return StepDraw(
+        tokens=tokens,
+        logprobs=logp.gather(-1, picks).squeeze(-1),
+        kept_ids=ids,
+        kept_counts=counts,
+        full_logprobs=full_logprobs,
+        truncated=truncated,
+    )
 
 
 def _draw(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -6,8 +6,8 @@ Kept free of torch so that clients can build requests without importing it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
@@ -17,11 +17,11 @@ MAX_STOP_CHARS = 256
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 1.0
-    top_k: int = 0          # 0 = off
-    top_p: float = 1.0      # 1.0 = off
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
     max_new_tokens: int = 32
     seed: int = 0
-    min_p: float = 0.0      # 0.0 = off; keep tokens with p >= min_p * p_max
+    min_p: float = 0.0  # 0.0 = off; keep tokens with p >= min_p * p_max
     # A response ends at the token completing one of these strings (finish reason "stop"); the
     # returned text ends before it, the token ids keep every drawn token. Any sequence of str is
     # accepted and stored as a tuple.
@@ -63,8 +63,9 @@ def check_stop_strings(stop: object) -> tuple[str, ...]:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         if len(s) > MAX_STOP_CHARS:
-            raise ValueError(f"stop string {s[:32]!r}... has {len(s)} characters, at most "
-                             f"{MAX_STOP_CHARS} are allowed")
+            raise ValueError(
+                f"stop string {s[:32]!r}... has {len(s)} characters, at most {MAX_STOP_CHARS} are allowed"
+            )
     return tuple(dict.fromkeys(stop))
 
 
@@ -94,8 +95,9 @@ class SupportBound:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"max_support_size must be an integer >= 0 (0 = unbounded), got {n!r}")
         if self.on_overflow not in (OVERFLOW_ERROR, OVERFLOW_TRUNCATE):
-            raise ValueError(f"on_overflow must be {OVERFLOW_ERROR!r} or {OVERFLOW_TRUNCATE!r}, "
-                             f"got {self.on_overflow!r}")
+            raise ValueError(
+                f"on_overflow must be {OVERFLOW_ERROR!r} or {OVERFLOW_TRUNCATE!r}, got {self.on_overflow!r}"
+            )
 
     def bounds(self, vocab_size: int) -> bool:
         """True when a support over this vocabulary can exceed the bound."""

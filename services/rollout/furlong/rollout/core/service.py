@@ -26,28 +26,43 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import redis
 
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.core.samples import STREAM_FIELD, Sample, SampleGroup, stream_key
-from furlong.rollout.core.checks import (MAX_ENGINES, MAX_SAMPLES_PER_PROMPT, check_id, check_int,
-                                         check_prompts, check_timeout)
+from furlong.rollout.core.checks import (
+    MAX_ENGINES,
+    MAX_SAMPLES_PER_PROMPT,
+    check_id,
+    check_int,
+    check_prompts,
+    check_timeout,
+)
 from furlong.rollout.core.engine import Generation
 from furlong.rollout.core.engine_set import EngineSet, EngineSetFactory, in_process_factory
-from furlong.rollout.core.sampling import MAX_SEED, OVERFLOW_ERROR, SamplingConfig, SupportBound
-from furlong.rollout.core.types import (EngineStatus, GenerateResult, NullObserver, Prompt,
-                                        ReceiverFactory, RolloutObserver, RunInfo, RunStatus)
 from furlong.rollout.core.groups import DynamicSampling, GroupOutcome, OverSampling, zero_variance
+from furlong.rollout.core.sampling import MAX_SEED, OVERFLOW_ERROR, SamplingConfig, SupportBound
+from furlong.rollout.core.types import (
+    EngineStatus,
+    GenerateResult,
+    NullObserver,
+    Prompt,
+    ReceiverFactory,
+    RolloutObserver,
+    RunInfo,
+    RunStatus,
+)
 from furlong.rollout.ledger import Ledger
 from furlong.rollout.rewards import RewardFn, get_reward, reward_registry, score_all
 
 log = logging.getLogger(__name__)
 
-PolicyLoader = Callable[[str], tuple[Any, Any]]   # model_dir -> (causal LM, tokenizer)
+PolicyLoader = Callable[[str], tuple[Any, Any]]  # model_dir -> (causal LM, tokenizer)
 
 
 def _default_loader(model_dir: str) -> tuple[Any, Any]:
@@ -81,8 +96,11 @@ class _Run:
     ledger: Ledger
 
     def info(self) -> RunInfo:
-        return RunInfo(run_id=self.run_id, engine_ids=list(self.engines.engine_ids),
-                       policy_version=self.engines.policy_version())
+        return RunInfo(
+            run_id=self.run_id,
+            engine_ids=list(self.engines.engine_ids),
+            policy_version=self.engines.policy_version(),
+        )
 
 
 @dataclass
@@ -102,32 +120,44 @@ class RolloutService:
     `support_bound` caps every recorded sampling support; it must fail (on_overflow="error"), since
     the stream's Sample format has no truncated flag and a cut support must never pass silently."""
 
-    def __init__(self, redis_client: Any, receiver_factory: ReceiverFactory | None, *,
-                 policy_loader: PolicyLoader = _default_loader, max_batch_size: int = 256,
-                 observer: RolloutObserver | None = None,
-                 rewards: Mapping[str, RewardFn] | None = None,
-                 support_bound: SupportBound = SupportBound(), reward_timeout_s: float = 60.0,
-                 reward_workers: int = 4, engines: EngineSetFactory | None = None) -> None:
+    def __init__(
+        self,
+        redis_client: Any,
+        receiver_factory: ReceiverFactory | None,
+        *,
+        policy_loader: PolicyLoader = _default_loader,
+        max_batch_size: int = 256,
+        observer: RolloutObserver | None = None,
+        rewards: Mapping[str, RewardFn] | None = None,
+        support_bound: SupportBound = SupportBound(),
+        reward_timeout_s: float = 60.0,
+        reward_workers: int = 4,
+        engines: EngineSetFactory | None = None,
+    ) -> None:
         check_int("max_batch_size", max_batch_size, 1)
         self._reward_timeout_s = check_timeout("reward_timeout_s", reward_timeout_s)
         self._reward_workers = check_int("reward_workers", reward_workers, 1, 256)
         if not isinstance(support_bound, SupportBound) or support_bound.on_overflow != OVERFLOW_ERROR:
-            raise ValueError(f"support_bound must be a SupportBound with on_overflow="
-                             f"{OVERFLOW_ERROR!r} (samples cannot carry a truncated flag), "
-                             f"got {support_bound!r}")
+            raise ValueError(
+                f"support_bound must be a SupportBound with on_overflow="
+                f"{OVERFLOW_ERROR!r} (samples cannot carry a truncated flag), "
+                f"got {support_bound!r}"
+            )
         self._redis = redis_client
         self._loader = policy_loader
         self._observer = observer or NullObserver()
         self._engines = engines or in_process_factory(
-            max_batch_size=max_batch_size, support_bound=support_bound,
-            receiver_factory=receiver_factory, observer=self._observer)
+            max_batch_size=max_batch_size,
+            support_bound=support_bound,
+            receiver_factory=receiver_factory,
+            observer=self._observer,
+        )
         self._rewards = None if rewards is None else reward_registry(rewards, include_builtin=False)
-        self._lock = threading.Lock()            # guards _runs
+        self._lock = threading.Lock()  # guards _runs
         self._configure_lock = threading.Lock()  # one configure_run at a time
         self._runs: dict[str, _Run] = {}
 
-    def configure_run(self, run_id: str, model_dir: str, reward: str, num_engines: int,
-                      seed: int) -> RunInfo:
+    def configure_run(self, run_id: str, model_dir: str, reward: str, num_engines: int, seed: int) -> RunInfo:
         """Load the checkpoint into num_engines engines and start their receivers. Configuring a run
         again with the same arguments returns its current info; with others, ConflictError."""
         check_id("run_id", run_id)
@@ -144,8 +174,10 @@ class RolloutService:
             if existing is not None:
                 same = (existing.model_dir, existing.reward_name, existing.num_engines, existing.seed)
                 if same != (model_dir, reward, num_engines, seed):
-                    raise ConflictError(f"run {run_id} is already configured with (model_dir, reward, "
-                                        f"num_engines, seed) = {same}")
+                    raise ConflictError(
+                        f"run {run_id} is already configured with (model_dir, reward, "
+                        f"num_engines, seed) = {same}"
+                    )
                 return existing.info()
             model, tokenizer = self._loader(model_dir)
             ledger = Ledger(self._redis, scope=run_id)
@@ -154,13 +186,20 @@ class RolloutService:
             except BaseException:
                 self._observer.run_ended(run_id, [f"{run_id}-engine-{i}" for i in range(num_engines)])
                 raise
-            run = _Run(run_id=run_id, model_dir=model_dir, reward_name=reward, reward_fn=reward_fn,
-                       num_engines=num_engines, seed=seed, tokenizer=tokenizer, engines=engines,
-                       ledger=ledger)
+            run = _Run(
+                run_id=run_id,
+                model_dir=model_dir,
+                reward_name=reward,
+                reward_fn=reward_fn,
+                num_engines=num_engines,
+                seed=seed,
+                tokenizer=tokenizer,
+                engines=engines,
+                ledger=ledger,
+            )
             with self._lock:
                 self._runs[run_id] = run
-        log.info("run %s configured: %d engine(s) from %s, reward %s", run_id, num_engines,
-                 model_dir, reward)
+        log.info("run %s configured: %d engine(s) from %s, reward %s", run_id, num_engines, model_dir, reward)
         return run.info()
 
     def _get(self, run_id: str) -> _Run:
@@ -170,9 +209,18 @@ class RolloutService:
             raise NotFoundError(f"run {run_id!r} is not configured in this rollout service")
         return run
 
-    def generate(self, run_id: str, step: int, prompts: Sequence[Prompt], samples_per_prompt: int,
-                 sampling: SamplingConfig, min_policy_version: int, timeout_s: float,
-                 max_refill_rounds: int = 0, keep_groups: int = 0) -> GenerateResult:
+    def generate(
+        self,
+        run_id: str,
+        step: int,
+        prompts: Sequence[Prompt],
+        samples_per_prompt: int,
+        sampling: SamplingConfig,
+        min_policy_version: int,
+        timeout_s: float,
+        max_refill_rounds: int = 0,
+        keep_groups: int = 0,
+    ) -> GenerateResult:
         """Generate prompts x samples_per_prompt samples and append their groups to the run's stream.
         TimeoutError when an engine does not reach min_policy_version within timeout_s.
         `max_refill_rounds` > 0 turns on dynamic sampling (see core.groups): zero-variance groups
@@ -200,30 +248,52 @@ class RolloutService:
         everything = list(range(len(prompts)))
         # With dynamic sampling a group is only known to be kept after its rewards (and refills).
         early = over.enabled and not dynamic.enabled
-        draw = self._draw_groups(run, request_id, prompts, prompt_ids, everything, samples_per_prompt,
-                                 sampling, 0, keep_groups if early else 0)
+        draw = self._draw_groups(
+            run,
+            request_id,
+            prompts,
+            prompt_ids,
+            everything,
+            samples_per_prompt,
+            sampling,
+            0,
+            keep_groups if early else 0,
+        )
         by_prompt, num_tokens = draw.groups, draw.num_tokens
-        order = list(by_prompt)                   # completion order; refilled groups go last
-        pending = ([p for p in order if zero_variance([s.reward for s in by_prompt[p]])]
-                   if dynamic.enabled else [])
+        order = list(by_prompt)  # completion order; refilled groups go last
+        pending = (
+            [p for p in order if zero_variance([s.reward for s in by_prompt[p]])] if dynamic.enabled else []
+        )
         refills = 0
         for round_ in range(1, dynamic.max_refill_rounds + 1):
             if not pending:
                 break
             refills += len(pending)
-            redrawn = self._draw_groups(run, f"{request_id}/r{round_}", prompts, prompt_ids, pending,
-                                        samples_per_prompt, sampling, round_, 0)
+            redrawn = self._draw_groups(
+                run,
+                f"{request_id}/r{round_}",
+                prompts,
+                prompt_ids,
+                pending,
+                samples_per_prompt,
+                sampling,
+                round_,
+                0,
+            )
             num_tokens += redrawn.num_tokens
             by_prompt.update(redrawn.groups)
             order = [p for p in order if p not in redrawn.groups] + list(redrawn.groups)
             pending = [p for p in pending if zero_variance([s.reward for s in by_prompt[p]])]
-        outcome = GroupOutcome(kept=[p for p in order if p not in set(pending)],
-                               dropped=pending, refills=refills)
-        kept = sorted(over.keep(outcome.kept))    # written in request order
+        outcome = GroupOutcome(
+            kept=[p for p in order if p not in set(pending)], dropped=pending, refills=refills
+        )
+        kept = sorted(over.keep(outcome.kept))  # written in request order
         surplus = [p for p in everything if p not in set(kept) and p not in set(pending)]
         self._close_surplus(run, request_id, prompts, surplus, samples_per_prompt, dynamic)
-        groups = [SampleGroup(run_id=run_id, step=step, prompt_id=prompts[p].prompt_id,
-                              samples=by_prompt[p]) for p in kept]
+        groups = [
+            SampleGroup(run_id=run_id, step=step, prompt_id=prompts[p].prompt_id, samples=by_prompt[p])
+            for p in kept
+        ]
         with self._lock:
             ended = self._runs.get(run_id) is not run
         if ended:
@@ -239,56 +309,94 @@ class RolloutService:
         if over.enabled:
             self._observer.groups_surplus(run_id, len(surplus))
         served = [s.policy_version for s in samples] or [run.engines.policy_version()]
-        return GenerateResult(run_id=run_id, step=step, num_groups=len(groups),
-                              num_samples=len(samples), reward_mean=reward_mean,
-                              policy_version=min(served), num_tokens=num_tokens,
-                              generate_seconds=seconds, num_groups_dropped=len(outcome.dropped),
-                              num_groups_refilled=outcome.refills,
-                              num_groups_surplus=len(surplus), request_id=request_id)
+        return GenerateResult(
+            run_id=run_id,
+            step=step,
+            num_groups=len(groups),
+            num_samples=len(samples),
+            reward_mean=reward_mean,
+            policy_version=min(served),
+            num_tokens=num_tokens,
+            generate_seconds=seconds,
+            num_groups_dropped=len(outcome.dropped),
+            num_groups_refilled=outcome.refills,
+            num_groups_surplus=len(surplus),
+            request_id=request_id,
+        )
 
     @staticmethod
-    def _close_surplus(run: _Run, request_id: str, prompts: list[Prompt], surplus: list[int],
-                       samples_per_prompt: int, dynamic: DynamicSampling) -> None:
+    def _close_surplus(
+        run: _Run,
+        request_id: str,
+        prompts: list[Prompt],
+        surplus: list[int],
+        samples_per_prompt: int,
+        dynamic: DynamicSampling,
+    ) -> None:
         """Close every sample of the surplus groups (in each round's ledger they were drawn in)."""
         ids = [sample_id(prompts[p].prompt_id, i) for p in surplus for i in range(samples_per_prompt)]
         run.ledger.close(request_id, ids)
         for round_ in range(1, dynamic.max_refill_rounds + 1):
             run.ledger.close(f"{request_id}/r{round_}", ids)
 
-    def _draw_groups(self, run: _Run, request_id: str, prompts: list[Prompt],
-                     prompt_ids: list[list[int]], which: list[int], samples_per_prompt: int,
-                     sampling: SamplingConfig, round_: int, enough_groups: int) -> _Draw:
+    def _draw_groups(
+        self,
+        run: _Run,
+        request_id: str,
+        prompts: list[Prompt],
+        prompt_ids: list[list[int]],
+        which: list[int],
+        samples_per_prompt: int,
+        sampling: SamplingConfig,
+        round_: int,
+        enough_groups: int,
+    ) -> _Draw:
         """Samples (rewards scored) of the prompts `which` whose groups completed, in completion
         order. Every group completes unless `enough_groups` > 0 stopped the request early."""
-        rows = {sample_id(prompts[p].prompt_id, i): (p, i) for p in which
-                for i in range(samples_per_prompt)}
+        rows = {sample_id(prompts[p].prompt_id, i): (p, i) for p in which for i in range(samples_per_prompt)}
         request_seed = sampling.seed
 
         def enough(done: Mapping[str, Generation]) -> bool:
             return len(self._complete(done, rows, samples_per_prompt)) >= enough_groups
 
         generations = run.engines.generate(
-            request_id, [(sid, prompt_ids[p]) for sid, (p, _) in rows.items()], sampling,
+            request_id,
+            [(sid, prompt_ids[p]) for sid, (p, _) in rows.items()],
+            sampling,
             lambda share: engine_seed(run.seed, request_seed, share, round_),
-            enough if enough_groups else None)
+            enough if enough_groups else None,
+        )
         complete = self._complete(generations, rows, samples_per_prompt)
         if not enough_groups and len(complete) != len(which):
             lost = sorted(set(rows) - set(generations))
-            raise UnavailableError(f"run {run.run_id} request {request_id}: no result for samples "
-                                   f"{lost[:8]} ({len(lost)} in all)")
-        scored = [(sid, rows[sid], generations[sid]) for p in complete
-                  for sid in (sample_id(prompts[p].prompt_id, i) for i in range(samples_per_prompt))]
-        rewards = score_all(run.reward_name, run.reward_fn, [
-            (g.text, prompts[p].answer, f"prompt {prompts[p].prompt_id!r} sample {sid!r}")
-            for sid, (p, _), g in scored], self._reward_timeout_s, self._reward_workers)
+            raise UnavailableError(
+                f"run {run.run_id} request {request_id}: no result for samples "
+                f"{lost[:8]} ({len(lost)} in all)"
+            )
+        scored = [
+            (sid, rows[sid], generations[sid])
+            for p in complete
+            for sid in (sample_id(prompts[p].prompt_id, i) for i in range(samples_per_prompt))
+        ]
+        rewards = score_all(
+            run.reward_name,
+            run.reward_fn,
+            [
+                (g.text, prompts[p].answer, f"prompt {prompts[p].prompt_id!r} sample {sid!r}")
+                for sid, (p, _), g in scored
+            ],
+            self._reward_timeout_s,
+            self._reward_workers,
+        )
         groups: dict[int, list[Sample]] = {p: [] for p in complete}
-        for (sid, (p, i), g), r in zip(scored, rewards):
+        for (_sid, (p, i), g), r in zip(scored, rewards):
             groups[p].append(self._sample(prompts[p], i, prompt_ids[p], g, r))
         return _Draw(groups=groups, num_tokens=sum(len(g.token_ids) for g in generations.values()))
 
     @staticmethod
-    def _complete(done: Mapping[str, Generation], rows: Mapping[str, tuple[int, int]],
-                  samples_per_prompt: int) -> list[int]:
+    def _complete(
+        done: Mapping[str, Generation], rows: Mapping[str, tuple[int, int]], samples_per_prompt: int
+    ) -> list[int]:
         """Prompt indices whose every sample is in `done`, in the order their last one arrived."""
         count: dict[int, int] = {}
         complete: list[int] = []
@@ -306,32 +414,43 @@ class RolloutService:
             raise ValueError(f"prompt {prompt.prompt_id!r}: {exc}") from None
 
     @staticmethod
-    def _check_context(run: _Run, prompts: list[Prompt], prompt_ids: list[list[int]],
-                       max_new_tokens: int) -> None:
+    def _check_context(
+        run: _Run, prompts: list[Prompt], prompt_ids: list[list[int]], max_new_tokens: int
+    ) -> None:
         """Refuse, before any engine is touched, a prompt that cannot fit the model's context."""
         limit = run.engines.max_positions
         if limit is None:
             return
         for prompt, ids in zip(prompts, prompt_ids):
             if len(ids) + max_new_tokens > limit:
-                raise ValueError(f"prompt {prompt.prompt_id!r} ({len(ids)} tokens) + max_new_tokens "
-                                 f"{max_new_tokens} exceeds the model's context "
-                                 f"(max_position_embeddings {limit})")
+                raise ValueError(
+                    f"prompt {prompt.prompt_id!r} ({len(ids)} tokens) + max_new_tokens "
+                    f"{max_new_tokens} exceeds the model's context "
+                    f"(max_position_embeddings {limit})"
+                )
 
     @staticmethod
     def _wait_for_version(run: _Run, min_version: int, timeout_s: float) -> None:
         if not run.engines.wait_for_version(min_version, timeout_s):
             versions = {e.engine_id: e.policy_version for e in run.engines.status()}
-            raise TimeoutError(f"run {run.run_id}: engines did not reach min_policy_version "
-                               f"{min_version} within {timeout_s}s (serving {versions})")
+            raise TimeoutError(
+                f"run {run.run_id}: engines did not reach min_policy_version "
+                f"{min_version} within {timeout_s}s (serving {versions})"
+            )
 
     @staticmethod
-    def _sample(prompt: Prompt, index: int, prompt_ids: list[int], g: Generation,
-                reward: float) -> Sample:
-        return Sample(sample_id=sample_id(prompt.prompt_id, index), prompt_token_ids=list(prompt_ids),
-                      response_token_ids=g.token_ids, response_logprobs=g.logprobs,
-                      sampling_support=g.support, reward=reward, policy_version=g.policy_version,
-                      finish_reason=g.finish_reason, response_text=g.text)
+    def _sample(prompt: Prompt, index: int, prompt_ids: list[int], g: Generation, reward: float) -> Sample:
+        return Sample(
+            sample_id=sample_id(prompt.prompt_id, index),
+            prompt_token_ids=list(prompt_ids),
+            response_token_ids=g.token_ids,
+            response_logprobs=g.logprobs,
+            sampling_support=g.support,
+            reward=reward,
+            policy_version=g.policy_version,
+            finish_reason=g.finish_reason,
+            response_text=g.text,
+        )
 
     def _write(self, run_id: str, groups: list[SampleGroup]) -> None:
         key = stream_key(run_id)
@@ -341,8 +460,9 @@ class RolloutService:
                     pipe.xadd(key, {STREAM_FIELD: group.encode()})
                 pipe.execute()
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            raise UnavailableError(f"run {run_id}: cannot write samples to Redis stream {key}: "
-                                   f"{exc}") from exc
+            raise UnavailableError(
+                f"run {run_id}: cannot write samples to Redis stream {key}: {exc}"
+            ) from exc
 
     def status(self, run_id: str) -> RunStatus:
         """The run's engines and its sample-ledger counts."""

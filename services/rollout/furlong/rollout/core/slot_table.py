@@ -19,10 +19,10 @@ class SlotTable:
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self.row = [-1] * num_slots          # the sequence (request row) in each slot; -1 = free
-        self.position = [0] * num_slots      # where each slot's next token goes; 0 for free slots
-        self.count = [0] * num_slots         # tokens each slot's sequence has drawn
-        self.busy: list[int] = []            # busy slots, ascending
+        self.row = [-1] * num_slots  # the sequence (request row) in each slot; -1 = free
+        self.position = [0] * num_slots  # where each slot's next token goes; 0 for free slots
+        self.count = [0] * num_slots  # tokens each slot's sequence has drawn
+        self.busy: list[int] = []  # busy slots, ascending
         self._free = list(range(num_slots))  # a heap: the lowest free slot first
 
     @property

@@ -15,7 +15,7 @@ Knows nothing about models, sampling or tokenizers beyond a decode function.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 WINDOW_MARGIN_CHARS = 4
 
@@ -36,7 +36,7 @@ def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
 def cut_at_stop(text: str, stops: Sequence[str]) -> str:
     """`text` up to (excluding) its earliest stop string; all of it when none occurs."""
     hit = first_stop(text, stops)
-    return text if hit is None else text[:hit[0]]
+    return text if hit is None else text[: hit[0]]
 
 
 class StopMatcher:
@@ -44,8 +44,9 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str], decode: DecodeFn) -> None:
         if not stops or any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError(f"stop strings must be a non-empty list of non-empty strings, got "
-                             f"{list(stops)!r}")
+            raise ValueError(
+                f"stop strings must be a non-empty list of non-empty strings, got {list(stops)!r}"
+            )
         self.stops = tuple(stops)
         self._decode = decode
         self._min_chars = max(len(s) for s in self.stops) + WINDOW_MARGIN_CHARS

@@ -24,7 +24,7 @@ class RowTrace:
     logprobs: list[float]
     support: RolloutSamplingMask
     full_logprobs: list[float]
-    truncated_positions: list[int]     # decode positions whose support the bound cut
+    truncated_positions: list[int]  # decode positions whose support the bound cut
 
 
 class DecodeTrace:
@@ -46,9 +46,21 @@ class DecodeTrace:
             raise ValueError("a decode mixes filtered and unfiltered steps")
         # Kept on the CPU: the per-row assembly at the end slices numpy arrays.
         self._rows.append(rows.cpu())
-        self._draws.append(StepDraw(*(None if t is None else t.cpu() for t in (
-            draw.tokens, draw.logprobs, draw.kept_ids, draw.kept_counts, draw.full_logprobs,
-            draw.truncated))))
+        self._draws.append(
+            StepDraw(
+                *(
+                    None if t is None else t.cpu()
+                    for t in (
+                        draw.tokens,
+                        draw.logprobs,
+                        draw.kept_ids,
+                        draw.kept_counts,
+                        draw.full_logprobs,
+                        draw.truncated,
+                    )
+                )
+            )
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -62,15 +74,20 @@ class DecodeTrace:
         rows = torch.cat(self._rows)
         steps = torch.cat([torch.full_like(r, t) for t, r in enumerate(self._rows)])
         order = torch.argsort(rows * num_steps + steps)
-        if self.discard_row is not None:      # discarded draws sort last: cut them off
+        if self.discard_row is not None:  # discarded draws sort last: cut them off
             kept = int((rows != self.discard_row).sum())
             order, rows = order[:kept], rows[rows != self.discard_row]
         tokens = torch.cat([d.tokens for d in self._draws])[order].tolist()
         logprobs = torch.cat([d.logprobs for d in self._draws])[order].tolist()
-        full_logprobs = torch.cat([d.logprobs if d.full_logprobs is None else d.full_logprobs
-                                   for d in self._draws])[order].tolist()
-        truncated = torch.cat([torch.zeros_like(d.tokens, dtype=torch.bool) if d.truncated is None
-                               else d.truncated for d in self._draws])[order]
+        full_logprobs = torch.cat(
+            [d.logprobs if d.full_logprobs is None else d.full_logprobs for d in self._draws]
+        )[order].tolist()
+        truncated = torch.cat(
+            [
+                torch.zeros_like(d.tokens, dtype=torch.bool) if d.truncated is None else d.truncated
+                for d in self._draws
+            ]
+        )[order]
         lengths = torch.bincount(rows, minlength=self.num_rows).tolist()
         if any(n == 0 for n in lengths):
             raise ValueError(f"rows without any token: {[i for i, n in enumerate(lengths) if n == 0]}")
@@ -80,25 +97,43 @@ class DecodeTrace:
             supports = self._filtered_supports(order, lengths)
         out, start = [], 0
         for n, support in zip(lengths, supports):
-            cut = truncated[start:start + n].nonzero().squeeze(-1).tolist() if bool(
-                truncated[start:start + n].any()) else []
-            out.append(RowTrace(token_ids=tokens[start:start + n], logprobs=logprobs[start:start + n],
-                                support=support, full_logprobs=full_logprobs[start:start + n],
-                                truncated_positions=cut))
+            cut = (
+                truncated[start : start + n].nonzero().squeeze(-1).tolist()
+                if bool(truncated[start : start + n].any())
+                else []
+            )
+            out.append(
+                RowTrace(
+                    token_ids=tokens[start : start + n],
+                    logprobs=logprobs[start : start + n],
+                    support=support,
+                    full_logprobs=full_logprobs[start : start + n],
+                    truncated_positions=cut,
+                )
+            )
             start += n
         return out
 
     def _full_vocab_supports(self, lengths: list[int]) -> list[RolloutSamplingMask]:
         vocab = np.arange(self.vocab_size, dtype=np.int32)
-        return [RolloutSamplingMask(token_ids=np.tile(vocab, n),
-                                    offsets=np.arange(n + 1, dtype=np.int64) * self.vocab_size,
-                                    vocab_size=self.vocab_size) for n in lengths]
+        return [
+            RolloutSamplingMask(
+                token_ids=np.tile(vocab, n),
+                offsets=np.arange(n + 1, dtype=np.int64) * self.vocab_size,
+                vocab_size=self.vocab_size,
+            )
+            for n in lengths
+        ]
 
     def _filtered_supports(self, order: torch.Tensor, lengths: list[int]) -> list[RolloutSamplingMask]:
         width = max(int(d.kept_ids.shape[1]) for d in self._draws)
         # Pad with vocab_size, which sorts after every real id, then sort each support by token id.
-        kept = torch.cat([torch.nn.functional.pad(d.kept_ids, (0, width - d.kept_ids.shape[1]),
-                                                  value=self.vocab_size) for d in self._draws])
+        kept = torch.cat(
+            [
+                torch.nn.functional.pad(d.kept_ids, (0, width - d.kept_ids.shape[1]), value=self.vocab_size)
+                for d in self._draws
+            ]
+        )
         counts = torch.cat([d.kept_counts for d in self._draws])[order]
         kept = kept[order]
         in_support = torch.arange(width)[None, :] < counts[:, None]
@@ -108,8 +143,13 @@ class DecodeTrace:
         np.cumsum(counts.numpy(), out=token_offsets[1:])
         supports, start = [], 0
         for n in lengths:
-            offs = token_offsets[start:start + n + 1]
-            supports.append(RolloutSamplingMask(token_ids=flat[offs[0]:offs[-1]].copy(),
-                                                offsets=offs - offs[0], vocab_size=self.vocab_size))
+            offs = token_offsets[start : start + n + 1]
+            supports.append(
+                RolloutSamplingMask(
+                    token_ids=flat[offs[0] : offs[-1]].copy(),
+                    offsets=offs - offs[0],
+                    vocab_size=self.vocab_size,
+                )
+            )
             start += n
         return supports

@@ -5,8 +5,9 @@ server and its clients; plus the seams the service is built on (weight receivers
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -17,9 +18,9 @@ ApplyWeightsFn = Callable[[int, Mapping[str, "torch.Tensor"]], None]
 
 @dataclass(frozen=True)
 class Prompt:
-    prompt_id: str      # unique within the run
+    prompt_id: str  # unique within the run
     text: str
-    answer: str         # reference the reward compares against
+    answer: str  # reference the reward compares against
 
 
 @dataclass(frozen=True)
@@ -36,19 +37,19 @@ class GenerateResult:
     num_groups: int
     num_samples: int
     reward_mean: float
-    policy_version: int       # the oldest version any sample of the request was drawn with
-    num_tokens: int           # generated tokens (refill rounds included)
+    policy_version: int  # the oldest version any sample of the request was drawn with
+    num_tokens: int  # generated tokens (refill rounds included)
     generate_seconds: float
-    num_groups_dropped: int = 0   # dynamic sampling: constant after every refill round
+    num_groups_dropped: int = 0  # dynamic sampling: constant after every refill round
     num_groups_refilled: int = 0  # dynamic sampling: groups drawn again, summed over rounds
-    num_groups_surplus: int = 0   # over-sampling: groups beyond keep_groups, not written
-    request_id: str = ""          # the request's sample ledger (refill round k: "<id>/r<k>")
+    num_groups_surplus: int = 0  # over-sampling: groups beyond keep_groups, not written
+    request_id: str = ""  # the request's sample ledger (refill round k: "<id>/r<k>")
 
 
 class EngineState(enum.Enum):
-    SERVING = "serving"      # takes new work
-    DRAINING = "draining"    # drained, still finishing work it had taken
-    DRAINED = "drained"      # drained, nothing in flight
+    SERVING = "serving"  # takes new work
+    DRAINING = "draining"  # drained, still finishing work it had taken
+    DRAINED = "drained"  # drained, nothing in flight
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,9 @@ class EngineStatus:
     policy_version: int
     healthy: bool
     state: EngineState = EngineState.SERVING
-    pid: int = 0             # engine process id; 0 for an engine inside the rollout service
+    pid: int = 0  # engine process id; 0 for an engine inside the rollout service
     restarts: int = 0
-    in_flight: int = 0       # chunks of work running on the engine now
+    in_flight: int = 0  # chunks of work running on the engine now
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,8 @@ class LedgerCounts:
     pending: int = 0
     in_flight: int = 0
     done: int = 0
-    surplus: int = 0              # closed unwritten by over-sampling
-    duplicates_refused: int = 0   # second results for a sample already done
+    surplus: int = 0  # closed unwritten by over-sampling
+    duplicates_refused: int = 0  # second results for a sample already done
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,9 @@ class ReceiverFactory(Protocol):
 class RolloutObserver(Protocol):
     """Told what the service did (metrics). Called from request and receiver threads; must not raise."""
 
-    def generated(self, run_id: str, num_samples: int, num_tokens: int, seconds: float,
-                  reward_mean: float) -> None: ...
+    def generated(
+        self, run_id: str, num_samples: int, num_tokens: int, seconds: float, reward_mean: float
+    ) -> None: ...
 
     def version_applied(self, run_id: str, engine_id: str, version: int) -> None: ...
 
@@ -111,8 +113,9 @@ class RolloutObserver(Protocol):
 
 
 class NullObserver:
-    def generated(self, run_id: str, num_samples: int, num_tokens: int, seconds: float,
-                  reward_mean: float) -> None:
+    def generated(
+        self, run_id: str, num_samples: int, num_tokens: int, seconds: float, reward_mean: float
+    ) -> None:
         pass
 
     def version_applied(self, run_id: str, engine_id: str, version: int) -> None:

@@ -8,13 +8,14 @@ engines, transports or where the tensors came from.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
 
-def match_state(state: Mapping[str, torch.Tensor],
-                tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def match_state(
+    state: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(target, source) pairs to copy. Raises ValueError naming every missing, unexpected,
     mis-shaped or non-floating-for-floating tensor."""
     aliases: dict[int, list[str]] = {}
@@ -23,8 +24,11 @@ def match_state(state: Mapping[str, torch.Tensor],
     unexpected = sorted(set(tensors) - set(state))
     if unexpected:
         raise ValueError(f"unexpected tensor(s) not in the model: {unexpected}")
-    missing = [names[0] if len(names) == 1 else " / ".join(names)
-               for names in aliases.values() if not any(n in tensors for n in names)]
+    missing = [
+        names[0] if len(names) == 1 else " / ".join(names)
+        for names in aliases.values()
+        if not any(n in tensors for n in names)
+    ]
     if missing:
         raise ValueError(f"missing tensor(s): {missing}")
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -7,5 +7,13 @@ from furlong.trainer.core.grpo import clipped_policy_loss, group_advantages, tok
 from furlong.trainer.core.learner import Learner, LearnerConfig, StepStats
 from furlong.trainer.core.objectives import ALGORITHMS, ObjectiveConfig
 
-__all__ = ["ALGORITHMS", "Learner", "LearnerConfig", "ObjectiveConfig", "StepStats", "clipped_policy_loss",
-           "group_advantages", "token_logprobs"]
+__all__ = [
+    "ALGORITHMS",
+    "Learner",
+    "LearnerConfig",
+    "ObjectiveConfig",
+    "StepStats",
+    "clipped_policy_loss",
+    "group_advantages",
+    "token_logprobs",
+]

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from furlong.core.sampling_mask import RolloutSamplingMask
 from furlong.core.samples import Sample
+from furlong.core.sampling_mask import RolloutSamplingMask
 
 
 @dataclass
@@ -40,14 +40,14 @@ class Row:
 @dataclass(frozen=True)
 class MicroBatch:
     rows: list[Row]
-    input_ids: torch.Tensor       # (B, W) long, right-padded with 0
+    input_ids: torch.Tensor  # (B, W) long, right-padded with 0
     attention_mask: torch.Tensor  # (B, W) long
-    first: int                    # first position whose logits are needed
-    targets: torch.Tensor         # (N,) response token ids, rows concatenated
-    seq: torch.Tensor             # (N,) index of each token's row
+    first: int  # first position whose logits are needed
+    targets: torch.Tensor  # (N,) response token ids, rows concatenated
+    seq: torch.Tensor  # (N,) index of each token's row
     rollout_logprobs: torch.Tensor  # (N,) the sampler's log-probs
     support: RolloutSamplingMask | None  # (N rows) or None when every row is the full vocabulary
-    _starts: torch.Tensor         # (N,) position p - 1 + j of each response token
+    _starts: torch.Tensor  # (N,) position p - 1 + j of each response token
 
     @property
     def width(self) -> int:
@@ -86,13 +86,18 @@ def build_micro_batch(rows: list[Row]) -> MicroBatch:
     supports = [r.sample.sampling_support for r in rows]
     support = None if all(s.is_full() for s in supports) else RolloutSamplingMask.concatenate(supports)
     return MicroBatch(
-        rows=rows, input_ids=input_ids, attention_mask=attention,
+        rows=rows,
+        input_ids=input_ids,
+        attention_mask=attention,
         first=min(len(r.sample.prompt_token_ids) for r in rows) - 1,
         targets=torch.tensor([t for r in rows for t in r.sample.response_token_ids], dtype=torch.long),
         seq=torch.cat(seq),
-        rollout_logprobs=torch.tensor([x for r in rows for x in r.sample.response_logprobs],
-                                      dtype=torch.float32),
-        support=support, _starts=torch.cat(starts))
+        rollout_logprobs=torch.tensor(
+            [x for r in rows for x in r.sample.response_logprobs], dtype=torch.float32
+        ),
+        support=support,
+        _starts=torch.cat(starts),
+    )
 
 
 def split_per_row(values: torch.Tensor, mb: MicroBatch) -> list[torch.Tensor]:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Iterator, Sequence, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,9 @@ class DataParallel:
         self.world = dist.get_world_size(group)
         self.forward_module: torch.nn.Module = model
         if mode == "ddp":
-            ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                model, process_group=group, broadcast_buffers=False
+            )
             ddp.register_comm_hook(group, _sum_hook)
             self.forward_module = ddp
         elif mode == "fsdp2":
@@ -89,14 +92,14 @@ class DataParallel:
     def plan(self, rows: Sequence[T], micro_batch_size: int) -> list[tuple[list[T], bool]]:
         """This rank's micro-batches as (rows, is_padding). Every rank gets the same number when
         gradients are reduced inside backward (ddp, fsdp2)."""
-        mine = list(rows[self.rank::self.world])
+        mine = list(rows[self.rank :: self.world])
         if not self.reduces_in_backward:
-            return [(mine[i:i + micro_batch_size], False) for i in range(0, len(mine), micro_batch_size)]
+            return [(mine[i : i + micro_batch_size], False) for i in range(0, len(mine), micro_batch_size)]
         # The largest share is ceil(n / world) rows; that many passes of at most micro_batch_size.
         passes = max(1, math.ceil(math.ceil(len(rows) / self.world) / micro_batch_size))
         out = []
         for i in range(passes):
-            chunk = mine[len(mine) * i // passes:len(mine) * (i + 1) // passes]
+            chunk = mine[len(mine) * i // passes : len(mine) * (i + 1) // passes]
             out.append((chunk, False) if chunk else ([rows[0]], True))
         return out
 
@@ -123,7 +126,7 @@ class DataParallel:
         dist.all_reduce(flat, group=self.group)
         offset = 0
         for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
     def sum_floats(self, values: list[float]) -> list[float]:

@@ -15,8 +15,9 @@ from furlong.trainer.core.objectives import group_advantages
 __all__ = ["clipped_policy_loss", "group_advantages", "token_logprobs"]
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   support: torch.Tensor | None = None) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, support: torch.Tensor | None = None
+) -> torch.Tensor:
     """log softmax(logits / temperature)[target] per position.
 
     `logits` (..., vocab) predict `targets` (...) at the same positions (already shifted). `support`,
@@ -31,17 +32,24 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     scaled = logits.float() / temperature
     if support is not None:
         if support.shape != logits.shape or support.dtype != torch.bool:
-            raise ValueError(f"support must be a bool tensor of shape {tuple(logits.shape)}, "
-                             f"got {support.dtype} {tuple(support.shape)}")
+            raise ValueError(
+                f"support must be a bool tensor of shape {tuple(logits.shape)}, "
+                f"got {support.dtype} {tuple(support.shape)}"
+            )
         scaled = scaled.masked_fill(~support, float("-inf"))
     logz = torch.logsumexp(scaled, dim=-1)
     picked = scaled.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     return picked - logz
 
 
-def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        mask: torch.Tensor, clip_eps: float, num_tokens: float | None = None
-                        ) -> tuple[torch.Tensor, dict[str, float]]:
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate, negated, summed over response tokens and divided by their number.
 
     `logprobs` (current policy, with grad), `old_logprobs` (the sampler's) and `mask` (1 on response
@@ -54,8 +62,10 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     if not clip_eps > 0:
         raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
-        raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
-                         f"and mask {tuple(mask.shape)} must share one (batch, T) shape")
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
+            f"and mask {tuple(mask.shape)} must share one (batch, T) shape"
+        )
     if advantages.dim() == 1:
         if advantages.shape[0] != logprobs.shape[0]:
             raise ValueError(f"advantages {tuple(advantages.shape)} do not match batch {logprobs.shape[0]}")

@@ -30,8 +30,14 @@ from furlong.trainer.core.step import StepMath, plan_rows
 log = logging.getLogger(__name__)
 
 
-def _check_number(name: str, value: object, low: float, high: float = math.inf,
-                   low_open: bool = False, high_open: bool = True) -> None:
+def _check_number(
+    name: str,
+    value: object,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = True,
+) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
@@ -50,12 +56,12 @@ class LearnerConfig:
     learning_rate: float
     clip_eps: float = 0.2
     weight_decay: float = 0.0
-    max_grad_norm: float = 1.0       # 0 = no clipping (the norm is still measured)
-    epochs_per_batch: int = 1        # optimizer steps over each batch
-    micro_batch_size: int = 64       # samples per forward/backward
+    max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still measured)
+    epochs_per_batch: int = 1  # optimizer steps over each batch
+    micro_batch_size: int = 64  # samples per forward/backward
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    temperature: float = 1.0         # the sampler's temperature; log-probs are taken under it
+    temperature: float = 1.0  # the sampler's temperature; log-probs are taken under it
     seed: int = 0
     # The objective (see objectives.ObjectiveConfig for each field's meaning).
     algorithm: str = "grpo"
@@ -84,7 +90,7 @@ class LearnerConfig:
         _check_number("adam_beta2", self.adam_beta2, 0.0, 1.0)
         _check_number("temperature", self.temperature, 0.0, low_open=True)
         _check_int("seed", self.seed, 0)
-        self.objective  # validates the objective fields
+        _ = self.objective  # building the ObjectiveConfig validates the objective fields
 
     @property
     def objective(self) -> ObjectiveConfig:
@@ -98,27 +104,36 @@ class StepStats:
     reward_mean: float
     num_samples: int
     num_groups: int
-    num_tokens: int              # response tokens in the batch
+    num_tokens: int  # response tokens in the batch
     clip_fraction: float
     ratio_mean: float
-    grad_norm: float             # before clipping; mean over epochs
+    grad_norm: float  # before clipping; mean over epochs
     step_seconds: float
-    approx_kl: float = 0.0       # k3 estimate of KL(rollout || policy) over trained tokens
+    approx_kl: float = 0.0  # k3 estimate of KL(rollout || policy) over trained tokens
     num_trained_samples: int = 0  # samples forwarded (with a non-zero advantage unless all matter)
-    ratio_std: float = 0.0       # spread of the importance ratio over trained tokens
+    ratio_std: float = 0.0  # spread of the importance ratio over trained tokens
     logprob_abs_diff: float = 0.0  # mean |logp_train - logp_rollout|
-    entropy: float = 0.0         # mean policy entropy (full vocabulary) over trained tokens
-    kl_ref: float = 0.0          # mean KL(policy || reference) estimate (when a reference is used)
+    entropy: float = 0.0  # mean policy entropy (full vocabulary) over trained tokens
+    kl_ref: float = 0.0  # mean KL(policy || reference) estimate (when a reference is used)
     is_weight_mean: float = 1.0  # mean off-policy (TIS/MIS) weight
     is_masked_fraction: float = 0.0  # share of tokens MIS dropped
-    value_loss: float = 0.0      # PPO only
+    value_loss: float = 0.0  # PPO only
 
     def as_metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}
 
 
-_WEIGHTED = ("clip_fraction", "ratio_mean", "ratio_std", "approx_kl", "logprob_abs_diff", "entropy",
-             "kl_ref", "is_weight_mean", "is_masked_fraction")
+_WEIGHTED = (
+    "clip_fraction",
+    "ratio_mean",
+    "ratio_std",
+    "approx_kl",
+    "logprob_abs_diff",
+    "entropy",
+    "kl_ref",
+    "is_weight_mean",
+    "is_masked_fraction",
+)
 
 
 def _validate(groups: list[SampleGroup], vocab_size: int | None, version: int) -> None:
@@ -129,27 +144,37 @@ def _validate(groups: list[SampleGroup], vocab_size: int | None, version: int) -
         if not isinstance(group, SampleGroup):
             raise ValueError(f"expected SampleGroup, got {type(group).__name__}")
         if group.run_id != groups[0].run_id:
-            raise ValueError(f"group {group.prompt_id} belongs to run {group.run_id!r}, "
-                             f"the batch to run {groups[0].run_id!r}")
+            raise ValueError(
+                f"group {group.prompt_id} belongs to run {group.run_id!r}, "
+                f"the batch to run {groups[0].run_id!r}"
+            )
         prompt = group.samples[0].prompt_token_ids
         for s in group.samples:
             if s.prompt_token_ids != prompt:
-                raise ValueError(f"group {group.prompt_id}: sample {s.sample_id} has prompt "
-                                 f"{s.prompt_token_ids}, the group's first sample {prompt}")
+                raise ValueError(
+                    f"group {group.prompt_id}: sample {s.sample_id} has prompt "
+                    f"{s.prompt_token_ids}, the group's first sample {prompt}"
+                )
             if s.sample_id in seen:
                 raise ValueError(f"sample id {s.sample_id!r} appears twice in the batch")
             seen.add(s.sample_id)
             if s.policy_version > version:
-                raise ValueError(f"sample {s.sample_id} was drawn by policy version {s.policy_version}, "
-                                 f"newer than the learner's {version}")
+                raise ValueError(
+                    f"sample {s.sample_id} was drawn by policy version {s.policy_version}, "
+                    f"newer than the learner's {version}"
+                )
             if vocab_size is not None:
                 if s.sampling_support.vocab_size != vocab_size:
-                    raise ValueError(f"sample {s.sample_id}: sampling support vocab_size "
-                                     f"{s.sampling_support.vocab_size} != model vocab_size {vocab_size}")
+                    raise ValueError(
+                        f"sample {s.sample_id}: sampling support vocab_size "
+                        f"{s.sampling_support.vocab_size} != model vocab_size {vocab_size}"
+                    )
                 bad = [t for t in s.prompt_token_ids + s.response_token_ids if not 0 <= t < vocab_size]
                 if bad:
-                    raise ValueError(f"sample {s.sample_id}: token id {bad[0]} outside the model "
-                                     f"vocabulary [0, {vocab_size})")
+                    raise ValueError(
+                        f"sample {s.sample_id}: token id {bad[0]} outside the model "
+                        f"vocabulary [0, {vocab_size})"
+                    )
 
 
 class Learner:
@@ -160,8 +185,15 @@ class Learner:
     initial policy is the reference; with algorithm "ppo" a `ValueModel` is trained alongside.
     """
 
-    def __init__(self, model: torch.nn.Module, config: LearnerConfig, *, version: int = 0,
-                 data_parallel_group: object | None = None, data_parallel: str = "ddp") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: LearnerConfig,
+        *,
+        version: int = 0,
+        data_parallel_group: object | None = None,
+        data_parallel: str = "ddp",
+    ) -> None:
         """`data_parallel_group` (a torch.distributed group): every rank passes the same batch to
         `train_step`, forwards every world-th row and gradients are summed over the group before
         each optimizer step — the update equals the single-process one (up to summation order).
@@ -183,9 +215,12 @@ class Learner:
         params = [p for p in model.parameters() if p.requires_grad]  # fsdp2: the sharded ones
         self._extra_params = self.scorer.trainable_extra_parameters()
         self._params = params + self._extra_params
-        self.optimizer = torch.optim.AdamW(self._params, lr=config.learning_rate,
-                                           weight_decay=config.weight_decay,
-                                           betas=(config.adam_beta1, config.adam_beta2))
+        self.optimizer = torch.optim.AdamW(
+            self._params,
+            lr=config.learning_rate,
+            weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+        )
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         self.vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
         self._math = StepMath(self.objective)
@@ -218,8 +253,11 @@ class Learner:
         # Longest first, so each micro-batch pads as little as possible.
         rows.sort(key=lambda r: len(r.token_ids), reverse=True)
         num_rows = len(rows)
-        plan = (self._dp.plan(rows, size) if self._dp is not None
-                else [(rows[i:i + size], False) for i in range(0, len(rows), size)])
+        plan = (
+            self._dp.plan(rows, size)
+            if self._dp is not None
+            else [(rows[i : i + size], False) for i in range(0, len(rows), size)]
+        )
         micro_batches = [(build_micro_batch(chunk), padding) for chunk, padding in plan]
         totals = dict.fromkeys(("loss", "grad_norm", "value_loss") + _WEIGHTED, 0.0)
         if num_rows:
@@ -233,13 +271,20 @@ class Learner:
             log.info("step at version %d: every group has equal rewards; no optimizer step", self.version)
         self.version += 1
         stats = StepStats(
-            reward_mean=sum(s.reward for s in samples) / len(samples), num_samples=len(samples),
-            num_groups=len(groups), num_tokens=sum(len(s.response_token_ids) for s in samples),
-            step_seconds=time.perf_counter() - started, num_trained_samples=num_rows, **totals)
+            reward_mean=sum(s.reward for s in samples) / len(samples),
+            num_samples=len(samples),
+            num_groups=len(groups),
+            num_tokens=sum(len(s.response_token_ids) for s in samples),
+            step_seconds=time.perf_counter() - started,
+            num_trained_samples=num_rows,
+            **totals,
+        )
         log.debug("version %d: %s", self.version, stats)
         return stats
 
-    def _epoch(self, micro_batches: list[tuple[MicroBatch, bool]], denominators, epoch: int) -> dict[str, float]:
+    def _epoch(
+        self, micro_batches: list[tuple[MicroBatch, bool]], denominators, epoch: int
+    ) -> dict[str, float]:
         """Accumulate the gradient of the whole batch over its micro-batches, then step once."""
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, value_loss_sum, trained_tokens = 0.0, 0.0, 0
@@ -247,8 +292,11 @@ class Learner:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.seed * 1_000_003 + self.version * 1_009 + epoch)
             for index, (mb, padding) in enumerate(micro_batches):
-                context = (self._dp.pass_context(last=index == len(micro_batches) - 1) if self._dp is not None
-                           else contextlib.nullcontext())
+                context = (
+                    self._dp.pass_context(last=index == len(micro_batches) - 1)
+                    if self._dp is not None
+                    else contextlib.nullcontext()
+                )
                 with context:
                     logp, entropy = self.scorer.policy_logprobs(mb)
                     if padding:  # keeps this rank in step with the group's collectives; adds nothing
@@ -268,7 +316,9 @@ class Learner:
         if self._dp is not None:
             self._dp.sum_gradients(self._extra_params if self._dp.reduces_in_backward else self._params)
             keys = list(weighted)
-            totals = self._dp.sum_floats([weighted[k] for k in keys] + [loss_sum, value_loss_sum, trained_tokens])
+            totals = self._dp.sum_floats(
+                [weighted[k] for k in keys] + [loss_sum, value_loss_sum, trained_tokens]
+            )
             weighted = dict(zip(keys, totals))
             loss_sum, value_loss_sum, trained_tokens = totals[-3], totals[-2], int(totals[-1])
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf

@@ -29,44 +29,58 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
 OFF_POLICY = ("none", "tis", "mis")
 # What each algorithm means when the config leaves a choice at its default ("").
-_DEFAULT_AGGREGATION = {"grpo": "token_mean", "dr_grpo": "seq_sum_norm", "dapo": "token_mean",
-                        "gspo": "seq_mean_token_mean", "reinforce_pp": "token_mean", "ppo": "token_mean"}
+_DEFAULT_AGGREGATION = {
+    "grpo": "token_mean",
+    "dr_grpo": "seq_sum_norm",
+    "dapo": "token_mean",
+    "gspo": "seq_mean_token_mean",
+    "reinforce_pp": "token_mean",
+    "ppo": "token_mean",
+}
 
 
 def _finite(name: str, value: float, low: float = 0.0) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < low:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < low
+    ):
         raise ValueError(f"{name} must be a finite number >= {low}, got {value!r}")
 
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
     algorithm: str = "grpo"
-    clip_eps: float = 0.2            # lower clip: ratio >= 1 - clip_eps
-    clip_eps_high: float = 0.0       # upper clip: ratio <= 1 + clip_eps_high; 0 = clip_eps (DAPO: 0.28)
-    loss_aggregation: str = ""       # "" = the algorithm's own (see _DEFAULT_AGGREGATION)
-    kl_coef: float = 0.0             # 0 = no reference model
+    clip_eps: float = 0.2  # lower clip: ratio >= 1 - clip_eps
+    clip_eps_high: float = 0.0  # upper clip: ratio <= 1 + clip_eps_high; 0 = clip_eps (DAPO: 0.28)
+    loss_aggregation: str = ""  # "" = the algorithm's own (see _DEFAULT_AGGREGATION)
+    kl_coef: float = 0.0  # 0 = no reference model
     kl_estimator: str = "k3"
-    kl_mode: str = "loss"            # "loss": coef * KL term in the loss; "reward": subtracted from rewards
-    entropy_coef: float = 0.0        # loss -= entropy_coef * entropy
-    off_policy: str = "none"         # "tis": weight min(w, is_high); "mis": drop tokens with w outside
-    is_low: float = 0.0              #   [is_low, is_high]; w = pi_old_trainer / pi_rollout per token
+    kl_mode: str = "loss"  # "loss": coef * KL term in the loss; "reward": subtracted from rewards
+    entropy_coef: float = 0.0  # loss -= entropy_coef * entropy
+    off_policy: str = "none"  # "tis": weight min(w, is_high); "mis": drop tokens with w outside
+    is_low: float = 0.0  #   [is_low, is_high]; w = pi_old_trainer / pi_rollout per token
     is_high: float = 2.0
-    gamma: float = 1.0               # PPO / GAE
+    gamma: float = 1.0  # PPO / GAE
     gae_lambda: float = 1.0
     value_coef: float = 0.5
-    value_clip: float = 0.2          # 0 = no value clipping
+    value_clip: float = 0.2  # 0 = no value clipping
 
     def __post_init__(self) -> None:
-        for name, value, allowed in (("algorithm", self.algorithm, ALGORITHMS),
-                                     ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
-                                     ("kl_mode", self.kl_mode, KL_MODES),
-                                     ("off_policy", self.off_policy, OFF_POLICY)):
+        for name, value, allowed in (
+            ("algorithm", self.algorithm, ALGORITHMS),
+            ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
+            ("kl_mode", self.kl_mode, KL_MODES),
+            ("off_policy", self.off_policy, OFF_POLICY),
+        ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
         if self.loss_aggregation not in ("",) + AGGREGATIONS:
-            raise ValueError(f"loss_aggregation must be one of {list(AGGREGATIONS)} or empty, "
-                             f"got {self.loss_aggregation!r}")
+            raise ValueError(
+                f"loss_aggregation must be one of {list(AGGREGATIONS)} or empty, "
+                f"got {self.loss_aggregation!r}"
+            )
         _finite("clip_eps", self.clip_eps)
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps!r}")
@@ -96,10 +110,15 @@ class ObjectiveConfig:
     @property
     def every_sample_matters(self) -> bool:
         """False when a sample with zero advantage adds nothing to the gradient (it is not forwarded)."""
-        return self.algorithm == "ppo" or self.entropy_coef > 0 or (self.uses_reference and self.kl_mode == "loss")
+        return (
+            self.algorithm == "ppo"
+            or self.entropy_coef > 0
+            or (self.uses_reference and self.kl_mode == "loss")
+        )
 
 
 # --- advantages -------------------------------------------------------------------------------
+
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
     """(r - group mean) / (group population std + eps) for rewards (groups, n); `scale=False` drops
@@ -116,8 +135,9 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: bool = Tru
     return torch.where(constant, torch.zeros_like(adv), adv)
 
 
-def reinforce_pp_advantages(rewards: list[list[float]], lengths: list[list[int]],
-                            eps: float = 1e-6) -> list[list[float]]:
+def reinforce_pp_advantages(
+    rewards: list[list[float]], lengths: list[list[int]], eps: float = 1e-6
+) -> list[list[float]]:
     """REINFORCE++ with baseline: r - group mean, then whitened (mean 0, std 1) over every response
     token of the batch (each sample's advantage counts once per token). Shapes follow `rewards`."""
     centered = [[r - sum(g) / len(g) for r in g] for g in rewards]
@@ -132,13 +152,16 @@ def reinforce_pp_advantages(rewards: list[list[float]], lengths: list[list[int]]
     return [[next(it) for _ in g] for g in centered]
 
 
-def gae(token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
-        ) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over one response (T,): the value after the last token is 0.
     Returns (advantages, returns = advantages + values)."""
     if token_rewards.shape != values.shape or token_rewards.dim() != 1:
-        raise ValueError(f"token_rewards {tuple(token_rewards.shape)} and values {tuple(values.shape)} "
-                         f"must be the same 1-D shape")
+        raise ValueError(
+            f"token_rewards {tuple(token_rewards.shape)} and values {tuple(values.shape)} "
+            f"must be the same 1-D shape"
+        )
     adv = torch.zeros_like(values)
     running = torch.zeros((), dtype=values.dtype)
     for t in range(values.numel() - 1, -1, -1):
@@ -150,6 +173,7 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: fl
 
 
 # --- KL, off-policy weights, aggregation ----------------------------------------------------------
+
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from tokens sampled by the policy.
@@ -164,8 +188,9 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
     raise ValueError(f"kl estimator must be one of {list(KL_ESTIMATORS)}, got {estimator!r}")
 
 
-def importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mode: str,
-                       low: float, high: float) -> torch.Tensor:
+def importance_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mode: str, low: float, high: float
+) -> torch.Tensor:
     """Per-token weight correcting for the rollout sampler differing from the trainer's policy:
     w = exp(old_logp - rollout_logp); "tis" → min(w, high); "mis" → w inside [low, high], else 0;
     "none" → 1. No gradient."""
@@ -180,8 +205,14 @@ def importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mode:
     raise ValueError(f"off_policy must be one of {list(OFF_POLICY)}, got {mode!r}")
 
 
-def token_weights(mode: str, seq: torch.Tensor, seq_lengths: torch.Tensor, batch_tokens: int,
-                  batch_sequences: int, max_length: int) -> torch.Tensor:
+def token_weights(
+    mode: str,
+    seq: torch.Tensor,
+    seq_lengths: torch.Tensor,
+    batch_tokens: int,
+    batch_sequences: int,
+    max_length: int,
+) -> torch.Tensor:
     """Per-token weight w such that loss = sum(w * per_token_loss) over the batch.
 
     token_mean: 1 / tokens in the batch; seq_mean_token_mean: 1 / (len(seq) * sequences);
@@ -197,11 +228,12 @@ def token_weights(mode: str, seq: torch.Tensor, seq_lengths: torch.Tensor, batch
 
 # --- policy losses --------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class PolicyLossOutput:
-    per_token: torch.Tensor   # (N,) loss per token, before aggregation weights
-    ratio: torch.Tensor       # (N,) the ratio each token's surrogate used (no grad)
-    clipped: torch.Tensor     # (N,) bool: the clipped term is active (gradient cut)
+    per_token: torch.Tensor  # (N,) loss per token, before aggregation weights
+    ratio: torch.Tensor  # (N,) the ratio each token's surrogate used (no grad)
+    clipped: torch.Tensor  # (N,) bool: the clipped term is active (gradient cut)
 
 
 @dataclass(frozen=True)
@@ -211,8 +243,9 @@ class ClippedTokenLoss:
     clip_low: float
     clip_high: float
 
-    def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                 seq: torch.Tensor) -> PolicyLossOutput:
+    def __call__(
+        self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, seq: torch.Tensor
+    ) -> PolicyLossOutput:
         ratio = torch.exp(logp - old_logp)
         return _clip(ratio, advantages, self.clip_low, self.clip_high)
 
@@ -226,8 +259,9 @@ class SequenceRatioLoss:
     clip_low: float
     clip_high: float
 
-    def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                 seq: torch.Tensor) -> PolicyLossOutput:
+    def __call__(
+        self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, seq: torch.Tensor
+    ) -> PolicyLossOutput:
         num_seq = int(seq.max()) + 1
         delta = logp - old_logp
         sums = torch.zeros(num_seq, dtype=delta.dtype).index_add(0, seq, delta.detach())
@@ -243,7 +277,9 @@ def _clip(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high) * advantages
     surrogate = torch.minimum(unclipped, clipped)
-    return PolicyLossOutput(per_token=-surrogate, ratio=ratio.detach(), clipped=(clipped < unclipped).detach())
+    return PolicyLossOutput(
+        per_token=-surrogate, ratio=ratio.detach(), clipped=(clipped < unclipped).detach()
+    )
 
 
 def policy_loss(config: ObjectiveConfig):
@@ -253,8 +289,9 @@ def policy_loss(config: ObjectiveConfig):
     return ClippedTokenLoss(config.clip_eps, config.upper_clip)
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                       clip: float) -> torch.Tensor:
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> torch.Tensor:
     """Per-token 0.5 * max((V - R)^2, (clip(V, V_old ± clip) - R)^2); clip 0 = unclipped."""
     loss = (values - returns).pow(2)
     if clip > 0:

@@ -44,13 +44,16 @@ class Scorer:
     def _logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self._logits(model, mb)
         try:
-            out = log_probs_with_support(logits, mb.targets, mb.support, self.temperature,
-                                         positions=mb.positions(logits.shape[1]))
+            out = log_probs_with_support(
+                logits, mb.targets, mb.support, self.temperature, positions=mb.positions(logits.shape[1])
+            )
         except SupportViolation as exc:
             row = mb.rows[int(mb.seq[exc.row])]
             position = exc.row - int((mb.seq < mb.seq[exc.row]).sum())
-            raise ValueError(f"sample {row.sample.sample_id}: token {exc.token_id} at response position "
-                             f"{position} is outside its sampling support") from None
+            raise ValueError(
+                f"sample {row.sample.sample_id}: token {exc.token_id} at response position "
+                f"{position} is outside its sampling support"
+            ) from None
         return out.logprobs.float(), out.entropy.float()
 
     def policy_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:

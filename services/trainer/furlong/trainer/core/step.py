@@ -13,9 +13,17 @@ import torch
 
 from furlong.core.samples import SampleGroup
 from furlong.trainer.core.batch import MicroBatch, Row, build_micro_batch, split_per_row
-from furlong.trainer.core.objectives import (ObjectiveConfig, clipped_value_loss, gae, group_advantages,
-                                             importance_weights, kl_estimate, policy_loss,
-                                             reinforce_pp_advantages, token_weights)
+from furlong.trainer.core.objectives import (
+    ObjectiveConfig,
+    clipped_value_loss,
+    gae,
+    group_advantages,
+    importance_weights,
+    kl_estimate,
+    policy_loss,
+    reinforce_pp_advantages,
+    token_weights,
+)
 
 
 @dataclass(frozen=True)
@@ -27,24 +35,28 @@ class Denominators:
     max_length: int
 
 
-def _scalar_advantages(groups: list[SampleGroup], rewards: list[list[float]],
-                       objective: ObjectiveConfig) -> list[list[float]]:
+def _scalar_advantages(
+    groups: list[SampleGroup], rewards: list[list[float]], objective: ObjectiveConfig
+) -> list[list[float]]:
     if objective.algorithm == "reinforce_pp":
         lengths = [[len(s.response_token_ids) for s in g.samples] for g in groups]
         return reinforce_pp_advantages(rewards, lengths)
     scale = objective.algorithm != "dr_grpo"
     # Per group, so that groups of different sizes are each normalised on their own.
-    return [group_advantages(torch.tensor([r], dtype=torch.float64), scale=scale)[0].tolist() for r in rewards]
+    return [
+        group_advantages(torch.tensor([r], dtype=torch.float64), scale=scale)[0].tolist() for r in rewards
+    ]
 
 
 def _chunks(rows: list[Row], size: int):
     for i in range(0, len(rows), size):
-        mb = build_micro_batch(rows[i:i + size])
+        mb = build_micro_batch(rows[i : i + size])
         yield mb
 
 
-def plan_rows(groups: list[SampleGroup], objective: ObjectiveConfig, scorer, micro_batch_size: int
-              ) -> tuple[list[Row], Denominators]:
+def plan_rows(
+    groups: list[SampleGroup], objective: ObjectiveConfig, scorer, micro_batch_size: int
+) -> tuple[list[Row], Denominators]:
     samples = [s for g in groups for s in g.samples]
     rows = [Row(s, torch.zeros(len(s.response_token_ids))) for s in samples]
     if objective.uses_reference:
@@ -53,8 +65,11 @@ def plan_rows(groups: list[SampleGroup], objective: ObjectiveConfig, scorer, mic
                 row.ref_logprobs = ref
     penalties = [torch.zeros(r.num_response) for r in rows]
     if objective.uses_reference and objective.kl_mode == "reward":
-        penalties = [objective.kl_coef * kl_estimate(torch.tensor(r.sample.response_logprobs), r.ref_logprobs,
-                                                     objective.kl_estimator) for r in rows]
+        penalties = [
+            objective.kl_coef
+            * kl_estimate(torch.tensor(r.sample.response_logprobs), r.ref_logprobs, objective.kl_estimator)
+            for r in rows
+        ]
     if objective.algorithm == "ppo":
         with torch.no_grad():
             for mb in _chunks(rows, micro_batch_size):
@@ -74,8 +89,11 @@ def plan_rows(groups: list[SampleGroup], objective: ObjectiveConfig, scorer, mic
                 row = next(it_rows)
                 row.advantages = torch.full((row.num_response,), a, dtype=torch.float32)
     trained = rows if objective.every_sample_matters else [r for r in rows if bool(r.advantages.any())]
-    return trained, Denominators(batch_tokens=sum(r.num_response for r in rows),
-                                 batch_sequences=len(rows), max_length=max(r.num_response for r in rows))
+    return trained, Denominators(
+        batch_tokens=sum(r.num_response for r in rows),
+        batch_sequences=len(rows),
+        max_length=max(r.num_response for r in rows),
+    )
 
 
 class StepMath:
@@ -83,8 +101,14 @@ class StepMath:
         self.objective = objective
         self.policy = policy_loss(objective)
 
-    def loss(self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, values: torch.Tensor | None,
-             den: Denominators) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    def loss(
+        self,
+        mb: MicroBatch,
+        logp: torch.Tensor,
+        entropy: torch.Tensor,
+        values: torch.Tensor | None,
+        den: Denominators,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """(policy loss, value loss, stats) of one micro-batch; both losses are this micro-batch's
         share of the batch loss (they sum over micro-batches to the batch's)."""
         obj = self.objective
@@ -101,12 +125,15 @@ class StepMath:
         if obj.entropy_coef > 0:
             per_token = per_token - obj.entropy_coef * entropy
         lengths = torch.tensor([r.num_response for r in mb.rows])
-        w = token_weights(obj.aggregation, mb.seq, lengths, den.batch_tokens, den.batch_sequences,
-                          den.max_length).to(per_token.dtype)
+        w = token_weights(
+            obj.aggregation, mb.seq, lengths, den.batch_tokens, den.batch_sequences, den.max_length
+        ).to(per_token.dtype)
         loss = (per_token * w).sum()
         value_loss = torch.zeros(())
         if values is not None:
-            v = clipped_value_loss(values, mb.per_token("old_values"), mb.per_token("returns"), obj.value_clip)
+            v = clipped_value_loss(
+                values, mb.per_token("old_values"), mb.per_token("returns"), obj.value_clip
+            )
             value_loss = obj.value_coef * (v * w).sum()
         with torch.no_grad():
             delta = logp - rollout

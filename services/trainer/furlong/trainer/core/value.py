@@ -18,7 +18,9 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         body = getattr(policy, "base_model", None)
         if body is None or body is policy:
-            raise ValueError(f"{type(policy).__name__} exposes no transformer body (base_model) for a value model")
+            raise ValueError(
+                f"{type(policy).__name__} exposes no transformer body (base_model) for a value model"
+            )
         hidden = getattr(getattr(policy, "config", None), "hidden_size", None)
         if not isinstance(hidden, int):
             raise ValueError(f"{type(policy).__name__} has no config.hidden_size for a value head")
@@ -28,5 +30,7 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden = self.body(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
         return self.head(hidden).squeeze(-1).float()

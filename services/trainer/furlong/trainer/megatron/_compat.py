@@ -35,8 +35,10 @@ def apply_cpu_shims() -> None:
     global _applied
     version = megatron_version()
     if not version.startswith(SUPPORTED_VERSIONS):
-        raise RuntimeError(f"megatron-core {version} is not one of the checked versions {SUPPORTED_VERSIONS}; "
-                           f"re-check furlong.trainer.megatron._compat before using it")
+        raise RuntimeError(
+            f"megatron-core {version} is not one of the checked versions {SUPPORTED_VERSIONS}; "
+            f"re-check furlong.trainer.megatron._compat before using it"
+        )
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     if not torch.cuda.is_available() and not _applied:

@@ -36,7 +36,9 @@ def _rope_theta(config) -> float:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise ValueError(f"megatron backend supports only default RoPE, the spec has {rope_type!r} ({params})")
+        raise ValueError(
+            f"megatron backend supports only default RoPE, the spec has {rope_type!r} ({params})"
+        )
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
         raise ValueError("the model spec declares no rope_theta")
@@ -46,7 +48,9 @@ def _rope_theta(config) -> float:
 def _check_spec(config) -> None:
     for name, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if getattr(config, name, expected) != expected:
-            raise ValueError(f"megatron backend needs {name}={expected!r}, the spec has {getattr(config, name)!r}")
+            raise ValueError(
+                f"megatron backend needs {name}={expected!r}, the spec has {getattr(config, name)!r}"
+            )
 
 
 def build_gpt_model(config, dtype: torch.dtype = torch.float32):
@@ -60,18 +64,38 @@ def build_gpt_model(config, dtype: torch.dtype = torch.float32):
     apply_cpu_shims()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     tconfig = TransformerConfig(
-        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
-        kv_channels=head_dim, ffn_hidden_size=config.intermediate_size, normalization="RMSNorm",
-        layernorm_epsilon=config.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=False, use_cpu_initialization=True, bias_activation_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
-        gradient_accumulation_fusion=False)
-    return GPTModel(tconfig, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                    vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
-                    position_embedding_type="rope", rotary_base=theta,
-                    share_embeddings_and_output_weights=bool(config.tie_word_embeddings))
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_key_value_heads,
+        kv_channels=head_dim,
+        ffn_hidden_size=config.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        gradient_accumulation_fusion=False,
+    )
+    return GPTModel(
+        tconfig,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=config.vocab_size,
+        max_sequence_length=config.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=theta,
+        share_embeddings_and_output_weights=bool(config.tie_word_embeddings),
+    )
 
 
 def _layout(config) -> tuple[int, int, int]:
@@ -83,8 +107,10 @@ def _layout(config) -> tuple[int, int, int]:
 def hf_to_megatron(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """HF Llama names -> Megatron GPTModel names (QKV interleaved per query group, gate|up fused)."""
     d, groups, per_group = _layout(config)
-    out = {"embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": state["model.norm.weight"]}
+    out = {
+        "embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": state["model.norm.weight"],
+    }
     if not config.tie_word_embeddings:
         out["output_layer.weight"] = state["lm_head.weight"]
     for i in range(config.num_hidden_layers):
@@ -96,8 +122,9 @@ def hf_to_megatron(state: dict[str, torch.Tensor], config) -> dict[str, torch.Te
         out[mg + "self_attention.linear_proj.weight"] = state[hf + "self_attn.o_proj.weight"]
         out[mg + "input_layernorm.weight"] = state[hf + "input_layernorm.weight"]
         out[mg + "pre_mlp_layernorm.weight"] = state[hf + "post_attention_layernorm.weight"]
-        out[mg + "mlp.linear_fc1.weight"] = torch.cat([state[hf + "mlp.gate_proj.weight"],
-                                                      state[hf + "mlp.up_proj.weight"]])
+        out[mg + "mlp.linear_fc1.weight"] = torch.cat(
+            [state[hf + "mlp.gate_proj.weight"], state[hf + "mlp.up_proj.weight"]]
+        )
         out[mg + "mlp.linear_fc2.weight"] = state[hf + "mlp.down_proj.weight"]
     return out
 
@@ -105,17 +132,22 @@ def hf_to_megatron(state: dict[str, torch.Tensor], config) -> dict[str, torch.Te
 def megatron_to_hf(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron` (for publishing a Megatron-trained policy under HF names)."""
     d, groups, per_group = _layout(config)
-    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
-           "model.norm.weight": state["decoder.final_layernorm.weight"]}
-    out["lm_head.weight"] = state["embedding.word_embeddings.weight" if config.tie_word_embeddings
-                                  else "output_layer.weight"]
+    out = {
+        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+        "model.norm.weight": state["decoder.final_layernorm.weight"],
+    }
+    out["lm_head.weight"] = state[
+        "embedding.word_embeddings.weight" if config.tie_word_embeddings else "output_layer.weight"
+    ]
     for i in range(config.num_hidden_layers):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         qkv = state[mg + "self_attention.linear_qkv.weight"]
         qkv = qkv.reshape(groups, (per_group + 2) * d, -1)
-        out[hf + "self_attn.q_proj.weight"] = qkv[:, :per_group * d].reshape(-1, qkv.shape[-1])
-        out[hf + "self_attn.k_proj.weight"] = qkv[:, per_group * d:(per_group + 1) * d].reshape(-1, qkv.shape[-1])
-        out[hf + "self_attn.v_proj.weight"] = qkv[:, (per_group + 1) * d:].reshape(-1, qkv.shape[-1])
+        out[hf + "self_attn.q_proj.weight"] = qkv[:, : per_group * d].reshape(-1, qkv.shape[-1])
+        out[hf + "self_attn.k_proj.weight"] = qkv[:, per_group * d : (per_group + 1) * d].reshape(
+            -1, qkv.shape[-1]
+        )
+        out[hf + "self_attn.v_proj.weight"] = qkv[:, (per_group + 1) * d :].reshape(-1, qkv.shape[-1])
         out[hf + "self_attn.o_proj.weight"] = state[mg + "self_attention.linear_proj.weight"]
         out[hf + "input_layernorm.weight"] = state[mg + "input_layernorm.weight"]
         out[hf + "post_attention_layernorm.weight"] = state[mg + "pre_mlp_layernorm.weight"]
@@ -135,7 +167,7 @@ class MegatronCausalLM(torch.nn.Module):
         self.config = config
 
     @classmethod
-    def from_hf(cls, hf_model: torch.nn.Module) -> "MegatronCausalLM":
+    def from_hf(cls, hf_model: torch.nn.Module) -> MegatronCausalLM:
         config = hf_model.config
         gpt = build_gpt_model(config, dtype=next(hf_model.parameters()).dtype)
         converted = hf_to_megatron(hf_model.state_dict(), config)

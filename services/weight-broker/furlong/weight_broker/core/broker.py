@@ -28,16 +28,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from furlong.core.errors import ConflictError, NotFoundError
 from furlong.core.weight_shards import ShardLayout
 from furlong.core.weights import Manifest
 from furlong.weight_broker.core.events import (
-    NO_VERSION, EventKind, VersionEventInfo, VersionStatusInfo, WeightSourceInfo)
+    NO_VERSION,
+    EventKind,
+    VersionEventInfo,
+    VersionStatusInfo,
+    WeightSourceInfo,
+)
 from furlong.weight_broker.core.subscription import EventSubscription
-from furlong.weight_broker.core.versions import (
-    NO_ROUND, Phase, Run, Version, published, round_ready)
+from furlong.weight_broker.core.versions import NO_ROUND, Phase, Run, Version, published, round_ready
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +57,16 @@ class BrokerObserver(Protocol):
     not call back into the broker."""
 
     def engines_changed(self, run_id: str, num_engines: int) -> None: ...
-    def ack_received(self, run_id: str, engine_id: str, version: int, ok: bool,
-                     transfer_seconds: float, transfer_bytes: int, lane: str) -> None: ...
+    def ack_received(
+        self,
+        run_id: str,
+        engine_id: str,
+        version: int,
+        ok: bool,
+        transfer_seconds: float,
+        transfer_bytes: int,
+        lane: str,
+    ) -> None: ...
     def engine_fenced(self, run_id: str, engine_id: str, version: int, reason: str) -> None: ...
     def version_committed(self, run_id: str, version: int, commit_seconds: float) -> None: ...
     def version_failed(self, run_id: str, version: int, reason: str) -> None: ...
@@ -66,8 +79,14 @@ def _require_id(kind: str, value: str) -> None:
 
 
 class BrokerCore:
-    def __init__(self, max_ack_attempts: int = 3, observer: BrokerObserver | None = None, *,
-                 ack_timeout_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_ack_attempts: int = 3,
+        observer: BrokerObserver | None = None,
+        *,
+        ack_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_ack_attempts < 1:
             raise ValueError(f"max_ack_attempts {max_ack_attempts} < 1")
         if not ack_timeout_s > 0:
@@ -79,12 +98,11 @@ class BrokerCore:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._runs: dict[str, Run] = {}
-        self._ended_runs: set[str] = set()   # a run id is never reused once ended
+        self._ended_runs: set[str] = set()  # a run id is never reused once ended
 
     # -- engines -----------------------------------------------------------------------------------
 
-    def register_engine(self, run_id: str, engine_id: str,
-                        shard_layout: ShardLayout | None = None) -> int:
+    def register_engine(self, run_id: str, engine_id: str, shard_layout: ShardLayout | None = None) -> int:
         """Idempotent. shard_layout: the tensors the engine holds when they differ from the
         published ones (None: as published); a later registration replaces it. Returns the run's
         committed version (-1 none)."""
@@ -99,11 +117,13 @@ class BrokerCore:
             if engine_id not in run.engines:
                 run.engines.add(engine_id)
                 latest = run.latest
-                if (latest is not None and latest.phase is Phase.PENDING
-                        and latest.can_join(engine_id, shard_layout)):
+                if (
+                    latest is not None
+                    and latest.phase is Phase.PENDING
+                    and latest.can_join(engine_id, shard_layout)
+                ):
                     latest.required.add(engine_id)
-                log.info("run %s: engine %s registered (%d engines)", run_id, engine_id,
-                         len(run.engines))
+                log.info("run %s: engine %s registered (%d engines)", run_id, engine_id, len(run.engines))
                 self._notify_engines(run)
             return run.committed_version
 
@@ -132,13 +152,21 @@ class BrokerCore:
             sub = EventSubscription(run_id, engine_id, self._subscription_closed)
             run.subscriptions[engine_id] = sub
             latest = run.latest
-            if latest is not None and latest.can_join(engine_id, run.layouts.get(engine_id)) and (
-                    latest.phase is Phase.COMMITTED or engine_id in latest.required):
+            if (
+                latest is not None
+                and latest.can_join(engine_id, run.layouts.get(engine_id))
+                and (latest.phase is Phase.COMMITTED or engine_id in latest.required)
+            ):
                 for event in latest.events_for_newcomer(run_id):
                     sub.put(event)
             elif latest is not None:
-                log.info("run %s: engine %s watches; it cannot take version %d (%s), waits for the "
-                         "next one", run_id, engine_id, latest.number, latest.phase.value)
+                log.info(
+                    "run %s: engine %s watches; it cannot take version %d (%s), waits for the next one",
+                    run_id,
+                    engine_id,
+                    latest.number,
+                    latest.phase.value,
+                )
             return sub
 
     def _subscription_closed(self, sub: EventSubscription) -> None:
@@ -156,11 +184,15 @@ class BrokerCore:
         with self._lock:
             runs = [self._run(run_id)]
             if run_id.endswith(UPSTREAM_SUFFIX):
-                relayed = self._runs.get(run_id[:-len(UPSTREAM_SUFFIX)])
+                relayed = self._runs.get(run_id[: -len(UPSTREAM_SUFFIX)])
                 if relayed is not None:
                     runs.append(relayed)
-            found = {layout.layout_id: layout for run in runs
-                     for engine_id, layout in run.layouts.items() if engine_id in run.engines}
+            found = {
+                layout.layout_id: layout
+                for run in runs
+                for engine_id, layout in run.layouts.items()
+                if engine_id in run.engines
+            }
             return [found[key] for key in sorted(found)]
 
     def _drop_engine(self, run: Run, engine_id: str, why: str) -> None:
@@ -168,8 +200,9 @@ class BrokerCore:
             return
         run.engines.discard(engine_id)
         run.layouts.pop(engine_id, None)
-        log.info("run %s: engine %s removed (%s); %d engines left", run.run_id, engine_id, why,
-                 len(run.engines))
+        log.info(
+            "run %s: engine %s removed (%s); %d engines left", run.run_id, engine_id, why, len(run.engines)
+        )
         self._notify_engines(run)
         latest = run.latest
         if latest is not None and latest.phase is Phase.PENDING:
@@ -184,21 +217,30 @@ class BrokerCore:
         """Record a new version and publish it to subscribers. Returns the engines that must
         acknowledge it (sorted); with none, the version commits at once."""
         _require_id("run_id", run_id)
-        needed = manifest.total_bytes if source.holds_all_rounds else max(
-            r.bucket_offset_bytes + r.size_bytes for r in manifest.rounds)
+        needed = (
+            manifest.total_bytes
+            if source.holds_all_rounds
+            else max(r.bucket_offset_bytes + r.size_bytes for r in manifest.rounds)
+        )
         if source.size_bytes < needed:
-            raise ValueError(f"run {run_id}: source region of {source.size_bytes} bytes is smaller "
-                             f"than the {needed} bytes version {manifest.version} stages in it")
+            raise ValueError(
+                f"run {run_id}: source region of {source.size_bytes} bytes is smaller "
+                f"than the {needed} bytes version {manifest.version} stages in it"
+            )
         with self._lock:
             run = self._open_run(run_id)
             latest = run.latest
             if latest is not None and manifest.version <= latest.number:
-                raise ConflictError(f"run {run_id}: version {manifest.version} is not newer than "
-                                    f"version {latest.number} ({latest.phase.value})")
+                raise ConflictError(
+                    f"run {run_id}: version {manifest.version} is not newer than "
+                    f"version {latest.number} ({latest.phase.value})"
+                )
             if latest is not None and latest.phase is Phase.PENDING:
-                raise ConflictError(f"run {run_id}: cannot begin version {manifest.version} while "
-                                    f"version {latest.number} is pending on engines "
-                                    f"{sorted(latest.required - latest.acked)}")
+                raise ConflictError(
+                    f"run {run_id}: cannot begin version {manifest.version} while "
+                    f"version {latest.number} is pending on engines "
+                    f"{sorted(latest.required - latest.acked)}"
+                )
             now = self._clock()
             version = Version(manifest, source, now, required=set(), staged_at=now)
             for engine_id in sorted(run.engines):
@@ -206,14 +248,24 @@ class BrokerCore:
                 if version.covers(layout):
                     version.required.add(engine_id)
                 else:
-                    log.warning("run %s: version %d has no checksums for the shard layout %s of "
-                                "engine %s (registered after the trainer asked for destinations); "
-                                "it takes the next version", run_id, manifest.version,
-                                layout.layout_id if layout else "", engine_id)
+                    log.warning(
+                        "run %s: version %d has no checksums for the shard layout %s of "
+                        "engine %s (registered after the trainer asked for destinations); "
+                        "it takes the next version",
+                        run_id,
+                        manifest.version,
+                        layout.layout_id if layout else "",
+                        engine_id,
+                    )
             run.latest = version
-            log.info("run %s: version %d begun, %d bytes in %d rounds, waiting for %s", run_id,
-                     manifest.version, manifest.total_bytes, version.num_rounds,
-                     sorted(version.required))
+            log.info(
+                "run %s: version %d begun, %d bytes in %d rounds, waiting for %s",
+                run_id,
+                manifest.version,
+                manifest.total_bytes,
+                version.num_rounds,
+                sorted(version.required),
+            )
             run.broadcast(published(run_id, version), only=version.required)
             if not version.required:
                 self._commit(run)
@@ -228,22 +280,35 @@ class BrokerCore:
             run = self._run(run_id)
             current = self._latest_alive(run, version)
             if index != current.staged_round + 1 or index >= current.num_rounds:
-                raise ConflictError(f"run {run_id}: version {version} cannot stage round {index} "
-                                    f"after round {current.staged_round} of {current.num_rounds}")
+                raise ConflictError(
+                    f"run {run_id}: version {version} cannot stage round {index} "
+                    f"after round {current.staged_round} of {current.num_rounds}"
+                )
             if index > 0 and not current.source.holds_all_rounds:
                 waiting = current.pending_on_round(index - 1)
                 if waiting:
-                    raise ConflictError(f"run {run_id}: version {version} round {index - 1} is still "
-                                        f"being pulled by engines {sorted(waiting)}")
+                    raise ConflictError(
+                        f"run {run_id}: version {version} round {index - 1} is still "
+                        f"being pulled by engines {sorted(waiting)}"
+                    )
             current.staged_round = index
             current.staged_at = self._clock()
             run.broadcast(round_ready(run_id, version, index), only=current.required)
             self._cond.notify_all()
             return sorted(current.pending_on_round(index))
 
-    def ack_round(self, run_id: str, engine_id: str, version: int, index: int, ok: bool,
-                  error: str = "", transfer_seconds: float = 0.0, transfer_bytes: int = 0,
-                  lane: str = "") -> None:
+    def ack_round(
+        self,
+        run_id: str,
+        engine_id: str,
+        version: int,
+        index: int,
+        ok: bool,
+        error: str = "",
+        transfer_seconds: float = 0.0,
+        transfer_bytes: int = 0,
+        lane: str = "",
+    ) -> None:
         """Record an engine's verdict on one round it pulled (ok: bytes verified). The transfer
         figures are informative; the version acknowledgement carries the totals."""
         _check_figures(transfer_seconds, transfer_bytes)
@@ -251,15 +316,16 @@ class BrokerCore:
             run = self._run(run_id)
             current = self._acked_version(run, engine_id, version)
             if not 0 <= index <= current.staged_round:
-                raise ConflictError(f"run {run_id}: engine {engine_id} acknowledged round {index} of "
-                                    f"version {version}, staged up to {current.staged_round}")
+                raise ConflictError(
+                    f"run {run_id}: engine {engine_id} acknowledged round {index} of "
+                    f"version {version}, staged up to {current.staged_round}"
+                )
             # Transfer figures reach the observer once, with the version's acknowledgement.
             if ok:
                 current.round_acks.setdefault(index, set()).add(engine_id)
                 self._cond.notify_all()
             else:
-                retry = ([round_ready(run_id, version, index)]
-                         if index in current.resident_rounds() else [])
+                retry = [round_ready(run_id, version, index)] if index in current.resident_rounds() else []
                 self._failed_attempt(run, current, engine_id, f"round {index}: {error}", retry)
 
     def wait_round(self, run_id: str, version: int, index: int, timeout_s: float) -> list[str]:
@@ -282,29 +348,41 @@ class BrokerCore:
                 now = self._clock()
                 if now >= deadline:
                     for engine_id in sorted(current.pending_on_round(index)):
-                        self._fence(run, current, engine_id,
-                                    f"did not pull round {index} of version {version} within "
-                                    f"{timeout_s} s")
+                        self._fence(
+                            run,
+                            current,
+                            engine_id,
+                            f"did not pull round {index} of version {version} within {timeout_s} s",
+                        )
                     continue
                 self._fence_overdue(run)
                 self._cond.wait(min(deadline - now, self._until_overdue(run)))
 
-    def ack_version(self, run_id: str, engine_id: str, version: int, ok: bool, error: str = "",
-                    transfer_seconds: float = 0.0, transfer_bytes: int = 0, lane: str = "") -> int:
+    def ack_version(
+        self,
+        run_id: str,
+        engine_id: str,
+        version: int,
+        ok: bool,
+        error: str = "",
+        transfer_seconds: float = 0.0,
+        transfer_bytes: int = 0,
+        lane: str = "",
+    ) -> int:
         """Record an engine's verdict on the latest version. Returns the committed version."""
         _check_figures(transfer_seconds, transfer_bytes)
         with self._lock:
             run = self._run(run_id)
             latest = self._acked_version(run, engine_id, version)
             if self._observer is not None:
-                self._observer.ack_received(run_id, engine_id, version, ok, transfer_seconds,
-                                            transfer_bytes, lane)
+                self._observer.ack_received(
+                    run_id, engine_id, version, ok, transfer_seconds, transfer_bytes, lane
+                )
             if ok:
                 latest.acked.add(engine_id)
                 self._settle(run)
             else:
-                self._failed_attempt(run, latest, engine_id, error,
-                                     latest.events_for_newcomer(run_id))
+                self._failed_attempt(run, latest, engine_id, error, latest.events_for_newcomer(run_id))
             return run.committed_version
 
     def _acked_version(self, run: Run, engine_id: str, version: int) -> Version:
@@ -312,39 +390,59 @@ class BrokerCore:
             raise NotFoundError(f"engine {engine_id} is not registered for run {run.run_id}")
         latest = run.latest
         if latest is None or version > latest.number:
-            raise NotFoundError(f"run {run.run_id}: version {version} was never begun (latest "
-                                f"{NO_VERSION if latest is None else latest.number})")
+            raise NotFoundError(
+                f"run {run.run_id}: version {version} was never begun (latest "
+                f"{NO_VERSION if latest is None else latest.number})"
+            )
         if version < latest.number:
-            raise ConflictError(f"run {run.run_id}: acknowledgement of version {version} from "
-                                f"engine {engine_id} is stale; latest is version {latest.number}")
+            raise ConflictError(
+                f"run {run.run_id}: acknowledgement of version {version} from "
+                f"engine {engine_id} is stale; latest is version {latest.number}"
+            )
         if latest.phase is Phase.FAILED:
-            raise ConflictError(f"run {run.run_id}: version {version} already failed: "
-                                f"{latest.failure}")
+            raise ConflictError(f"run {run.run_id}: version {version} already failed: {latest.failure}")
         return latest
 
-    def _failed_attempt(self, run: Run, version: Version, engine_id: str, error: str,
-                        retry: list[VersionEventInfo]) -> None:
+    def _failed_attempt(
+        self, run: Run, version: Version, engine_id: str, error: str, retry: list[VersionEventInfo]
+    ) -> None:
         attempts = version.failed_attempts.get(engine_id, 0) + 1
         version.failed_attempts[engine_id] = attempts
-        log.warning("run %s: engine %s could not take version %d (attempt %d of %d): %s",
-                    run.run_id, engine_id, version.number, attempts, self._max_ack_attempts, error)
+        log.warning(
+            "run %s: engine %s could not take version %d (attempt %d of %d): %s",
+            run.run_id,
+            engine_id,
+            version.number,
+            attempts,
+            self._max_ack_attempts,
+            error,
+        )
         if attempts < self._max_ack_attempts:
             run.send(engine_id, retry)
         elif version.phase is Phase.PENDING and engine_id in version.required:
-            self._fence(run, version, engine_id, f"engine {engine_id} failed version "
-                                                 f"{version.number} after {attempts} attempts: "
-                                                 f"{error}")
+            self._fence(
+                run,
+                version,
+                engine_id,
+                f"engine {engine_id} failed version {version.number} after {attempts} attempts: {error}",
+            )
         else:
-            log.error("run %s: engine %s gave up on committed version %d: %s", run.run_id,
-                      engine_id, version.number, error)
+            log.error(
+                "run %s: engine %s gave up on committed version %d: %s",
+                run.run_id,
+                engine_id,
+                version.number,
+                error,
+            )
 
     def _fence(self, run: Run, version: Version, engine_id: str, reason: str) -> None:
         """Take engine_id out of the pending version and the run; it may register again and will
         take the next version."""
         version.fenced[engine_id] = reason
         version.required.discard(engine_id)
-        log.error("run %s: engine %s fenced out of version %d: %s", run.run_id, engine_id,
-                  version.number, reason)
+        log.error(
+            "run %s: engine %s fenced out of version %d: %s", run.run_id, engine_id, version.number, reason
+        )
         if self._observer is not None:
             self._observer.engine_fenced(run.run_id, engine_id, version.number, reason)
         sub = run.subscriptions.pop(engine_id, None)
@@ -363,8 +461,9 @@ class BrokerCore:
         if latest is None or latest.phase is not Phase.PENDING:
             return
         if latest.fenced and not latest.required and not latest.acked:
-            self._fail(run, "every engine was fenced: " + "; ".join(
-                latest.fenced[e] for e in sorted(latest.fenced)))
+            self._fail(
+                run, "every engine was fenced: " + "; ".join(latest.fenced[e] for e in sorted(latest.fenced))
+            )
         elif latest.required <= latest.acked:
             self._commit(run)
         self._cond.notify_all()
@@ -376,12 +475,17 @@ class BrokerCore:
         if self._clock() < latest.staged_at + self._ack_timeout_s:
             return
         last_stage = latest.staged_round in (NO_ROUND, latest.num_rounds - 1)
-        overdue = (latest.required - latest.acked if last_stage
-                   else latest.pending_on_round(latest.staged_round))
+        overdue = (
+            latest.required - latest.acked if last_stage else latest.pending_on_round(latest.staged_round)
+        )
         for engine_id in sorted(overdue):
             what = "version" if last_stage else f"round {latest.staged_round} of version"
-            self._fence(run, latest, engine_id, f"did not acknowledge {what} {latest.number} "
-                                                f"within {self._ack_timeout_s} s")
+            self._fence(
+                run,
+                latest,
+                engine_id,
+                f"did not acknowledge {what} {latest.number} within {self._ack_timeout_s} s",
+            )
 
     def _until_overdue(self, run: Run) -> float:
         latest = run.latest
@@ -395,8 +499,7 @@ class BrokerCore:
         version.phase = Phase.COMMITTED
         run.committed_version = version.number
         commit_seconds = self._clock() - version.began_at
-        log.info("run %s: version %d committed after %.3f s", run.run_id, version.number,
-                 commit_seconds)
+        log.info("run %s: version %d committed after %.3f s", run.run_id, version.number, commit_seconds)
         run.broadcast(VersionEventInfo(run.run_id, EventKind.COMMITTED, version.number))
         if self._observer is not None:
             self._observer.version_committed(run.run_id, version.number, commit_seconds)
@@ -432,9 +535,11 @@ class BrokerCore:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     status = self._status(run)
-                    raise TimeoutError(f"run {run_id}: version {version} not committed after "
-                                       f"{timeout_s} s (committed {status.committed_version}, "
-                                       f"pending engines {list(status.pending_engine_ids)})")
+                    raise TimeoutError(
+                        f"run {run_id}: version {version} not committed after "
+                        f"{timeout_s} s (committed {status.committed_version}, "
+                        f"pending engines {list(status.pending_engine_ids)})"
+                    )
                 self._cond.wait(min(remaining, self._until_overdue(run)))
 
     def get_version(self, run_id: str) -> VersionStatusInfo:
@@ -480,7 +585,7 @@ class BrokerCore:
             raise NotFoundError(f"run {run.run_id}: version {version} is not the latest version")
         if latest.phase is Phase.FAILED:
             raise ConflictError(f"run {run.run_id}: version {version} failed: {latest.failure}")
-        return latest   # a committed version may still stage rounds for engines that join late
+        return latest  # a committed version may still stage rounds for engines that join late
 
     def _open_run(self, run_id: str) -> Run:
         """The run's state, created on first use; ConflictError for a run that has ended."""

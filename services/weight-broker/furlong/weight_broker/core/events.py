@@ -34,25 +34,29 @@ class WeightSourceInfo:
         if not self.agent_name:
             raise ValueError("weight source with an empty agent_name")
         if not (self.agent_metadata or self.shm_name or self.stream_address):
-            raise ValueError(f"weight source {self.agent_name!r}: no lane (NIXL metadata, shared "
-                             f"memory or stream address)")
+            raise ValueError(
+                f"weight source {self.agent_name!r}: no lane (NIXL metadata, shared memory or stream address)"
+            )
         if self.agent_metadata and self.base_address <= 0:
-            raise ValueError(f"weight source {self.agent_name!r}: base_address "
-                             f"{self.base_address} is not a valid address")
+            raise ValueError(
+                f"weight source {self.agent_name!r}: base_address {self.base_address} is not a valid address"
+            )
         if self.size_bytes <= 0:
             raise ValueError(f"weight source {self.agent_name!r}: size_bytes {self.size_bytes} <= 0")
         if self.memory_kind not in MEMORY_KINDS:
-            raise ValueError(f"weight source {self.agent_name!r}: memory_kind "
-                             f"{self.memory_kind!r} not one of {MEMORY_KINDS}")
+            raise ValueError(
+                f"weight source {self.agent_name!r}: memory_kind "
+                f"{self.memory_kind!r} not one of {MEMORY_KINDS}"
+            )
         if self.device_id < 0:
             raise ValueError(f"weight source {self.agent_name!r}: device_id {self.device_id} < 0")
 
 
 class EventKind(enum.Enum):
-    PUBLISHED = "published"       # a new version: get ready to pull its rounds
-    ROUND_READY = "round_ready"   # round `round` of the version is staged: pull, verify, ack it
-    COMMITTED = "committed"       # every registered engine serves this version
-    FENCED = "fenced"             # this engine was fenced out of the version; the stream ends
+    PUBLISHED = "published"  # a new version: get ready to pull its rounds
+    ROUND_READY = "round_ready"  # round `round` of the version is staged: pull, verify, ack it
+    COMMITTED = "committed"  # every registered engine serves this version
+    FENCED = "fenced"  # this engine was fenced out of the version; the stream ends
 
 
 @dataclass(frozen=True)
@@ -70,17 +74,20 @@ class VersionEventInfo:
     def __post_init__(self) -> None:
         has_payload = self.manifest is not None and self.source is not None
         if self.kind is EventKind.PUBLISHED and not has_payload:
-            raise ValueError(f"run {self.run_id}: PUBLISHED event for version {self.version} "
-                             f"without manifest and source")
-        if self.kind is not EventKind.PUBLISHED and (self.manifest is not None
-                                                     or self.source is not None):
-            raise ValueError(f"run {self.run_id}: {self.kind.name} event for version "
-                             f"{self.version} carries a manifest or source")
+            raise ValueError(
+                f"run {self.run_id}: PUBLISHED event for version {self.version} without manifest and source"
+            )
+        if self.kind is not EventKind.PUBLISHED and (self.manifest is not None or self.source is not None):
+            raise ValueError(
+                f"run {self.run_id}: {self.kind.name} event for version "
+                f"{self.version} carries a manifest or source"
+            )
         if self.round < 0:
             raise ValueError(f"run {self.run_id}: event round {self.round} < 0")
         if self.manifest is not None and self.manifest.version != self.version:
-            raise ValueError(f"run {self.run_id}: event version {self.version} != manifest version "
-                             f"{self.manifest.version}")
+            raise ValueError(
+                f"run {self.run_id}: event version {self.version} != manifest version {self.manifest.version}"
+            )
 
 
 @dataclass(frozen=True)
@@ -91,5 +98,5 @@ class VersionStatusInfo:
     latest_version: int
     committed_version: int
     engine_ids: tuple[str, ...]
-    pending_engine_ids: tuple[str, ...]   # registered engines that have not acknowledged latest
-    fenced_engine_ids: tuple[str, ...] = ()   # engines fenced out of latest
+    pending_engine_ids: tuple[str, ...]  # registered engines that have not acknowledged latest
+    fenced_engine_ids: tuple[str, ...] = ()  # engines fenced out of latest

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from furlong.weight_broker.core.events import VersionEventInfo
 
@@ -18,8 +18,7 @@ class EventSubscription:
     watch replaced this one); queued events are still delivered. `close()` is the reader's side: it
     ends the subscription and tells the broker (via on_close, called once, outside any lock here)."""
 
-    def __init__(self, run_id: str, engine_id: str,
-                 on_close: Callable[["EventSubscription"], None]) -> None:
+    def __init__(self, run_id: str, engine_id: str, on_close: Callable[[EventSubscription], None]) -> None:
         self.run_id = run_id
         self.engine_id = engine_id
         self._on_close = on_close

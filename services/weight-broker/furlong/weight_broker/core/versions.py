@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 from furlong.core.weight_shards import ShardLayout
 from furlong.core.weights import Manifest
-from furlong.weight_broker.core.events import (
-    NO_VERSION, EventKind, VersionEventInfo, WeightSourceInfo)
+from furlong.weight_broker.core.events import NO_VERSION, EventKind, VersionEventInfo, WeightSourceInfo
 from furlong.weight_broker.core.subscription import EventSubscription
 
 NO_ROUND = -1
@@ -33,10 +32,10 @@ class Version:
     failed_attempts: dict[str, int] = field(default_factory=dict)
     phase: Phase = Phase.PENDING
     failure: str = ""
-    staged_round: int = NO_ROUND                 # highest round staged so far
-    staged_at: float = 0.0                       # when staged_round (or the version) was announced
+    staged_round: int = NO_ROUND  # highest round staged so far
+    staged_at: float = 0.0  # when staged_round (or the version) was announced
     round_acks: dict[int, set[str]] = field(default_factory=dict)
-    fenced: dict[str, str] = field(default_factory=dict)   # engine -> why
+    fenced: dict[str, str] = field(default_factory=dict)  # engine -> why
 
     @property
     def number(self) -> int:
@@ -77,7 +76,7 @@ class Version:
 class Run:
     run_id: str
     engines: set[str] = field(default_factory=set)
-    layouts: dict[str, ShardLayout] = field(default_factory=dict)   # engines with their own layout
+    layouts: dict[str, ShardLayout] = field(default_factory=dict)  # engines with their own layout
     subscriptions: dict[str, EventSubscription] = field(default_factory=dict)
     latest: Version | None = None
     committed_version: int = NO_VERSION
@@ -96,8 +95,7 @@ class Run:
 
 
 def published(run_id: str, version: Version) -> VersionEventInfo:
-    return VersionEventInfo(run_id, EventKind.PUBLISHED, version.number, version.manifest,
-                            version.source)
+    return VersionEventInfo(run_id, EventKind.PUBLISHED, version.number, version.manifest, version.source)
 
 
 def round_ready(run_id: str, version: int, index: int) -> VersionEventInfo:
