@@ -36,7 +36,8 @@ from pathlib import Path
 
 import httpx
 
-from furlong.core.redis_server import RedisServer, free_port
+from furlong.controller.redis_server import RedisServer
+from furlong.rpc.ports import free_port
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from furlong.core.redis_server import free_port
+from furlong.rpc.ports import free_port
 from furlong.core.weights import WeightLayout
 from furlong.rpc import check_health, start_server
 from furlong.weight_broker.bucket import STREAM_SERVICE_NAME, WeightStreamServicer

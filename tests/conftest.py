@@ -10,7 +10,7 @@ import os
 import pytest
 import redis
 
-from furlong.core.redis_server import RedisServer
+from furlong.controller.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -145,7 +145,7 @@ def test_unreachable_redis_is_unavailable():
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from furlong.core.redis_server import free_port
+    from furlong.rpc.ports import free_port
 
     s = RunStore(
         redis.Redis(

@@ -16,7 +16,7 @@ import pytest
 from polling import wait_until
 from tiny_policy import write_tiny_checkpoint
 
-from furlong.core.redis_server import free_port
+from furlong.rpc.ports import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 

@@ -15,7 +15,7 @@ import pytest
 from dash_stack import RUN_STEPS
 from polling import wait_until
 
-from furlong.core.redis_server import free_port
+from furlong.rpc.ports import free_port
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser"))), None)
 pytestmark = [

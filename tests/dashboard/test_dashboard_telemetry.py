@@ -11,7 +11,7 @@ import httpx
 import psutil
 import pytest
 
-from furlong.core.redis_server import free_port
+from furlong.rpc.ports import free_port
 from furlong.dashboard.core.host_telemetry import (
     CpuTimes,
     HostSnapshot,

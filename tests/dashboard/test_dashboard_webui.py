@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 from test_dashboard_telemetry import FixedProvider
 
-from furlong.core.redis_server import free_port
+from furlong.rpc.ports import free_port
 from furlong.dashboard.app import create_app
 from furlong.dashboard.core.lanes import UtilizationLanes
 from furlong.dashboard.core.run_series import run_series

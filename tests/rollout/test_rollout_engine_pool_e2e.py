@@ -24,14 +24,14 @@ from polling import wait_until
 from rollout_models import tiny_model, tokenizer, write_checkpoint
 
 from furlong.core.checkpoint import unique_state
-from furlong.core.redis_server import free_port
+from furlong.rpc.ports import free_port
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.core.weights import WeightLayout
 from furlong.rollout.client import RolloutClient
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.types import EngineState, Prompt
-from furlong.rollout.ledger import DONE, Ledger, ledger_key
+from furlong.rollout.sample_ledger import DONE, RedisSampleLedger, ledger_key
 from furlong.rpc import check_health
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.publisher import WeightPublisher
@@ -169,7 +169,7 @@ def test_kill_9_an_engine_process_mid_request_then_drain(redis_url, tmp_path):
         samples = stream_samples(red, 0)
         assert sorted(s.sample_id for s in samples) == expected_ids  # none lost or doubled
         assert {s.policy_version for s in samples} == {1}
-        states = Ledger(red, scope=RUN).states(request)
+        states = RedisSampleLedger(red, scope=RUN).states(request)
         assert sorted(states) == expected_ids and set(states.values()) == {DONE}
         counts = client.status(RUN).ledger
         assert (counts.pending, counts.in_flight, counts.done, counts.surplus) == (0, 0, 48, 0)

@@ -15,7 +15,7 @@ from furlong.rollout.core.groups import OverSampling
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import LedgerCounts, Prompt
-from furlong.rollout.ledger import DONE, PENDING, SURPLUS, Ledger
+from furlong.rollout.sample_ledger import DONE, PENDING, SURPLUS, RedisSampleLedger
 from furlong.rollout.metrics import GROUPS_SURPLUS_TOTAL, RolloutMetrics
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,7 @@ def test_keep_groups_writes_the_first_complete_groups_and_closes_the_rest(env):
     result = service.generate("over", 0, PROMPTS, 2, SAMPLING, 0, 30.0, keep_groups=4)
     assert (result.num_groups, result.num_samples, result.num_groups_surplus) == (4, 8, 2)
     assert [g.prompt_id for g in written(red, 0)] == ["o0", "o1", "o2", "o3"]
-    states = Ledger(red, scope="over").states(result.request_id)
+    states = RedisSampleLedger(red, scope="over").states(result.request_id)
     assert result.request_id == "over/0/1"
     assert {s: v for s, v in states.items() if v == SURPLUS} == {
         f"o{p}/{i}": SURPLUS for p in (4, 5) for i in range(2)
@@ -71,7 +71,7 @@ def test_keep_groups_writes_the_first_complete_groups_and_closes_the_rest(env):
     assert (early.num_groups, early.num_groups_surplus) == (3, 3)
     assert early.num_tokens <= result.num_tokens
     assert [g.prompt_id for g in written(red, 1)] == ["o0", "o1", "o2"]
-    states = Ledger(red, scope="over").states(early.request_id)
+    states = RedisSampleLedger(red, scope="over").states(early.request_id)
     assert all(states[f"o{p}/{i}"] == SURPLUS for p in (3, 4, 5) for i in range(2))
     assert service.status("over").ledger == LedgerCounts(done=14, surplus=10)
     assert registry.get_sample_value(GROUPS_SURPLUS_TOTAL, {"run_id": "over"}) == 5.0
@@ -79,7 +79,7 @@ def test_keep_groups_writes_the_first_complete_groups_and_closes_the_rest(env):
     # Same step again: a new attempt with its own ledger; every sample exactly once.
     again = service.generate("over", 1, PROMPTS[:2], 3, SAMPLING, 0, 30.0)
     assert again.request_id == "over/1/2" and again.num_groups_surplus == 0
-    assert sorted(Ledger(red, scope="over").states(again.request_id)) == sorted(
+    assert sorted(RedisSampleLedger(red, scope="over").states(again.request_id)) == sorted(
         f"o{p}/{i}" for p in (0, 1) for i in range(3)
     )
 
@@ -105,7 +105,7 @@ def test_over_sampling_sizes_requests():
 
 def test_ledger_counts_and_refusals(redis_url):
     red = redis.Redis.from_url(redis_url)
-    ledger = Ledger(red, scope="s")
+    ledger = RedisSampleLedger(red, scope="s")
     ledger.open("s/0/1", ["a", "b", "c"])
     ledger.dispatch("s/0/1", ["a", "b"], "e0")
     ledger.dispatch("s/0/1", ["a"], "e1")  # retried elsewhere: still one in flight
@@ -122,5 +122,5 @@ def test_ledger_counts_and_refusals(redis_url):
     ledger.open("s/0/2", ["a"])
     assert ledger.states("s/0/2") == {"a": PENDING}
     with pytest.raises(ValueError, match="scope must not be empty"):
-        Ledger(red, scope="")
+        RedisSampleLedger(red, scope="")
     red.close()

@@ -15,7 +15,7 @@ from rollout_models import tokenizer, write_checkpoint
 
 from furlong.core.errors import UnavailableError
 from furlong.rollout.core.sampling import SamplingConfig
-from furlong.rollout.ledger import DONE, Ledger, ledger_key
+from furlong.rollout.sample_ledger import DONE, RedisSampleLedger, ledger_key
 from furlong.rollout.pool import EnginePool, PoolConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -25,7 +25,7 @@ def test_kill_9_during_a_request_loses_and_duplicates_nothing(redis_url, tmp_pat
     v0 = str(write_checkpoint(tmp_path / "v0", seed=61))
     v1 = str(write_checkpoint(tmp_path / "v1", seed=62))
     red = redis.Redis.from_url(redis_url)
-    ledger = Ledger(red)
+    ledger = RedisSampleLedger(red)
     tok = tokenizer()
     pool = EnginePool(
         v0,
@@ -87,7 +87,7 @@ def test_kill_9_during_a_request_loses_and_duplicates_nothing(redis_url, tmp_pat
 
 def test_ledger_refuses_a_second_result(redis_url):
     red = redis.Redis.from_url(redis_url)
-    ledger = Ledger(red)
+    ledger = RedisSampleLedger(red)
     ledger.open("r", ["a", "b"])
     ledger.dispatch("r", ["a"], "e0")
     assert ledger.states("r") == {"a": "flight:e0", "b": "pending"}
@@ -97,7 +97,7 @@ def test_ledger_refuses_a_second_result(redis_url):
     ledger.open("r", ["a", "b"])  # reopening keeps states
     assert ledger.states("r")["a"] == DONE
     red.close()
-    dead = Ledger(redis.Redis(host="127.0.0.1", port=9, socket_connect_timeout=0.5))
+    dead = RedisSampleLedger(redis.Redis(host="127.0.0.1", port=9, socket_connect_timeout=0.5))
     with pytest.raises(UnavailableError, match="ledger: cannot"):
         dead.open("r", ["a"])
 

@@ -15,7 +15,7 @@ from polling import wait_until
 from rollout_models import tiny_model, tokenizer, write_checkpoint
 
 from furlong.core.checkpoint import unique_state
-from furlong.core.redis_server import free_port
+from furlong.rpc.ports import free_port
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.core.weights import WeightLayout
 from furlong.rollout.client import RolloutClient

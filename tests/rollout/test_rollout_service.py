@@ -217,7 +217,7 @@ def test_unreachable_redis_is_unavailable(checkpoint):
     from redis.retry import Retry
 
     from furlong.core.errors import UnavailableError
-    from furlong.core.redis_server import free_port
+    from furlong.rpc.ports import free_port
 
     client = redis.Redis(
         host="127.0.0.1", port=free_port(), socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)

@@ -36,7 +36,7 @@ import torch
 from rollout_models import tokenizer, write_checkpoint
 
 from furlong.core.checkpoint import load_policy
-from furlong.core.redis_server import free_port
+from furlong.rpc.ports import free_port
 from furlong.rollout.sglang import SGLangEngine
 
 pytestmark = [

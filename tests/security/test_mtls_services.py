@@ -12,7 +12,7 @@ from polling import wait_until
 
 from furlong import rpc
 from furlong.core.errors import UnavailableError
-from furlong.core.redis_server import free_port
+from furlong.rpc.ports import free_port
 from furlong.rpc.tls import TlsFiles
 from furlong.weight_broker.client import GrpcBrokerClient
 

@@ -9,7 +9,7 @@ import warnings
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from furlong.core.redis_server import free_port
+from furlong.rpc.ports import free_port
 from furlong.core.samples import SampleGroup
 from furlong.trainer.core.learner import Learner, LearnerConfig
 from furlong.trainer.logprobs import log_probs_with_support

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_learner import batch, tiny_model
 
-from furlong.core.redis_server import free_port
+from furlong.rpc.ports import free_port
 from furlong.trainer.core.data_parallel import DataParallel
 from furlong.trainer.core.learner import Learner, LearnerConfig
 

@@ -14,7 +14,7 @@ import torch
 from polling import wait_until
 
 from furlong.core.errors import ConflictError
-from furlong.core.redis_server import free_port
+from furlong.rpc.ports import free_port
 from furlong.core.weights import Manifest, WeightLayout
 from furlong.rpc import check_health
 from furlong.weight_broker.client import GrpcBrokerClient

@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66urlong/v1/common.proto\x12\nfurlong.v1\"w\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x0c\n\x04stop\x18\x06 \x03(\t\"c\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x04\x12\x12\n\nsize_bytes\x18\x05 \x01(\x04\"\xd0\x01\n\x0cWeightSource\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62\x61se_address\x18\x03 \x01(\x04\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x13\n\x0bmemory_kind\x18\x05 \x01(\t\x12\x11\n\tdevice_id\x18\x06 \x01(\x05\x12\x10\n\x08shm_name\x18\x07 \x01(\t\x12\x16\n\x0estream_address\x18\x08 \x01(\t\x12\x18\n\x10holds_all_rounds\x18\t \x01(\x08\"\x84\x01\n\x0b\x42ucketRound\x12\r\n\x05index\x18\x01 \x01(\r\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\r\n\x05names\x18\x04 \x03(\t\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x1b\n\x13\x62ucket_offset_bytes\x18\x06 \x01(\x04\"\x8a\x02\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x07tensors\x18\x02 \x03(\x0b\x32\x17.furlong.v1.TensorEntry\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12\x63hecksum_algorithm\x18\x04 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x19\n\x11\x62ucket_size_bytes\x18\x06 \x01(\x04\x12\'\n\x06rounds\x18\x07 \x03(\x0b\x32\x17.furlong.v1.BucketRound\x12\x36\n\x0c\x64\x65stinations\x18\x08 \x03(\x0b\x32 .furlong.v1.DestinationChecksums\"B\n\x14\x44\x65stinationChecksums\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\x17\n\x0fround_checksums\x18\x02 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66urlong/v1/common.proto\x12\nfurlong.v1\"\x86\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\r\n\x05min_p\x18\x07 \x01(\x01\"c\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x04\x12\x12\n\nsize_bytes\x18\x05 \x01(\x04\"\xd0\x01\n\x0cWeightSource\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62\x61se_address\x18\x03 \x01(\x04\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x13\n\x0bmemory_kind\x18\x05 \x01(\t\x12\x11\n\tdevice_id\x18\x06 \x01(\x05\x12\x10\n\x08shm_name\x18\x07 \x01(\t\x12\x16\n\x0estream_address\x18\x08 \x01(\t\x12\x18\n\x10holds_all_rounds\x18\t \x01(\x08\"\x84\x01\n\x0b\x42ucketRound\x12\r\n\x05index\x18\x01 \x01(\r\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\r\n\x05names\x18\x04 \x03(\t\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x1b\n\x13\x62ucket_offset_bytes\x18\x06 \x01(\x04\"\x8a\x02\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x07tensors\x18\x02 \x03(\x0b\x32\x17.furlong.v1.TensorEntry\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12\x63hecksum_algorithm\x18\x04 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x19\n\x11\x62ucket_size_bytes\x18\x06 \x01(\x04\x12\'\n\x06rounds\x18\x07 \x03(\x0b\x32\x17.furlong.v1.BucketRound\x12\x36\n\x0c\x64\x65stinations\x18\x08 \x03(\x0b\x32 .furlong.v1.DestinationChecksums\"B\n\x14\x44\x65stinationChecksums\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\x17\n\x0fround_checksums\x18\x02 \x03(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'furlong.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGPARAMS']._serialized_start=39
-  _globals['_SAMPLINGPARAMS']._serialized_end=158
-  _globals['_TENSORENTRY']._serialized_start=160
-  _globals['_TENSORENTRY']._serialized_end=259
-  _globals['_WEIGHTSOURCE']._serialized_start=262
-  _globals['_WEIGHTSOURCE']._serialized_end=470
-  _globals['_BUCKETROUND']._serialized_start=473
-  _globals['_BUCKETROUND']._serialized_end=605
-  _globals['_WEIGHTMANIFEST']._serialized_start=608
-  _globals['_WEIGHTMANIFEST']._serialized_end=874
-  _globals['_DESTINATIONCHECKSUMS']._serialized_start=876
-  _globals['_DESTINATIONCHECKSUMS']._serialized_end=942
+  _globals['_SAMPLINGPARAMS']._serialized_start=40
+  _globals['_SAMPLINGPARAMS']._serialized_end=174
+  _globals['_TENSORENTRY']._serialized_start=176
+  _globals['_TENSORENTRY']._serialized_end=275
+  _globals['_WEIGHTSOURCE']._serialized_start=278
+  _globals['_WEIGHTSOURCE']._serialized_end=486
+  _globals['_BUCKETROUND']._serialized_start=489
+  _globals['_BUCKETROUND']._serialized_end=621
+  _globals['_WEIGHTMANIFEST']._serialized_start=624
+  _globals['_WEIGHTMANIFEST']._serialized_end=890
+  _globals['_DESTINATIONCHECKSUMS']._serialized_start=892
+  _globals['_DESTINATIONCHECKSUMS']._serialized_end=958
 # @@protoc_insertion_point(module_scope)

@@ -19,19 +19,31 @@ ENGINE_STATE_SERVING: EngineState
 ENGINE_STATE_DRAINING: EngineState
 ENGINE_STATE_DRAINED: EngineState
 
+class RolloutConfig(_message.Message):
+    __slots__ = ("num_engines", "max_refill_rounds", "over_sampling")
+    NUM_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REFILL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    OVER_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    num_engines: int
+    max_refill_rounds: int
+    over_sampling: float
+    def __init__(self, num_engines: _Optional[int] = ..., max_refill_rounds: _Optional[int] = ..., over_sampling: _Optional[float] = ...) -> None: ...
+
 class ConfigureRolloutRequest(_message.Message):
-    __slots__ = ("run_id", "model_dir", "reward", "num_engines", "seed")
+    __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
-    REWARD_FIELD_NUMBER: _ClassVar[int]
-    NUM_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     model_dir: str
-    reward: str
-    num_engines: int
+    task: str
     seed: int
-    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., reward: _Optional[str] = ..., num_engines: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    rollout: RolloutConfig
+    reward: str
+    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., task: _Optional[str] = ..., seed: _Optional[int] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., reward: _Optional[str] = ...) -> None: ...
 
 class ConfigureRolloutResponse(_message.Message):
     __slots__ = ("run_id", "policy_version", "engine_ids")
@@ -54,7 +66,7 @@ class Prompt(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., text: _Optional[str] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("run_id", "step", "prompts", "samples_per_prompt", "sampling", "min_policy_version", "timeout_s", "min_p", "max_refill_rounds", "keep_groups")
+    __slots__ = ("run_id", "step", "prompts", "samples_per_prompt", "sampling", "min_policy_version", "timeout_s", "num_groups")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
@@ -62,9 +74,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    MIN_P_FIELD_NUMBER: _ClassVar[int]
-    MAX_REFILL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
-    KEEP_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
@@ -72,13 +82,11 @@ class GenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     min_policy_version: int
     timeout_s: float
-    min_p: float
-    max_refill_rounds: int
-    keep_groups: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., min_p: _Optional[float] = ..., max_refill_rounds: _Optional[int] = ..., keep_groups: _Optional[int] = ...) -> None: ...
+    num_groups: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., num_groups: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("run_id", "step", "num_groups", "num_samples", "reward_mean", "policy_version", "num_tokens", "generate_seconds", "num_groups_dropped", "num_groups_refilled", "num_groups_surplus", "request_id")
+    __slots__ = ("run_id", "step", "num_groups", "num_samples", "reward_mean", "policy_version", "num_tokens", "generate_seconds", "num_groups_dropped", "num_groups_refilled", "num_groups_surplus", "request_id", "num_groups_resumed")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +99,7 @@ class GenerateResponse(_message.Message):
     NUM_GROUPS_REFILLED_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_SURPLUS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_RESUMED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     num_groups: int
@@ -103,7 +112,8 @@ class GenerateResponse(_message.Message):
     num_groups_refilled: int
     num_groups_surplus: int
     request_id: str
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_samples: _Optional[int] = ..., reward_mean: _Optional[float] = ..., policy_version: _Optional[int] = ..., num_tokens: _Optional[int] = ..., generate_seconds: _Optional[float] = ..., num_groups_dropped: _Optional[int] = ..., num_groups_refilled: _Optional[int] = ..., num_groups_surplus: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    num_groups_resumed: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_samples: _Optional[int] = ..., reward_mean: _Optional[float] = ..., policy_version: _Optional[int] = ..., num_tokens: _Optional[int] = ..., generate_seconds: _Optional[float] = ..., num_groups_dropped: _Optional[int] = ..., num_groups_refilled: _Optional[int] = ..., num_groups_surplus: _Optional[int] = ..., request_id: _Optional[str] = ..., num_groups_resumed: _Optional[int] = ...) -> None: ...
 
 class EndRolloutRequest(_message.Message):
     __slots__ = ("run_id",)

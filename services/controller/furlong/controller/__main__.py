@@ -16,21 +16,15 @@ import sys
 from pathlib import Path
 
 from furlong import rpc
+from furlong.controller.app import ENGINE_STATUS_TIMEOUT_S
 from furlong.controller.auth import ApiTokens
-from furlong.controller.clients import (
-    BROKER_SERVICE,
-    ROLLOUT_SERVICE,
-    TRAINER_SERVICE,
-    GrpcBrokerClient,
-    GrpcRolloutClient,
-    GrpcTrainerClient,
-)
 from furlong.controller.config import ControllerConfig
-from furlong.controller.engines import GrpcEngineStatus
-from furlong.controller.prompt_source import TaskPromptSource
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
+from furlong.controller.services import BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE, connect
 from furlong.core.errors import FurlongError
+from furlong.rollout import client as rollout_client
+from furlong.rollout.client import RolloutDeadlines
 
 log = logging.getLogger("furlong.controller")
 
@@ -137,10 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokens = ApiTokens(admin=(config.token,), viewer=(config.viewer_token,) if config.viewer_token else ())
     store = RunStore.from_url(config.redis_url)
-    trainer = GrpcTrainerClient(config.trainer)
-    rollout = GrpcRolloutClient(config.rollout)
-    broker = GrpcBrokerClient(config.broker)
-    engines = GrpcEngineStatus(config.rollout)
+    services = connect(config.trainer, config.rollout, config.broker, config.timeouts)
+    # /v1/engines answers within a few seconds even while rollout is busy generating
+    engines = rollout_client.make_client(config.rollout, RolloutDeadlines(call_s=ENGINE_STATUS_TIMEOUT_S))
 
     def readiness() -> dict[str, bool]:
         return {
@@ -153,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         controller = build_controller(
             store,
-            trainer,
-            rollout,
-            broker,
-            TaskPromptSource(),
+            services,
             tokens,
             readiness,
             config.timeouts,
@@ -172,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         server.serve()
     finally:
         controller.close()
-        for client in (trainer, rollout, broker, engines):
-            client.close()
+        services.close()
+        engines.close()
         store.close()
     return 0
 

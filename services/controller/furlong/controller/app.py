@@ -25,19 +25,20 @@ from starlette.concurrency import run_in_threadpool
 from furlong.controller import api_models as m
 from furlong.controller.auth import ApiTokens, Role
 from furlong.controller.core.run_state import TERMINAL_STATES
-from furlong.controller.engines import EngineStatusSource
 from furlong.controller.metrics import CONTENT_TYPE, ControllerMetrics
 from furlong.controller.problems import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, install_problem_handlers
-from furlong.controller.run_spec import SpecError
 from furlong.controller.runs import RunService
 from furlong.core.errors import NotFoundError, UnavailableError
+from furlong.core.settings import SettingError
+from furlong.rollout.client import RolloutClient
+from furlong.rollout.core.types import EngineStatus
 
 log = logging.getLogger(__name__)
 
 Readiness = Callable[[], dict[str, bool]]
 MAX_PAGE = 1000
 EVENT_POLL_S = 0.2
-ENGINE_STATUS_TIMEOUT_S = 5.0
+ENGINE_STATUS_TIMEOUT_S = 5.0  # the deadline of the rollout client behind /v1/engines
 EVENT_BATCH = 100
 KEEPALIVE_S = 15.0
 _TERMINAL = {s.value for s in TERMINAL_STATES}
@@ -69,7 +70,7 @@ def _check_idempotency_key(key: str | None) -> str | None:
     if key is None:
         return None
     if not 1 <= len(key) <= _IDEMPOTENCY_KEY_MAX or not key.isascii() or not key.isprintable():
-        raise SpecError(
+        raise SettingError(
             "Idempotency-Key",
             f"must be 1..{_IDEMPOTENCY_KEY_MAX} printable ASCII characters, got {len(key)} characters",
         )
@@ -87,7 +88,7 @@ def _read_routes(router: APIRouter, service: RunService) -> None:
         try:
             runs, next_cursor = service.list_page(state, limit, cursor)
         except ValueError as exc:
-            raise SpecError("cursor" if "cursor" in str(exc) else "state", str(exc)) from None
+            raise SettingError("cursor" if "cursor" in str(exc) else "state", str(exc)) from None
         return {"runs": [r.to_dict() for r in runs], "next_cursor": next_cursor}
 
     @router.get("/runs/{run_id}", response_model=m.RunModel, responses=m.problem_responses(401, 404, 503))
@@ -121,7 +122,9 @@ def _read_routes(router: APIRouter, service: RunService) -> None:
         """Replays the run's events after `Last-Event-ID` (all when absent), then follows it."""
         after = last_event_id or "0-0"
         if not _valid_stream_id(after):
-            raise SpecError("Last-Event-ID", f"must be a stream id like 1700000000000-0, got {after[:64]!r}")
+            raise SettingError(
+                "Last-Event-ID", f"must be a stream id like 1700000000000-0, got {after[:64]!r}"
+            )
         first = await run_in_threadpool(service.events, run_id, after, EVENT_BATCH)
         return StreamingResponse(
             _event_stream(request, service, run_id, after, first),
@@ -131,7 +134,7 @@ def _read_routes(router: APIRouter, service: RunService) -> None:
 
 
 def _engine_routes(
-    router: APIRouter, engines: EngineStatusSource | None, active_run: Callable[[], str | None]
+    router: APIRouter, engines: RolloutClient | None, active_run: Callable[[], str | None]
 ) -> None:
     @router.get("/engines", response_model=m.EnginesPage, responses=m.problem_responses(401, 404, 409, 503))
     def list_engines(run_id: str | None = Query(default=None, max_length=128)) -> dict[str, Any]:
@@ -142,12 +145,12 @@ def _engine_routes(
         target = run_id or active_run()
         if target is None:
             return {"run_id": None, "engines": []}
-        found = engines.engines(target, ENGINE_STATUS_TIMEOUT_S)
-        return {"run_id": target, "engines": [e.to_dict() for e in found]}
+        found = engines.status(target).engines
+        return {"run_id": target, "engines": [_engine_json(e) for e in found]}
 
 
 def _drain_route(
-    router: APIRouter, engines: EngineStatusSource | None, active_run: Callable[[], str | None]
+    router: APIRouter, engines: RolloutClient | None, active_run: Callable[[], str | None]
 ) -> None:
     @router.post(
         "/engines/{engine_id}/drain",
@@ -164,7 +167,16 @@ def _drain_route(
         target = run_id or active_run()
         if target is None:
             raise NotFoundError(f"engine {engine_id!r}: no run is being executed; pass run_id")
-        return engines.drain(target, engine_id, ENGINE_STATUS_TIMEOUT_S).to_dict()
+        return _engine_json(engines.drain_engine(target, engine_id))
+
+
+def _engine_json(e: EngineStatus) -> dict[str, Any]:
+    return {
+        "engine_id": e.engine_id,
+        "policy_version": e.policy_version,
+        "healthy": e.healthy,
+        "state": e.state.value,
+    }
 
 
 def _valid_stream_id(value: str) -> bool:
@@ -221,7 +233,7 @@ def _change_routes(router: APIRouter, service: RunService) -> None:
         try:
             data = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SpecError("body", f"not valid JSON: {exc}") from None
+            raise SettingError("body", f"not valid JSON: {exc}") from None
         run, replayed = await run_in_threadpool(service.create_run_idempotent, data, key)
         if replayed:
             return JSONResponse(
@@ -262,7 +274,7 @@ def create_app(
     metrics: ControllerMetrics,
     cors_origins: tuple[str, ...] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    engines: EngineStatusSource | None = None,
+    engines: RolloutClient | None = None,
     active_run: Callable[[], str | None] = lambda: None,
 ) -> FastAPI:
     """The REST application. tokens: the role tokens (a plain string is the one admin token);

@@ -52,7 +52,7 @@ class UsageError(Exception):
 
 def load_run_config(path: Path) -> dict[str, Any]:
     """The run spec dict from a YAML or JSON file, with `model` resolved against the file's
-    directory and the whole spec validated (SpecError names the bad field)."""
+    directory and the whole spec validated (SettingError names the bad field)."""
     try:
         text = path.read_text()
     except OSError as exc:

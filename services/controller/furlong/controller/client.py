@@ -1,7 +1,7 @@
 """Clients of the controller's REST API: over HTTP, and an in-process twin with the same interface.
 
 Both return the JSON shapes of `docs/rest-api.md` (plain dicts) and raise the same domain errors:
-SpecError (422 naming a field), ValueError (other 422), NotFoundError (404), ConflictError (409),
+SettingError (422 naming a field), ValueError (other 422), NotFoundError (404), ConflictError (409),
 UnavailableError (503 or the controller cannot be reached), PermissionError (401, 403).
 """
 
@@ -12,9 +12,9 @@ from typing import Any, Protocol
 
 import httpx
 
-from furlong.controller.run_spec import SpecError
 from furlong.controller.runs import RunService
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
+from furlong.core.settings import SettingError
 
 
 class ControllerClient(Protocol):
@@ -52,7 +52,7 @@ def _raise_for(response: httpx.Response) -> None:
         raise ConflictError(str(detail))
     if response.status_code == 422:
         if field:
-            raise SpecError(str(field), str(detail).removeprefix(f"{field}: "))
+            raise SettingError(str(field), str(detail).removeprefix(f"{field}: "))
         raise ValueError(str(detail))
     if response.status_code == 503:
         raise UnavailableError(str(detail))

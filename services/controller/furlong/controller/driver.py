@@ -1,7 +1,7 @@
-"""The synchronous RL loop of one run, driven through the service Protocols.
+"""The synchronous RL loop of one run, driven through the services' own clients (`services`).
 
     configure: rollout.ConfigureRun -> trainer.ConfigureRun            (starting)
-    each step: prompts -> rollout.Generate -> trainer.TrainStep
+    each step: rollout.Generate -> trainer.TrainStep
                -> trainer.PublishWeights -> broker.WaitCommitted -> record the step   (running)
     teardown:  rollout.EndRun, trainer.EndRun, broker.EndRun          (stopping)
     then succeeded, cancelled (a stop request was seen between phases) or failed (the first error,
@@ -13,31 +13,31 @@
                the run from its last checkpoint, at most `recovery.max_attempts` times per run;
                `resume` does the same for a run a previous controller process left active.
 
-Every step is recorded in the run's sample ledger: the prompts submitted (only those without a
-group in the stream yet, so a repeated step resubmits just what was lost), the groups generated
-(scanned from the stream) and every committed policy version.
+Rollout owns a step's groups: it draws the prompts, decides which groups are written (over-sampling,
+dynamic sampling, the groups an earlier attempt at the step wrote) and records them in the run's
+group ledger; the driver asks for `prompts_per_step` groups and trains on the groups rollout says
+the step has. The driver records every committed policy version in the group ledger.
 
-Every call has a deadline from `DriverTimeouts`. The driver is the only writer of a started run's
-state; a stop request only sets `stop_requested`, which the driver checks between phases. Knows
-nothing about gRPC, HTTP or how the run was submitted.
+Every call has a deadline from `DriverTimeouts` (the services' clients carry them). The driver is
+the only writer of a started run's state; a stop request only sets `stop_requested`, which the
+driver checks between phases. Knows nothing about gRPC, HTTP or how the run was submitted.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from furlong.controller.clients import BrokerClient, RolloutClient, TrainerClient
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.core.run_state import Run, RunState
-from furlong.controller.core.step_record import StepRecord, sampling_seed
+from furlong.controller.core.step_record import StepRecord
 from furlong.controller.metrics import ControllerMetrics
-from furlong.controller.prompt_source import PromptSource
 from furlong.controller.run_recovery import RecoveryFailed, RecoveryStopped, RunRecovery, recoverable
+from furlong.controller.run_requests import generate_request, rollout_config, train_request, trainer_config
 from furlong.controller.run_store import RunStore
+from furlong.controller.services import Services
 from furlong.core.errors import ConflictError, FurlongError, NotFoundError, UnavailableError
 
 log = logging.getLogger(__name__)
@@ -66,23 +66,19 @@ class RunDriver:
     def __init__(
         self,
         store: RunStore,
-        trainer: TrainerClient,
-        rollout: RolloutClient,
-        broker: BrokerClient,
-        prompts: PromptSource,
+        services: Services,
         timeouts: DriverTimeouts,
         metrics: ControllerMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
-        self._trainer = trainer
-        self._rollout = rollout
-        self._broker = broker
-        self._prompts = prompts
+        self._trainer = services.trainer
+        self._rollout = services.rollout
+        self._broker = services.broker
         self._timeouts = timeouts
         self._metrics = metrics or ControllerMetrics()
         self._clock = clock
-        self._recovery = RunRecovery(store, trainer, rollout, broker, prompts, timeouts)
+        self._recovery = RunRecovery(store, services, timeouts)
 
     def execute(self, run_id: str) -> Run:
         """Run a pending run to a terminal state and return it. A run that is no longer pending
@@ -215,108 +211,47 @@ class RunDriver:
         log.info("run %s resumed before %s", run_id, where)
 
     def _configure(self, run: Run, configured: list[str]) -> int:
-        spec, t = run.spec, self._timeouts
-        reward = self._call("task", self._prompts.reward_name, spec.task)
         configured.append("rollout")
-        rollout_version = self._call(
-            "rollout.ConfigureRun",
-            self._rollout.configure_run,
-            run.run_id,
-            spec.model,
-            reward,
-            spec.rollout.num_engines,
-            spec.seed,
-            t.configure_s,
-        )
+        rollout = self._call("rollout.ConfigureRun", self._rollout.configure_run, rollout_config(run))
         self._check_stop(run.run_id, "after rollout.ConfigureRun")
         configured.append("trainer")
         configured.append("broker")
-        self._call("ledger", self._store.ledger(run.run_id).set_every_steps, spec.checkpoint.every_steps)
-        trainer_version = self._call(
-            "trainer.ConfigureRun",
-            self._trainer.configure_run,
-            run.run_id,
-            spec.model,
-            spec.algorithm,
-            spec.seed,
-            spec.steps,
-            spec.sampling.temperature,
-            t.configure_s,
-        )
-        if rollout_version != trainer_version:
+        trainer = self._call("trainer.ConfigureRun", self._trainer.configure_run, trainer_config(run))
+        if rollout.policy_version != trainer.policy_version:
             raise _PhaseFailed(
                 "configure",
                 ConflictError(
-                    f"rollout serves policy version {rollout_version} but the trainer starts from "
-                    f"{trainer_version}"
+                    f"rollout serves policy version {rollout.policy_version} but the trainer starts "
+                    f"from {trainer.policy_version}"
                 ),
             )
-        self._call("ledger", self._store.ledger(run.run_id).record_committed, trainer_version)
-        return trainer_version
+        self._call("ledger", self._store.ledger(run.run_id).record_committed, trainer.policy_version)
+        return trainer.policy_version
 
     def _step(self, run: Run, step: int, version: int) -> int:
         spec, t, rid = run.spec, self._timeouts, run.run_id
         where = f"step {step}"
         self._between_steps(rid, where)
         started = self._clock()
-        prompts = self._call(
-            f"{where} prompts",
-            self._prompts.prompts,
-            spec.task,
-            spec.seed,
-            step,
-            spec.rollout.prompts_to_request(spec.prompts_per_step),
+        # Rollout draws the step's prompts and decides which groups are written; after a recovery
+        # the groups an earlier attempt wrote count (num_groups_resumed) and are not drawn again.
+        gen = self._call(
+            f"{where} rollout.Generate", self._rollout.generate, generate_request(run, step, version, t)
         )
-        prompt_ids = [p.prompt_id for p in prompts]
-        ledger = self._store.ledger(rid)
-        done = self._call(f"{where} ledger", ledger.generated_ids, step, prompt_ids)
-        missing = [p for p in prompts if p.prompt_id not in done]
-        need = spec.prompts_per_step - len(done)
-        gen = None
-        if need > 0 and missing:  # after a recovery, groups already in the stream are kept
-            self._call(f"{where} ledger", ledger.submit, step, [p.prompt_id for p in missing])
-            keep = need if len(missing) > need else 0  # over-sampling: first `need` to complete
-            gen = self._call(
-                f"{where} rollout.Generate",
-                functools.partial(
-                    self._rollout.generate, max_refill_rounds=spec.rollout.max_refill_rounds, keep_groups=keep
-                ),
-                rid,
-                step,
-                missing,
-                spec.samples_per_prompt,
-                spec.sampling,
-                sampling_seed(spec.seed, step),
-                version,
-                t.generate_s,
-            )
-            expected = min(need, len(missing))
-            if gen.num_groups > expected or (
-                gen.num_groups < expected and not spec.rollout.max_refill_rounds
-            ):
-                raise _PhaseFailed(
-                    f"{where} rollout.Generate",
-                    ConflictError(f"rollout wrote {gen.num_groups} groups for {expected} prompts"),
-                )
-        self._call(f"{where} ledger", ledger.scan_stream)
-        num_groups = len(done) + (gen.num_groups if gen else 0)
-        if gen is not None and gen.num_groups < len(missing):
-            # over-sampling surplus and groups dynamic sampling dropped: never trained
-            asked = [p.prompt_id for p in missing]
-            kept = self._call(f"{where} ledger", ledger.generated_ids, step, asked)
-            self._call(f"{where} ledger", ledger.cut, step, [i for i in asked if i not in kept])
-        if num_groups == 0:
+        if gen.num_groups == 0:
             raise _PhaseFailed(
                 f"{where} rollout.Generate",
                 ConflictError(
-                    f"no group left to train: dynamic sampling dropped all {len(missing)} groups "
+                    f"no group left to train: dynamic sampling dropped all {gen.num_groups_dropped} groups "
                     f"(equal rewards after {spec.rollout.max_refill_rounds} refill rounds)"
                 ),
             )
         generated = self._clock()
         self._check_stop(rid, f"after {where} rollout.Generate")
         train = self._call(
-            f"{where} trainer.TrainStep", self._trainer.train_step, rid, step, num_groups, t.train_s
+            f"{where} trainer.TrainStep",
+            self._trainer.train_step,
+            train_request(run, step, gen.num_groups, t),
         )
         if train.policy_version <= version:
             raise _PhaseFailed(
@@ -326,9 +261,7 @@ class RunDriver:
         trained = self._clock()
         self._check_stop(rid, f"after {where} trainer.TrainStep")
         new_version = train.policy_version
-        self._call(
-            f"{where} trainer.PublishWeights", self._trainer.publish_weights, rid, new_version, t.publish_s
-        )
+        self._call(f"{where} trainer.PublishWeights", self._trainer.publish_weights, rid, new_version)
         status = self._call(
             f"{where} broker.WaitCommitted", self._broker.wait_committed, rid, new_version, t.commit_s
         )
@@ -340,20 +273,21 @@ class RunDriver:
                     f"pending engines {list(status.pending_engine_ids)})"
                 ),
             )
-        self._call(f"{where} ledger", ledger.record_committed, new_version)
+        self._call(f"{where} ledger", self._store.ledger(rid).record_committed, new_version)
         synced = self._clock()
+        fresh = gen.num_samples > 0  # else every group was written by an earlier attempt
         record = StepRecord(
             step=step,
-            reward_mean=gen.reward_mean if gen else train.metrics.get("reward_mean", 0.0),
+            reward_mean=gen.reward_mean if fresh else train.metrics.get("reward_mean", 0.0),
             loss=train.loss,
             policy_version=new_version,
-            samples=gen.num_samples if gen else train.num_samples,
+            samples=gen.num_samples if fresh else train.num_samples,
             step_seconds=synced - started,
             generate_seconds=generated - started,
             train_seconds=trained - generated,
             sync_seconds=synced - trained,
-            num_tokens=gen.num_tokens if gen else 0,
-            sampled_policy_version=gen.policy_version if gen else version,
+            num_tokens=gen.num_tokens,
+            sampled_policy_version=gen.policy_version if fresh else version,
             trainer_metrics=dict(train.metrics),
         )
         self._store.record_step(rid, record)
@@ -409,7 +343,7 @@ class RunDriver:
             if name not in configured:
                 continue
             try:
-                ends[name](run_id, self._timeouts.end_s)
+                ends[name](run_id)
             except NotFoundError:
                 log.info("run %s: %s had nothing to end", run_id, name)
             except Exception as exc:  # noqa: BLE001 - every service must get its EndRun

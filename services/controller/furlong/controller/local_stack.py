@@ -36,10 +36,11 @@ from pathlib import Path
 import httpx
 
 from furlong import rpc
-from furlong.controller.clients import BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE
 from furlong.controller.config import check_address
+from furlong.controller.redis_server import RedisServer
+from furlong.controller.services import BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE
 from furlong.controller.stack_processes import ServiceProcess, adopt, is_running, log_tail, spawn, terminate
-from furlong.core.redis_server import RedisServer, free_port
+from furlong.rpc.ports import free_port
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from furlong.controller.run_spec import SpecError
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
+from furlong.core.settings import SettingError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def install_problem_handlers(app: FastAPI) -> None:
 
         return handle
 
-    async def spec_error(request: Request, exc: SpecError) -> JSONResponse:
+    async def spec_error(request: Request, exc: SettingError) -> JSONResponse:
         return problem(422, str(exc), request.url.path, field=exc.field)
 
     async def value_error(request: Request, exc: ValueError) -> JSONResponse:
@@ -85,7 +85,7 @@ def install_problem_handlers(app: FastAPI) -> None:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return problem(500, f"internal error: {type(exc).__name__}", request.url.path)
 
-    app.add_exception_handler(SpecError, spec_error)
+    app.add_exception_handler(SettingError, spec_error)
     app.add_exception_handler(NotFoundError, simple(404))
     app.add_exception_handler(ConflictError, simple(409))
     app.add_exception_handler(BodyTooLargeError, simple(413))

@@ -7,7 +7,6 @@ Kubernetes Deployment); recovery only waits for them, bounded by the run's `reco
 retrying the whole sequence below while the errors stay recoverable:
 
     rollout.EndRun, trainer.EndRun         (a surviving service drops its state of the run)
-    ledger: scan the stream                (groups written before the crash count as generated)
     trainer.ConfigureRun                   (reloads the last checkpoint; its version is new)
     trainer.PublishWeights, broker.WaitCommitted   (that checkpoint's weights, under the new version)
     rollout.ConfigureRun                   (fresh engines; they take the committed version)
@@ -15,8 +14,9 @@ retrying the whole sequence below while the errors stay recoverable:
 
 The broker's run is never ended (an ended run id cannot come back); a restarted broker learns the
 run again from the first registration or version. Afterwards the driver repeats the steps after the
-checkpoint: prompts whose group is already in the stream are not generated again (the trainer
-replays those pending entries), the others are resubmitted once, and groups already trained are
+checkpoint: rollout does not generate again the prompts whose group is already in the stream (it
+recorded each group generated as it wrote it; the trainer replays those pending entries), the others
+are drawn again once, and groups already trained are
 refused by the trainer's ledger check. Recovery is impossible when steps were trained but no
 checkpoint holds them (the trainer has no checkpoint directory): that is a `RecoveryFailed`.
 Knows nothing about gRPC, HTTP or processes.
@@ -31,13 +31,13 @@ from dataclasses import dataclass
 
 import redis
 
-from furlong.controller.clients import BrokerClient, RolloutClient, TrainerClient
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.core.run_state import Run
-from furlong.controller.prompt_source import PromptSource
+from furlong.controller.run_requests import rollout_config, trainer_config
 from furlong.controller.run_store import RunStore
+from furlong.controller.services import Services
 from furlong.core.errors import NotFoundError, UnavailableError
-from furlong.core.run_ledger import RECOVERIES
+from furlong.ledger.group_ledger import RECOVERIES
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +67,15 @@ class RunRecovery:
     def __init__(
         self,
         store: RunStore,
-        trainer: TrainerClient,
-        rollout: RolloutClient,
-        broker: BrokerClient,
-        prompts: PromptSource,
+        services: Services,
         timeouts: DriverTimeouts,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._store = store
-        self._trainer = trainer
-        self._rollout = rollout
-        self._broker = broker
-        self._prompts = prompts
+        self._trainer = services.trainer
+        self._rollout = services.rollout
+        self._broker = services.broker
         self._timeouts = timeouts
         self._clock = clock
         self._sleep = sleep
@@ -124,15 +120,11 @@ class RunRecovery:
         spec, t, rid = run.spec, self._timeouts, run.run_id
         for name, end in (("rollout", self._rollout.end_run), ("trainer", self._trainer.end_run)):
             try:
-                end(rid, t.end_s)
+                end(rid)
             except NotFoundError:
                 log.info("run %s: %s had no state of the run", rid, name)
         ledger = self._store.ledger(rid)
-        ledger.set_every_steps(spec.checkpoint.every_steps)
-        ledger.scan_stream()
-        version = self._trainer.configure_run(
-            rid, spec.model, spec.algorithm, spec.seed, spec.steps, spec.sampling.temperature, t.configure_s
-        )
+        version = self._trainer.configure_run(trainer_config(run)).policy_version
         checkpoint = ledger.checkpoint()  # the trainer re-recorded the one it resumed from
         step = 0 if checkpoint is None else checkpoint[0]
         if checkpoint is None and ledger.audit(finished_step=spec.steps).trained:
@@ -141,15 +133,12 @@ class RunRecovery:
                 "(start the trainer with --checkpoint-dir)"
             )
         if version > 0:
-            self._trainer.publish_weights(rid, version, t.publish_s)
+            self._trainer.publish_weights(rid, version)
             status = self._broker.wait_committed(rid, version, t.commit_s)
             if status.committed_version < version:
                 raise TimeoutError(f"version {version} not committed after recovery")
         ledger.record_committed(version)
-        reward = self._prompts.reward_name(spec.task)
-        self._rollout.configure_run(
-            rid, spec.model, reward, spec.rollout.num_engines, spec.seed, t.configure_s
-        )
+        self._rollout.configure_run(rollout_config(run))
         self._store.rewind(rid, step, version, f"resumed from step {step} after {cause}")
         ledger.count(RECOVERIES)
         return Resumed(step=step, version=version)

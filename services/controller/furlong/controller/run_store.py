@@ -7,7 +7,7 @@ Keys (all under `furlong:runs:`):
                                  stop/pause requests), appended in the same transaction as the change
   furlong:runs:_index            sorted set of run ids scored by creation time
   furlong:runs:_idem:{key}       JSON {fingerprint, run_id} of a POST with an Idempotency-Key (24 h)
-  furlong:ledger:{run_id}:*      the run's sample ledger (`furlong.core.run_ledger`), deleted with it
+  furlong:ledger:{run_id}:*      the run's sample ledger (`furlong.ledger.group_ledger`), deleted with it
 
 Every change of a run is a compare-and-set (WATCH/MULTI), so a stop request and the run's driver
 cannot overwrite each other, and every state change goes through the transition table. Redis
@@ -33,7 +33,7 @@ from furlong.controller.core.run_state import CheckpointRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
 from furlong.controller.run_spec import RunSpec
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
-from furlong.core.run_ledger import RunLedger, ledger_keys
+from furlong.ledger.group_ledger import GroupLedger, ledger_keys
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,9 @@ class RunStore:
     def close(self) -> None:
         self._redis.close()
 
-    def ledger(self, run_id: str) -> RunLedger:
+    def ledger(self, run_id: str) -> GroupLedger:
         """The run's sample ledger, on this store's Redis."""
-        return RunLedger(self._redis, run_id)
+        return GroupLedger(self._redis, run_id)
 
     def ping(self) -> bool:
         try:

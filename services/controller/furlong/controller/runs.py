@@ -1,7 +1,7 @@
 """The controller's operations on runs, shared by the REST API and the in-process client.
 
-Validates a submitted spec completely (including that its task exists) before anything is stored,
-so a bad spec creates nothing. Knows nothing about HTTP.
+Validates a submitted spec completely (its task among the registered ones included) before anything
+is stored, so a bad spec creates nothing. Knows nothing about HTTP.
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ import json
 import time
 from typing import Any, Protocol
 
-from furlong.controller.clients import CheckpointResult
 from furlong.controller.core.run_state import CheckpointRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
 from furlong.controller.metrics import ControllerMetrics
-from furlong.controller.prompt_source import PromptSource
-from furlong.controller.run_spec import SpecError, parse_run_spec
+from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.run_store import RunStore
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
+from furlong.trainer.api import CheckpointResult
 
 
 class RunSubmitter(Protocol):
@@ -27,7 +26,7 @@ class RunSubmitter(Protocol):
 
 
 class RunCheckpointer(Protocol):
-    def checkpoint(self, run_id: str, timeout_s: float) -> CheckpointResult:
+    def checkpoint(self, run_id: str, directory: str = "") -> CheckpointResult:
         """Have the trainer write the run's training state now (see `TrainerClient.checkpoint`);
         called from request threads, concurrently with the run's driver."""
 
@@ -41,20 +40,18 @@ class RunService:
         self,
         store: RunStore,
         submitter: RunSubmitter,
-        prompts: PromptSource,
         metrics: ControllerMetrics,
         checkpointer: RunCheckpointer | None = None,
         checkpoint_timeout_s: float = 300.0,
     ) -> None:
         self._store = store
         self._submitter = submitter
-        self._prompts = prompts
         self._metrics = metrics
         self._checkpointer = checkpointer
         self._checkpoint_timeout_s = checkpoint_timeout_s
 
     def create_run(self, data: Any, idempotency_key: str | None = None) -> Run:
-        """Validate a spec dict, store the run as pending and queue it. SpecError names the bad
+        """Validate a spec dict, store the run as pending and queue it. SettingError names the bad
         field; nothing is stored then."""
         return self.create_run_idempotent(data, idempotency_key)[0]
 
@@ -62,10 +59,6 @@ class RunService:
         """create_run; with an idempotency key, the same key and body again return the run it
         created (and True: replayed), the same key with another body is a ConflictError."""
         spec = parse_run_spec(data)
-        try:
-            self._prompts.reward_name(spec.task)
-        except ValueError as exc:
-            raise SpecError("task", str(exc)) from None
         fingerprint = hashlib.sha256(
             json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         ).hexdigest()
@@ -103,7 +96,7 @@ class RunService:
         if self._checkpointer is None:
             raise UnavailableError("checkpoints: this controller has no trainer client")
         try:
-            result = self._checkpointer.checkpoint(run_id, self._checkpoint_timeout_s)
+            result = self._checkpointer.checkpoint(run_id)
         except NotFoundError as exc:  # the trainer restarted, or the run was torn down meanwhile
             raise ConflictError(
                 f"run {run_id}: the trainer has no state of this run to checkpoint ({exc})"

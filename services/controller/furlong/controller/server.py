@@ -20,15 +20,14 @@ from fastapi import FastAPI
 
 from furlong.controller.app import Readiness, create_app
 from furlong.controller.auth import ApiTokens
-from furlong.controller.clients import BrokerClient, RolloutClient, TrainerClient
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.driver import RunDriver
-from furlong.controller.engines import EngineStatusSource
 from furlong.controller.executor import RunExecutor
 from furlong.controller.metrics import ControllerMetrics
-from furlong.controller.prompt_source import PromptSource
 from furlong.controller.run_store import RunStore
 from furlong.controller.runs import RunService
+from furlong.controller.services import Services
+from furlong.rollout.client import RolloutClient
 
 log = logging.getLogger(__name__)
 
@@ -48,24 +47,22 @@ class Controller:
 
 def build_controller(
     store: RunStore,
-    trainer: TrainerClient,
-    rollout: RolloutClient,
-    broker: BrokerClient,
-    prompts: PromptSource,
+    services: Services,
     token: str | ApiTokens,
     readiness: Readiness,
     timeouts: DriverTimeouts = DriverTimeouts(),
     metrics: ControllerMetrics | None = None,
     cors_origins: tuple[str, ...] = (),
-    engines: EngineStatusSource | None = None,
+    engines: RolloutClient | None = None,
 ) -> Controller:
     """A controller whose executor is started and has recovered the runs already in the store.
-    token: the role tokens of the REST API (a plain string is the one admin token)."""
+    token: the role tokens of the REST API (a plain string is the one admin token). `engines` serves
+    `/v1/engines` (default: services.rollout)."""
     metrics = metrics or ControllerMetrics()
-    driver = RunDriver(store, trainer, rollout, broker, prompts, timeouts, metrics)
+    driver = RunDriver(store, services, timeouts, metrics)
     executor = RunExecutor(store, driver)
     service = RunService(
-        store, executor, prompts, metrics, checkpointer=trainer, checkpoint_timeout_s=timeouts.checkpoint_s
+        store, executor, metrics, checkpointer=services.trainer, checkpoint_timeout_s=timeouts.checkpoint_s
     )
     app = create_app(
         service,
@@ -73,7 +70,7 @@ def build_controller(
         readiness,
         metrics,
         cors_origins,
-        engines=engines,
+        engines=engines or services.rollout,
         active_run=lambda: executor.active_run,
     )
     executor.recover()

@@ -32,6 +32,7 @@ from furlong.rollout.metrics import RolloutMetrics
 from furlong.rollout.process_engines import ProcessEnginesConfig, process_factory
 from furlong.rollout.receivers import broker_receiver_factory
 from furlong.rollout.rewards import resolve_user_reward, reward_registry
+from furlong.rollout.run_records import redis_records
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import start_server
 from furlong.weight_broker.client import GrpcBrokerClient
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics,
         )
     service = RolloutService(
-        redis_client,
+        redis_records(redis_client),
         receivers,
         engines=engines,
         max_batch_size=config.max_batch_size,

@@ -8,41 +8,77 @@ from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.types import (
     EngineState,
     EngineStatus,
+    GenerateRequest,
     GenerateResult,
     LedgerCounts,
     Prompt,
+    RolloutRunConfig,
     RunInfo,
     RunStatus,
 )
+from furlong.rpc.settings import from_proto, rollout_from_proto, rollout_to_proto
+from furlong.rpc.settings import sampling_to_proto as sampling_settings_to_proto
 from furlong.v1 import common_pb2
 from furlong.v1 import rollout_pb2 as pb
 
 
 def sampling_to_proto(config: SamplingConfig) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(
-        temperature=config.temperature,
-        top_k=config.top_k,
-        top_p=config.top_p,
-        max_new_tokens=config.max_new_tokens,
+    return sampling_settings_to_proto(config.settings(), config.seed)
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingConfig:
+    """The request's sampling settings and seed; SettingError (a ValueError) naming the field."""
+    return from_proto(SamplingConfig, msg, "sampling")
+
+
+def run_config_to_proto(config: RolloutRunConfig) -> pb.ConfigureRolloutRequest:
+    return pb.ConfigureRolloutRequest(
+        run_id=config.run_id,
+        model_dir=config.model_dir,
+        task=config.task,
         seed=config.seed,
-        stop=list(config.stop),
+        rollout=rollout_to_proto(config.rollout),
+        reward=config.reward,
     )
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams, min_p: float = 0.0) -> SamplingConfig:
-    """The sampling config of `msg`; min_p travels beside it (GenerateRequest.min_p)."""
-    try:
-        return SamplingConfig(
-            temperature=msg.temperature,
-            top_k=msg.top_k,
-            top_p=msg.top_p,
-            max_new_tokens=msg.max_new_tokens,
-            seed=msg.seed,
-            min_p=min_p,
-            stop=list(msg.stop),
-        )
-    except ValueError as exc:
-        raise ValueError(f"sampling: {exc}") from None
+def run_config_from_proto(msg: pb.ConfigureRolloutRequest) -> RolloutRunConfig:
+    return RolloutRunConfig(
+        run_id=msg.run_id,
+        model_dir=msg.model_dir,
+        seed=msg.seed,
+        task=msg.task,
+        reward=msg.reward,
+        rollout=rollout_from_proto(msg.rollout),
+    )
+
+
+def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        run_id=request.run_id,
+        step=request.step,
+        prompts=[prompt_to_proto(p) for p in request.prompts],
+        samples_per_prompt=request.samples_per_prompt,
+        sampling=sampling_to_proto(request.sampling),
+        min_policy_version=request.min_policy_version,
+        timeout_s=request.timeout_s,
+        num_groups=request.num_groups,
+    )
+
+
+def request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
+    if not msg.HasField("sampling"):
+        raise ValueError(f"run {msg.run_id}: sampling is required")
+    return GenerateRequest(
+        run_id=msg.run_id,
+        step=msg.step,
+        samples_per_prompt=msg.samples_per_prompt,
+        sampling=sampling_from_proto(msg.sampling),
+        num_groups=msg.num_groups,
+        min_policy_version=msg.min_policy_version,
+        timeout_s=msg.timeout_s,
+        prompts=tuple(prompt_from_proto(p) for p in msg.prompts),
+    )
 
 
 def prompt_to_proto(prompt: Prompt) -> pb.Prompt:
@@ -77,6 +113,7 @@ def result_to_proto(result: GenerateResult) -> pb.GenerateResponse:
         num_groups_refilled=result.num_groups_refilled,
         num_groups_surplus=result.num_groups_surplus,
         request_id=result.request_id,
+        num_groups_resumed=result.num_groups_resumed,
     )
 
 
@@ -94,6 +131,7 @@ def result_from_proto(msg: pb.GenerateResponse) -> GenerateResult:
         num_groups_refilled=msg.num_groups_refilled,
         num_groups_surplus=msg.num_groups_surplus,
         request_id=msg.request_id,
+        num_groups_resumed=msg.num_groups_resumed,
     )
 
 

@@ -9,9 +9,9 @@ driven through the SGLang adapter, with least-loaded routing, restarts and retri
   engines, up to `max_attempts` engines per chunk. A monitor thread polls every process every
   `health_interval_s`. A restarted engine is re-synced to the pool's current policy version (it
   loads the current weights directory) before it takes work again.
-- **Ledger**: with a `Ledger`, every sample is recorded pending → in flight on an engine → done, and
-  a result for a sample already done is refused (counted in `duplicates_refused`), so no sample is
-  lost or delivered twice.
+- **Ledger**: with a sample ledger (`SampleLedger`), every sample is recorded pending → in flight on
+  an engine → done, and a result for a sample already done is refused (counted in
+  `duplicates_refused`), so no sample is lost or delivered twice.
 - **Weights**: `update_weights(version, model_dir)` pauses, loads and resumes every healthy engine
   and becomes the version restarted engines load.
 - **Drain**: `drain(engine_id)` stops routing new chunks to an engine; the chunks it runs finish.
@@ -40,12 +40,11 @@ from typing import Any
 import numpy as np
 
 from furlong.core.errors import NotFoundError, UnavailableError
-from furlong.core.redis_server import free_port
 from furlong.rollout.core.engine import Generation
 from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
-from furlong.rollout.core.types import EngineState, EngineStatus
-from furlong.rollout.ledger import Ledger
+from furlong.rollout.core.types import EngineState, EngineStatus, SampleLedger
 from furlong.rollout.sglang import SGLangEngine
+from furlong.rpc.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +114,7 @@ class EnginePool:
         vocab_size: int,
         config: PoolConfig,
         log_dir: Path,
-        ledger: Ledger | None = None,
+        ledger: SampleLedger | None = None,
         name: str = "pool",
     ) -> None:
         self._model_dir = model_dir

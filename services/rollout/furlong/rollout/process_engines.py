@@ -28,9 +28,15 @@ from safetensors.torch import save_file
 
 from furlong.core.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from furlong.rollout.core.engine import Generation
-from furlong.rollout.core.engine_set import EngineSet, EngineSetFactory, Enough, Row, SampleLedger, SeedOf
+from furlong.rollout.core.engine_set import EngineSet, EngineSetFactory, Enough, Row, SeedOf
 from furlong.rollout.core.sampling import SamplingConfig
-from furlong.rollout.core.types import EngineStatus, ReceiverFactory, RolloutObserver, WeightReceiverLike
+from furlong.rollout.core.types import (
+    EngineStatus,
+    ReceiverFactory,
+    RolloutObserver,
+    SampleLedger,
+    WeightReceiverLike,
+)
 from furlong.rollout.pool import EnginePool, PoolConfig
 
 log = logging.getLogger(__name__)

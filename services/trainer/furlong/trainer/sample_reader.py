@@ -6,7 +6,7 @@ losing them. An entry that does not decode into a valid `SampleGroup`, or that t
 validator refuses, is moved to the run's rejected stream with the reason and acknowledged, so it is
 never trained on and never blocks the stream; every other entry is kept.
 
-With a run ledger (`furlong.core.run_ledger`), every valid group is claimed in it before it is
+With a run ledger (`furlong.ledger.group_ledger`), every valid group is claimed in it before it is
 returned: a group whose ledger id is already trained (a replay after a crash between the checkpoint
 and the acknowledgement) or already held by another entry (a duplicate written by a resubmission)
 is refused the same way, so it is never trained again. Entries returned and not yet acknowledged
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import redis
 
 from furlong.core.errors import UnavailableError
-from furlong.core.run_ledger import REJECTED, RunLedger
 from furlong.core.samples import STREAM_FIELD, TRAINER_GROUP, Sample, SampleGroup, stream_key
+from furlong.ledger.group_ledger import REJECTED, GroupLedger
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class SampleReader:
         consumer: str,
         group: str = TRAINER_GROUP,
         validate: Callable[[SampleGroup], None] | None = None,
-        ledger: RunLedger | None = None,
+        ledger: GroupLedger | None = None,
     ):
         """validate(group) raises ValueError for a group that decodes but must not be trained on
         (ids outside the vocabulary, a version from the future...); such a group is rejected."""

@@ -27,23 +27,32 @@ import torch
 
 from furlong.core.checkpoint import load_policy
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
-from furlong.core.run_ledger import RunLedger
 from furlong.core.samples import TRAINER_GROUP, stream_key
+from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_STEPS
 from furlong.core.weights import WeightLayout
+from furlong.ledger.group_ledger import GroupLedger
 from furlong.trainer import metrics
-from furlong.trainer.core.learner import Learner, LearnerConfig, StepStats
+from furlong.trainer.api import (
+    CheckpointResult,
+    Offloaded,
+    Published,
+    TrainerRun,
+    TrainerRunConfig,
+    TrainStepRequest,
+    TrainStepResult,
+)
+from furlong.trainer.core.learner import Learner, LearnerConfig
 from furlong.trainer.offload import Offloader, learner_offloader
 from furlong.trainer.sample_reader import SampleReader
-from furlong.trainer.step_ledger import StepLedger
 from furlong.trainer.train_checkpoint import (
     MANIFEST,
-    CheckpointInfo,
     load_training_checkpoint,
     save_training_checkpoint,
 )
+from furlong.trainer.trained_groups import TrainedGroups
 from furlong.weight_broker.client import BrokerClient
 from furlong.weight_broker.equality import check_weight_update_equal
-from furlong.weight_broker.publisher import PublishResult, WeightPublisher
+from furlong.weight_broker.publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +70,7 @@ class _Run:
     published_version: int = 0
     data_cursor: Any = None  # what the last step consumed (a checkpoint's data cursor)
     offloader: Offloader | None = None  # set while the run's tensors are offloaded
-    ledger: StepLedger | None = None  # what of the run is durable (see step_ledger)
+    ledger: TrainedGroups | None = None  # what of the run is durable (see step_ledger)
 
     @property
     def offloaded(self) -> bool:
@@ -103,14 +112,21 @@ class TrainerService:
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
 
-    def configure_run(
-        self, run_id: str, model_dir: str, config: LearnerConfig, total_steps: int
-    ) -> tuple[int, int]:
-        """Load the checkpoint and get ready to train; returns (policy version, parameter count)."""
+    def configure_run(self, config: TrainerRunConfig) -> TrainerRun:
+        """Load the checkpoint and get ready to train (resuming from the run's training checkpoint
+        when there is one)."""
+        run_id, model_dir, total_steps = config.run_id, config.model_dir, config.total_steps
         if not run_id:
             raise ValueError("run_id must not be empty")
-        if total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        if (
+            isinstance(total_steps, bool)
+            or not isinstance(total_steps, int)
+            or not 1 <= total_steps <= MAX_STEPS
+        ):
+            raise ValueError(f"total_steps must be an integer in [1, {MAX_STEPS}], got {total_steps!r}")
+        learner_config = LearnerConfig(
+            algorithm=config.algorithm, temperature=config.sampling_temperature, seed=config.seed
+        )
         path = Path(model_dir)
         if not path.is_dir():
             raise ValueError(f"model_dir {model_dir!r} is not a directory")
@@ -119,9 +135,9 @@ class TrainerService:
                 raise ConflictError(f"run {run_id} is already configured on this trainer")
         torch.manual_seed(config.seed)
         model, _ = load_policy(path)
-        learner = Learner(model, config)
+        learner = Learner(model, learner_config)
         last_step, cursor = 0, None
-        ledger = StepLedger.for_run(RunLedger(self._redis, run_id))
+        ledger = TrainedGroups(GroupLedger(self._redis, run_id), config.checkpoint.every_steps)
         reader = SampleReader(
             self._redis, run_id, self._consumer, validate=learner.check_group, ledger=ledger.ledger
         )
@@ -164,7 +180,7 @@ class TrainerService:
             model_dir,
             layout.total_bytes,
         )
-        return learner.version, num_parameters
+        return TrainerRun(run_id=run_id, policy_version=learner.version, num_parameters=num_parameters)
 
     def _checkpoint_dir(self, run_id: str) -> Path | None:
         return None if self._checkpoint_root is None else self._checkpoint_root / run_id
@@ -176,8 +192,22 @@ class TrainerService:
             raise NotFoundError(f"run {run_id!r} is not configured on this trainer")
         return run
 
-    def train_step(self, run_id: str, step: int, num_groups: int, timeout_s: float) -> tuple[StepStats, int]:
-        """Read num_groups groups, take one optimizer step, acknowledge them; returns (stats, version)."""
+    def train_step(self, request: TrainStepRequest) -> TrainStepResult:
+        """Read the request's groups, take one optimizer step, acknowledge them."""
+        run_id, step, num_groups, timeout_s = (
+            request.run_id,
+            request.step,
+            request.num_groups,
+            request.timeout_s,
+        )
+        if (
+            isinstance(num_groups, bool)
+            or not isinstance(num_groups, int)
+            or not 1 <= num_groups <= MAX_PROMPTS_PER_STEP
+        ):
+            raise ValueError(
+                f"num_groups must be an integer in [1, {MAX_PROMPTS_PER_STEP}], got {num_groups!r}"
+            )
         run = self._run(run_id)
         with run.lock:
             if step != run.last_step + 1:
@@ -222,7 +252,16 @@ class TrainerService:
             for sample in group.samples:
                 metrics.SAMPLE_STALENESS.observe(trainer_version - sample.policy_version)
         self._observe_queue_depth(run_id)
-        return stats, run.learner.version
+        return TrainStepResult(
+            run_id=run_id,
+            step=step,
+            loss=stats.loss,
+            policy_version=run.learner.version,
+            num_samples=stats.num_samples,
+            num_groups=stats.num_groups,
+            step_seconds=stats.step_seconds,
+            metrics=stats.as_metrics(),
+        )
 
     def _observe_queue_depth(self, run_id: str) -> None:
         try:
@@ -235,7 +274,7 @@ class TrainerService:
                 backlog = (info.get("lag") or 0) + info["pending"]
                 metrics.QUEUE_DEPTH.labels(run_id=run_id).set(backlog)
 
-    def publish_weights(self, run_id: str, version: int) -> PublishResult:
+    def publish_weights(self, run_id: str, version: int) -> Published:
         run = self._run(run_id)
         with run.lock:
             _require_resident(run, "publish")
@@ -253,10 +292,15 @@ class TrainerService:
             result = run.publisher.publish(version, run.learner.state_dict())
             run.published_version = version
         metrics.PUBLISH_SECONDS.observe(result.stage_seconds)
-        return result
+        return Published(
+            run_id=run_id,
+            version=result.version,
+            num_bytes=result.num_bytes,
+            stage_seconds=result.stage_seconds,
+        )
 
-    def offload(self, run_id: str) -> tuple[int, int]:
-        """Release the run's tensors; returns (bytes released, parameters and buffers released)."""
+    def offload(self, run_id: str) -> Offloaded:
+        """Release the run's tensors (parameters, buffers, optimizer state)."""
         run = self._run(run_id)
         with run.lock:
             if run.offloaded:
@@ -266,7 +310,7 @@ class TrainerService:
             run.offloader = offloader
             num_tensors = offloader.num_tensors
         log.info("run %s: offloaded %d tensors, %d bytes", run_id, num_tensors, released)
-        return released, num_tensors
+        return Offloaded(run_id=run_id, released_bytes=released, num_tensors=num_tensors)
 
     def restore(self, run_id: str) -> int:
         """Bring an offloaded run's tensors back; returns its (unchanged) policy version."""
@@ -279,7 +323,7 @@ class TrainerService:
         log.info("run %s: restored", run_id)
         return run.learner.version
 
-    def checkpoint(self, run_id: str, directory: str = "") -> CheckpointInfo:
+    def checkpoint(self, run_id: str, directory: str = "") -> CheckpointResult:
         """Write the run's training state after its last completed step to `directory` (absolute),
         or with "" to the checkpoint root's `<root>/<run_id>` (the one `configure_run` resumes from)."""
         run = self._run(run_id)
@@ -297,13 +341,16 @@ class TrainerService:
         with run.lock:
             _require_resident(run, "checkpoint")
             if target != self._checkpoint_dir(run_id):  # a snapshot: the resume point is unchanged
-                return save_training_checkpoint(run.learner, target, run.last_step, run.data_cursor)
-            # The resume point: what it holds becomes durable, as after a step's own checkpoint.
-            cursor = run.ledger.cursor(run.last_step)
-            info = save_training_checkpoint(run.learner, target, run.last_step, cursor)
-            run.ledger.commit(run.last_step, run.learner.version, run.reader)
-            run.data_cursor = cursor
-            return info
+                info = save_training_checkpoint(run.learner, target, run.last_step, run.data_cursor)
+            else:
+                # The resume point: what it holds becomes durable, as after a step's own checkpoint.
+                cursor = run.ledger.cursor(run.last_step)
+                info = save_training_checkpoint(run.learner, target, run.last_step, cursor)
+                run.ledger.commit(run.last_step, run.learner.version, run.reader)
+                run.data_cursor = cursor
+        return CheckpointResult(
+            run_id=run_id, path=str(info.path), step=info.step, policy_version=info.version
+        )
 
     def end_run(self, run_id: str) -> None:
         with self._lock:

@@ -341,3 +341,11 @@ class InProcessBrokerClient:
             watches, self._watches = self._watches, []
         for watch in watches:
             watch.close()
+
+
+def make_client(target: str | BrokerCore, timeout_s: float = 10.0) -> BrokerClient:
+    """The gRPC client for a "host:port" address (unary deadline timeout_s), the in-process twin for
+    a BrokerCore."""
+    if isinstance(target, str):
+        return GrpcBrokerClient(target, timeout_s)
+    return InProcessBrokerClient(target)

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from furlong.core.errors import NotFoundError, UnavailableError
@@ -28,6 +28,7 @@ from furlong.rollout.core.types import (
     EngineStatus,
     ReceiverFactory,
     RolloutObserver,
+    SampleLedger,
     WeightReceiverLike,
 )
 
@@ -36,19 +37,6 @@ log = logging.getLogger(__name__)
 Row = tuple[str, list[int]]  # (sample id, prompt token ids)
 SeedOf = Callable[[int], int]  # share/chunk index -> sampling seed
 Enough = Callable[[Mapping[str, Generation]], bool]
-
-
-class SampleLedger(Protocol):
-    """Where each sample of a request is. Thread-safe; see `furlong.rollout.ledger.Ledger`."""
-
-    def open(self, request_id: str, sample_ids: Iterable[str]) -> None: ...
-
-    def dispatch(self, request_id: str, sample_ids: Iterable[str], engine_id: str) -> None: ...
-
-    def finish(self, request_id: str, sample_id: str) -> bool:
-        """True when this result is the sample's first; False: refuse it."""
-
-    def close(self, request_id: str, sample_ids: Iterable[str]) -> int: ...
 
 
 class EngineSet(Protocol):

@@ -5,12 +5,17 @@ server and its clients; plus the seams the service is built on (weight receivers
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from furlong.core.samples import SampleGroup
+from furlong.core.settings import RolloutSettings
+from furlong.rollout.core.sampling import SamplingConfig
+
 if TYPE_CHECKING:
     import torch
+
 
 # apply(version, tensors): called by a receiver with a verified version keyed by state_dict names.
 ApplyWeightsFn = Callable[[int, Mapping[str, "torch.Tensor"]], None]
@@ -21,6 +26,38 @@ class Prompt:
     prompt_id: str  # unique within the run
     text: str
     answer: str  # reference the reward compares against
+
+
+@dataclass(frozen=True)
+class RolloutRunConfig:
+    """ConfigureRun: the run's engines, where its prompts come from and how its groups are shaped.
+    `task` names a registered task (furlong.core.tasks) that a step's prompts are drawn from and whose
+    reward scores them; `reward` names another registered reward instead ("" = the task's). A run
+    without a task takes its prompts in each Generate request and must name a reward."""
+
+    run_id: str
+    model_dir: str  # the checkpoint the trainer starts from, as rollout sees it
+    seed: int = 0
+    task: str = ""
+    reward: str = ""
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One step's groups (see the Generate contract in proto/furlong/v1/rollout.proto). Without
+    `prompts`, rollout draws the step's prompts from the run's task and decides which groups are
+    written; with `prompts`, it generates those and keeps the first `num_groups` to complete
+    (0 = all)."""
+
+    run_id: str
+    step: int
+    samples_per_prompt: int
+    sampling: SamplingConfig
+    num_groups: int = 0
+    min_policy_version: int = 0  # wait until every engine serves at least this version
+    timeout_s: float = 60.0
+    prompts: tuple[Prompt, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -44,6 +81,7 @@ class GenerateResult:
     num_groups_refilled: int = 0  # dynamic sampling: groups drawn again, summed over rounds
     num_groups_surplus: int = 0  # over-sampling: groups beyond keep_groups, not written
     request_id: str = ""  # the request's sample ledger (refill round k: "<id>/r<k>")
+    num_groups_resumed: int = 0  # groups an earlier attempt at the step had written (in num_groups)
 
 
 class EngineState(enum.Enum):
@@ -79,6 +117,56 @@ class RunStatus:
     run_id: str
     engines: list[EngineStatus]
     ledger: LedgerCounts = field(default_factory=LedgerCounts)
+
+
+class SampleLedger(Protocol):
+    """Where each sample of a request is. Thread-safe; see
+    `furlong.rollout.sample_ledger.RedisSampleLedger`."""
+
+    def new_request(self, base: str) -> str:
+        """A fresh request id `<base>/<n>` for the n-th attempt at `base`."""
+
+    def open(self, request_id: str, sample_ids: Iterable[str]) -> None: ...
+
+    def dispatch(self, request_id: str, sample_ids: Iterable[str], engine_id: str) -> None: ...
+
+    def finish(self, request_id: str, sample_id: str) -> bool:
+        """True when this result is the sample's first; False: refuse it."""
+
+    def close(self, request_id: str, sample_ids: Iterable[str]) -> int: ...
+
+    def counts(self) -> LedgerCounts:
+        """The run's counts, summed over its requests."""
+
+
+class GroupBook(Protocol):
+    """The run's group ledger as rollout keeps it (`furlong.ledger.GroupLedger` in Redis): which
+    prompt groups of a step were drawn, written to the sample stream and cut. Thread-safe; each
+    call is atomic. UnavailableError when the store cannot be reached."""
+
+    def generated_ids(self, step: int, prompt_ids: Sequence[str]) -> set[str]:
+        """The prompt ids of step that already have a group in the stream."""
+
+    def submit(self, step: int, prompt_ids: Sequence[str]) -> None: ...
+
+    def cut(self, step: int, prompt_ids: Sequence[str]) -> None:
+        """These drawn prompts of step will not be trained (surplus, or dropped)."""
+
+    def append_groups(self, groups: Sequence[SampleGroup]) -> list[tuple[str, bool]]:
+        """Write the groups to the run's stream and record them generated, all or none; per group
+        (stream entry id, whether it is the first entry of its prompt id)."""
+
+
+@dataclass(frozen=True)
+class RunRecords:
+    """Where rollout records a run outside itself: its per-request sample ledger and its group
+    ledger."""
+
+    samples: SampleLedger
+    groups: GroupBook
+
+
+RunRecordsFactory = Callable[[str], RunRecords]  # run id -> the run's records
 
 
 class WeightReceiverLike(Protocol):

@@ -16,86 +16,37 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from furlong.core.samples import SampleGroup
+from furlong.core.settings import AlgorithmSettings
 from furlong.trainer.core.batch import MicroBatch, build_micro_batch, split_per_row
 from furlong.trainer.core.data_parallel import DataParallel, full_tensor
-from furlong.trainer.core.objectives import ObjectiveConfig
 from furlong.trainer.core.scoring import Scorer
 from furlong.trainer.core.step import StepMath, plan_rows
 
 log = logging.getLogger(__name__)
 
 
-def _check_number(
-    name: str,
-    value: object,
-    low: float,
-    high: float = math.inf,
-    low_open: bool = False,
-    high_open: bool = True,
-) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
-        raise ValueError(f"{name} must be a finite number in {lo}{low}, {high}{hi}, got {value!r}")
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class LearnerConfig:
-    learning_rate: float
-    clip_eps: float = 0.2
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still measured)
-    epochs_per_batch: int = 1  # optimizer steps over each batch
-    micro_batch_size: int = 64  # samples per forward/backward
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    temperature: float = 1.0  # the sampler's temperature; log-probs are taken under it
+    """The run's algorithm settings plus what the learner takes from the rest of the run: the
+    sampler's temperature (log-probs are taken under it) and the run's seed."""
+
+    algorithm: AlgorithmSettings = field(default_factory=AlgorithmSettings)
+    temperature: float = 1.0
     seed: int = 0
-    # The objective (see objectives.ObjectiveConfig for each field's meaning).
-    algorithm: str = "grpo"
-    clip_eps_high: float = 0.0
-    loss_aggregation: str = ""
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    kl_mode: str = "loss"
-    entropy_coef: float = 0.0
-    off_policy: str = "none"
-    is_low: float = 0.0
-    is_high: float = 2.0
-    gamma: float = 1.0
-    gae_lambda: float = 1.0
-    value_coef: float = 0.5
-    value_clip: float = 0.2
 
     def __post_init__(self) -> None:
-        _check_number("learning_rate", self.learning_rate, 0.0, low_open=True)
-        _check_number("clip_eps", self.clip_eps, 0.0, 1.0, low_open=True)
-        _check_number("weight_decay", self.weight_decay, 0.0)
-        _check_number("max_grad_norm", self.max_grad_norm, 0.0)
-        _check_int("epochs_per_batch", self.epochs_per_batch, 1)
-        _check_int("micro_batch_size", self.micro_batch_size, 1)
-        _check_number("adam_beta1", self.adam_beta1, 0.0, 1.0)
-        _check_number("adam_beta2", self.adam_beta2, 0.0, 1.0)
-        _check_number("temperature", self.temperature, 0.0, low_open=True)
-        _check_int("seed", self.seed, 0)
-        _ = self.objective  # building the ObjectiveConfig validates the objective fields
-
-    @property
-    def objective(self) -> ObjectiveConfig:
-        names = {f.name for f in fields(ObjectiveConfig)}
-        return ObjectiveConfig(**{k: v for k, v in asdict(self).items() if k in names})
+        if not isinstance(self.algorithm, AlgorithmSettings):
+            raise ValueError(f"algorithm must be AlgorithmSettings, got {type(self.algorithm).__name__}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
 
 
 @dataclass(frozen=True)
@@ -198,10 +149,11 @@ class Learner:
         `train_step`, forwards every world-th row and gradients are summed over the group before
         each optimizer step — the update equals the single-process one (up to summation order).
         `data_parallel` picks how: "ddp", "fsdp2" or "allreduce" (see `core.data_parallel`)."""
-        _check_int("version", version, 0)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be an integer >= 0, got {version!r}")
         self.model = model
         self.config = config
-        self.objective = config.objective
+        self.objective = config.algorithm
         self.version = version
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters")
@@ -217,9 +169,9 @@ class Learner:
         self._params = params + self._extra_params
         self.optimizer = torch.optim.AdamW(
             self._params,
-            lr=config.learning_rate,
-            weight_decay=config.weight_decay,
-            betas=(config.adam_beta1, config.adam_beta2),
+            lr=config.algorithm.learning_rate,
+            weight_decay=config.algorithm.weight_decay,
+            betas=(config.algorithm.adam_beta1, config.algorithm.adam_beta2),
         )
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         self.vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
@@ -248,7 +200,7 @@ class Learner:
         started = time.perf_counter()
         _validate(groups, self.vocab_size, self.version)
         samples = [s for g in groups for s in g.samples]
-        size = self.config.micro_batch_size
+        size = self.objective.micro_batch_size
         rows, denominators = plan_rows(groups, self.objective, self.scorer, size)
         # Longest first, so each micro-batch pads as little as possible.
         rows.sort(key=lambda r: len(r.token_ids), reverse=True)
@@ -261,10 +213,10 @@ class Learner:
         micro_batches = [(build_micro_batch(chunk), padding) for chunk, padding in plan]
         totals = dict.fromkeys(("loss", "grad_norm", "value_loss") + _WEIGHTED, 0.0)
         if num_rows:
-            for epoch in range(self.config.epochs_per_batch):
+            for epoch in range(self.objective.epochs_per_batch):
                 epoch_stats = self._epoch(micro_batches, denominators, epoch)
                 for key in totals:
-                    totals[key] += epoch_stats[key] / self.config.epochs_per_batch
+                    totals[key] += epoch_stats[key] / self.objective.epochs_per_batch
         else:
             # No sample carries a learning signal: leave the policy (and Adam's moments) untouched.
             totals.update(ratio_mean=1.0, is_weight_mean=1.0)
@@ -321,7 +273,7 @@ class Learner:
             )
             weighted = dict(zip(keys, totals))
             loss_sum, value_loss_sum, trained_tokens = totals[-3], totals[-2], int(totals[-1])
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
+        max_norm = self.objective.max_grad_norm if self.objective.max_grad_norm > 0 else math.inf
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self._params, max_norm)))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)

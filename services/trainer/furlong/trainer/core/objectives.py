@@ -1,4 +1,4 @@
-"""RL objectives as small typed components, chosen by `ObjectiveConfig`.
+"""RL objectives as small typed components, chosen by the run's `AlgorithmSettings`.
 
 Everything works on flat per-token tensors of the response tokens of a micro-batch (shape (N,)),
 with `seq` (N,) giving each token's sequence index. Per-sequence quantities are (S,).
@@ -18,104 +18,12 @@ Knows nothing about models, samples or optimizers.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp", "ppo")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_MODES = ("loss", "reward")
-OFF_POLICY = ("none", "tis", "mis")
-# What each algorithm means when the config leaves a choice at its default ("").
-_DEFAULT_AGGREGATION = {
-    "grpo": "token_mean",
-    "dr_grpo": "seq_sum_norm",
-    "dapo": "token_mean",
-    "gspo": "seq_mean_token_mean",
-    "reinforce_pp": "token_mean",
-    "ppo": "token_mean",
-}
-
-
-def _finite(name: str, value: float, low: float = 0.0) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < low
-    ):
-        raise ValueError(f"{name} must be a finite number >= {low}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class ObjectiveConfig:
-    algorithm: str = "grpo"
-    clip_eps: float = 0.2  # lower clip: ratio >= 1 - clip_eps
-    clip_eps_high: float = 0.0  # upper clip: ratio <= 1 + clip_eps_high; 0 = clip_eps (DAPO: 0.28)
-    loss_aggregation: str = ""  # "" = the algorithm's own (see _DEFAULT_AGGREGATION)
-    kl_coef: float = 0.0  # 0 = no reference model
-    kl_estimator: str = "k3"
-    kl_mode: str = "loss"  # "loss": coef * KL term in the loss; "reward": subtracted from rewards
-    entropy_coef: float = 0.0  # loss -= entropy_coef * entropy
-    off_policy: str = "none"  # "tis": weight min(w, is_high); "mis": drop tokens with w outside
-    is_low: float = 0.0  #   [is_low, is_high]; w = pi_old_trainer / pi_rollout per token
-    is_high: float = 2.0
-    gamma: float = 1.0  # PPO / GAE
-    gae_lambda: float = 1.0
-    value_coef: float = 0.5
-    value_clip: float = 0.2  # 0 = no value clipping
-
-    def __post_init__(self) -> None:
-        for name, value, allowed in (
-            ("algorithm", self.algorithm, ALGORITHMS),
-            ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
-            ("kl_mode", self.kl_mode, KL_MODES),
-            ("off_policy", self.off_policy, OFF_POLICY),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-        if self.loss_aggregation not in ("",) + AGGREGATIONS:
-            raise ValueError(
-                f"loss_aggregation must be one of {list(AGGREGATIONS)} or empty, "
-                f"got {self.loss_aggregation!r}"
-            )
-        _finite("clip_eps", self.clip_eps)
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps!r}")
-        for name in ("clip_eps_high", "kl_coef", "entropy_coef", "is_low", "value_coef", "value_clip"):
-            _finite(name, getattr(self, name))
-        _finite("is_high", self.is_high)
-        if not self.is_high > self.is_low:
-            raise ValueError(f"is_high must be > is_low, got is_high={self.is_high} is_low={self.is_low}")
-        for name in ("gamma", "gae_lambda"):
-            value = getattr(self, name)
-            _finite(name, value)
-            if value > 1:
-                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
-
-    @property
-    def aggregation(self) -> str:
-        return self.loss_aggregation or _DEFAULT_AGGREGATION[self.algorithm]
-
-    @property
-    def upper_clip(self) -> float:
-        return self.clip_eps_high or self.clip_eps
-
-    @property
-    def uses_reference(self) -> bool:
-        return self.kl_coef > 0
-
-    @property
-    def every_sample_matters(self) -> bool:
-        """False when a sample with zero advantage adds nothing to the gradient (it is not forwarded)."""
-        return (
-            self.algorithm == "ppo"
-            or self.entropy_coef > 0
-            or (self.uses_reference and self.kl_mode == "loss")
-        )
-
+from furlong.core.settings import AlgorithmSettings
+from furlong.core.settings.algorithm import AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY
 
 # --- advantages -------------------------------------------------------------------------------
 
@@ -282,11 +190,11 @@ def _clip(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float
     )
 
 
-def policy_loss(config: ObjectiveConfig):
+def policy_loss(config: AlgorithmSettings):
     """The policy-loss component the configured algorithm uses."""
-    if config.algorithm == "gspo":
-        return SequenceRatioLoss(config.clip_eps, config.upper_clip)
-    return ClippedTokenLoss(config.clip_eps, config.upper_clip)
+    if config.name == "gspo":
+        return SequenceRatioLoss(config.clip_eps, config.clip_eps_high)
+    return ClippedTokenLoss(config.clip_eps, config.clip_eps_high)
 
 
 def clipped_value_loss(

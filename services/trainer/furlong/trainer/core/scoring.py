@@ -10,14 +10,14 @@ import inspect
 
 import torch
 
+from furlong.core.settings import AlgorithmSettings
 from furlong.trainer.core.batch import MicroBatch
-from furlong.trainer.core.objectives import ObjectiveConfig
 from furlong.trainer.core.value import ValueModel
 from furlong.trainer.logprobs import SupportViolation, log_probs_with_support
 
 
 class Scorer:
-    def __init__(self, model: torch.nn.Module, temperature: float, objective: ObjectiveConfig):
+    def __init__(self, model: torch.nn.Module, temperature: float, objective: AlgorithmSettings):
         self.model = model
         self.policy_module = model  # what the policy's forward goes through (a DDP wrapper, say)
         self.temperature = temperature
@@ -28,7 +28,7 @@ class Scorer:
         if objective.uses_reference:
             self.reference = copy.deepcopy(model).eval()
             self.reference.requires_grad_(False)
-        self.critic: ValueModel | None = ValueModel(model).eval() if objective.algorithm == "ppo" else None
+        self.critic: ValueModel | None = ValueModel(model).eval() if objective.name == "ppo" else None
 
     def trainable_extra_parameters(self) -> list[torch.nn.Parameter]:
         return [] if self.critic is None else [p for p in self.critic.parameters() if p.requires_grad]

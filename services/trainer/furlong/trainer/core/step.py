@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from furlong.core.samples import SampleGroup
+from furlong.core.settings import AlgorithmSettings
 from furlong.trainer.core.batch import MicroBatch, Row, build_micro_batch, split_per_row
 from furlong.trainer.core.objectives import (
-    ObjectiveConfig,
     clipped_value_loss,
     gae,
     group_advantages,
@@ -36,12 +36,12 @@ class Denominators:
 
 
 def _scalar_advantages(
-    groups: list[SampleGroup], rewards: list[list[float]], objective: ObjectiveConfig
+    groups: list[SampleGroup], rewards: list[list[float]], objective: AlgorithmSettings
 ) -> list[list[float]]:
-    if objective.algorithm == "reinforce_pp":
+    if objective.name == "reinforce_pp":
         lengths = [[len(s.response_token_ids) for s in g.samples] for g in groups]
         return reinforce_pp_advantages(rewards, lengths)
-    scale = objective.algorithm != "dr_grpo"
+    scale = objective.name != "dr_grpo"
     # Per group, so that groups of different sizes are each normalised on their own.
     return [
         group_advantages(torch.tensor([r], dtype=torch.float64), scale=scale)[0].tolist() for r in rewards
@@ -55,7 +55,7 @@ def _chunks(rows: list[Row], size: int):
 
 
 def plan_rows(
-    groups: list[SampleGroup], objective: ObjectiveConfig, scorer, micro_batch_size: int
+    groups: list[SampleGroup], objective: AlgorithmSettings, scorer, micro_batch_size: int
 ) -> tuple[list[Row], Denominators]:
     samples = [s for g in groups for s in g.samples]
     rows = [Row(s, torch.zeros(len(s.response_token_ids))) for s in samples]
@@ -70,7 +70,7 @@ def plan_rows(
             * kl_estimate(torch.tensor(r.sample.response_logprobs), r.ref_logprobs, objective.kl_estimator)
             for r in rows
         ]
-    if objective.algorithm == "ppo":
+    if objective.name == "ppo":
         with torch.no_grad():
             for mb in _chunks(rows, micro_batch_size):
                 for row, values in zip(mb.rows, split_per_row(scorer.values(mb), mb)):
@@ -97,7 +97,7 @@ def plan_rows(
 
 
 class StepMath:
-    def __init__(self, objective: ObjectiveConfig):
+    def __init__(self, objective: AlgorithmSettings):
         self.objective = objective
         self.policy = policy_loss(objective)
 
@@ -126,7 +126,7 @@ class StepMath:
             per_token = per_token - obj.entropy_coef * entropy
         lengths = torch.tensor([r.num_response for r in mb.rows])
         w = token_weights(
-            obj.aggregation, mb.seq, lengths, den.batch_tokens, den.batch_sequences, den.max_length
+            obj.loss_aggregation, mb.seq, lengths, den.batch_tokens, den.batch_sequences, den.max_length
         ).to(per_token.dtype)
         loss = (per_token * w).sum()
         value_loss = torch.zeros(())

@@ -1,13 +1,13 @@
-"""The run-level sample ledger: what happened to every prompt of every step, kept in Redis, and its
+"""The run's group ledger: what happened to every prompt group of every step, kept in Redis, and its
 audit.
 
 Every prompt of a step has a deterministic ledger id, `"{step}/{prompt_id}"` (prompt ids are unique
 within a run; one id names the whole group of samples drawn for it). Its states:
 
-    submitted   the controller asked rollout to generate it (a count: a resubmission after a
-                crash counts twice)
+    submitted   rollout drew it for the step (a count: a resubmission after a crash counts twice)
     generated   a group for it is in the run's sample stream (the id of the first such entry; a
-                later entry for the same id is a duplicate and is never trained)
+                later entry for the same id is a duplicate and is never trained). Rollout appends
+                a group and records it generated in one atomic script (`append_groups`).
     trained     the trainer trained on it and the step is durable (in a training checkpoint)
 
 Keys, all under `furlong:ledger:{run_id}:`: `submitted` (hash id -> count), `generated` (hash
@@ -22,15 +22,13 @@ tear it: marking an id trained when it already is trained is refused (and counte
 gRPC, the services, or how samples are trained; the caller passes the Redis client (either
 `decode_responses` mode works).
 
-`python -m furlong.core.run_ledger --redis-url URL RUN_ID` prints a run's audit as JSON.
+`python -m furlong.ledger --redis-url URL RUN_ID` prints a run's audit as JSON.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -38,7 +36,7 @@ from typing import Any
 import redis
 
 from furlong.core.errors import UnavailableError
-from furlong.core.samples import STREAM_FIELD, stream_key
+from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 
 PREFIX = "furlong:ledger:"
 _PARTS = ("submitted", "generated", "trained", "versions", "sample_versions", "meta")
@@ -98,6 +96,24 @@ if tonumber(ARGV[1]) >= 0 and tonumber(ARGV[1]) >= current then
   redis.call('HSET', KEYS[2], 'checkpoint_step', ARGV[1], 'checkpoint_version', ARGV[2])
 end
 return refused
+"""
+
+# append(): KEYS stream, generated, sample_versions; ARGV field, then per group: ledger id, encoded
+# group, number of samples, their policy versions... -> per group: {entry id, 1 if it is the id's
+# generated entry now, 0 if another entry already was}
+_APPEND = """
+local out, i = {}, 2
+while i <= #ARGV do
+  local ident, data, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  local entry = redis.call('XADD', KEYS[1], '*', ARGV[1], data)
+  local first = redis.call('HSETNX', KEYS[2], ident, entry)
+  if first == 1 then
+    for j = 1, n do redis.call('HINCRBY', KEYS[3], ARGV[i + 2 + j], 1) end
+  end
+  table.insert(out, {entry, first})
+  i = i + 3 + n
+end
+return out
 """
 
 # raise_max(): KEYS meta; ARGV field, value -> the field's value afterwards
@@ -160,7 +176,7 @@ class LedgerAudit:
         return asdict(self)
 
 
-class RunLedger:
+class GroupLedger:
     """One run's ledger. Thread-safe (redis-py clients are); every method is one round trip or one
     atomic script unless its docstring says otherwise."""
 
@@ -169,6 +185,7 @@ class RunLedger:
             raise ValueError("run_id must not be empty")
         self._redis = client
         self.run_id = run_id
+        self._append = client.register_script(_APPEND)
         (
             self._submitted,
             self._generated,
@@ -178,10 +195,10 @@ class RunLedger:
             self._meta,
         ) = ledger_keys(run_id)
 
-    # -- controller --------------------------------------------------------------------------------
+    # -- rollout -----------------------------------------------------------------------------------
 
     def submit(self, step: int, prompt_ids: Sequence[str]) -> None:
-        """Record that these prompts of step were sent to rollout (again, for a resubmission)."""
+        """Record that these prompts of step were drawn for generation (again, for a resubmission)."""
         with self._errors():
             pipe = self._redis.pipeline(transaction=True)
             for prompt_id in prompt_ids:
@@ -209,6 +226,25 @@ class RunLedger:
         with self._errors():
             entries = self._redis.hmget(self._generated, [ledger_id(step, p) for p in prompt_ids])
         return {p for p, e in zip(prompt_ids, entries) if e is not None}
+
+    def append_groups(self, groups: Sequence[SampleGroup]) -> list[tuple[str, bool]]:
+        """Append the groups to the run's sample stream and record each as generated, in one atomic
+        script: either every group is written and recorded or none is. Per group: its stream entry
+        id and whether it is now its ledger id's generated entry (False: an earlier entry already
+        was, so this one is a duplicate the trainer refuses)."""
+        if not groups:
+            return []
+        args: list[Any] = [STREAM_FIELD]
+        for group in groups:
+            if group.run_id != self.run_id:
+                raise ValueError(
+                    f"group {group.prompt_id} belongs to run {group.run_id!r}, not {self.run_id!r}"
+                )
+            versions = [str(int(s.policy_version)) for s in group.samples]
+            args += [ledger_id(group.step, group.prompt_id), group.encode(), len(versions), *versions]
+        with self._errors():
+            out = self._append([stream_key(self.run_id), self._generated, self._sample_versions], args)
+        return [(_text(entry), int(first) == 1) for entry, first in out]
 
     def scan_stream(self) -> int:
         """Record as generated every group appended to the run's stream since the last scan (the
@@ -251,13 +287,6 @@ class RunLedger:
         with self._errors():
             self._redis.hset(self._versions, str(int(version)), "1")
 
-    def set_every_steps(self, every_steps: int) -> None:
-        """The run's checkpoint cadence, for the trainer (see `every_steps`)."""
-        if every_steps < 1:
-            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
-        with self._errors():
-            self._redis.hset(self._meta, "every_steps", str(every_steps))
-
     def count(self, counter: str, n: int = 1) -> None:
         if counter not in COUNTERS:
             raise ValueError(f"unknown ledger counter {counter!r}; known {list(COUNTERS)}")
@@ -265,12 +294,6 @@ class RunLedger:
             self._redis.hincrby(self._meta, counter, n)
 
     # -- trainer -----------------------------------------------------------------------------------
-
-    def every_steps(self) -> int:
-        """The checkpoint cadence the controller recorded for the run (1 when none was)."""
-        with self._errors():
-            value = self._redis.hget(self._meta, "every_steps")
-        return 1 if value is None else int(_text(value))
 
     def claim(self, entry_id: str, step: int, prompt_id: str, sample_versions: Iterable[int] = ()) -> str:
         """Before training on a group: "ok" (the trainer may train on it; it is now the id's
@@ -375,35 +398,5 @@ class RunLedger:
 
 
 def audit(client: redis.Redis, run_id: str, finished_step: int | None = None) -> LedgerAudit:
-    """The audit of run_id's ledger (see `RunLedger.audit`)."""
-    return RunLedger(client, run_id).audit(finished_step)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m furlong.core.run_ledger",
-        description="Print the sample-ledger audit of a run as JSON.",
-    )
-    p.add_argument("run_id")
-    p.add_argument("--redis-url", required=True)
-    p.add_argument(
-        "--finished-step",
-        type=int,
-        default=None,
-        help="count lost ids up to this step (default: the last checkpointed step)",
-    )
-    args = p.parse_args(argv)
-    client = redis.Redis.from_url(args.redis_url, decode_responses=True)
-    try:
-        result = audit(client, args.run_id, args.finished_step)
-    except UnavailableError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
-    print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
-    return 0 if result.lost == 0 and result.trained_twice == 0 and result.versions_ok else 3
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    """The audit of run_id's ledger (see `GroupLedger.audit`)."""
+    return GroupLedger(client, run_id).audit(finished_step)

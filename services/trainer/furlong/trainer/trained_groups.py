@@ -1,5 +1,5 @@
-"""The trainer's side of the run ledger: which trained groups are durable, when to checkpoint, and
-what a resumed run must re-record.
+"""The groups a trainer has trained but not yet made durable, and its side of the run's group ledger:
+when to checkpoint and what a resumed run must re-record.
 
 Groups a step trained on become durable when the training checkpoint holding that step is written.
 Only then are they marked trained in the run ledger (one atomic script, refusing ids already
@@ -8,8 +8,8 @@ crash replays them into the restored checkpoint instead of losing them. The chec
 cursor lists the entries and ledger ids it made durable, so a checkpoint written just before a
 crash (ledger not yet updated) is re-recorded on resume instead of being trained on again.
 
-The cadence (`every_steps`) is the run's, as the controller recorded it in the ledger; the last step
-of a run is always checkpointed. Knows nothing about models or gRPC.
+The cadence (`every_steps`) is the run's checkpoint setting, sent with ConfigureRun; the last step of
+a run is always checkpointed. Knows nothing about models or gRPC.
 """
 
 from __future__ import annotations
@@ -18,22 +18,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from furlong.core.run_ledger import RunLedger, ledger_id
+from furlong.ledger.group_ledger import GroupLedger, ledger_id
 from furlong.trainer.sample_reader import SampleReader, StreamBatch
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class StepLedger:
-    ledger: RunLedger
+class TrainedGroups:
+    ledger: GroupLedger
     every_steps: int = 1
     entry_ids: list[bytes] = field(default_factory=list)  # trained, not yet durable
     ids: list[str] = field(default_factory=list)
-
-    @classmethod
-    def for_run(cls, ledger: RunLedger) -> StepLedger:
-        return cls(ledger, ledger.every_steps())
 
     def add(self, batch: StreamBatch) -> None:
         self.entry_ids += batch.entry_ids

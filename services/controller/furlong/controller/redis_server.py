@@ -15,16 +15,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from furlong.rpc.ports import free_port
+
 log = logging.getLogger(__name__)
 
 _FSYNC_POLICIES = ("always", "everysec", "no")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on host a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def find_redis_server() -> str:

@@ -1,4 +1,4 @@
-"""The rollout ledger in Redis: where every sample of a request is (pending → in flight on an engine
+"""The sample ledger in Redis: where every sample of a request is (pending → in flight on an engine
 → done, or closed as surplus), so that no sample is lost or produced twice when an engine dies
 mid-request.
 
@@ -78,7 +78,7 @@ def counts_key(scope: str) -> str:
     return f"furlong:rollout:ledger-counts:{scope}"
 
 
-class Ledger:
+class RedisSampleLedger:
     """Thread-safe (one Redis client, whose connection pool is thread-safe). `scope` groups the
     counts of many requests (the rollout service uses the run id)."""
 

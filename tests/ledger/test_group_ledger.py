@@ -7,7 +7,8 @@ import json
 import pytest
 import redis
 
-from furlong.core.run_ledger import RunLedger, ledger_id, ledger_keys, main
+from furlong.ledger.__main__ import main
+from furlong.ledger.group_ledger import GroupLedger, ledger_id, ledger_keys
 from furlong.core.samples import STREAM_FIELD, stream_key
 
 pytestmark = pytest.mark.integration
@@ -39,7 +40,7 @@ def test_ids_are_deterministic_and_checked():
 
 
 def test_a_trained_id_is_refused_before_and_when_marking_again(client):
-    ledger = RunLedger(client, "run")
+    ledger = GroupLedger(client, "run")
     assert ledger.claim("1-0", 1, "p0", [0]) == "ok"
     assert ledger.commit_trained(["1/p0"], 1, 1) == []
     assert ledger.checkpoint() == (1, 1)
@@ -52,14 +53,14 @@ def test_a_trained_id_is_refused_before_and_when_marking_again(client):
 
 
 def test_reconciling_a_checkpoint_trains_nothing_twice(client):
-    ledger = RunLedger(client, "run")
+    ledger = GroupLedger(client, "run")
     ledger.commit_trained(["1/p0"], 1, 1)
     assert ledger.commit_trained(["1/p0"], 1, 1, reconcile=True) == ["1/p0"]
     assert ledger.audit().trained_twice == 0
 
 
 def test_a_second_entry_for_an_id_is_a_duplicate(client):
-    ledger = RunLedger(client, "run")
+    ledger = GroupLedger(client, "run")
     assert ledger.claim("5-0", 2, "p1") == "ok"
     assert ledger.claim("6-0", 2, "p1") == "duplicate:5-0"
     assert ledger.claim("5-0", 2, "p1") == "ok"  # the owner itself may be read again
@@ -67,7 +68,7 @@ def test_a_second_entry_for_an_id_is_a_duplicate(client):
 
 
 def test_non_durable_steps_do_not_move_the_checkpoint(client):
-    ledger = RunLedger(client, "run")
+    ledger = GroupLedger(client, "run")
     ledger.commit_trained(["2/p0"], 2, 2)
     ledger.commit_trained(["3/p0"], -1, 3)
     ledger.commit_trained(["1/p0"], 1, 1, reconcile=True)  # an older checkpoint never wins
@@ -75,7 +76,7 @@ def test_non_durable_steps_do_not_move_the_checkpoint(client):
 
 
 def test_scan_records_generated_groups_once_with_their_versions(client):
-    ledger = RunLedger(client, "run")
+    ledger = GroupLedger(client, "run")
     key = stream_key("run")
     client.xadd(key, {STREAM_FIELD: _group("run", 1, "p0", version=0)})
     client.xadd(key, {STREAM_FIELD: b"not json"})
@@ -91,7 +92,7 @@ def test_scan_records_generated_groups_once_with_their_versions(client):
 
 
 def test_audit_counts_lost_ids_and_uncommitted_versions(client, capsys, redis_url):
-    ledger = RunLedger(client, "run")
+    ledger = GroupLedger(client, "run")
     ledger.submit(1, ["p0", "p1"])
     ledger.submit(2, ["p0", "p1"])
     ledger.submit(2, ["p1"])  # resubmitted after a recovery
@@ -110,7 +111,7 @@ def test_audit_counts_lost_ids_and_uncommitted_versions(client, capsys, redis_ur
 
 
 def test_published_versions_only_grow(client):
-    ledger = RunLedger(client, "run")
+    ledger = GroupLedger(client, "run")
     assert ledger.max_version() == -1
     assert ledger.record_published(3) == 3
     assert ledger.record_published(2) == 3

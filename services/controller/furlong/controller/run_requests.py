@@ -1,0 +1,51 @@
+"""What the controller asks each service for a run, built from its spec in one place for the driver
+and the recovery: the trainer's and rollout's ConfigureRun and a step's Generate and TrainStep.
+Knows nothing about transports."""
+
+from __future__ import annotations
+
+from furlong.controller.config import DriverTimeouts
+from furlong.controller.core.run_state import Run
+from furlong.controller.core.step_record import sampling_seed
+from furlong.rollout.core.sampling import SamplingConfig
+from furlong.rollout.core.types import GenerateRequest, RolloutRunConfig
+from furlong.trainer.api import TrainerRunConfig, TrainStepRequest
+
+
+def trainer_config(run: Run) -> TrainerRunConfig:
+    spec = run.spec
+    return TrainerRunConfig(
+        run_id=run.run_id,
+        model_dir=spec.model,
+        algorithm=spec.algorithm,
+        sampling_temperature=spec.sampling.temperature,
+        seed=spec.seed,
+        total_steps=spec.steps,
+        checkpoint=spec.checkpoint,
+    )
+
+
+def rollout_config(run: Run) -> RolloutRunConfig:
+    spec = run.spec
+    return RolloutRunConfig(
+        run_id=run.run_id, model_dir=spec.model, seed=spec.seed, task=spec.task, rollout=spec.rollout
+    )
+
+
+def generate_request(run: Run, step: int, min_version: int, timeouts: DriverTimeouts) -> GenerateRequest:
+    """The step's groups: rollout draws the prompts from the run's task and decides which groups are
+    written (over-sampling, dynamic sampling, groups an earlier attempt already wrote)."""
+    spec = run.spec
+    return GenerateRequest(
+        run_id=run.run_id,
+        step=step,
+        samples_per_prompt=spec.samples_per_prompt,
+        sampling=SamplingConfig.of(spec.sampling, sampling_seed(spec.seed, step)),
+        num_groups=spec.prompts_per_step,
+        min_policy_version=min_version,
+        timeout_s=timeouts.generate_s,
+    )
+
+
+def train_request(run: Run, step: int, num_groups: int, timeouts: DriverTimeouts) -> TrainStepRequest:
+    return TrainStepRequest(run_id=run.run_id, step=step, num_groups=num_groups, timeout_s=timeouts.train_s)

@@ -1,0 +1,363 @@
+"""One Generate request of a run: which prompts are generated, which groups are written and which
+are cut. Rollout is the one owner of these decisions.
+
+Without explicit prompts the step's prompts come from the run's task: `RolloutSettings.prompts_to_draw`
+of them (over-sampling), less those whose group an earlier attempt at the step already wrote (so a
+step repeated after a crash generates only what was lost). Every sample gets a deterministic id
+(`<prompt id>/<index>`); the engines generate, the run's reward scores every response
+(concurrently, under a deadline), zero-variance groups are drawn again (dynamic sampling) and only
+the groups the step needs are kept, the first to complete (over-sampling, see core.groups). The
+kept groups are appended to the run's sample stream and recorded generated in one atomic call
+(`GroupBook.append_groups`); the drawn prompts that were not kept are recorded cut in the group
+ledger and their samples closed as surplus in the sample ledger.
+
+Sampling seeds: share (in-process) or chunk (engine pool) i of a request samples with a seed derived
+from (run seed, request seed, i, refill round), so the same run seed, request, weights and engine
+layout give the same samples. Knows nothing about gRPC or Redis.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from furlong.core.errors import NotFoundError, UnavailableError
+from furlong.core.samples import Sample, SampleGroup
+from furlong.core.settings import RolloutSettings
+from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_SAMPLES_PER_PROMPT
+from furlong.core.tasks import Task
+from furlong.rollout.core.checks import check_id, check_int, check_prompts, check_timeout
+from furlong.rollout.core.engine import Generation
+from furlong.rollout.core.engine_set import EngineSet
+from furlong.rollout.core.groups import DynamicSampling, GroupOutcome, OverSampling, zero_variance
+from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
+from furlong.rollout.core.types import GenerateRequest, GenerateResult, Prompt, RolloutObserver, RunRecords
+from furlong.rollout.rewards import RewardFn, score_all
+
+
+def engine_seed(run_seed: int, request_seed: int, share: int, round_: int = 0) -> int:
+    """The sampling seed of share `share` of a request in refill round `round_` (63 bits)."""
+    entropy = [run_seed, request_seed, share] + ([round_] if round_ else [])
+    words = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint32)
+    return ((int(words[0]) << 32) | int(words[1])) & MAX_SEED
+
+
+def sample_id(prompt_id: str, index: int) -> str:
+    """The deterministic id of sample `index` of a prompt's group (also its ledger field)."""
+    return f"{prompt_id}/{index}"
+
+
+@dataclass
+class ActiveRun:
+    """A configured run as its requests need it."""
+
+    run_id: str
+    seed: int
+    rollout: RolloutSettings
+    task: Task | None
+    reward_name: str
+    reward_fn: RewardFn
+    tokenizer: Any
+    engines: EngineSet
+    records: RunRecords
+    ended: bool = field(default=False)
+
+
+@dataclass
+class _Draw:
+    """One round's groups: complete groups by prompt index, in the order they completed."""
+
+    groups: dict[int, list[Sample]]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """The prompts a request generates, how many groups it keeps (0 = all) and how many groups an
+    earlier attempt at the step already wrote."""
+
+    prompts: list[Prompt]
+    keep: int
+    resumed: int
+    from_task: bool
+
+
+class StepGeneration:
+    """Runs Generate requests for runs; thread-safe (no state of its own besides its settings)."""
+
+    def __init__(self, observer: RolloutObserver, reward_timeout_s: float, reward_workers: int) -> None:
+        self._observer = observer
+        self._reward_timeout_s = reward_timeout_s
+        self._reward_workers = reward_workers
+
+    def generate(self, run: ActiveRun, request: GenerateRequest) -> GenerateResult:
+        """TimeoutError when an engine does not reach min_policy_version within timeout_s;
+        ValueError naming a bad field; NotFoundError when the run ended meanwhile."""
+        _check_request(request)
+        started = time.perf_counter()
+        choice = self._choose(run, request)
+        if not choice.prompts:  # an earlier attempt wrote every group the step needs
+            return self._result(run, request, [], 0, started, choice, GroupOutcome([], [], 0), [], "")
+        sampling = request.sampling
+        prompts = choice.prompts
+        prompt_ids = [self._encode(run, p) for p in prompts]
+        self._check_context(run, prompts, prompt_ids, sampling.max_new_tokens)
+        dynamic = DynamicSampling(run.rollout.max_refill_rounds)
+        dynamic.check_group_size(request.samples_per_prompt)
+        over = OverSampling(choice.keep)
+        over.check(len(prompts))
+        self._wait_for_version(run, request.min_policy_version, request.timeout_s)
+        if choice.from_task:
+            run.records.groups.submit(request.step, [p.prompt_id for p in prompts])
+        request_id = run.records.samples.new_request(f"{run.run_id}/{request.step}")
+        everything = list(range(len(prompts)))
+        n = request.samples_per_prompt
+        # With dynamic sampling a group is only known to be kept after its rewards (and refills).
+        early = over.enabled and not dynamic.enabled
+        draw = self._draw(
+            run, request_id, prompts, prompt_ids, everything, n, sampling, 0, choice.keep if early else 0
+        )
+        by_prompt, num_tokens = draw.groups, draw.num_tokens
+        order = list(by_prompt)  # completion order; refilled groups go last
+        pending = (
+            [p for p in order if zero_variance([s.reward for s in by_prompt[p]])] if dynamic.enabled else []
+        )
+        refills = 0
+        for round_ in range(1, dynamic.max_refill_rounds + 1):
+            if not pending:
+                break
+            refills += len(pending)
+            redrawn = self._draw(
+                run, f"{request_id}/r{round_}", prompts, prompt_ids, pending, n, sampling, round_, 0
+            )
+            num_tokens += redrawn.num_tokens
+            by_prompt.update(redrawn.groups)
+            order = [p for p in order if p not in redrawn.groups] + list(redrawn.groups)
+            pending = [p for p in pending if zero_variance([s.reward for s in by_prompt[p]])]
+        outcome = GroupOutcome(
+            kept=[p for p in order if p not in set(pending)], dropped=pending, refills=refills
+        )
+        kept = sorted(over.keep(outcome.kept))  # written in request order
+        left_out = [p for p in everything if p not in set(kept)]
+        surplus = [p for p in left_out if p not in set(pending)]
+        self._close(run, request_id, prompts, surplus, n, dynamic)
+        groups = [
+            SampleGroup(
+                run_id=run.run_id, step=request.step, prompt_id=prompts[p].prompt_id, samples=by_prompt[p]
+            )
+            for p in kept
+        ]
+        if run.ended:
+            raise NotFoundError(f"run {run.run_id!r} ended while generating; nothing was written")
+        written = run.records.groups.append_groups(groups)
+        if choice.from_task and left_out:
+            run.records.groups.cut(request.step, [prompts[p].prompt_id for p in left_out])
+        firsts = [g for g, (_, first) in zip(groups, written) if first]
+        seconds = time.perf_counter() - started
+        num_samples = sum(len(g.samples) for g in firsts)
+        self._observer.generated(run.run_id, num_samples, num_tokens, seconds, _mean_reward(firsts))
+        if dynamic.enabled:
+            self._observer.groups_filtered(run.run_id, len(outcome.dropped), outcome.refills)
+        if over.enabled:
+            self._observer.groups_surplus(run.run_id, len(surplus))
+        return self._result(run, request, firsts, num_tokens, started, choice, outcome, surplus, request_id)
+
+    def _choose(self, run: ActiveRun, request: GenerateRequest) -> _Choice:
+        if request.prompts:
+            prompts = check_prompts(request.prompts)
+            check_int("num_groups", request.num_groups, 0, len(prompts))
+            return _Choice(prompts=prompts, keep=request.num_groups, resumed=0, from_task=False)
+        if run.task is None:
+            raise ValueError(f"run {run.run_id} has no task: a Generate request must carry its prompts")
+        need = check_int("num_groups", request.num_groups, 1, MAX_PROMPTS_PER_STEP)
+        drawn = run.task.prompts(run.seed, request.step, run.rollout.prompts_to_draw(need))
+        candidates = [
+            Prompt(prompt_id=str(p.prompt_id), text=str(p.text), answer=str(p.answer)) for p in drawn
+        ]
+        done = run.records.groups.generated_ids(request.step, [p.prompt_id for p in candidates])
+        missing = [p for p in candidates if p.prompt_id not in done]
+        need -= len(done)
+        if need <= 0 or not missing:
+            return _Choice(prompts=[], keep=0, resumed=len(done), from_task=True)
+        return _Choice(
+            prompts=missing, keep=need if len(missing) > need else 0, resumed=len(done), from_task=True
+        )
+
+    def _result(
+        self,
+        run: ActiveRun,
+        request: GenerateRequest,
+        groups: list[SampleGroup],
+        num_tokens: int,
+        started: float,
+        choice: _Choice,
+        outcome: GroupOutcome,
+        surplus: list[int],
+        request_id: str,
+    ) -> GenerateResult:
+        samples = [s for g in groups for s in g.samples]
+        served = [s.policy_version for s in samples] or [run.engines.policy_version()]
+        return GenerateResult(
+            run_id=run.run_id,
+            step=request.step,
+            num_groups=len(groups) + choice.resumed,
+            num_samples=len(samples),
+            reward_mean=_mean_reward(groups),
+            policy_version=min(served),
+            num_tokens=num_tokens,
+            generate_seconds=time.perf_counter() - started,
+            num_groups_dropped=len(outcome.dropped),
+            num_groups_refilled=outcome.refills,
+            num_groups_surplus=len(surplus),
+            request_id=request_id,
+            num_groups_resumed=choice.resumed,
+        )
+
+    @staticmethod
+    def _close(
+        run: ActiveRun,
+        request_id: str,
+        prompts: list[Prompt],
+        surplus: list[int],
+        samples_per_prompt: int,
+        dynamic: DynamicSampling,
+    ) -> None:
+        """Close every sample of the surplus groups, in each round's ledger they were drawn in."""
+        ids = [sample_id(prompts[p].prompt_id, i) for p in surplus for i in range(samples_per_prompt)]
+        run.records.samples.close(request_id, ids)
+        for round_ in range(1, dynamic.max_refill_rounds + 1):
+            run.records.samples.close(f"{request_id}/r{round_}", ids)
+
+    def _draw(
+        self,
+        run: ActiveRun,
+        request_id: str,
+        prompts: list[Prompt],
+        prompt_ids: list[list[int]],
+        which: list[int],
+        samples_per_prompt: int,
+        sampling: SamplingConfig,
+        round_: int,
+        enough_groups: int,
+    ) -> _Draw:
+        """Samples (rewards scored) of the prompts `which` whose groups completed, in completion
+        order. Every group completes unless `enough_groups` > 0 stopped the request early."""
+        rows = {sample_id(prompts[p].prompt_id, i): (p, i) for p in which for i in range(samples_per_prompt)}
+        request_seed = sampling.seed
+
+        def enough(done: Mapping[str, Generation]) -> bool:
+            return len(_complete(done, rows, samples_per_prompt)) >= enough_groups
+
+        generations = run.engines.generate(
+            request_id,
+            [(sid, prompt_ids[p]) for sid, (p, _) in rows.items()],
+            sampling,
+            lambda share: engine_seed(run.seed, request_seed, share, round_),
+            enough if enough_groups else None,
+        )
+        complete = _complete(generations, rows, samples_per_prompt)
+        if not enough_groups and len(complete) != len(which):
+            lost = sorted(set(rows) - set(generations))
+            raise UnavailableError(
+                f"run {run.run_id} request {request_id}: no result for samples {lost[:8]} "
+                f"({len(lost)} in all)"
+            )
+        scored = [
+            (sid, rows[sid], generations[sid])
+            for p in complete
+            for sid in (sample_id(prompts[p].prompt_id, i) for i in range(samples_per_prompt))
+        ]
+        rewards = score_all(
+            run.reward_name,
+            run.reward_fn,
+            [
+                (g.text, prompts[p].answer, f"prompt {prompts[p].prompt_id!r} sample {sid!r}")
+                for sid, (p, _), g in scored
+            ],
+            self._reward_timeout_s,
+            self._reward_workers,
+        )
+        groups: dict[int, list[Sample]] = {p: [] for p in complete}
+        for (_, (p, i), g), r in zip(scored, rewards):
+            groups[p].append(_sample(prompts[p], i, prompt_ids[p], g, r))
+        return _Draw(groups=groups, num_tokens=sum(len(g.token_ids) for g in generations.values()))
+
+    @staticmethod
+    def _encode(run: ActiveRun, prompt: Prompt) -> list[int]:
+        try:
+            return list(run.tokenizer.encode(prompt.text, add_bos=True))
+        except ValueError as exc:
+            raise ValueError(f"prompt {prompt.prompt_id!r}: {exc}") from None
+
+    @staticmethod
+    def _check_context(
+        run: ActiveRun, prompts: list[Prompt], prompt_ids: list[list[int]], max_new_tokens: int
+    ) -> None:
+        """Refuse, before any engine is touched, a prompt that cannot fit the model's context."""
+        limit = run.engines.max_positions
+        if limit is None:
+            return
+        for prompt, ids in zip(prompts, prompt_ids):
+            if len(ids) + max_new_tokens > limit:
+                raise ValueError(
+                    f"prompt {prompt.prompt_id!r} ({len(ids)} tokens) + max_new_tokens {max_new_tokens} "
+                    f"exceeds the model's context (max_position_embeddings {limit})"
+                )
+
+    @staticmethod
+    def _wait_for_version(run: ActiveRun, min_version: int, timeout_s: float) -> None:
+        if not run.engines.wait_for_version(min_version, timeout_s):
+            versions = {e.engine_id: e.policy_version for e in run.engines.status()}
+            raise TimeoutError(
+                f"run {run.run_id}: engines did not reach min_policy_version {min_version} within "
+                f"{timeout_s}s (serving {versions})"
+            )
+
+
+def _check_request(request: GenerateRequest) -> None:
+    if not isinstance(request, GenerateRequest):
+        raise ValueError(f"expected a GenerateRequest, got {type(request).__name__}")
+    check_id("run_id", request.run_id)
+    check_int("step", request.step, 0)
+    check_int("samples_per_prompt", request.samples_per_prompt, 1, MAX_SAMPLES_PER_PROMPT)
+    if not isinstance(request.sampling, SamplingConfig):
+        raise ValueError(f"sampling must be a SamplingConfig, got {type(request.sampling).__name__}")
+    check_int("min_policy_version", request.min_policy_version, 0)
+    check_timeout("timeout_s", request.timeout_s)
+
+
+def _complete(
+    done: Mapping[str, Generation], rows: Mapping[str, tuple[int, int]], samples_per_prompt: int
+) -> list[int]:
+    """Prompt indices whose every sample is in `done`, in the order their last one arrived."""
+    count: dict[int, int] = {}
+    complete: list[int] = []
+    for sid in done:
+        p = rows[sid][0]
+        count[p] = count.get(p, 0) + 1
+        if count[p] == samples_per_prompt:
+            complete.append(p)
+    return complete
+
+
+def _mean_reward(groups: Sequence[SampleGroup]) -> float:
+    rewards = [s.reward for g in groups for s in g.samples]
+    return float(np.mean(rewards)) if rewards else 0.0
+
+
+def _sample(prompt: Prompt, index: int, prompt_ids: list[int], g: Generation, reward: float) -> Sample:
+    return Sample(
+        sample_id=sample_id(prompt.prompt_id, index),
+        prompt_token_ids=list(prompt_ids),
+        response_token_ids=g.token_ids,
+        response_logprobs=g.logprobs,
+        sampling_support=g.support,
+        reward=reward,
+        policy_version=g.policy_version,
+        finish_reason=g.finish_reason,
+        response_text=g.text,
+    )
