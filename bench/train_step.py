@@ -31,6 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from furlong.core.samples import Sample, SampleGroup
 from furlong.core.sampling_mask import RolloutSamplingMask
+from furlong.core.settings import AlgorithmSettings
 from furlong.trainer.core.learner import Learner, LearnerConfig
 from furlong.trainer.core.objectives import group_advantages
 
@@ -130,7 +131,7 @@ def main() -> None:
     tokens = sum(len(s.response_token_ids) for g in batch for s in g.samples)
     ours_model, plain_model = build_model(hidden, layers), build_model(hidden, layers)
     learner = Learner(
-        ours_model, LearnerConfig(learning_rate=1e-5, temperature=TEMPERATURE, max_grad_norm=1.0)
+        ours_model, LearnerConfig(AlgorithmSettings(learning_rate=1e-5, max_grad_norm=1.0), temperature=TEMPERATURE)
     )
     plain = PlainLoop(plain_model, 1e-5)
 

@@ -28,6 +28,7 @@ from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.receivers import broker_receiver_factory
+from furlong.rollout.run_records import redis_records
 from furlong.rollout.server import RolloutServicer
 from furlong.trainer.server import register as register_trainer
 from furlong.trainer.service import TrainerService
@@ -49,7 +50,7 @@ def services(tmp_path, redis_url):
     client = redis.Redis.from_url(redis_url)
     core = BrokerCore()
     broker = InProcessBrokerClient(core)
-    rollout = RolloutService(client, broker_receiver_factory(broker))
+    rollout = RolloutService(redis_records(client), broker_receiver_factory(broker))
     trainer = TrainerService(
         client, broker, consumer_name="trainer-0", checkpoint_root=tmp_path / "checkpoints"
     )

@@ -20,6 +20,7 @@ from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import Prompt
+from furlong.rollout.run_records import redis_records
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import start_server
 
@@ -41,7 +42,7 @@ def problem(resp: httpx.Response, status: int) -> dict:
 @pytest.fixture
 def stack(redis_url, tmp_path):
     red = redis.Redis.from_url(redis_url)
-    service = RolloutService(red, None, max_batch_size=8)
+    service = RolloutService(redis_records(red), None, max_batch_size=8)
     grpc_server = start_server([RolloutServicer(service).add_to_server], [SERVICE_NAME])
     engines = GrpcEngineStatus(f"127.0.0.1:{grpc_server.port}")
     fakes = fake_stack()

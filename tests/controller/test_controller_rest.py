@@ -13,10 +13,10 @@ from polling import wait_until as wait_for
 
 from furlong.controller.client import HttpControllerClient, InProcessControllerClient
 from furlong.controller.config import DriverTimeouts
-from furlong.controller.run_spec import SpecError
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
 from furlong.core.errors import NotFoundError
+from furlong.core.settings import SettingError
 
 pytestmark = pytest.mark.integration
 
@@ -219,7 +219,7 @@ def test_http_client_and_in_process_twin_agree(env):
             lambda client=client, run=run: client.get_run(run["run_id"])["state"] == "succeeded", what="run"
         )
         assert [s["step"] for s in client.run_metrics(run["run_id"], since=1)] == [2, 3]
-        with pytest.raises(SpecError) as err:
+        with pytest.raises(SettingError) as err:
             client.create_run({**SPEC, "steps": 0})
         assert err.value.field == "steps" and str(err.value) == "steps: must be >= 1, got 0"
         with pytest.raises(NotFoundError):

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from furlong.controller.run_spec import AlgorithmSpec, RunSpec, SamplingSpec, SpecError, parse_run_spec
+from furlong.controller.run_spec import AlgorithmSpec, RunSpec, SamplingSpec, SettingError, parse_run_spec
 
 FULL = {
     "name": "addition-grpo",
@@ -130,7 +130,7 @@ def test_integers_are_accepted_for_float_fields_and_stored_as_floats():
     ],
 )
 def test_bad_values_name_their_field(data, field, words):
-    with pytest.raises(SpecError) as err:
+    with pytest.raises(SettingError) as err:
         parse_run_spec(data)
     assert err.value.field == field
     assert str(err.value).startswith(f"{field}: ")

@@ -1,4 +1,4 @@
-"""Property tests of the run-spec parser: any JSON value gives a RunSpec or a SpecError naming a
+"""Property tests of the run-spec parser: any JSON value gives a RunSpec or a SettingError naming a
 field of the spec (never another exception); valid specs round-trip; one bad field is named."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from furlong.controller.run_spec import (
     RolloutSpec,
     RunSpec,
     SamplingSpec,
-    SpecError,
+    SettingError,
     parse_run_spec,
 )
 
@@ -75,7 +75,7 @@ valid_specs = st.fixed_dictionaries(
 def _outcome(data):
     try:
         return parse_run_spec(data)
-    except SpecError as exc:
+    except SettingError as exc:
         return exc
 
 
@@ -83,7 +83,7 @@ def _outcome(data):
 @given(json_values | spec_like)
 def test_any_json_is_a_spec_or_a_spec_error_naming_a_known_field(data):
     outcome = _outcome(data)
-    if isinstance(outcome, SpecError):
+    if isinstance(outcome, SettingError):
         given_keys = set(map(str, data)) if isinstance(data, dict) else set()
         top, _, rest = outcome.field.partition(".")
         section = data.get(top) if isinstance(data, dict) else None
@@ -144,4 +144,4 @@ def test_one_wrongly_typed_field_is_named(data, path, pick):
     else:
         data[path] = bad
     outcome = _outcome(data)
-    assert isinstance(outcome, SpecError) and outcome.field == path, (path, bad, outcome)
+    assert isinstance(outcome, SettingError) and outcome.field == path, (path, bad, outcome)

@@ -11,7 +11,6 @@ import httpx
 import psutil
 import pytest
 
-from furlong.rpc.ports import free_port
 from furlong.dashboard.core.host_telemetry import (
     CpuTimes,
     HostSnapshot,
@@ -21,6 +20,7 @@ from furlong.dashboard.core.host_telemetry import (
 )
 from furlong.dashboard.exporter import build_registry, exposition
 from furlong.dashboard.host_provider import HostTelemetryProvider
+from furlong.rpc.ports import free_port
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -11,13 +11,13 @@ import pytest
 import uvicorn
 from test_dashboard_telemetry import FixedProvider
 
-from furlong.rpc.ports import free_port
 from furlong.dashboard.app import create_app
 from furlong.dashboard.core.lanes import UtilizationLanes
 from furlong.dashboard.core.run_series import run_series
 from furlong.dashboard.exporter import build_registry
 from furlong.dashboard.run_source import StaticRuns
 from furlong.dashboard.telemetry_history import TelemetryHistory
+from furlong.rpc.ports import free_port
 
 
 def record(step, version, sampled, **extra):

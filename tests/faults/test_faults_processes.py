@@ -34,8 +34,8 @@ from furlong.controller.local_stack import (
     start_stack,
     stop_stack,
 )
-from furlong.ledger.group_ledger import audit
 from furlong.core.samples import STREAM_FIELD, stream_key
+from furlong.ledger.group_ledger import audit
 from furlong.trainer.sample_reader import rejected_key
 from furlong.weight_broker.fault_hooks import DROP_BUCKET_ENV
 

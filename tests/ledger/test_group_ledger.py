@@ -7,9 +7,9 @@ import json
 import pytest
 import redis
 
+from furlong.core.samples import STREAM_FIELD, stream_key
 from furlong.ledger.__main__ import main
 from furlong.ledger.group_ledger import GroupLedger, ledger_id, ledger_keys
-from furlong.core.samples import STREAM_FIELD, stream_key
 
 pytestmark = pytest.mark.integration
 

@@ -41,15 +41,17 @@ def test_config_validates_stop_strings():
     assert SamplingConfig(stop=["\n", "+="]).stop == ("\n", "+=")
     assert SamplingConfig(stop=("a", "a", "b")).stop == ("a", "b")
     assert SamplingConfig().stop == ()
-    with pytest.raises(ValueError, match="stop must be a list of strings, got str"):
+    with pytest.raises(ValueError, match="^stop: must be a list of strings, got 'ab'"):
         SamplingConfig(stop="ab")
-    with pytest.raises(ValueError, match="non-empty strings, got ''"):
+    with pytest.raises(ValueError, match="^stop: entry 1 must be a non-empty string, got ''"):
         SamplingConfig(stop=["x", ""])
-    with pytest.raises(ValueError, match="non-empty strings, got 3"):
+    with pytest.raises(ValueError, match="^stop: entry 0 must be a string, got 3"):
         SamplingConfig(stop=[3])
-    with pytest.raises(ValueError, match=f"stop has {MAX_STOP_STRINGS + 1} strings, at most"):
+    with pytest.raises(
+        ValueError, match=f"^stop: must have at most {MAX_STOP_STRINGS} entries, got {MAX_STOP_STRINGS + 1}"
+    ):
         SamplingConfig(stop=[str(i) for i in range(MAX_STOP_STRINGS + 1)])
-    with pytest.raises(ValueError, match="has 300 characters"):
+    with pytest.raises(ValueError, match="^stop: entry 0 must have at most 256 characters, got 300"):
         SamplingConfig(stop=["x" * 300])
 
 

@@ -17,7 +17,8 @@ from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.rollout.core.pacing import StalenessPacer
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
-from furlong.rollout.core.types import Prompt
+from furlong.rollout.core.types import GenerateRequest, Prompt, RolloutRunConfig
+from furlong.rollout.run_records import redis_records
 
 STEPS = 6
 
@@ -64,8 +65,10 @@ def test_async_rollout_is_paced_not_filtered(redis_url, tmp_path):
     checkpoint = str(write_checkpoint(tmp_path / "ckpt", seed=71))
     red = redis.Redis.from_url(redis_url)
     receivers = Receivers()
-    service = RolloutService(red, receivers)
-    service.configure_run("async", checkpoint, "addition_exact_match", 1, 0)
+    service = RolloutService(redis_records(red), receivers)
+    service.configure_run(
+        RolloutRunConfig(run_id="async", model_dir=checkpoint, reward="addition_exact_match")
+    )
     pacer = StalenessPacer(max_staleness=1)
     sampling = SamplingConfig(temperature=1.0, top_k=6, max_new_tokens=6, seed=1)
     trained: list[tuple[int, int, SampleGroup]] = []  # (step, trained version, group)
@@ -75,13 +78,15 @@ def test_async_rollout_is_paced_not_filtered(redis_url, tmp_path):
         try:
             for step in range(STEPS):
                 service.generate(
-                    "async",
-                    step,
-                    step_prompts(step),
-                    2,
-                    sampling,
-                    min_policy_version=pacer.min_version(step),
-                    timeout_s=120.0,
+                    GenerateRequest(
+                        run_id="async",
+                        step=step,
+                        samples_per_prompt=2,
+                        sampling=sampling,
+                        min_policy_version=pacer.min_version(step),
+                        timeout_s=120.0,
+                        prompts=tuple(step_prompts(step)),
+                    )
                 )
         except BaseException as exc:  # noqa: BLE001 - reported by the test thread
             errors.append(exc)

@@ -1,5 +1,6 @@
 """Bad requests over gRPC (negative max tokens, top-p or min-p out of range, unknown reward, prompt
-longer than the context) get INVALID_ARGUMENT naming the bad value, while a good request running at
+longer than the context, more groups than prompts, no prompts for a run without a task) get
+INVALID_ARGUMENT naming the bad value, while a good request running at
 the same time completes with exactly the samples it gives alone, and the engine stays healthy."""
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import redis
 from rollout_models import write_checkpoint
 
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
-from furlong.rollout.client import RolloutClient
+from furlong.rollout.client import GrpcRolloutClient
 from furlong.rollout.core.sampler import SamplingConfig
 from furlong.rollout.core.service import RolloutService
-from furlong.rollout.core.types import Prompt
+from furlong.rollout.core.types import GenerateRequest, Prompt, RolloutRunConfig
+from furlong.rollout.run_records import redis_records
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import channel, start_server
 from furlong.v1 import common_pb2
@@ -36,22 +38,37 @@ def tokens(client: redis.Redis, run_id: str) -> list[list[int]]:
     ]
 
 
+def run_config(run_id: str, checkpoint: str) -> RolloutRunConfig:
+    return RolloutRunConfig(run_id=run_id, model_dir=checkpoint, reward="addition_exact_match", seed=3)
+
+
+def request(run_id: str, step: int, prompts: list[Prompt], samples_per_prompt: int) -> GenerateRequest:
+    return GenerateRequest(
+        run_id=run_id,
+        step=step,
+        samples_per_prompt=samples_per_prompt,
+        sampling=GOOD,
+        timeout_s=30.0,
+        prompts=tuple(prompts),
+    )
+
+
 def test_bad_requests_fail_clearly_and_leave_a_concurrent_request_alone(redis_url, tmp_path):
     red = redis.Redis.from_url(redis_url)
-    service = RolloutService(red, None)
+    service = RolloutService(redis_records(red), None)
     server = start_server([RolloutServicer(service).add_to_server], [SERVICE_NAME], max_workers=8)
     address = f"127.0.0.1:{server.port}"
-    client = RolloutClient(address)
+    client = GrpcRolloutClient(address)
     ch = channel(address)
     stub = pb_grpc.RolloutStub(ch)
     checkpoint = str(write_checkpoint(tmp_path / "ckpt", seed=6))
     try:
-        client.configure_run("solo", checkpoint, "addition_exact_match", 1, 3)
-        client.generate("solo", 0, PROMPTS, 4, GOOD, 0, 30.0)
-        client.configure_run("busy", checkpoint, "addition_exact_match", 1, 3)
+        client.configure_run(run_config("solo", checkpoint))
+        client.generate(request("solo", 0, PROMPTS, 4))
+        client.configure_run(run_config("busy", checkpoint))
         outcome: dict = {}
         good = threading.Thread(
-            target=lambda: outcome.update(r=client.generate("busy", 0, PROMPTS, 4, GOOD, 0, 30.0))
+            target=lambda: outcome.update(r=client.generate(request("busy", 0, PROMPTS, 4)))
         )
         good.start()
 
@@ -67,23 +84,34 @@ def test_bad_requests_fail_clearly_and_leave_a_concurrent_request_alone(redis_ur
         cases = [
             (
                 dict(sampling=common_pb2.SamplingParams(**{**params, "max_new_tokens": -3})),
-                "max_new_tokens must be an integer > 0, got -3",
+                "sampling.max_new_tokens: must be an integer in [1, 131072], got -3",
             ),
             (
                 dict(sampling=common_pb2.SamplingParams(**{**params, "top_p": 1.5})),
-                "top_p must be in (0, 1], got 1.5",
+                "sampling.top_p: must be in (0, 1], got 1.5",
             ),
             (
                 dict(sampling=common_pb2.SamplingParams(**{**params, "top_p": -0.2})),
-                "top_p must be in (0, 1], got -0.2",
+                "sampling.top_p: must be in (0, 1], got -0.2",
             ),
-            (dict(sampling=common_pb2.SamplingParams(**params), min_p=1.0), "min_p must be in [0, 1)"),
+            (
+                dict(sampling=common_pb2.SamplingParams(**{**params, "min_p": 1.0})),
+                "sampling.min_p: must be in [0, 1), got 1.0",
+            ),
             (
                 dict(
                     sampling=common_pb2.SamplingParams(**params),
                     prompts=[pb.Prompt(prompt_id="long", text="1" * 130, answer="")],
                 ),
                 "prompt 'long'",
+            ),
+            (
+                dict(sampling=common_pb2.SamplingParams(**params), num_groups=2),
+                "num_groups must be an integer [0, 1], got 2",
+            ),
+            (
+                dict(sampling=common_pb2.SamplingParams(**params), prompts=[]),
+                "run busy has no task: a Generate request must carry its prompts",
             ),
         ]
         for change, needle in cases:
@@ -106,7 +134,10 @@ def test_bad_requests_fail_clearly_and_leave_a_concurrent_request_alone(redis_ur
         with pytest.raises(grpc.RpcError) as info:
             stub.ConfigureRun(
                 pb.ConfigureRolloutRequest(
-                    run_id="busy2", model_dir=checkpoint, reward="no_such_reward", num_engines=1
+                    run_id="busy2",
+                    model_dir=checkpoint,
+                    reward="no_such_reward",
+                    rollout=pb.RolloutConfig(num_engines=1, over_sampling=1.0),
                 ),
                 timeout=60,
             )
@@ -118,7 +149,7 @@ def test_bad_requests_fail_clearly_and_leave_a_concurrent_request_alone(redis_ur
         assert outcome["r"].num_samples == 32
         assert tokens(red, "busy") == tokens(red, "solo") and len(tokens(red, "solo")) == 32
         assert [e.healthy for e in client.status("busy").engines] == [True]
-        after = client.generate("busy", 2, PROMPTS[:1], 2, GOOD, 0, 30.0)
+        after = client.generate(request("busy", 2, PROMPTS[:1], 2))
         assert after.num_samples == 2
         assert "busy2" not in service.run_ids()
     finally:

@@ -159,10 +159,10 @@ def test_text_output_and_truncated_support(checkpoint):
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
-        (["--max-new-tokens", "-2"], "max_new_tokens must be an integer > 0, got -2"),
+        (["--top-p", "1.5"], "top_p: must be in (0, 1], got 1.5"),
+        (["--max-new-tokens", "-2"], "max_new_tokens: must be an integer in [1, 131072], got -2"),
         (["--n", "0"], "--n must be an integer >= 1, got 0"),
-        (["--min-p", "1.0"], "min_p must be in [0, 1)"),
+        (["--min-p", "1.0"], "min_p: must be in [0, 1)"),
         (["--max-support-size", "4"], "exceeds max_support_size 4"),
         (["--truncate-support"], "--truncate-support needs --max-support-size > 0"),
         (["--prompt", "1+x="], "character 'x'"),

@@ -103,9 +103,11 @@ def test_min_p_support_and_logprobs(min_p, top_k, top_p):
 
 
 def test_min_p_must_be_in_unit_interval():
-    for bad in (-0.1, 1.0, float("nan")):
-        with pytest.raises(ValueError, match="min_p must be in"):
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=rf"^min_p: must be in \[0, 1\), got {bad}"):
             SamplingConfig(min_p=bad)
+    with pytest.raises(ValueError, match="^min_p: must be finite, got nan"):
+        SamplingConfig(min_p=float("nan"))
 
 
 def test_support_bound_error_names_sizes():

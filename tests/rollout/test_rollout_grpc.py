@@ -16,6 +16,7 @@ from furlong.rollout.core.sampler import SamplingConfig
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import Prompt
 from furlong.rollout.metrics import POLICY_VERSION, SAMPLES_TOTAL, TOKENS_TOTAL, RolloutMetrics
+from furlong.rollout.run_records import redis_records
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import channel, check_health, start_server
 from furlong.v1 import common_pb2
@@ -31,7 +32,7 @@ PROMPTS = [Prompt("a", "1+2=", "3"), Prompt("b", "40+2=", "42")]
 def stack(redis_url, tmp_path):
     client_redis = redis.Redis.from_url(redis_url)
     registry = CollectorRegistry()
-    service = RolloutService(client_redis, None, observer=RolloutMetrics(registry))
+    service = RolloutService(redis_records(client_redis), None, observer=RolloutMetrics(registry))
     server = start_server([RolloutServicer(service).add_to_server], [SERVICE_NAME])
     address = f"127.0.0.1:{server.port}"
     client = RolloutClient(address)

@@ -15,8 +15,9 @@ from furlong.rollout.core.groups import OverSampling
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import LedgerCounts, Prompt
-from furlong.rollout.sample_ledger import DONE, PENDING, SURPLUS, RedisSampleLedger
 from furlong.rollout.metrics import GROUPS_SURPLUS_TOTAL, RolloutMetrics
+from furlong.rollout.run_records import redis_records
+from furlong.rollout.sample_ledger import DONE, PENDING, SURPLUS, RedisSampleLedger
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +30,7 @@ def env(redis_url, tmp_path):
     red = redis.Redis.from_url(redis_url)
     registry = CollectorRegistry()
     metrics = RolloutMetrics(registry)
-    service = RolloutService(red, None, max_batch_size=8, observer=metrics)
+    service = RolloutService(redis_records(red), None, max_batch_size=8, observer=metrics)
     metrics.watch_engines(service.status)
     service.configure_run(
         "over", str(write_checkpoint(tmp_path / "policy", seed=81)), "addition_exact_match", 2, 1

@@ -15,8 +15,8 @@ from rollout_models import tokenizer, write_checkpoint
 
 from furlong.core.errors import UnavailableError
 from furlong.rollout.core.sampling import SamplingConfig
-from furlong.rollout.sample_ledger import DONE, RedisSampleLedger, ledger_key
 from furlong.rollout.pool import EnginePool, PoolConfig
+from furlong.rollout.sample_ledger import DONE, RedisSampleLedger, ledger_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

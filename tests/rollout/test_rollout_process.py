@@ -15,7 +15,6 @@ from polling import wait_until
 from rollout_models import tiny_model, tokenizer, write_checkpoint
 
 from furlong.core.checkpoint import unique_state
-from furlong.rpc.ports import free_port
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.core.weights import WeightLayout
 from furlong.rollout.client import RolloutClient
@@ -23,6 +22,7 @@ from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampler import SamplingConfig
 from furlong.rollout.core.types import Prompt
 from furlong.rpc import check_health
+from furlong.rpc.ports import free_port
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.publisher import WeightPublisher
 

@@ -27,6 +27,7 @@ from furlong.rollout.rewards import (
     reward_registry,
     score_all,
 )
+from furlong.rollout.run_records import redis_records
 
 
 @pytest.mark.unit
@@ -127,7 +128,7 @@ def test_dynamic_sampling_drops_and_refills_constant_groups(redis_url, tmp_path)
 
     red = redis.Redis.from_url(redis_url)
     registry = CollectorRegistry()
-    service = RolloutService(red, None, rewards={"coin": coin}, observer=RolloutMetrics(registry))
+    service = RolloutService(redis_records(red), None, rewards={"coin": coin}, observer=RolloutMetrics(registry))
     try:
         service.configure_run("dyn", checkpoint, "coin", 1, 0)
         prompts = [Prompt("keep", "1+2=", "3"), Prompt("const", "4+4=", "always"), Prompt("x", "9+1=", "10")]

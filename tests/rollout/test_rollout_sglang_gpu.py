@@ -36,8 +36,8 @@ import torch
 from rollout_models import tokenizer, write_checkpoint
 
 from furlong.core.checkpoint import load_policy
-from furlong.rpc.ports import free_port
 from furlong.rollout.sglang import SGLangEngine
+from furlong.rpc.ports import free_port
 
 pytestmark = [
     pytest.mark.gpu,

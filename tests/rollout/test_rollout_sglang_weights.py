@@ -17,10 +17,10 @@ from rollout_models import tokenizer, write_checkpoint
 
 from furlong.core.checkpoint import load_policy
 from furlong.core.errors import UnavailableError
-from furlong.rpc.ports import free_port
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.sglang import SGLangEngine
 from furlong.rollout.weight_update_group import GroupSpec, WeightUpdateGroup
+from furlong.rpc.ports import free_port
 
 pytestmark = pytest.mark.integration
 

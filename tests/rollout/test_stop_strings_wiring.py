@@ -14,9 +14,10 @@ from fake_sglang import FakeSGLang
 from rollout_models import write_checkpoint
 
 from furlong.controller.cli_generate import add_commands
-from furlong.controller.run_spec import SpecError, parse_run_spec
+from furlong.controller.run_spec import parse_run_spec
 from furlong.core.checkpoint import load_policy
 from furlong.core.errors import UnavailableError
+from furlong.core.settings import SettingError
 from furlong.rollout.convert import sampling_from_proto, sampling_to_proto
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampling import SamplingConfig
@@ -87,7 +88,7 @@ def test_cli_stop_ends_samples_and_keeps_records_aligned(checkpoint):
 def test_cli_rejects_bad_stop_strings(checkpoint):
     rc, out, err = run_cli(["generate", "--model", str(checkpoint), "--prompt", "1+1=", "--stop", ""])
     assert rc == 2 and out == ""
-    assert "stop strings must be non-empty strings, got ''" in err
+    assert "stop: entry 0 must be a non-empty string, got ''" in err
 
 
 @pytest.fixture
@@ -138,13 +139,13 @@ def test_stop_strings_travel_in_protos_and_run_specs():
     assert sampling_from_proto(sampling_to_proto(config)) == config
     msg = sampling_to_proto(SamplingConfig())
     msg.stop.append("")
-    with pytest.raises(ValueError, match="sampling: stop strings must be non-empty strings"):
+    with pytest.raises(ValueError, match=r"^sampling.stop: entry 0 must be a non-empty string, got ''"):
         sampling_from_proto(msg)
     base = {"name": "r", "model": "/m", "task": "addition", "steps": 1}
     spec = parse_run_spec({**base, "sampling": {"stop": ["\n", "="]}})
     assert spec.sampling.stop == ("\n", "=")
     assert parse_run_spec(spec.to_dict()) == spec
-    with pytest.raises(SpecError, match=r"^sampling.stop: must be a list of strings"):
+    with pytest.raises(SettingError, match=r"^sampling.stop: must be a list of strings"):
         parse_run_spec({**base, "sampling": {"stop": "\n"}})
-    with pytest.raises(SpecError, match=r"^sampling.stop: entry 1 must be a non-empty string"):
+    with pytest.raises(SettingError, match=r"^sampling.stop: entry 1 must be a non-empty string"):
         parse_run_spec({**base, "sampling": {"stop": ["a", ""]}})

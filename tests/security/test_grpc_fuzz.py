@@ -21,6 +21,7 @@ from tiny_policy import write_tiny_checkpoint
 from furlong import rpc
 from furlong.core.weights import Manifest, WeightLayout
 from furlong.rollout.core.service import RolloutService
+from furlong.rollout.run_records import redis_records
 from furlong.rollout.server import SERVICE_NAME as ROLLOUT_SERVICE
 from furlong.rollout.server import RolloutServicer
 from furlong.trainer.server import SERVICE_NAME as TRAINER_SERVICE
@@ -140,7 +141,7 @@ def services(tmp_path_factory, redis_server_url):
     model = str(write_tiny_checkpoint(tmp / "model"))
     client = redis.Redis.from_url(redis_server_url)
     broker = InProcessBrokerClient(BrokerCore())
-    rollout = RolloutService(client, None)
+    rollout = RolloutService(redis_records(client), None)
     trainer = TrainerService(
         client, broker, consumer_name="fuzz-trainer", checkpoint_root=tmp / "checkpoints"
     )

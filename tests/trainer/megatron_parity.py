@@ -9,8 +9,9 @@ import warnings
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from furlong.rpc.ports import free_port
 from furlong.core.samples import SampleGroup
+from furlong.core.settings import AlgorithmSettings
+from furlong.rpc.ports import free_port
 from furlong.trainer.core.learner import Learner, LearnerConfig
 from furlong.trainer.logprobs import log_probs_with_support
 from furlong.trainer.megatron._compat import megatron_version
@@ -44,12 +45,12 @@ def main() -> None:
     back = mg.hf_state_dict()
     round_trip = all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
 
-    sys.path.insert(0, "tests/trainer")
-    from test_learner import batch  # noqa: E402  (samples drawn from the HF model)
+    sys.path[:0] = ["tests/trainer", "tests"]
+    from test_learner import batch  # samples drawn from the HF model
 
     groups: list[SampleGroup] = batch(hf)
-    s_hf = Learner(hf, LearnerConfig(learning_rate=1e-2)).train_step(groups)
-    s_mg = Learner(mg, LearnerConfig(learning_rate=1e-2)).train_step(groups)
+    s_hf = Learner(hf, LearnerConfig(AlgorithmSettings(learning_rate=1e-2))).train_step(groups)
+    s_mg = Learner(mg, LearnerConfig(AlgorithmSettings(learning_rate=1e-2))).train_step(groups)
     trained = mg.hf_state_dict()
     after = max(float((trained[k] - v).abs().max()) for k, v in hf.state_dict().items())
     print(

@@ -6,9 +6,10 @@ import json
 import pytest
 import redis
 from test_learner import GOOD_A, PROMPT_A, make_sample, tiny_model
+from tiny_policy import learner_config
 
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
-from furlong.trainer.core.learner import Learner, LearnerConfig
+from furlong.trainer.core.learner import Learner
 from furlong.trainer.sample_reader import SampleReader, rejected_key
 
 pytestmark = pytest.mark.integration
@@ -51,7 +52,7 @@ def _wrong_lengths(s):
 )
 def test_bad_sample_is_rejected_by_name_and_nothing_else_dropped(redis_url, change, problem):
     model = tiny_model()
-    learner = Learner(model, LearnerConfig(learning_rate=1e-3))
+    learner = Learner(model, learner_config(learning_rate=1e-3))
     client = redis.Redis.from_url(redis_url)
     reader = SampleReader(client, "run", "trainer-0", validate=learner.check_group)
     key = stream_key("run")

@@ -10,11 +10,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from tiny_policy import learner_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from furlong.core.samples import Sample, SampleGroup
 from furlong.core.sampling_mask import RolloutSamplingMask
-from furlong.trainer.core.learner import Learner, LearnerConfig, StepStats
+from furlong.trainer.core.learner import Learner, StepStats
 
 pytestmark = pytest.mark.unit
 
@@ -105,7 +106,7 @@ def batch(model, version: int = 0) -> list[SampleGroup]:
 
 def test_first_epoch_is_on_policy_and_stats_add_up():
     model = tiny_model()
-    learner = Learner(model, LearnerConfig(learning_rate=1e-3))
+    learner = Learner(model, learner_config(learning_rate=1e-3))
     stats = learner.train_step(batch(model))
     assert stats.ratio_mean == pytest.approx(1.0, abs=1e-5)  # trainer and sampler log-probs agree
     assert stats.clip_fraction == 0.0
@@ -125,7 +126,7 @@ def test_first_epoch_is_on_policy_and_stats_add_up():
 
 def test_train_step_raises_good_and_lowers_bad_responses_and_counts_versions():
     model = tiny_model()
-    learner = Learner(model, LearnerConfig(learning_rate=1e-2))
+    learner = Learner(model, learner_config(learning_rate=1e-2))
     before = {
         name: sum(policy_logprobs(model, p, r))
         for name, p, r in [
@@ -157,7 +158,7 @@ def test_micro_batch_size_does_not_change_the_update():
     results = []
     for size in (1, 3, 64):
         model = copy.deepcopy(base)
-        stats = Learner(model, LearnerConfig(learning_rate=1e-3, micro_batch_size=size)).train_step(groups)
+        stats = Learner(model, learner_config(learning_rate=1e-3, micro_batch_size=size)).train_step(groups)
         results.append((stats, model.state_dict()))
     (s1, p1), (s3, p3), (s64, p64) = results
     assert s1.loss == pytest.approx(s64.loss, rel=1e-5) and s3.loss == pytest.approx(s64.loss, rel=1e-5)
@@ -174,12 +175,12 @@ def test_temperature_and_sampling_support_are_applied():
         make_sample(model, "x0", PROMPT_A, [7, 9, 2], 1.0, temperature=0.7, support=support),
         make_sample(model, "x1", PROMPT_A, [12, 2, 5], 0.0, temperature=0.7, support=support),
     ]
-    learner = Learner(model, LearnerConfig(learning_rate=1e-3, temperature=0.7))
+    learner = Learner(model, learner_config(learning_rate=1e-3, temperature=0.7))
     stats = learner.train_step([SampleGroup("run", 1, "p", samples)])
     assert stats.ratio_mean == pytest.approx(1.0, abs=1e-5)
     # The same samples read at another temperature are off-policy.
     model2 = tiny_model()
-    stats2 = Learner(model2, LearnerConfig(learning_rate=1e-3, temperature=1.0)).train_step(
+    stats2 = Learner(model2, learner_config(learning_rate=1e-3, temperature=1.0)).train_step(
         [SampleGroup("run", 1, "p", samples)]
     )
     assert abs(stats2.ratio_mean - 1.0) > 1e-3
@@ -188,7 +189,7 @@ def test_temperature_and_sampling_support_are_applied():
 def test_groups_without_signal_leave_the_policy_unchanged():
     model = tiny_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    learner = Learner(model, LearnerConfig(learning_rate=1e-2))
+    learner = Learner(model, learner_config(learning_rate=1e-2))
     same = [make_sample(model, f"s{i}", PROMPT_B, GOOD_B, 1.0) for i in range(3)]
     stats = learner.train_step([SampleGroup("run", 1, "p", same)])
     assert learner.version == 1
@@ -200,7 +201,7 @@ def test_groups_without_signal_leave_the_policy_unchanged():
 
 def test_epochs_take_several_optimizer_steps_in_one_version():
     model = tiny_model()
-    learner = Learner(model, LearnerConfig(learning_rate=1e-2, epochs_per_batch=3, clip_eps=0.1))
+    learner = Learner(model, learner_config(learning_rate=1e-2, epochs_per_batch=3, clip_eps=0.1))
     stats = learner.train_step(batch(model))
     assert learner.version == 1
     assert learner.optimizer.state[learner._params[0]]["step"] == 3
@@ -210,7 +211,7 @@ def test_epochs_take_several_optimizer_steps_in_one_version():
 
 def test_state_dict_is_detached_contiguous_and_current():
     model = tiny_model()
-    learner = Learner(model, LearnerConfig(learning_rate=1e-2))
+    learner = Learner(model, learner_config(learning_rate=1e-2))
     state = learner.state_dict()
     assert set(state) == set(model.state_dict())
     assert all(not t.requires_grad and t.is_contiguous() for t in state.values())
@@ -238,7 +239,7 @@ def test_as_metrics_is_all_floats():
 
 
 def _rejects(groups, problem, learner=None):
-    learner = learner or Learner(tiny_model(), LearnerConfig(learning_rate=1e-3))
+    learner = learner or Learner(tiny_model(), learner_config(learning_rate=1e-3))
     with pytest.raises(ValueError, match=problem):
         learner.train_step(groups)
     assert learner.version == 0
@@ -315,19 +316,20 @@ def test_rejects_things_that_are_not_groups():
 def test_config_names_the_bad_field(field, value):
     kwargs = {"learning_rate": 1e-3, field: value}
     with pytest.raises(ValueError, match=field):
-        LearnerConfig(**kwargs)
+        learner_config(**kwargs)
 
 
 def test_config_defaults():
-    config = LearnerConfig(learning_rate=3e-4)
+    config = learner_config(learning_rate=3e-4)
+    a = config.algorithm
     assert (
-        config.clip_eps,
-        config.weight_decay,
-        config.max_grad_norm,
-        config.epochs_per_batch,
-        config.micro_batch_size,
-        config.adam_beta1,
-        config.adam_beta2,
+        a.clip_eps,
+        a.weight_decay,
+        a.max_grad_norm,
+        a.epochs_per_batch,
+        a.micro_batch_size,
+        a.adam_beta1,
+        a.adam_beta2,
         config.temperature,
         config.seed,
     ) == (0.2, 0.0, 1.0, 1, 64, 0.9, 0.999, 1.0, 0)

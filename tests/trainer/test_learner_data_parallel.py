@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_learner import batch, tiny_model
+from tiny_policy import learner_config
 
 from furlong.rpc.ports import free_port
 from furlong.trainer.core.data_parallel import DataParallel
-from furlong.trainer.core.learner import Learner, LearnerConfig
+from furlong.trainer.core.learner import Learner
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +24,7 @@ CASES = [("ddp", 2), ("ddp", 1), ("fsdp2", 2), ("allreduce", 2)]
 
 
 def _train(model, micro_batch_size, **dp):
-    learner = Learner(model, LearnerConfig(**{**CONFIG, "micro_batch_size": micro_batch_size}), **dp)
+    learner = Learner(model, learner_config(**{**CONFIG, "micro_batch_size": micro_batch_size}), **dp)
     stats = [learner.train_step(batch(tiny_model(), version=v)) for v in range(2)]
     state = {k: v.clone() for k, v in learner.state_dict().items()}
     return state, [(s.loss, s.grad_norm, s.entropy, s.num_trained_samples) for s in stats]

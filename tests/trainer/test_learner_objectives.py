@@ -5,9 +5,10 @@ import dataclasses
 import pytest
 import torch
 from test_learner import BAD_A, GOOD_A, PROMPT_A, make_sample, policy_logprobs, tiny_model
+from tiny_policy import learner_config
 
 from furlong.core.samples import SampleGroup
-from furlong.trainer.core.learner import Learner, LearnerConfig
+from furlong.trainer.core.learner import Learner
 
 pytestmark = pytest.mark.unit
 
@@ -39,7 +40,7 @@ def group(model, version=0):
 def test_algorithm_raises_the_good_response(kwargs):
     model = tiny_model()
     before = sum(policy_logprobs(model, PROMPT_A, GOOD_A))
-    learner = Learner(model, LearnerConfig(learning_rate=1e-2, **kwargs))
+    learner = Learner(model, learner_config(learning_rate=1e-2, **kwargs))
     for _ in range(4):
         stats = learner.train_step(group(model, learner.version))
         assert torch.isfinite(torch.tensor(stats.loss)) and stats.grad_norm > 0
@@ -53,7 +54,7 @@ def test_algorithm_raises_the_good_response(kwargs):
 def test_first_step_with_reference_and_off_policy_weights_is_exact():
     model = tiny_model()
     learner = Learner(
-        model, LearnerConfig(learning_rate=1e-2, kl_coef=0.1, entropy_coef=0.01, off_policy="tis")
+        model, learner_config(learning_rate=1e-2, kl_coef=0.1, entropy_coef=0.01, off_policy="tis")
     )
     stats = learner.train_step(group(model))
     assert stats.kl_ref == pytest.approx(0.0, abs=1e-7)  # policy == reference at step 0
@@ -70,6 +71,6 @@ def test_mis_drops_tokens_the_sampler_saw_very_differently():
         dataclasses.replace(s, response_logprobs=[lp - 3.0 for lp in s.response_logprobs])
         for s in groups[0].samples
     ]  # the sampler gave these tokens e^-3 of the mass
-    learner = Learner(model, LearnerConfig(learning_rate=1e-2, off_policy="mis", is_low=0.5, is_high=2.0))
+    learner = Learner(model, learner_config(learning_rate=1e-2, off_policy="mis", is_low=0.5, is_high=2.0))
     stats = learner.train_step([SampleGroup("run", 1, "p", shifted)])
     assert stats.is_masked_fraction == 1.0 and stats.is_weight_mean == 0.0 and stats.grad_norm == 0.0

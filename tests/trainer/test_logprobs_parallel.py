@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from furlong.rpc.ports import free_port
 from furlong.core.sampling_mask import RolloutSamplingMask
+from furlong.rpc.ports import free_port
 from furlong.trainer.logprobs import VocabShard, context_parallel_rows, log_probs_with_support
 
 pytestmark = pytest.mark.integration

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from furlong.core.settings import AlgorithmSettings
 from furlong.trainer.core.objectives import (
     ClippedTokenLoss,
-    ObjectiveConfig,
     SequenceRatioLoss,
     clipped_value_loss,
     gae,
@@ -110,17 +110,19 @@ def test_clipped_value_loss_by_hand():
 
 
 def test_config_defaults_per_algorithm_and_validation():
-    assert ObjectiveConfig().aggregation == "token_mean"
-    assert ObjectiveConfig(algorithm="dr_grpo").aggregation == "seq_sum_norm"
-    assert ObjectiveConfig(algorithm="gspo").aggregation == "seq_mean_token_mean"
-    assert ObjectiveConfig(clip_eps=0.2, clip_eps_high=0.28).upper_clip == 0.28
-    assert isinstance(policy_loss(ObjectiveConfig(algorithm="gspo")), SequenceRatioLoss)
-    assert isinstance(policy_loss(ObjectiveConfig(algorithm="dapo")), ClippedTokenLoss)
-    assert not ObjectiveConfig().every_sample_matters
-    assert ObjectiveConfig(entropy_coef=0.01).every_sample_matters
-    assert ObjectiveConfig(algorithm="ppo").every_sample_matters
+    assert AlgorithmSettings().loss_aggregation == "token_mean"
+    assert AlgorithmSettings(name="dr_grpo").loss_aggregation == "seq_sum_norm"
+    assert AlgorithmSettings(name="gspo").loss_aggregation == "seq_mean_token_mean"
+    assert AlgorithmSettings(name="gspo", loss_aggregation="token_mean").loss_aggregation == "token_mean"
+    assert AlgorithmSettings(clip_eps=0.2, clip_eps_high=0.28).clip_eps_high == 0.28
+    assert AlgorithmSettings(clip_eps=0.3).clip_eps_high == 0.3  # 0 = a symmetric clip
+    assert isinstance(policy_loss(AlgorithmSettings(name="gspo")), SequenceRatioLoss)
+    assert isinstance(policy_loss(AlgorithmSettings(name="dapo")), ClippedTokenLoss)
+    assert not AlgorithmSettings().every_sample_matters
+    assert AlgorithmSettings(entropy_coef=0.01).every_sample_matters
+    assert AlgorithmSettings(name="ppo").every_sample_matters
     for kwargs, name in [
-        ({"algorithm": "a2c"}, "algorithm"),
+        ({"name": "a2c"}, "name"),
         ({"kl_estimator": "k9"}, "kl_estimator"),
         ({"kl_mode": "both"}, "kl_mode"),
         ({"off_policy": "vtrace"}, "off_policy"),
@@ -131,4 +133,4 @@ def test_config_defaults_per_algorithm_and_validation():
         ({"entropy_coef": float("nan")}, "entropy_coef"),
     ]:
         with pytest.raises(ValueError, match=name):
-            ObjectiveConfig(**kwargs)
+            AlgorithmSettings(**kwargs)

@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 from test_learner import batch, tiny_model
+from tiny_policy import learner_config
 
-from furlong.trainer.core.learner import Learner, LearnerConfig
+from furlong.trainer.core.learner import Learner
 from furlong.trainer.offload import Offloader, learner_offloader
 from furlong.trainer.train_checkpoint import load_training_checkpoint, save_training_checkpoint
 
@@ -23,15 +24,15 @@ def run(learner, steps):
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_resume_gives_the_same_next_step_bit_for_bit(tmp_path, algorithm):
     k = 2
-    straight = Learner(tiny_model(), LearnerConfig(algorithm=algorithm, **CONFIG))
+    straight = Learner(tiny_model(), learner_config(algorithm=algorithm, **CONFIG))
     losses = run(straight, k + 1)
-    first = Learner(tiny_model(), LearnerConfig(algorithm=algorithm, **CONFIG))
+    first = Learner(tiny_model(), learner_config(algorithm=algorithm, **CONFIG))
     assert run(first, k) == losses[:k]
     torch.manual_seed(1234)  # the generator state is part of the checkpoint
     save_training_checkpoint(first, tmp_path / "ckpt", step=k, data_cursor={"last_entry": "5-0"})
     del first
     torch.manual_seed(999)
-    resumed = Learner(tiny_model(seed=7), LearnerConfig(algorithm=algorithm, **CONFIG))  # other weights
+    resumed = Learner(tiny_model(seed=7), learner_config(algorithm=algorithm, **CONFIG))  # other weights
     info = load_training_checkpoint(resumed, tmp_path / "ckpt")
     assert (info.step, info.version, info.data_cursor) == (k, k, {"last_entry": "5-0"})
     assert torch.get_rng_state().equal(_rng_after_seed(1234))
@@ -47,17 +48,17 @@ def _rng_after_seed(seed):
 
 
 def test_corrupt_or_mismatched_checkpoints_are_refused(tmp_path):
-    learner = Learner(tiny_model(), LearnerConfig(learning_rate=1e-2))
+    learner = Learner(tiny_model(), learner_config(learning_rate=1e-2))
     run(learner, 1)
     info = save_training_checkpoint(learner, tmp_path / "c", step=1)
-    other = Learner(tiny_model(), LearnerConfig(learning_rate=2e-2))
+    other = Learner(tiny_model(), learner_config(learning_rate=2e-2))
     with pytest.raises(ValueError, match="learning_rate"):
         load_training_checkpoint(other, info.path)
     blob = bytearray((info.path / "optimizer.safetensors").read_bytes())
     blob[-1] ^= 0xFF
     (info.path / "optimizer.safetensors").write_bytes(bytes(blob))
     with pytest.raises(ValueError, match="optimizer.safetensors: SHA-256"):
-        load_training_checkpoint(Learner(tiny_model(), LearnerConfig(learning_rate=1e-2)), info.path)
+        load_training_checkpoint(Learner(tiny_model(), learner_config(learning_rate=1e-2)), info.path)
     with pytest.raises(ValueError, match="manifest.json"):
         load_training_checkpoint(learner, tmp_path / "nothing")
     manifest = json.loads((info.path / "manifest.json").read_text())
@@ -87,7 +88,7 @@ def _digests(learner) -> dict[str, str]:
 def test_offload_restore_twice_keeps_every_tensor():
     model = tiny_model()
     model.model.norm.weight.requires_grad_(False)  # a frozen parameter without optimizer state
-    learner = Learner(model, LearnerConfig(algorithm="ppo", **CONFIG))
+    learner = Learner(model, learner_config(algorithm="ppo", **CONFIG))
     run(learner, 1)
     before = _digests(learner)
     assert any(k.startswith("reference.") for k in before) and any("rotary_emb" in k for k in before)

@@ -8,19 +8,21 @@ import grpc
 import pytest
 import redis
 import torch
-from tiny_policy import write_tiny_checkpoint
+from tiny_policy import addition_prompts, rollout_run, trainer_run, write_tiny_checkpoint
 
 from furlong import rpc
 from furlong.core.checkpoint import load_policy
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
-from furlong.core.tasks import get_task
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
-from furlong.rollout.core.types import Prompt
+from furlong.rollout.core.types import GenerateRequest
 from furlong.rollout.receivers import broker_receiver_factory
 from furlong.rollout.rewards import FORMAT_INTEGER
-from furlong.trainer.core.learner import Learner
-from furlong.trainer.server import SERVICE_NAME, learner_config, register
+from furlong.rollout.run_records import redis_records
+from furlong.trainer.api import TrainerRunConfig
+from furlong.trainer.convert import config_to_proto
+from furlong.trainer.core.learner import Learner, LearnerConfig
+from furlong.trainer.server import SERVICE_NAME, register
 from furlong.trainer.service import TrainerService
 from furlong.trainer.train_checkpoint import load_training_checkpoint
 from furlong.v1 import trainer_pb2, trainer_pb2_grpc
@@ -37,7 +39,7 @@ class Stack:
         self.model_dir = write_tiny_checkpoint(tmp / "model")
         self.redis = redis.Redis.from_url(redis_url)
         self.broker = InProcessBrokerClient(BrokerCore())
-        self.rollout = RolloutService(self.redis, broker_receiver_factory(self.broker))
+        self.rollout = RolloutService(redis_records(self.redis), broker_receiver_factory(self.broker))
         self.service = TrainerService(
             self.redis, self.broker, consumer_name="trainer-0", checkpoint_root=checkpoint_root
         )
@@ -45,39 +47,25 @@ class Stack:
         self.channel = rpc.channel(f"127.0.0.1:{self.server.port}")
         self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
 
-    def configure(self, run_id: str, kl_coef: float = 0.0) -> trainer_pb2.ConfigureRunRequest:
-        self.rollout.configure_run(run_id, str(self.model_dir), FORMAT_INTEGER, num_engines=1, seed=0)
-        request = trainer_pb2.ConfigureRunRequest(
-            run_id=run_id,
-            model_dir=str(self.model_dir),
-            seed=0,
-            total_steps=5,
-            sampling_temperature=1.0,
-            algorithm=trainer_pb2.AlgorithmConfig(
-                name="grpo",
-                learning_rate=1e-2,
-                clip_eps=0.2,
-                max_grad_norm=1.0,
-                epochs_per_batch=1,
-                micro_batch_size=8,
-                adam_beta1=0.9,
-                adam_beta2=0.999,
-                kl_coef=kl_coef,
-            ),
+    def configure(self, run_id: str, kl_coef: float = 0.0) -> TrainerRunConfig:
+        self.rollout.configure_run(rollout_run(run_id, self.model_dir, reward=FORMAT_INTEGER))
+        config = trainer_run(
+            run_id, self.model_dir, 5, learning_rate=1e-2, micro_batch_size=8, kl_coef=kl_coef
         )
-        assert self.stub.ConfigureRun(request, timeout=60).policy_version == 0
-        return request
+        assert self.stub.ConfigureRun(config_to_proto(config), timeout=60).policy_version == 0
+        return config
 
     def generate(self, run_id: str, step: int) -> None:
-        prompts = [Prompt(p.prompt_id, p.text, p.answer) for p in get_task("addition").prompts(0, step, 4)]
         self.rollout.generate(
-            run_id,
-            step,
-            prompts,
-            4,
-            SamplingConfig(temperature=1.0, max_new_tokens=6, seed=step),
-            step - 1,
-            60,
+            GenerateRequest(
+                run_id=run_id,
+                step=step,
+                samples_per_prompt=4,
+                sampling=SamplingConfig(temperature=1.0, max_new_tokens=6, seed=step),
+                min_policy_version=step - 1,
+                timeout_s=60,
+                prompts=addition_prompts(step, 4),
+            )
         )
 
     def train(self, run_id: str, step: int) -> trainer_pb2.TrainStepResponse:
@@ -193,7 +181,7 @@ def test_offload_restore_keeps_every_tensor_and_training_resumes(stack, tmp_path
     stack.stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id=run, version=2), timeout=60)
     assert stack.broker.wait_committed(run, 2, 60).committed_version == 2
     model, _ = load_policy(stack.model_dir)
-    twin = Learner(model, learner_config(request))
+    twin = Learner(model, LearnerConfig(request.algorithm, request.sampling_temperature, request.seed))
     load_training_checkpoint(twin, snapshot.path)
     entry_ids = stack.service._run(run).data_cursor["entry_ids"]
     groups = [
@@ -239,7 +227,7 @@ def test_checkpoint_rpc_writes_the_resumable_checkpoint(tmp_path, redis_url):
         trained = {k: v.clone() for k, v in s.service._run("run-rs").learner.model.state_dict().items()}
         s.stub.EndRun(trainer_pb2.EndRunRequest(run_id="run-rs"), timeout=30)
         # ConfigureRun resumes from what Checkpoint wrote; the next step is 2.
-        assert s.stub.ConfigureRun(request, timeout=60).policy_version == 1
+        assert s.stub.ConfigureRun(config_to_proto(request), timeout=60).policy_version == 1
         for name, tensor in s.service._run("run-rs").learner.model.state_dict().items():
             assert torch.equal(tensor, trained[name]), name
         assert (

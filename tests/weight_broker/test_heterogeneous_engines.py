@@ -15,10 +15,10 @@ import torch
 from llama_state import assert_bytes_equal, llama
 from polling import wait_until
 
-from furlong.rpc.ports import free_port
 from furlong.core.weight_shards import ShardLayout, expected_shards, llama_tensor_parallel, plan_shards
 from furlong.core.weights import Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums
 from furlong.rpc import check_health
+from furlong.rpc.ports import free_port
 from furlong.weight_broker.client import GrpcBrokerClient, InProcessBrokerClient
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.core import BrokerCore, EventKind, WeightSourceInfo

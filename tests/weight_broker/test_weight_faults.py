@@ -20,9 +20,9 @@ import torch
 from polling import wait_until
 
 from furlong.core.errors import UnavailableError
-from furlong.rpc.ports import free_port
 from furlong.core.weights import WeightLayout
 from furlong.rpc import check_health
+from furlong.rpc.ports import free_port
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.publisher import WeightPublisher

@@ -14,9 +14,9 @@ import torch
 from polling import wait_until
 
 from furlong.core.errors import ConflictError
-from furlong.rpc.ports import free_port
 from furlong.core.weights import Manifest, WeightLayout
 from furlong.rpc import check_health
+from furlong.rpc.ports import free_port
 from furlong.weight_broker.client import GrpcBrokerClient
 from furlong.weight_broker.publisher import WeightPublisher
 

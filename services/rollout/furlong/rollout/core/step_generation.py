@@ -78,12 +78,15 @@ class _Draw:
 @dataclass(frozen=True)
 class _Choice:
     """The prompts a request generates, how many groups it keeps (0 = all) and how many groups an
-    earlier attempt at the step already wrote."""
+    earlier attempt at the step already wrote. `unneeded`: drawn prompts left without a group when
+    an earlier attempt wrote every group the step needs (that attempt may have crashed before
+    recording them cut)."""
 
     prompts: list[Prompt]
     keep: int
     resumed: int
     from_task: bool
+    unneeded: tuple[str, ...] = ()
 
 
 class StepGeneration:
@@ -101,6 +104,8 @@ class StepGeneration:
         started = time.perf_counter()
         choice = self._choose(run, request)
         if not choice.prompts:  # an earlier attempt wrote every group the step needs
+            if choice.unneeded:
+                run.records.groups.cut(request.step, list(choice.unneeded))
             return self._result(run, request, [], 0, started, choice, GroupOutcome([], [], 0), [], "")
         sampling = request.sampling
         prompts = choice.prompts
@@ -182,7 +187,8 @@ class StepGeneration:
         missing = [p for p in candidates if p.prompt_id not in done]
         need -= len(done)
         if need <= 0 or not missing:
-            return _Choice(prompts=[], keep=0, resumed=len(done), from_task=True)
+            unneeded = tuple(p.prompt_id for p in missing)
+            return _Choice(prompts=[], keep=0, resumed=len(done), from_task=True, unneeded=unneeded)
         return _Choice(
             prompts=missing, keep=need if len(missing) > need else 0, resumed=len(done), from_task=True
         )
