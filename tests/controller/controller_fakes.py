@@ -1,10 +1,13 @@
-"""In-process fakes of the services the controller drives, implementing the controller's Protocols
-with small deterministic rules, plus gRPC servicers that serve the same fakes over the real wire
-contract (so the gRPC clients and a controller process can be tested without models).
+"""Fakes of the services the controller drives, with small deterministic rules. Each fake has the
+interface of the service object behind the real transport (TrainerService, RolloutService, the
+broker core), so the same fake is used in process (as the controller's client, like the in-process
+twins) and behind the services' real gRPC servicers (so the gRPC clients and a controller process
+are tested without models).
 
 Rules: both services start at policy version 0; TrainStep must be the next step and produces
 version+1; PublishWeights must publish the trainer's current version and commits it on the broker;
-Generate scores reward_mean = step / 10 and draws with min_policy_version.
+Generate writes num_groups groups (or every explicit prompt), scores reward_mean = step / 10 and
+draws with min_policy_version; rollout reports `engines_per_run` engines per configured run.
 """
 
 from __future__ import annotations
@@ -13,27 +16,31 @@ import threading
 from dataclasses import dataclass, field
 
 from furlong import rpc
-from furlong.controller.clients import (
-    BROKER_SERVICE,
-    ROLLOUT_SERVICE,
-    TRAINER_SERVICE,
-    CheckpointResult,
-    GenerateResult,
-    GenerationPrompt,
-    TrainResult,
-    VersionStatus,
-)
-from furlong.controller.engines import EngineInfo
-from furlong.controller.run_spec import AlgorithmSpec, SamplingSpec
+from furlong.controller.services import BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE, Services
 from furlong.core.errors import ConflictError, NotFoundError
-from furlong.v1 import (
-    rollout_pb2,
-    rollout_pb2_grpc,
-    trainer_pb2,
-    trainer_pb2_grpc,
-    weight_broker_pb2,
-    weight_broker_pb2_grpc,
+from furlong.rollout.core.types import (
+    EngineState,
+    EngineStatus,
+    GenerateRequest,
+    GenerateResult,
+    RolloutRunConfig,
+    RunInfo,
+    RunStatus,
 )
+from furlong.rollout.server import RolloutServicer
+from furlong.trainer.api import (
+    CheckpointResult,
+    Offloaded,
+    Published,
+    TrainerRun,
+    TrainerRunConfig,
+    TrainStepRequest,
+    TrainStepResult,
+)
+from furlong.trainer.server import register as register_trainer
+from furlong.v1 import weight_broker_pb2_grpc
+from furlong.weight_broker.core.events import VersionStatusInfo
+from furlong.weight_broker.server import WeightBrokerServicer
 
 
 @dataclass
@@ -62,14 +69,23 @@ class FakeBroker:
     def commit(self, run_id: str, version: int) -> None:
         self.committed[run_id] = version
 
-    def wait_committed(self, run_id: str, version: int, wait_s: float) -> VersionStatus:
+    def wait_committed(self, run_id: str, version: int, timeout_s: float) -> VersionStatusInfo:
         self.faults.hit("wait_committed")
         committed = self.committed.get(run_id, -1)
-        return VersionStatus(latest_version=committed, committed_version=committed, engine_ids=("engine-0",))
+        return VersionStatusInfo(
+            run_id=run_id,
+            latest_version=committed,
+            committed_version=committed,
+            engine_ids=("engine-0",),
+            pending_engine_ids=(),
+        )
 
-    def end_run(self, run_id: str, timeout_s: float) -> None:
+    def end_run(self, run_id: str) -> None:
         self.faults.hit("broker.end_run")
         self.ended.append(run_id)
+
+    def close(self) -> None:
+        pass
 
 
 class FakeTrainer:
@@ -77,179 +93,131 @@ class FakeTrainer:
         self.broker = broker
         self.faults = faults or Faults()
         self.runs: dict[str, dict] = {}
-        self.configured: dict[str, dict] = {}
+        self.configured: dict[str, TrainerRunConfig] = {}
         self.ended: list[str] = []
 
-    def configure_run(
-        self,
-        run_id: str,
-        model_dir: str,
-        algorithm: AlgorithmSpec,
-        seed: int,
-        total_steps: int,
-        sampling_temperature: float,
-        timeout_s: float,
-    ) -> int:
+    def configure_run(self, config: TrainerRunConfig) -> TrainerRun:
         self.faults.hit("trainer.configure_run")
-        self.runs[run_id] = {
-            "model_dir": model_dir,
-            "algorithm": algorithm,
-            "seed": seed,
-            "total_steps": total_steps,
-            "temperature": sampling_temperature,
-            "step": 0,
-            "version": 0,
-        }
-        self.configured[run_id] = dict(self.runs[run_id])
-        return 0
+        self.runs[config.run_id] = {"step": 0, "version": 0}
+        self.configured[config.run_id] = config
+        return TrainerRun(run_id=config.run_id, policy_version=0, num_parameters=1)
 
     def _run(self, run_id: str) -> dict:
         if run_id not in self.runs:
             raise NotFoundError(f"trainer has no run {run_id}")
         return self.runs[run_id]
 
-    def train_step(self, run_id: str, step: int, num_groups: int, wait_s: float) -> TrainResult:
+    def train_step(self, request: TrainStepRequest) -> TrainStepResult:
         self.faults.hit("train_step")
-        run = self._run(run_id)
+        run = self._run(request.run_id)
+        step = request.step
         if step != run["step"] + 1:
             raise ConflictError(f"step {step} after {run['step']}")
         run["step"], run["version"] = step, run["version"] + 1
-        return TrainResult(
+        return TrainStepResult(
+            run_id=request.run_id,
             step=step,
             loss=1.0 / step,
             policy_version=run["version"],
-            num_samples=num_groups * 2,
-            num_groups=num_groups,
+            num_samples=request.num_groups * 2,
+            num_groups=request.num_groups,
             step_seconds=0.001,
             metrics={"grad_norm": 0.5 * step, "clip_fraction": 0.0},
         )
 
-    def publish_weights(self, run_id: str, version: int, timeout_s: float) -> None:
+    def publish_weights(self, run_id: str, version: int) -> Published:
         self.faults.hit("publish_weights")
         run = self._run(run_id)
         if version != run["version"]:
             raise ConflictError(f"publish {version} but trainer is at {run['version']}")
         self.broker.commit(run_id, version)
+        return Published(run_id=run_id, version=version, num_bytes=0, stage_seconds=0.0)
 
-    def end_run(self, run_id: str, timeout_s: float) -> None:
+    def end_run(self, run_id: str) -> None:
         self.faults.hit("trainer.end_run")
         self.runs.pop(run_id, None)
         self.ended.append(run_id)
 
-    def checkpoint(self, run_id: str, timeout_s: float) -> CheckpointResult:
+    def checkpoint(self, run_id: str, directory: str = "") -> CheckpointResult:
         self.faults.hit("trainer.checkpoint")
         run = self._run(run_id)
         return CheckpointResult(
-            step=run["step"], path=f"/checkpoints/{run_id}", policy_version=run["version"]
+            run_id=run_id, path=f"/checkpoints/{run_id}", step=run["step"], policy_version=run["version"]
         )
+
+    def offload(self, run_id: str) -> Offloaded:
+        self._run(run_id)
+        return Offloaded(run_id=run_id, released_bytes=0, num_tensors=0)
+
+    def restore(self, run_id: str) -> int:
+        return int(self._run(run_id)["version"])
+
+    def close(self) -> None:
+        pass
 
 
 class FakeRollout:
-    def __init__(self, faults: Faults | None = None) -> None:
+    def __init__(self, faults: Faults | None = None, engines_per_run: int = 2) -> None:
         self.faults = faults or Faults()
-        self.configured: dict[str, dict] = {}
-        self.generate_calls: list[dict] = []
+        self.configured: dict[str, RolloutRunConfig] = {}
+        self.generate_calls: list[GenerateRequest] = []
         self.ended: list[str] = []
+        self.engines_per_run = engines_per_run
+        self.drained: set[str] = set()
 
-    def configure_run(
-        self, run_id: str, model_dir: str, reward: str, num_engines: int, seed: int, timeout_s: float
-    ) -> int:
+    def configure_run(self, config: RolloutRunConfig) -> RunInfo:
         self.faults.hit("rollout.configure_run")
-        self.configured[run_id] = {
-            "model_dir": model_dir,
-            "reward": reward,
-            "num_engines": num_engines,
-            "seed": seed,
-        }
-        return 0
+        self.configured[config.run_id] = config
+        engine_ids = [e.engine_id for e in self._engines(config.run_id)]
+        return RunInfo(run_id=config.run_id, policy_version=0, engine_ids=engine_ids)
 
-    def generate(
-        self,
-        run_id,
-        step,
-        prompts,
-        samples_per_prompt,
-        sampling: SamplingSpec,
-        sampling_seed,
-        min_policy_version,
-        wait_s,
-        max_refill_rounds=0,
-        keep_groups=0,
-    ) -> GenerateResult:
+    def generate(self, request: GenerateRequest) -> GenerateResult:
         self.faults.hit("generate")
-        if run_id not in self.configured:
-            raise NotFoundError(f"rollout has no run {run_id}")
-        self.generate_calls.append(
-            {
-                "step": step,
-                "prompt_ids": [p.prompt_id for p in prompts],
-                "samples_per_prompt": samples_per_prompt,
-                "sampling": sampling,
-                "seed": sampling_seed,
-                "min_policy_version": min_policy_version,
-                "max_refill_rounds": max_refill_rounds,
-                "keep_groups": keep_groups,
-            }
-        )
-        groups = min(keep_groups, len(prompts)) if keep_groups else len(prompts)
-        n = groups * samples_per_prompt
+        if request.run_id not in self.configured:
+            raise NotFoundError(f"rollout has no run {request.run_id}")
+        self.generate_calls.append(request)
+        groups = len(request.prompts) if request.prompts and not request.num_groups else request.num_groups
+        n = groups * request.samples_per_prompt
         return GenerateResult(
+            run_id=request.run_id,
+            step=request.step,
             num_groups=groups,
             num_samples=n,
-            reward_mean=step / 10,
-            policy_version=min_policy_version,
+            reward_mean=request.step / 10,
+            policy_version=request.min_policy_version,
             num_tokens=3 * n,
             generate_seconds=0.001,
         )
 
-    def end_run(self, run_id: str, timeout_s: float) -> None:
-        self.faults.hit("rollout.end_run")
-        self.ended.append(run_id)
-
-
-class FakePrompts:
-    """Task "addition" (reward "addition_exact_match"); any other task is unknown."""
-
-    def reward_name(self, task: str) -> str:
-        if task != "addition":
-            raise ValueError(f"unknown task {task!r}")
-        return "addition_exact_match"
-
-    def prompts(self, task: str, seed: int, step: int, count: int) -> list[GenerationPrompt]:
-        self.reward_name(task)
+    def _engines(self, run_id: str) -> list[EngineStatus]:
         return [
-            GenerationPrompt(prompt_id=f"s{seed}-t{step}-{i}", text=f"{i}+{step}=", answer=str(i + step))
-            for i in range(count)
-        ]
-
-
-class FakeEngines:
-    """Engine status as rollout would report it: the engines of every configured run."""
-
-    def __init__(self, rollout: FakeRollout, per_run: int = 2) -> None:
-        self._rollout = rollout
-        self._per_run = per_run
-        self.drained: set[str] = set()
-
-    def engines(self, run_id: str, timeout_s: float) -> list[EngineInfo]:
-        if run_id not in self._rollout.configured:
-            raise NotFoundError(f"rollout: unknown run {run_id!r}")
-        return [
-            EngineInfo(
+            EngineStatus(
                 engine_id=f"{run_id}-engine-{i}",
                 policy_version=0,
                 healthy=True,
-                state="drained" if f"{run_id}-engine-{i}" in self.drained else "serving",
+                state=EngineState.DRAINED if f"{run_id}-engine-{i}" in self.drained else EngineState.SERVING,
             )
-            for i in range(self._per_run)
+            for i in range(self.engines_per_run)
         ]
 
-    def drain(self, run_id: str, engine_id: str, timeout_s: float) -> EngineInfo:
-        found = [e for e in self.engines(run_id, timeout_s) if e.engine_id == engine_id]
+    def status(self, run_id: str) -> RunStatus:
+        if run_id not in self.configured:
+            raise NotFoundError(f"rollout: unknown run {run_id!r}")
+        return RunStatus(run_id=run_id, engines=self._engines(run_id))
+
+    def drain_engine(self, run_id: str, engine_id: str) -> EngineStatus:
+        found = [e for e in self.status(run_id).engines if e.engine_id == engine_id]
         if not found:
             raise NotFoundError(f"rollout: run {run_id!r} has no engine {engine_id!r}")
         self.drained.add(engine_id)
-        return self.engines(run_id, timeout_s)[int(engine_id.rsplit("-", 1)[1])]
+        return self._engines(run_id)[int(engine_id.rsplit("-", 1)[1])]
+
+    def end_run(self, run_id: str) -> None:
+        self.faults.hit("rollout.end_run")
+        self.ended.append(run_id)
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -257,151 +225,21 @@ class FakeStack:
     trainer: FakeTrainer
     rollout: FakeRollout
     broker: FakeBroker
-    prompts: FakePrompts
     faults: Faults
+
+    @property
+    def services(self) -> Services:
+        """The fakes as the controller's clients (as in-process twins would be)."""
+        return Services(trainer=self.trainer, rollout=self.rollout, broker=self.broker)
 
 
 def fake_stack() -> FakeStack:
     faults = Faults()
     broker = FakeBroker(faults)
-    return FakeStack(
-        trainer=FakeTrainer(broker, faults),
-        rollout=FakeRollout(faults),
-        broker=broker,
-        prompts=FakePrompts(),
-        faults=faults,
-    )
+    return FakeStack(trainer=FakeTrainer(broker, faults), rollout=FakeRollout(faults), broker=broker, faults=faults)
 
 
-# ---- the same fakes behind the real gRPC contract -------------------------------------------
-
-
-class _TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, fake: FakeTrainer) -> None:
-        self.fake = fake
-
-    @rpc.rpc_errors
-    def ConfigureRun(self, request, context):
-        a = request.algorithm
-        algo = AlgorithmSpec(
-            name=a.name,
-            learning_rate=a.learning_rate,
-            clip_eps=a.clip_eps,
-            weight_decay=a.weight_decay,
-            max_grad_norm=a.max_grad_norm,
-            epochs_per_batch=a.epochs_per_batch,
-            micro_batch_size=a.micro_batch_size,
-            adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2,
-        )
-        version = self.fake.configure_run(
-            request.run_id,
-            request.model_dir,
-            algo,
-            request.seed,
-            request.total_steps,
-            request.sampling_temperature,
-            1.0,
-        )
-        return trainer_pb2.ConfigureRunResponse(run_id=request.run_id, policy_version=version)
-
-    @rpc.rpc_errors
-    def TrainStep(self, request, context):
-        r = self.fake.train_step(request.run_id, request.step, request.num_groups, request.timeout_s)
-        return trainer_pb2.TrainStepResponse(
-            run_id=request.run_id,
-            step=r.step,
-            loss=r.loss,
-            policy_version=r.policy_version,
-            num_samples=r.num_samples,
-            num_groups=r.num_groups,
-            step_seconds=r.step_seconds,
-            metrics=r.metrics,
-        )
-
-    @rpc.rpc_errors
-    def PublishWeights(self, request, context):
-        self.fake.publish_weights(request.run_id, request.version, 1.0)
-        return trainer_pb2.PublishWeightsResponse(run_id=request.run_id, version=request.version)
-
-    @rpc.rpc_errors
-    def EndRun(self, request, context):
-        self.fake.end_run(request.run_id, 1.0)
-        return trainer_pb2.EndRunResponse(run_id=request.run_id)
-
-    @rpc.rpc_errors
-    def Checkpoint(self, request, context):
-        r = self.fake.checkpoint(request.run_id, 1.0)
-        return trainer_pb2.CheckpointResponse(
-            run_id=request.run_id, path=r.path, step=r.step, policy_version=r.policy_version
-        )
-
-
-class _RolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    def __init__(self, fake: FakeRollout) -> None:
-        self.fake = fake
-
-    @rpc.rpc_errors
-    def ConfigureRun(self, request, context):
-        version = self.fake.configure_run(
-            request.run_id, request.model_dir, request.reward, request.num_engines, request.seed, 1.0
-        )
-        return rollout_pb2.ConfigureRolloutResponse(
-            run_id=request.run_id, policy_version=version, engine_ids=["engine-0"]
-        )
-
-    @rpc.rpc_errors
-    def Generate(self, request, context):
-        s = request.sampling
-        sampling = SamplingSpec(
-            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=s.max_new_tokens
-        )
-        prompts = [GenerationPrompt(p.prompt_id, p.text, p.answer) for p in request.prompts]
-        r = self.fake.generate(
-            request.run_id,
-            request.step,
-            prompts,
-            request.samples_per_prompt,
-            sampling,
-            s.seed,
-            request.min_policy_version,
-            request.timeout_s,
-        )
-        return rollout_pb2.GenerateResponse(
-            run_id=request.run_id,
-            step=request.step,
-            num_groups=r.num_groups,
-            num_samples=r.num_samples,
-            reward_mean=r.reward_mean,
-            policy_version=r.policy_version,
-            num_tokens=r.num_tokens,
-            generate_seconds=r.generate_seconds,
-        )
-
-    @rpc.rpc_errors
-    def EndRun(self, request, context):
-        self.fake.end_run(request.run_id, 1.0)
-        return rollout_pb2.EndRolloutResponse(run_id=request.run_id)
-
-
-class _BrokerServicer(weight_broker_pb2_grpc.WeightBrokerServicer):
-    def __init__(self, fake: FakeBroker) -> None:
-        self.fake = fake
-
-    @rpc.rpc_errors
-    def WaitCommitted(self, request, context):
-        s = self.fake.wait_committed(request.run_id, request.version, request.timeout_s)
-        return weight_broker_pb2.VersionStatus(
-            run_id=request.run_id,
-            latest_version=s.latest_version,
-            committed_version=s.committed_version,
-            engine_ids=list(s.engine_ids),
-        )
-
-    @rpc.rpc_errors
-    def EndRun(self, request, context):
-        self.fake.end_run(request.run_id, 1.0)
-        return weight_broker_pb2.EndRunBrokerResponse(run_id=request.run_id)
+# ---- the same fakes behind the services' real gRPC servicers ---------------------------------
 
 
 @dataclass
@@ -418,26 +256,16 @@ class FakeGrpcServices:
 
 
 def serve_fakes(stack: FakeStack) -> FakeGrpcServices:
-    """Each fake on its own gRPC server on 127.0.0.1 with grpc.health.v1, like the real services."""
+    """Each fake behind its service's own servicer on a gRPC server on 127.0.0.1 with
+    grpc.health.v1, like the real services."""
 
-    def one(add, service_name):
-        return rpc.start_server([add], [service_name])
+    def broker(server) -> None:
+        weight_broker_pb2_grpc.add_WeightBrokerServicer_to_server(WeightBrokerServicer(stack.broker), server)
 
     servers = {
-        "trainer": one(
-            lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(_TrainerServicer(stack.trainer), s),
-            TRAINER_SERVICE,
-        ),
-        "rollout": one(
-            lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(_RolloutServicer(stack.rollout), s),
-            ROLLOUT_SERVICE,
-        ),
-        "broker": one(
-            lambda s: weight_broker_pb2_grpc.add_WeightBrokerServicer_to_server(
-                _BrokerServicer(stack.broker), s
-            ),
-            BROKER_SERVICE,
-        ),
+        "trainer": rpc.start_server([register_trainer(stack.trainer)], [TRAINER_SERVICE]),
+        "rollout": rpc.start_server([RolloutServicer(stack.rollout).add_to_server], [ROLLOUT_SERVICE]),
+        "broker": rpc.start_server([broker], [BROKER_SERVICE]),
     }
     return FakeGrpcServices(stack=stack, servers=servers)
 
@@ -447,7 +275,6 @@ __all__ = [
     "FakeBroker",
     "FakeTrainer",
     "FakeRollout",
-    "FakePrompts",
     "FakeStack",
     "fake_stack",
     "serve_fakes",

@@ -43,7 +43,7 @@ def env(redis_url):
     fakes = fake_stack()
     metrics = ControllerMetrics()
     driver = RunDriver(
-        store, fakes.trainer, fakes.rollout, fakes.broker, fakes.prompts, DriverTimeouts(end_s=1.0), metrics
+        store, fakes.services, DriverTimeouts(end_s=1.0), metrics
     )
     yield store, fakes, driver, metrics
     store.close()

@@ -49,10 +49,7 @@ def stack(redis_url, tmp_path):
     store = RunStore.from_url(redis_url)
     controller = build_controller(
         store,
-        fakes.trainer,
-        fakes.rollout,
-        fakes.broker,
-        fakes.prompts,
+        fakes.services,
         ApiTokens(admin=(ADMIN,), viewer=(VIEWER,)),
         lambda: {"redis": True},
         engines=engines,

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import redis
 import schemathesis
-from controller_fakes import FakeEngines, fake_stack
+from controller_fakes import fake_stack
 from hypothesis import HealthCheck, given, settings
 
 from furlong.controller.auth import ApiTokens
@@ -31,14 +31,10 @@ def server(redis_server_url):
     store = RunStore.from_url(redis_server_url)
     controller = build_controller(
         store,
-        fakes.trainer,
-        fakes.rollout,
-        fakes.broker,
-        fakes.prompts,
+        fakes.services,
         ApiTokens(admin=(ADMIN,)),
         lambda: {"redis": True},
         DriverTimeouts(end_s=1.0),
-        engines=FakeEngines(fakes.rollout),
     )
     http = HttpServer(controller.app).start()
     yield http

@@ -38,10 +38,7 @@ class Env:
         self.ready = ready
         self.controller = build_controller(
             self.store,
-            self.fakes.trainer,
-            self.fakes.rollout,
-            self.fakes.broker,
-            self.fakes.prompts,
+            self.fakes.services,
             TOKEN,
             lambda: dict(self.ready),
             DriverTimeouts(end_s=1.0),

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from controller_fakes import FakeEngines, fake_stack
+from controller_fakes import fake_stack
 from polling import wait_until as wait_for
 
 from furlong.controller.auth import ApiTokens
@@ -38,14 +38,10 @@ class Env:
         self.store = RunStore.from_url(redis_url)
         self.controller = build_controller(
             self.store,
-            self.fakes.trainer,
-            self.fakes.rollout,
-            self.fakes.broker,
-            self.fakes.prompts,
+            self.fakes.services,
             ApiTokens(admin=(ADMIN,), viewer=(VIEWER,)),
             lambda: {"redis": True},
             DriverTimeouts(end_s=1.0, pause_poll_s=0.02),
-            engines=FakeEngines(self.fakes.rollout),
         )
         self.server = HttpServer(self.controller.app).start()
         self.http = httpx.Client(
@@ -311,7 +307,7 @@ def test_engines_without_a_status_source_is_503(redis_url):
     fakes = fake_stack()
     store = RunStore.from_url(redis_url)
     controller = build_controller(
-        store, fakes.trainer, fakes.rollout, fakes.broker, fakes.prompts, ADMIN, lambda: {}
+        store, fakes.services, ADMIN, lambda: {}
     )
     server = HttpServer(controller.app).start()
     try:

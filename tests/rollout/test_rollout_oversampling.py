@@ -1,5 +1,5 @@
 """Over-sampling and the sample ledger in the rollout service (real Redis, in-process engines):
-a request with keep_groups keeps the first groups to complete, writes only those, closes the rest
+a request for fewer groups (num_groups) than prompts keeps the first groups to complete, writes only those, closes the rest
 in the ledger as surplus (none left pending or in flight) and counts them in the result, the status
 and the metrics; the ledger refuses second results and counts them."""
 
@@ -11,10 +11,11 @@ from prometheus_client import CollectorRegistry
 from rollout_models import write_checkpoint
 
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
+from furlong.core.settings import RolloutSettings
 from furlong.rollout.core.groups import OverSampling
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
-from furlong.rollout.core.types import LedgerCounts, Prompt
+from furlong.rollout.core.types import GenerateRequest, LedgerCounts, Prompt, RolloutRunConfig
 from furlong.rollout.metrics import GROUPS_SURPLUS_TOTAL, RolloutMetrics
 from furlong.rollout.run_records import redis_records
 from furlong.rollout.sample_ledger import DONE, PENDING, SURPLUS, RedisSampleLedger
@@ -33,11 +34,31 @@ def env(redis_url, tmp_path):
     service = RolloutService(redis_records(red), None, max_batch_size=8, observer=metrics)
     metrics.watch_engines(service.status)
     service.configure_run(
-        "over", str(write_checkpoint(tmp_path / "policy", seed=81)), "addition_exact_match", 2, 1
+        RolloutRunConfig(
+            run_id="over",
+            model_dir=str(write_checkpoint(tmp_path / "policy", seed=81)),
+            reward="addition_exact_match",
+            seed=1,
+            rollout=RolloutSettings(num_engines=2),
+        )
     )
     yield service, red, registry
     service.close()
     red.close()
+
+
+def request(
+    step: int, prompts: list[Prompt], samples_per_prompt: int, num_groups: int = 0
+) -> GenerateRequest:
+    return GenerateRequest(
+        run_id="over",
+        step=step,
+        samples_per_prompt=samples_per_prompt,
+        sampling=SAMPLING,
+        num_groups=num_groups,
+        timeout_s=30.0,
+        prompts=tuple(prompts),
+    )
 
 
 def written(red, step: int) -> list[SampleGroup]:
@@ -48,10 +69,10 @@ def written(red, step: int) -> list[SampleGroup]:
     ]
 
 
-def test_keep_groups_writes_the_first_complete_groups_and_closes_the_rest(env):
+def test_num_groups_writes_the_first_complete_groups_and_closes_the_rest(env):
     service, red, registry = env
     # 12 rows over 2 engines: engine 0 completes o0..o2, engine 1 then o3..o5; keep 4 of 6.
-    result = service.generate("over", 0, PROMPTS, 2, SAMPLING, 0, 30.0, keep_groups=4)
+    result = service.generate(request(0, PROMPTS, 2, num_groups=4))
     assert (result.num_groups, result.num_samples, result.num_groups_surplus) == (4, 8, 2)
     assert [g.prompt_id for g in written(red, 0)] == ["o0", "o1", "o2", "o3"]
     states = RedisSampleLedger(red, scope="over").states(result.request_id)
@@ -68,7 +89,7 @@ def test_keep_groups_writes_the_first_complete_groups_and_closes_the_rest(env):
     )
 
     # Enough groups after engine 0's share: engine 1's rows never start; closed, not in flight.
-    early = service.generate("over", 1, PROMPTS, 2, SAMPLING, 0, 30.0, keep_groups=3)
+    early = service.generate(request(1, PROMPTS, 2, num_groups=3))
     assert (early.num_groups, early.num_groups_surplus) == (3, 3)
     assert early.num_tokens <= result.num_tokens
     assert [g.prompt_id for g in written(red, 1)] == ["o0", "o1", "o2"]
@@ -78,19 +99,20 @@ def test_keep_groups_writes_the_first_complete_groups_and_closes_the_rest(env):
     assert registry.get_sample_value(GROUPS_SURPLUS_TOTAL, {"run_id": "over"}) == 5.0
 
     # Same step again: a new attempt with its own ledger; every sample exactly once.
-    again = service.generate("over", 1, PROMPTS[:2], 3, SAMPLING, 0, 30.0)
+    again = service.generate(request(1, PROMPTS[:2], 3))
     assert again.request_id == "over/1/2" and again.num_groups_surplus == 0
     assert sorted(RedisSampleLedger(red, scope="over").states(again.request_id)) == sorted(
         f"o{p}/{i}" for p in (0, 1) for i in range(3)
     )
 
 
-def test_keep_groups_is_checked(env):
-    service, _, _ = env
-    with pytest.raises(ValueError, match="keep_groups 7 exceeds the request's 6 prompts"):
-        service.generate("over", 0, PROMPTS, 2, SAMPLING, 0, 30.0, keep_groups=7)
-    with pytest.raises(ValueError, match="keep_groups must be an integer >= 0, got -1"):
-        service.generate("over", 0, PROMPTS, 2, SAMPLING, 0, 30.0, keep_groups=-1)
+def test_num_groups_is_checked(env):
+    service, red, _ = env
+    with pytest.raises(ValueError, match=r"num_groups must be an integer \[0, 6\], got 7"):
+        service.generate(request(0, PROMPTS, 2, num_groups=7))
+    with pytest.raises(ValueError, match=r"num_groups must be an integer \[0, 6\], got -1"):
+        service.generate(request(0, PROMPTS, 2, num_groups=-1))
+    assert written(red, 0) == [] and service.status("over").ledger == LedgerCounts()
 
 
 @pytest.mark.unit

@@ -92,10 +92,7 @@ def test_cors_is_off_unless_configured(redis_url, origins):
     store = RunStore.from_url(redis_url)
     controller = build_controller(
         store,
-        fakes.trainer,
-        fakes.rollout,
-        fakes.broker,
-        fakes.prompts,
+        fakes.services,
         ADMIN,
         lambda: {},
         cors_origins=origins,
