@@ -34,7 +34,7 @@ from furlong.rollout.receivers import broker_receiver_factory
 from furlong.rollout.rewards import resolve_user_reward, reward_registry
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import start_server
-from furlong.weight_broker.client import GrpcBrokerClient
+from furlong.transfer.broker_client import GrpcBrokerClient
 
 log = logging.getLogger("furlong.rollout")
 
