@@ -8,5 +8,6 @@ shared memory or a gRPC stream, `lanes.py`, `nixl_transport.py`, `shm.py`) into 
 turns the pulls of one host, `host_memory.py` allocates the buffers. Both sides talk to the broker
 through `broker_client.BrokerClient` (`GrpcBrokerClient` over `wire.py`'s proto conversions);
 `config.TransferConfig` says how; `equality.py` checks that a sync rewrites every parameter.
-Knows nothing about the broker's rules (furlong.weight_broker). See docs/weight-broker.md.
+Knows nothing about the broker's rules (the broker service, services/weight-broker), and does not
+import it. See docs/weight-broker.md.
 """

@@ -1,6 +1,6 @@
 """The weight broker as trainers and engines see it: the `BrokerClient` seam, the `VersionWatch`
 iterator of an engine's version events, and `GrpcBrokerClient`, the seam over gRPC. The broker
-service has the in-process twin over a BrokerCore (furlong.weight_broker.client, same behaviour, same
+service (services/weight-broker) has the in-process twin over its BrokerCore (same behaviour, same
 exceptions), so a whole RL loop can run in one process. Knows nothing about the broker's rules.
 """
 

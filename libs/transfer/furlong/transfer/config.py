@@ -1,6 +1,6 @@
 """Configuration of the weight-transfer endpoints (publishers, receivers, relays), parsed once at the
 edge (the process that builds a publisher or receiver) and validated here. The broker service's own
-settings live in furlong.weight_broker.config."""
+settings live in the broker service (services/weight-broker)."""
 
 from __future__ import annotations
 

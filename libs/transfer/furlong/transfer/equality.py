@@ -8,7 +8,7 @@ manifest, or never copied by apply) still holds garbage and is named; so is one 
 
 The broker is the caller's (any BrokerClient: the broker service's in-process twin over a private
 BrokerCore, or a gRPC client); the check uses a run of its own on it and ends that run. The command
-line over a private in-process broker is `python -m furlong.weight_broker.equality`.
+line over a private in-process broker is the broker service's (services/weight-broker).
 """
 
 from __future__ import annotations
