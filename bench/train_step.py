@@ -131,7 +131,8 @@ def main() -> None:
     tokens = sum(len(s.response_token_ids) for g in batch for s in g.samples)
     ours_model, plain_model = build_model(hidden, layers), build_model(hidden, layers)
     learner = Learner(
-        ours_model, LearnerConfig(AlgorithmSettings(learning_rate=1e-5, max_grad_norm=1.0), temperature=TEMPERATURE)
+        ours_model,
+        LearnerConfig(AlgorithmSettings(learning_rate=1e-5, max_grad_norm=1.0), temperature=TEMPERATURE),
     )
     plain = PlainLoop(plain_model, 1e-5)
 

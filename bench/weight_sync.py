@@ -23,7 +23,7 @@ the same data, after a warm-up, as medians over --reps repetitions:
   version committed; relay: the relay took it).
 - switch_seconds_direct_concurrent / nixl_gbps_concurrent: direct over NIXL with the engines
   pulling at the same time (pull lock off) instead of taking turns (the default, see
-  furlong.weight_broker.pull_lock); turns_vs_concurrent_switch compares the two switches. The two
+  furlong.transfer.pull_lock); turns_vs_concurrent_switch compares the two switches. The two
   are measured twice each, in the order turns, at once, at once, turns; figures are the means.
 - naive_seconds: torch.save -> bytes -> gRPC stream -> torch.load into ONE engine process.
 - publish_rss_delta_bytes: peak growth of this process's RSS while publishing, against the bucket.
@@ -50,16 +50,16 @@ from pathlib import Path
 
 import torch
 
-from furlong.rpc.ports import free_port
+from furlong.core.weight_versions import WeightSourceInfo
 from furlong.core.weights import WeightLayout
 from furlong.rpc import check_health, start_server
-from furlong.weight_broker.bucket import STREAM_SERVICE_NAME, WeightStreamServicer
-from furlong.weight_broker.client import GrpcBrokerClient
-from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.core import WeightSourceInfo
-from furlong.weight_broker.host_memory import host_buffer
-from furlong.weight_broker.nixl_transport import NixlEndpoint
-from furlong.weight_broker.publisher import WeightPublisher
+from furlong.rpc.ports import free_port
+from furlong.transfer.broker_client import GrpcBrokerClient
+from furlong.transfer.bucket import STREAM_SERVICE_NAME, WeightStreamServicer
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.host_memory import host_buffer
+from furlong.transfer.nixl_transport import NixlEndpoint
+from furlong.transfer.publisher import WeightPublisher
 from furlong.weight_broker.relay import upstream_run_id
 
 MIB = 1 << 20
@@ -74,7 +74,7 @@ def engine_main(args) -> int:
     """A rollout engine stand-in: parameters in its own tensors (shaped like the trainer's), a
     WeightReceiver that pulls each version straight into them (--into params), or into a receive
     buffer that apply copies into them (--into buffer)."""
-    from furlong.weight_broker.receiver import WeightReceiver
+    from furlong.transfer.receiver import WeightReceiver
 
     model = {name: torch.zeros_like(t) for name, t in make_state(args.size, seed=None).items()}
 
@@ -185,7 +185,7 @@ class PeakRss:
 
 def child(role: str, *extra: str, log_path: Path) -> subprocess.Popen:
     # Engine parameters on transparent huge pages, like the buffers the broker allocates itself
-    # (furlong.weight_broker.host_memory); the raw reference reads between such buffers too.
+    # (furlong.transfer.host_memory); the raw reference reads between such buffers too.
     env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
     return subprocess.Popen(
         [sys.executable, __file__, "--role", role, *extra],

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from furlong import rpc
 from furlong.controller.services import BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE, Services
 from furlong.core.errors import ConflictError, NotFoundError
+from furlong.core.weight_versions import VersionStatusInfo
 from furlong.rollout.core.types import (
     EngineState,
     EngineStatus,
@@ -39,7 +40,6 @@ from furlong.trainer.api import (
 )
 from furlong.trainer.server import register as register_trainer
 from furlong.v1 import weight_broker_pb2_grpc
-from furlong.weight_broker.core.events import VersionStatusInfo
 from furlong.weight_broker.server import WeightBrokerServicer
 
 
@@ -236,7 +236,9 @@ class FakeStack:
 def fake_stack() -> FakeStack:
     faults = Faults()
     broker = FakeBroker(faults)
-    return FakeStack(trainer=FakeTrainer(broker, faults), rollout=FakeRollout(faults), broker=broker, faults=faults)
+    return FakeStack(
+        trainer=FakeTrainer(broker, faults), rollout=FakeRollout(faults), broker=broker, faults=faults
+    )
 
 
 # ---- the same fakes behind the services' real gRPC servicers ---------------------------------

@@ -42,9 +42,7 @@ def env(redis_url):
     store = RunStore.from_url(redis_url)
     fakes = fake_stack()
     metrics = ControllerMetrics()
-    driver = RunDriver(
-        store, fakes.services, DriverTimeouts(end_s=1.0), metrics
-    )
+    driver = RunDriver(store, fakes.services, DriverTimeouts(end_s=1.0), metrics)
     yield store, fakes, driver, metrics
     store.close()
 

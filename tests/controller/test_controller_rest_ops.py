@@ -306,9 +306,7 @@ def test_engines_of_the_active_or_a_named_run(env):
 def test_engines_without_a_status_source_is_503(redis_url):
     fakes = fake_stack()
     store = RunStore.from_url(redis_url)
-    controller = build_controller(
-        store, fakes.services, ADMIN, lambda: {}
-    )
+    controller = build_controller(store, fakes.services, ADMIN, lambda: {})
     server = HttpServer(controller.app).start()
     try:
         resp = httpx.get(server.url + "/v1/engines", headers={"Authorization": f"Bearer {ADMIN}"})

@@ -1,12 +1,14 @@
 """Structure of the services' Dockerfiles (no Docker engine here): pinned base images, non-root
 users, health checks, entry points that run the service, no downloads outside the package indexes,
-and build contexts (<Dockerfile>.dockerignore) that keep what the COPY lines need."""
+images that install exactly the Furlong distributions their service depends on, and build contexts
+(<Dockerfile>.dockerignore) that keep what the COPY lines need."""
 
 from __future__ import annotations
 
 import fnmatch
 import json
 import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +62,46 @@ def parse(path: Path) -> tuple[dict[str, str], list[Stage]]:
 
 def resolve(image: str, args: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
+
+
+def distribution_dirs() -> dict[str, str]:
+    """Furlong distribution name -> its directory (libs/<x>, services/<x>)."""
+    dirs = {}
+    for pyproject in [*ROOT.glob("libs/*/pyproject.toml"), *ROOT.glob("services/*/pyproject.toml")]:
+        name = tomllib.loads(pyproject.read_text())["project"]["name"]
+        dirs[name] = pyproject.parent.relative_to(ROOT).as_posix()
+    return dirs
+
+
+def furlong_closure(directory: str, dirs: dict[str, str]) -> set[str]:
+    """`directory` and the directories of every Furlong distribution it depends on, transitively."""
+    wanted, todo = set(), [directory]
+    while todo:
+        current = todo.pop()
+        if current in wanted:
+            continue
+        wanted.add(current)
+        project = tomllib.loads((ROOT / current / "pyproject.toml").read_text())["project"]
+        for dep in project["dependencies"]:
+            name = re.split(r"[\s<>=!~;\[]", dep, maxsplit=1)[0]
+            if name.startswith("furlong-"):
+                assert name in dirs, f"{current} depends on {name}, which no pyproject.toml declares"
+                todo.append(dirs[name])
+    return wanted
+
+
+def installed_sources(stage: Stage) -> set[str]:
+    """The repository directories a stage's `pip install` commands install (constraint files aside)."""
+    installed = set()
+    for keyword, value in stage.instructions:
+        if keyword != "RUN":
+            continue
+        for match in re.finditer(r"pip install ([^&;]*)", value):
+            tokens = match.group(1).split()
+            for before, token in zip(["", *tokens], tokens):
+                if before != "-c" and token.startswith("/src/") and (ROOT / token[len("/src/") :]).is_dir():
+                    installed.add(token[len("/src/") :])
+    return installed
 
 
 def image_stages(stages: list[Stage]) -> list[Stage]:
@@ -123,6 +165,29 @@ def test_no_downloads_beyond_package_indexes(service):
                 for match in re.finditer(r"pip install ([^&;]*)", value):
                     options = match.group(1)
                     assert "--extra-index-url" not in options and "--trusted-host" not in options
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("service", SERVICES)
+def test_images_install_exactly_the_furlong_distributions_their_service_needs(service):
+    wanted = furlong_closure(f"services/{service}", distribution_dirs())
+    _, stages = parse(ROOT / "services" / service / "Dockerfile")
+    installing = [stage for stage in stages if installed_sources(stage)]
+    assert installing, f"{service}: no stage installs the service"
+    for stage in installing:
+        assert installed_sources(stage) == wanted, f"{service}/{stage.name}"
+        copied = {v.split()[0] for k, v in stage.instructions if k == "COPY" and not v.startswith("--from")}
+        assert wanted <= copied, f"{service}/{stage.name}: installs {sorted(wanted - copied)} without COPY"
+
+
+@pytest.mark.unit
+def test_only_the_broker_image_installs_the_broker_service():
+    dirs = distribution_dirs()
+    assert "libs/transfer" in furlong_closure("services/trainer", dirs)
+    assert "libs/transfer" in furlong_closure("services/rollout", dirs)
+    for service in SERVICES:
+        needs_broker = "services/weight-broker" in furlong_closure(f"services/{service}", dirs)
+        assert needs_broker == (service == "weight-broker"), service
 
 
 @pytest.mark.unit

@@ -1,7 +1,8 @@
 """Over-sampling and the sample ledger in the rollout service (real Redis, in-process engines):
-a request for fewer groups (num_groups) than prompts keeps the first groups to complete, writes only those, closes the rest
-in the ledger as surplus (none left pending or in flight) and counts them in the result, the status
-and the metrics; the ledger refuses second results and counts them."""
+a request for fewer groups (num_groups) than it has prompts keeps the first groups to complete,
+writes only those, closes the rest in the ledger as surplus (none left pending or in flight) and
+counts them in the result, the status and the metrics; the ledger refuses second results and
+counts them."""
 
 from __future__ import annotations
 

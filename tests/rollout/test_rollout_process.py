@@ -23,8 +23,8 @@ from furlong.rollout.core.sampler import SamplingConfig
 from furlong.rollout.core.types import Prompt
 from furlong.rpc import check_health
 from furlong.rpc.ports import free_port
-from furlong.weight_broker.client import GrpcBrokerClient
-from furlong.weight_broker.publisher import WeightPublisher
+from furlong.transfer.broker_client import GrpcBrokerClient
+from furlong.transfer.publisher import WeightPublisher
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

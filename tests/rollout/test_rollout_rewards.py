@@ -12,10 +12,11 @@ from prometheus_client import CollectorRegistry
 from rollout_models import write_checkpoint
 
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
+from furlong.core.settings import RolloutSettings
 from furlong.rollout.core.groups import DynamicSampling, constant_groups, zero_variance
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
-from furlong.rollout.core.types import Prompt
+from furlong.rollout.core.types import GenerateRequest, Prompt, RolloutRunConfig
 from furlong.rollout.metrics import GROUPS_DROPPED_TOTAL, GROUPS_REFILLED_TOTAL, RolloutMetrics
 from furlong.rollout.rewards import (
     RewardError,
@@ -113,6 +114,26 @@ def test_group_decisions():
         DynamicSampling(2).check_group_size(1)
 
 
+def dynamic_run(run_id: str, checkpoint: str, max_refill_rounds: int) -> RolloutRunConfig:
+    return RolloutRunConfig(
+        run_id=run_id,
+        model_dir=checkpoint,
+        reward="coin",
+        rollout=RolloutSettings(max_refill_rounds=max_refill_rounds),
+    )
+
+
+def request(run_id, step, prompts, samples_per_prompt, sampling) -> GenerateRequest:
+    return GenerateRequest(
+        run_id=run_id,
+        step=step,
+        samples_per_prompt=samples_per_prompt,
+        sampling=sampling,
+        timeout_s=30.0,
+        prompts=tuple(prompts),
+    )
+
+
 @pytest.mark.integration
 def test_dynamic_sampling_drops_and_refills_constant_groups(redis_url, tmp_path):
     checkpoint = str(write_checkpoint(tmp_path / "ckpt", seed=8))
@@ -128,12 +149,15 @@ def test_dynamic_sampling_drops_and_refills_constant_groups(redis_url, tmp_path)
 
     red = redis.Redis.from_url(redis_url)
     registry = CollectorRegistry()
-    service = RolloutService(redis_records(red), None, rewards={"coin": coin}, observer=RolloutMetrics(registry))
+    service = RolloutService(
+        redis_records(red), None, rewards={"coin": coin}, observer=RolloutMetrics(registry)
+    )
     try:
-        service.configure_run("dyn", checkpoint, "coin", 1, 0)
+        service.configure_run(dynamic_run("dyn", checkpoint, max_refill_rounds=3))
+        service.configure_run(dynamic_run("dyn-off", checkpoint, max_refill_rounds=0))
         prompts = [Prompt("keep", "1+2=", "3"), Prompt("const", "4+4=", "always"), Prompt("x", "9+1=", "10")]
         sampling = SamplingConfig(temperature=1.5, max_new_tokens=6, seed=2)
-        result = service.generate("dyn", 0, prompts, 4, sampling, 0, 30.0, max_refill_rounds=3)
+        result = service.generate(request("dyn", 0, prompts, 4, sampling))
         groups = [SampleGroup.decode(f[STREAM_FIELD]) for _, f in red.xrange(stream_key("dyn"))]
         assert "const" not in [g.prompt_id for g in groups]
         assert all(not zero_variance(g.rewards) for g in groups)
@@ -147,10 +171,10 @@ def test_dynamic_sampling_drops_and_refills_constant_groups(redis_url, tmp_path)
             registry.get_sample_value(GROUPS_REFILLED_TOTAL, {"run_id": "dyn"}) == result.num_groups_refilled
         )
 
-        off = service.generate("dyn", 1, prompts, 4, sampling, 0, 30.0)
+        off = service.generate(request("dyn-off", 1, prompts, 4, sampling))
         assert off.num_groups == 3 and off.num_groups_dropped == 0 and off.num_groups_refilled == 0
-        with pytest.raises(ValueError, match="needs samples_per_prompt >= 2"):
-            service.generate("dyn", 2, prompts, 1, sampling, 0, 30.0, max_refill_rounds=1)
+        with pytest.raises(ValueError, match=r"\(max_refill_rounds 3\) needs samples_per_prompt >= 2"):
+            service.generate(request("dyn", 2, prompts, 1, sampling))
     finally:
         service.close()
         red.close()

@@ -19,6 +19,7 @@ from proto_fuzz import CLIENT_ERRORS, WAIT_ERRORS, details_of, messages, status_
 from tiny_policy import write_tiny_checkpoint
 
 from furlong import rpc
+from furlong.core.weight_versions import WeightSourceInfo
 from furlong.core.weights import Manifest, WeightLayout
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.run_records import redis_records
@@ -28,13 +29,14 @@ from furlong.trainer.server import SERVICE_NAME as TRAINER_SERVICE
 from furlong.trainer.server import register as register_trainer
 from furlong.trainer.service import TrainerService
 from furlong.trainer.train_checkpoint import MANIFEST
+from furlong.transfer.wire import manifest_to_proto, source_to_proto
 from furlong.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from furlong.v1 import weight_broker_pb2 as broker_pb2
 from furlong.v1 import weight_broker_pb2_grpc as broker_pb2_grpc
 from furlong.weight_broker.client import InProcessBrokerClient
-from furlong.weight_broker.core import BrokerCore, WeightSourceInfo
+from furlong.weight_broker.core import BrokerCore
 from furlong.weight_broker.server import SERVICE_NAME as BROKER_SERVICE
-from furlong.weight_broker.server import WeightBrokerServicer, manifest_to_proto, source_to_proto
+from furlong.weight_broker.server import WeightBrokerServicer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

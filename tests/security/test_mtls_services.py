@@ -14,7 +14,7 @@ from furlong import rpc
 from furlong.core.errors import UnavailableError
 from furlong.rpc.ports import free_port
 from furlong.rpc.tls import TlsFiles
-from furlong.weight_broker.client import GrpcBrokerClient
+from furlong.transfer.broker_client import GrpcBrokerClient
 
 TOKEN = "internal-token-0123456789abcdef"
 SHARED_NAME = "furlong-internal"

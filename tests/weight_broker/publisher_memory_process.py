@@ -18,11 +18,12 @@ import threading
 
 import torch
 
+from furlong.core.weight_versions import EventKind
 from furlong.core.weights import WeightLayout
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.publisher import WeightPublisher
 from furlong.weight_broker.client import InProcessBrokerClient
-from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.core import BrokerCore, EventKind
-from furlong.weight_broker.publisher import WeightPublisher
+from furlong.weight_broker.core import BrokerCore
 
 RUN = "run-memory"
 

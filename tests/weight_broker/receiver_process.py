@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from furlong.core.weight_shards import ShardLayout
-from furlong.weight_broker.client import GrpcBrokerClient
-from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.lanes import connect_lane
-from furlong.weight_broker.receiver import WeightReceiver
+from furlong.transfer.broker_client import GrpcBrokerClient
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.lanes import connect_lane
+from furlong.transfer.receiver import WeightReceiver
 
 
 def main() -> int:

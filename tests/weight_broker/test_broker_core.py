@@ -9,8 +9,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from furlong.core.errors import ConflictError, NotFoundError
+from furlong.core.weight_versions import EventKind, WeightSourceInfo
 from furlong.core.weights import Manifest, WeightLayout
-from furlong.weight_broker.core import BrokerCore, EventKind, EventSubscription, WeightSourceInfo
+from furlong.weight_broker.core import BrokerCore, EventSubscription
 from furlong.weight_broker.metrics import BrokerMetrics
 
 pytestmark = pytest.mark.unit

@@ -10,21 +10,18 @@ import torch
 from polling import wait_until
 
 from furlong.core.errors import ConflictError, NotFoundError
+from furlong.core.weight_versions import EventKind, VersionEventInfo, WeightSourceInfo
 from furlong.core.weights import Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums
 from furlong.rpc import check_health, start_server
+from furlong.transfer.broker_client import GrpcBrokerClient
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.wire import event_from_proto, event_to_proto, manifest_from_proto, manifest_to_proto
 from furlong.v1 import common_pb2
 from furlong.v1 import weight_broker_pb2 as pb
-from furlong.weight_broker.client import GrpcBrokerClient, InProcessBrokerClient
-from furlong.weight_broker.config import BrokerConfig, TransferConfig
-from furlong.weight_broker.core import BrokerCore, EventKind, VersionEventInfo, WeightSourceInfo
-from furlong.weight_broker.server import (
-    SERVICE_NAME,
-    WeightBrokerServicer,
-    event_from_proto,
-    event_to_proto,
-    manifest_from_proto,
-    manifest_to_proto,
-)
+from furlong.weight_broker.client import InProcessBrokerClient, make_client
+from furlong.weight_broker.config import BrokerConfig
+from furlong.weight_broker.core import BrokerCore
+from furlong.weight_broker.server import SERVICE_NAME, WeightBrokerServicer
 
 LAYOUT = WeightLayout.from_state_dict(
     {"w": torch.zeros(3, 2, dtype=torch.bfloat16), "b": torch.zeros(5, dtype=torch.int32)}
@@ -247,3 +244,17 @@ def test_config_validation_and_arguments():
         TransferConfig(lanes=("nixl", "carrier-pigeon"))
     with pytest.raises(ValueError, match="bucket_size_bytes 0"):
         TransferConfig(bucket_size_bytes=0)
+
+
+@pytest.mark.unit
+def test_make_client_picks_the_in_process_twin_or_grpc_by_target():
+    core = BrokerCore()
+    twin = make_client(core)
+    assert isinstance(twin, InProcessBrokerClient)
+    assert twin.register_engine(RUN, "engine-0") == -1 and core.get_version(RUN).engine_ids == ("engine-0",)
+    twin.close()
+    remote = make_client("127.0.0.1:1")  # gRPC channels connect lazily
+    assert isinstance(remote, GrpcBrokerClient) and remote.address == "127.0.0.1:1"
+    remote.close()
+    with pytest.raises(TypeError, match="42"):
+        make_client(42)

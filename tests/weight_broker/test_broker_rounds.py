@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from furlong.core.errors import ConflictError
+from furlong.core.weight_versions import EventKind, WeightSourceInfo
 from furlong.core.weights import Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums
-from furlong.weight_broker.core import BrokerCore, EventKind, EventSubscription, WeightSourceInfo
+from furlong.weight_broker.core import BrokerCore, EventSubscription
 
 pytestmark = pytest.mark.unit
 

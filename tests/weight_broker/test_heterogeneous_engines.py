@@ -5,6 +5,7 @@ computed for its layout; the equality check passes for both layouts and fails fo
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import urllib.request
@@ -16,15 +17,18 @@ from llama_state import assert_bytes_equal, llama
 from polling import wait_until
 
 from furlong.core.weight_shards import ShardLayout, expected_shards, llama_tensor_parallel, plan_shards
+from furlong.core.weight_versions import EventKind, WeightSourceInfo
 from furlong.core.weights import Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums
 from furlong.rpc import check_health
 from furlong.rpc.ports import free_port
-from furlong.weight_broker.client import GrpcBrokerClient, InProcessBrokerClient
-from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.core import BrokerCore, EventKind, WeightSourceInfo
-from furlong.weight_broker.equality import check_weight_update_equal, main
-from furlong.weight_broker.publisher import WeightPublisher
-from furlong.weight_broker.receiver import WeightReceiver
+from furlong.transfer.broker_client import GrpcBrokerClient
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.equality import check_weight_update_equal
+from furlong.transfer.publisher import WeightPublisher
+from furlong.transfer.receiver import WeightReceiver
+from furlong.weight_broker.client import InProcessBrokerClient, make_client
+from furlong.weight_broker.core import BrokerCore
+from furlong.weight_broker.equality import main
 
 CHILD = Path(__file__).with_name("receiver_process.py")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "addition" / "checkpoint"
@@ -209,7 +213,8 @@ def test_the_equality_check_fails_naming_every_tensor_of_a_wrong_slice():
     rank0, rank1 = (llama_tensor_parallel(layout, r, 2, fuse=True) for r in (0, 1))
     engine = expected_shards(rank0, source)  # holds rank 0 but declares rank 1
     grpc_lane = TransferConfig(lanes=("grpc",), bucket_size_bytes=BUCKET)
-    report = check_weight_update_equal(source, engine, shard_layout=rank1, config=grpc_lane)
+    with contextlib.closing(make_client(BrokerCore())) as broker:
+        report = check_weight_update_equal(source, engine, broker, shard_layout=rank1, config=grpc_lane)
     p = "model.layers.0."
     assert set(report.mismatched) == {
         p + "self_attn.qkv_proj.weight",
@@ -218,7 +223,8 @@ def test_the_equality_check_fails_naming_every_tensor_of_a_wrong_slice():
         p + "mlp.down_proj.weight",
     }
     shm_lane = TransferConfig(lanes=("shm",), bucket_size_bytes=BUCKET)
-    good = check_weight_update_equal(
-        source, expected_shards(rank1, source), shard_layout=rank1, config=shm_lane
-    )
+    with contextlib.closing(make_client(BrokerCore())) as broker:
+        good = check_weight_update_equal(
+            source, expected_shards(rank1, source), broker, shard_layout=rank1, config=shm_lane
+        )
     assert good.ok and good.num_parameters == len(rank1.tensors)

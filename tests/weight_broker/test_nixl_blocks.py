@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from furlong.core.block_checksum import BLOCK_BYTES
+from furlong.core.weight_versions import WeightSourceInfo
 from furlong.core.weights import checksum
-from furlong.weight_broker.core import WeightSourceInfo
-from furlong.weight_broker.host_memory import host_buffer
-from furlong.weight_broker.lanes import NixlLane
-from furlong.weight_broker.nixl_transport import NixlEndpoint
+from furlong.transfer.host_memory import host_buffer
+from furlong.transfer.lanes import NixlLane
+from furlong.transfer.nixl_transport import NixlEndpoint
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from furlong.core.weights import WeightLayout, plan_buckets, round_checksums
-from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.pull_lock import PullLock
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.pull_lock import PullLock
 
 pytestmark = pytest.mark.unit
 

@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from furlong.weight_broker.shm import SHM_DIR, SharedBuffer, remove_stale
+from furlong.transfer.shm import SHM_DIR, SharedBuffer, remove_stale
 
 pytestmark = pytest.mark.unit
 
 _CREATOR = """
 import sys, time
-from furlong.weight_broker.shm import SharedBuffer
+from furlong.transfer.shm import SharedBuffer
 buf = SharedBuffer.create(sys.argv[1], 1 << 20)
 print(buf.name, flush=True)
 time.sleep(600)

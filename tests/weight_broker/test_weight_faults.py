@@ -23,9 +23,9 @@ from furlong.core.errors import UnavailableError
 from furlong.core.weights import WeightLayout
 from furlong.rpc import check_health
 from furlong.rpc.ports import free_port
-from furlong.weight_broker.client import GrpcBrokerClient
-from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.publisher import WeightPublisher
+from furlong.transfer.broker_client import GrpcBrokerClient
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.publisher import WeightPublisher
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

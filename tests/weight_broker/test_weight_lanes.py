@@ -16,13 +16,13 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from furlong.core.weights import WeightLayout, plan_buckets
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.lanes import NixlLane, ShmLane, connect_lane
+from furlong.transfer.publisher import WeightPublisher
+from furlong.transfer.receiver import WeightReceiver
 from furlong.weight_broker.client import InProcessBrokerClient
-from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.core import BrokerCore
-from furlong.weight_broker.lanes import NixlLane, ShmLane, connect_lane
 from furlong.weight_broker.metrics import BrokerMetrics
-from furlong.weight_broker.publisher import WeightPublisher
-from furlong.weight_broker.receiver import WeightReceiver
 
 pytestmark = pytest.mark.integration
 
@@ -266,7 +266,7 @@ def test_the_stream_server_answers_while_the_publisher_waits_on_the_broker(local
 
 @pytest.mark.unit
 def test_host_buffers_are_zeroed_2mib_aligned_and_on_huge_pages_where_the_kernel_allows():
-    from furlong.weight_broker.host_memory import HUGE_PAGE_BYTES, host_buffer
+    from furlong.transfer.host_memory import HUGE_PAGE_BYTES, host_buffer
 
     buffer = host_buffer(3 * HUGE_PAGE_BYTES + 5)
     assert buffer.numel() == 3 * HUGE_PAGE_BYTES + 5 and buffer.is_contiguous()

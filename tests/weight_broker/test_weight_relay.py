@@ -11,11 +11,11 @@ from polling import wait_until
 
 from furlong.core.weight_shards import expected_shards, llama_tensor_parallel
 from furlong.core.weights import WeightLayout, plan_buckets
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.publisher import WeightPublisher
+from furlong.transfer.receiver import WeightReceiver
 from furlong.weight_broker.client import InProcessBrokerClient
-from furlong.weight_broker.config import TransferConfig
 from furlong.weight_broker.core import BrokerCore
-from furlong.weight_broker.publisher import WeightPublisher
-from furlong.weight_broker.receiver import WeightReceiver
 from furlong.weight_broker.relay import WeightRelay, upstream_run_id
 
 pytestmark = pytest.mark.integration

@@ -12,11 +12,11 @@ from polling import wait_until
 
 from furlong.core.errors import ConflictError
 from furlong.core.weights import WeightLayout
+from furlong.transfer.destination import layout_mismatch
+from furlong.transfer.publisher import WeightPublisher
+from furlong.transfer.receiver import WeightReceiver
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
-from furlong.weight_broker.destination import layout_mismatch
-from furlong.weight_broker.publisher import WeightPublisher
-from furlong.weight_broker.receiver import WeightReceiver
 
 pytestmark = pytest.mark.integration
 

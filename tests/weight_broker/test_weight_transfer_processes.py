@@ -17,8 +17,8 @@ from furlong.core.errors import ConflictError
 from furlong.core.weights import Manifest, WeightLayout
 from furlong.rpc import check_health
 from furlong.rpc.ports import free_port
-from furlong.weight_broker.client import GrpcBrokerClient
-from furlong.weight_broker.publisher import WeightPublisher
+from furlong.transfer.broker_client import GrpcBrokerClient
+from furlong.transfer.publisher import WeightPublisher
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -190,8 +190,8 @@ def _sample(metrics_text: str, series: str) -> float:
 def test_a_broker_process_relays_over_the_lanes_it_is_given(tmp_path):
     """`--relay-run R --relay-lanes nixl`: the relay in the broker process takes the trainer's
     version over NIXL and serves it on NIXL only (a heap bucket, no shared-memory object)."""
-    from furlong.weight_broker.config import TransferConfig
-    from furlong.weight_broker.receiver import WeightReceiver
+    from furlong.transfer.config import TransferConfig
+    from furlong.transfer.receiver import WeightReceiver
     from furlong.weight_broker.relay import upstream_run_id
 
     port, metrics_port = free_port(), free_port()

@@ -35,7 +35,7 @@ from furlong.rollout.rewards import resolve_user_reward, reward_registry
 from furlong.rollout.run_records import redis_records
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import start_server
-from furlong.weight_broker.client import GrpcBrokerClient
+from furlong.transfer.broker_client import GrpcBrokerClient
 
 log = logging.getLogger("furlong.rollout")
 

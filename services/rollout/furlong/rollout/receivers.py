@@ -5,9 +5,9 @@ engine, all sharing one broker client. The service only sees the `ReceiverFactor
 from __future__ import annotations
 
 from furlong.rollout.core.types import ApplyWeightsFn, ReceiverFactory
-from furlong.weight_broker.client import BrokerClient
-from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.receiver import WeightReceiver
+from furlong.transfer.broker_client import BrokerClient
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.receiver import WeightReceiver
 
 
 def broker_receiver_factory(

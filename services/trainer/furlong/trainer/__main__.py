@@ -16,7 +16,7 @@ from furlong.rpc import start_server
 from furlong.trainer.config import TrainerServiceConfig
 from furlong.trainer.server import SERVICE_NAME, register
 from furlong.trainer.service import TrainerService
-from furlong.weight_broker.client import GrpcBrokerClient
+from furlong.transfer.broker_client import GrpcBrokerClient
 
 log = logging.getLogger("furlong.trainer")
 

@@ -19,8 +19,9 @@ class TrainerServiceConfig:
     checkpoint_dir: str = ""  # "" = no training checkpoints; else one directory per run under it
     auth_token_file: str = ""  # "" = gRPC unauthenticated; else the shared service token's file
     tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
-    # Before a run's first version: sync its weights once into garbage-filled copies through a
-    # private broker and compare bit-exactly (furlong.weight_broker.equality); a mismatch fails it.
+    # Before a run's first version: sync its weights once into garbage-filled copies through the
+    # broker, as a private run of its own, and compare bit-exactly (furlong.transfer.equality); a
+    # mismatch fails it.
     check_weight_update_equal: bool = False
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,11 +51,13 @@ from furlong.trainer.train_checkpoint import (
     save_training_checkpoint,
 )
 from furlong.trainer.trained_groups import TrainedGroups
-from furlong.weight_broker.client import BrokerClient
-from furlong.weight_broker.equality import check_weight_update_equal
-from furlong.weight_broker.publisher import WeightPublisher
+from furlong.transfer.broker_client import BrokerClient
+from furlong.transfer.equality import check_weight_update_equal
+from furlong.transfer.publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
+
+EQUALITY_RUN_INFIX = "~equality-"  # the equality check's run on the broker: <run_id>~equality-<hex>
 
 
 @dataclass
@@ -77,10 +80,13 @@ class _Run:
         return self.offloader is not None
 
 
-def _check_weight_update_equal(run_id: str, state: dict[str, torch.Tensor]) -> None:
-    """IntegrityError naming the parameters a weight sync of `state` does not reproduce."""
+def _check_weight_update_equal(broker: BrokerClient, run_id: str, state: dict[str, torch.Tensor]) -> None:
+    """IntegrityError naming the parameters a weight sync of `state` does not reproduce. The sync goes
+    through `broker` (the trainer's) as a run of its own, `<run_id>~equality-<random hex>` (a broker
+    never reuses an ended run id), which the check ends."""
     engine = {name: tensor.detach().clone() for name, tensor in state.items()}
-    report = check_weight_update_equal(state, engine)
+    check_run = f"{run_id}{EQUALITY_RUN_INFIX}{uuid.uuid4().hex[:12]}"
+    report = check_weight_update_equal(state, engine, broker, run_id=check_run)
     if not report.ok:
         raise IntegrityError(
             f"run {run_id}: weight update equality check failed: mismatched "
@@ -153,7 +159,7 @@ class TrainerService:
         state = learner.state_dict()
         layout = WeightLayout.from_state_dict(state)
         if self._check_weight_update_equal:
-            _check_weight_update_equal(run_id, state)
+            _check_weight_update_equal(self._broker, run_id, state)
         publisher = self._publisher_factory(self._broker, run_id, layout, f"{self._agent_prefix}-{run_id}")
         num_parameters = sum(t.numel() for t in state.values())
         run = _Run(

@@ -23,8 +23,9 @@ from prometheus_client import REGISTRY, start_http_server
 
 from furlong import rpc
 from furlong.rpc import start_server
+from furlong.transfer.config import TransferConfig
 from furlong.weight_broker.client import InProcessBrokerClient
-from furlong.weight_broker.config import BrokerConfig, TransferConfig
+from furlong.weight_broker.config import BrokerConfig
 from furlong.weight_broker.fault_hooks import broker_core
 from furlong.weight_broker.metrics import BrokerMetrics
 from furlong.weight_broker.relay import WeightRelay

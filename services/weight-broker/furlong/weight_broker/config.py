@@ -1,5 +1,5 @@
-"""Configuration of the weight broker service and of the NIXL transfer endpoints, parsed once at the
-edge (`__main__`, or the process that builds a publisher/receiver) and validated here."""
+"""Configuration of the weight broker service, parsed once at the edge (`__main__`) and validated
+here. The transfer endpoints' settings (TransferConfig) live in furlong.transfer.config."""
 
 from __future__ import annotations
 
@@ -11,14 +11,9 @@ from dataclasses import dataclass
 
 from furlong.rpc import add_tls_arguments
 from furlong.rpc.tls import TlsFiles
+from furlong.transfer.config import LANE_NAMES, check_lanes
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_LANES = ("nixl", "shm", "grpc")
-
-
-def _check_lanes(name: str, lanes: tuple[str, ...]) -> None:
-    if not lanes or any(lane not in _LANES for lane in lanes) or len(set(lanes)) != len(lanes):
-        raise ValueError(f"{name} {lanes!r} must be distinct names from {_LANES}")
 
 
 def _check_port(name: str, port: int) -> None:
@@ -35,7 +30,7 @@ class BrokerConfig:
     max_ack_attempts: int = 3  # an engine is fenced after this many ok=False acks of a version
     ack_timeout_s: float = 60.0  # an engine that has not acknowledged the current stage is fenced
     relay_runs: tuple[str, ...] = ()  # runs this process relays (trainers publish to <run>~upstream)
-    relay_lanes: tuple[str, ...] = _LANES  # the relays' lanes, in order
+    relay_lanes: tuple[str, ...] = LANE_NAMES  # the relays' lanes, in order
     log_level: str = "INFO"
     auth_token_file: str = ""  # "" = gRPC unauthenticated; else the shared service token's file
     tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
@@ -51,7 +46,7 @@ class BrokerConfig:
             raise ValueError(
                 f"relay_runs {self.relay_runs!r} must be distinct run ids not ending in '~upstream'"
             )
-        _check_lanes("relay_lanes", self.relay_lanes)
+        check_lanes("relay_lanes", self.relay_lanes)
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
         if self.max_workers < 2:
@@ -111,42 +106,3 @@ class BrokerConfig:
     @property
     def logging_level(self) -> int:
         return logging.getLevelName(self.log_level)
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    """How a publisher stages versions and how a receiver pulls them.
-
-    lanes: for a publisher, the lanes its bucket is offered on; for a receiver, the lanes it tries,
-    in order (see furlong.weight_broker.lanes). bucket_size_bytes bounds the publisher's staging
-    memory: a larger model goes in rounds (a larger single tensor grows the bucket to its size)."""
-
-    backends: tuple[str, ...] = ("UCX",)
-    lanes: tuple[str, ...] = _LANES
-    bucket_size_bytes: int = 256 << 20
-    transfer_timeout_s: float = 60.0  # one read of one round
-    round_timeout_s: float = 60.0  # publisher: engines that have not pulled a round by then are fenced
-    rpc_retry_s: float = 1.0  # pause before re-registering after the broker went away
-    stream_chunk_bytes: int = 1 << 20  # grpc lane chunk size
-    stream_workers: int = 4  # publisher: WeightStream threads (one per engine it feeds)
-    pull_lock_wait_s: float = 5.0  # receiver: wait for the host's pull lock (0: never take it)
-    double_buffer: bool = False  # publisher: stage the next round in the other half of the
-    # bucket while engines pull the current one (needs spare
-    # cores: on 2 cores it slowed switches, see the docs)
-
-    def __post_init__(self) -> None:
-        if not self.backends or any(not b for b in self.backends):
-            raise ValueError(f"backends {self.backends!r} must name at least one NIXL backend")
-        _check_lanes("lanes", self.lanes)
-        for name in ("transfer_timeout_s", "round_timeout_s", "rpc_retry_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} {value} is not a finite number > 0")
-        if self.bucket_size_bytes < 1:
-            raise ValueError(f"bucket_size_bytes {self.bucket_size_bytes} < 1")
-        if not 1 <= self.stream_chunk_bytes <= 4 << 20:
-            raise ValueError(f"stream_chunk_bytes {self.stream_chunk_bytes} not in [1, 4 MiB]")
-        if not (math.isfinite(self.pull_lock_wait_s) and self.pull_lock_wait_s >= 0):
-            raise ValueError(f"pull_lock_wait_s {self.pull_lock_wait_s} is not a finite number >= 0")
-        if self.stream_workers < 1:
-            raise ValueError(f"stream_workers {self.stream_workers} < 1")

@@ -1,10 +1,5 @@
-"""The weight-update equality check (`--check-weight-update-equal`): proves that a weight sync
-really rewrites every parameter of an engine, bit for bit.
-
-Snapshot the engine's parameters (which start equal to the trainer's), overwrite them with garbage,
-publish the trainer's state through a real broker, publisher, receiver and lane, and compare every
-engine parameter with its snapshot bit-exactly. A parameter the sync forgot (left out of the
-manifest, or never copied by apply) still holds garbage and is named; so is one that differs.
+"""The weight-update equality check's command line (furlong.transfer.equality), over a private
+in-process broker:
 
     python -m furlong.weight_broker.equality --model-dir DIR [--lanes nixl,shm,grpc]
         [--bucket-bytes N] [--leave-out NAME]
@@ -24,109 +19,32 @@ import argparse
 import logging
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from furlong.core.weight_shards import ShardLayout, expected_shards, llama_tensor_parallel
 from furlong.core.weights import WeightLayout
-from furlong.weight_broker.client import InProcessBrokerClient
-from furlong.weight_broker.config import TransferConfig
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.equality import EqualityReport, check_weight_update_equal
+from furlong.weight_broker.client import make_client
 from furlong.weight_broker.core import BrokerCore
-from furlong.weight_broker.publisher import WeightPublisher
-from furlong.weight_broker.receiver import WeightReceiver
-
-log = logging.getLogger(__name__)
-
-_RUN = "weight-update-equality"
 
 
-@dataclass(frozen=True)
-class EqualityReport:
-    num_parameters: int
-    mismatched: tuple[str, ...]  # engine parameters that differ from their snapshot after the sync
-    unexpected: tuple[str, ...]  # published tensors the engine has no parameter for
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatched and not self.unexpected
-
-
-def check_weight_update_equal(
+def check_in_process(
     published: Mapping[str, torch.Tensor],
     engine_params: Mapping[str, torch.Tensor],
     *,
     config: TransferConfig = TransferConfig(),
-    timeout_s: float = 60.0,
     shard_layout: ShardLayout | None = None,
 ) -> EqualityReport:
-    """Run the check. `published` is what the trainer publishes; `engine_params` are the engine's
-    parameter tensors (contiguous; written in place, left equal to their snapshot when the check
-    passes). The garbage is every byte XOR 0xA5, so no byte of it equals the original.
-
-    Without shard_layout the engine receives the published tensors into a receive buffer and
-    copies them (apply). With one, it registers that layout and pulls its pieces straight into
-    engine_params, which must hold every tensor of the layout (ValueError naming the others)."""
-    if shard_layout is not None:
-        wanted = [s.name for s in shard_layout.resolve(WeightLayout.from_state_dict(published)).slots]
-        missing = sorted(set(wanted) - engine_params.keys())
-        if missing:
-            raise ValueError(f"the engine has no parameters {missing} of its shard layout")
-    snapshot = {name: t.detach().clone() for name, t in engine_params.items()}
-    with torch.no_grad():
-        for name, tensor in engine_params.items():
-            raw = tensor.detach().reshape(-1).view(torch.uint8)
-            raw.copy_(snapshot[name].reshape(-1).view(torch.uint8) ^ 0xA5)
-    unexpected: list[str] = []
-
-    def apply(version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                target = engine_params.get(name)
-                if target is None:
-                    unexpected.append(name)
-                else:
-                    target.copy_(tensor)
-
-    client = InProcessBrokerClient(BrokerCore())
-    if shard_layout is None:
-        receiver = WeightReceiver(client, _RUN, "equality-engine", apply, config=config)
-    else:
-        receiver = WeightReceiver(
-            client,
-            _RUN,
-            "equality-engine",
-            lambda version, params: None,
-            config=config,
-            shard_layout=shard_layout,
-            params=engine_params,
-        )
-    publisher = WeightPublisher(
-        client, _RUN, WeightLayout.from_state_dict(published), "equality-trainer", config=config
-    )
+    """check_weight_update_equal through a private in-process broker (a fresh BrokerCore)."""
+    broker = make_client(BrokerCore())
     try:
-        receiver.start()
-        publisher.publish(1, published)
-        client.wait_committed(_RUN, 1, timeout_s)
+        return check_weight_update_equal(
+            published, engine_params, broker, config=config, shard_layout=shard_layout
+        )
     finally:
-        publisher.close()
-        receiver.close()
-        client.close()
-    mismatched = tuple(
-        name
-        for name, tensor in engine_params.items()
-        if not torch.equal(
-            tensor.detach().reshape(-1).view(torch.uint8), snapshot[name].reshape(-1).view(torch.uint8)
-        )
-    )
-    report = EqualityReport(len(engine_params), mismatched, tuple(sorted(unexpected)))
-    if report.ok:
-        log.info("weight update equal: %d parameters bit-identical after the sync", report.num_parameters)
-    else:
-        log.error(
-            "weight update NOT equal: mismatched %s, unexpected %s", list(mismatched), list(report.unexpected)
-        )
-    return report
+        broker.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -171,11 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         except ValueError as exc:
             parser.error(str(exc))
-        report = check_weight_update_equal(
+        report = check_in_process(
             published, expected_shards(shards, full), config=config, shard_layout=shards
         )
     else:
-        report = check_weight_update_equal(published, unique_state(engine), config=config)
+        report = check_in_process(published, unique_state(engine), config=config)
     print(
         f"parameters: {report.num_parameters}, mismatched: {list(report.mismatched)}, "
         f"unexpected: {list(report.unexpected)}"

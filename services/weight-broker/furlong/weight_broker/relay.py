@@ -23,13 +23,14 @@ import threading
 from dataclasses import dataclass
 
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
+from furlong.core.weight_versions import EventKind, VersionEventInfo
 from furlong.core.weights import Manifest, WeightLayout, checksum
-from furlong.weight_broker.bucket import StagingBucket
-from furlong.weight_broker.client import BrokerClient, VersionWatch
-from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.core import UPSTREAM_SUFFIX, EventKind, VersionEventInfo
-from furlong.weight_broker.destination import layout_mismatch
-from furlong.weight_broker.lanes import Lane, connect_lane
+from furlong.transfer.broker_client import BrokerClient, VersionWatch
+from furlong.transfer.bucket import StagingBucket
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.destination import layout_mismatch
+from furlong.transfer.lanes import Lane, connect_lane
+from furlong.weight_broker.core import UPSTREAM_SUFFIX
 
 log = logging.getLogger(__name__)
 

@@ -33,14 +33,14 @@ from typing import Protocol
 
 from furlong.core.errors import ConflictError, NotFoundError
 from furlong.core.weight_shards import ShardLayout
-from furlong.core.weights import Manifest
-from furlong.weight_broker.core.events import (
+from furlong.core.weight_versions import (
     NO_VERSION,
     EventKind,
     VersionEventInfo,
     VersionStatusInfo,
     WeightSourceInfo,
 )
+from furlong.core.weights import Manifest
 from furlong.weight_broker.core.subscription import EventSubscription
 from furlong.weight_broker.core.versions import NO_ROUND, Phase, Run, Version, published, round_ready
 

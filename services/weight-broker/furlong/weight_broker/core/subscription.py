@@ -8,7 +8,7 @@ import collections
 import threading
 from collections.abc import Callable
 
-from furlong.weight_broker.core.events import VersionEventInfo
+from furlong.core.weight_versions import VersionEventInfo
 
 
 class EventSubscription:

@@ -9,8 +9,8 @@ import enum
 from dataclasses import dataclass, field
 
 from furlong.core.weight_shards import ShardLayout
+from furlong.core.weight_versions import NO_VERSION, EventKind, VersionEventInfo, WeightSourceInfo
 from furlong.core.weights import Manifest
-from furlong.weight_broker.core.events import NO_VERSION, EventKind, VersionEventInfo, WeightSourceInfo
 from furlong.weight_broker.core.subscription import EventSubscription
 
 NO_ROUND = -1

@@ -19,6 +19,7 @@ import torch
 
 from furlong.core.errors import ConflictError, NotFoundError
 from furlong.core.weight_shards import ShardPlan, plan_shards, shard_checksums
+from furlong.core.weight_versions import WeightSourceInfo
 from furlong.core.weights import (
     Manifest,
     WeightLayout,
@@ -27,10 +28,9 @@ from furlong.core.weights import (
     round_checksums,
     stage_round,
 )
-from furlong.weight_broker.bucket import StagingBucket
-from furlong.weight_broker.client import BrokerClient
-from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.core import WeightSourceInfo
+from furlong.transfer.broker_client import BrokerClient
+from furlong.transfer.bucket import StagingBucket
+from furlong.transfer.config import TransferConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@
 
 Both are built once, on the first version; their memory is registered with the NIXL endpoint
 once and reused, as are the lanes' prepared requests. Receive buffers are huge-page host memory
-(furlong.weight_broker.host_memory). Knows nothing about the broker.
+(furlong.transfer.host_memory). Knows nothing about the broker.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from furlong.core.weight_shards import (
     plan_shards,
 )
 from furlong.core.weights import BucketRound, Manifest, WeightLayout, checksum
-from furlong.weight_broker.host_memory import host_buffer
-from furlong.weight_broker.lanes import Lane
-from furlong.weight_broker.nixl_transport import NixlEndpoint
+from furlong.transfer.host_memory import host_buffer
+from furlong.transfer.lanes import Lane
+from furlong.transfer.nixl_transport import NixlEndpoint
 
 
 def layout_mismatch(expected: WeightLayout, got: WeightLayout) -> str:

@@ -25,7 +25,7 @@ import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
 from furlong.core.errors import UnavailableError
-from furlong.weight_broker.core import WeightSourceInfo
+from furlong.core.weight_versions import WeightSourceInfo
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,7 @@
-"""Domain records the broker hands out: where a version's bytes are, what happened to a version, and
-where a run stands. Plain frozen dataclasses, the twins of the furlong.v1 messages of the same role.
+"""Domain records of weight versions that the broker hands out and the transfer library reads: where a
+version's bytes are, what happened to a version, and where a run stands. Plain frozen dataclasses,
+the twins of the furlong.v1 messages of the same role (converted in furlong.transfer.wire); they
+know nothing about the wire or the broker's rules.
 """
 
 from __future__ import annotations

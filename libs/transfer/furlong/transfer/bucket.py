@@ -13,14 +13,14 @@ from collections.abc import Sequence
 
 import torch
 
+from furlong.core.weight_versions import WeightSourceInfo
 from furlong.rpc import rpc_errors, start_server
+from furlong.transfer.host_memory import host_buffer
+from furlong.transfer.lanes import LANE_GRPC, LANE_NIXL, LANE_SHM, LANES
+from furlong.transfer.nixl_transport import NixlEndpoint
+from furlong.transfer.shm import SharedBuffer
 from furlong.v1 import weight_broker_pb2 as pb
 from furlong.v1 import weight_broker_pb2_grpc as pb_grpc
-from furlong.weight_broker.core import WeightSourceInfo
-from furlong.weight_broker.host_memory import host_buffer
-from furlong.weight_broker.lanes import LANE_GRPC, LANE_NIXL, LANE_SHM, LANES
-from furlong.weight_broker.nixl_transport import NixlEndpoint
-from furlong.weight_broker.shm import SharedBuffer
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 the best lane that reaches the publisher, verify every round's checksum, hand the complete version
 to the engine and acknowledge it.
 
-Where the bytes land (see furlong.weight_broker.destination): by default a receive buffer laid out
+Where the bytes land (see furlong.transfer.destination): by default a receive buffer laid out
 like the published tensors, and `apply(version, tensors)` gets views of it that the next version
 overwrites, so apply copies them into the model between decode steps. An engine may instead offer
 its parameter tensors (`params`): pieces are then pulled straight into them (no receive buffer,
@@ -13,7 +13,7 @@ shards, fused projections) declares a `shard_layout` (furlong.core.weight_shards
 registers; it receives exactly its pieces, verified against the manifest's digests for its layout.
 apply is called only once every round of the version arrived and verified, so an engine never
 serves a torn version. Engines on one host take turns pulling out of host memory
-(furlong.weight_broker.pull_lock), so one verifies while the next pulls.
+(furlong.transfer.pull_lock), so one verifies while the next pulls.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ import torch
 
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError, UnavailableError
 from furlong.core.weight_shards import ShardLayout
+from furlong.core.weight_versions import NO_VERSION, EventKind, VersionEventInfo, WeightSourceInfo
 from furlong.core.weights import BucketRound, Manifest
-from furlong.weight_broker.client import BrokerClient, VersionWatch
-from furlong.weight_broker.config import TransferConfig
-from furlong.weight_broker.core import NO_VERSION, EventKind, VersionEventInfo, WeightSourceInfo
-from furlong.weight_broker.destination import BufferDestination, PieceDestination
-from furlong.weight_broker.lanes import LANE_NIXL, LANE_SHM, Lane, connect_lane
-from furlong.weight_broker.nixl_transport import NixlEndpoint
-from furlong.weight_broker.pull_lock import PullLock
+from furlong.transfer.broker_client import BrokerClient, VersionWatch
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.destination import BufferDestination, PieceDestination
+from furlong.transfer.lanes import LANE_NIXL, LANE_SHM, Lane, connect_lane
+from furlong.transfer.nixl_transport import NixlEndpoint
+from furlong.transfer.pull_lock import PullLock
 
 log = logging.getLogger(__name__)
 

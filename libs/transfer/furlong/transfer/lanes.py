@@ -29,12 +29,12 @@ import torch
 from furlong.core.block_checksum import RangeHasher, copy_checksum
 from furlong.core.errors import UnavailableError
 from furlong.core.weight_shards import PieceCopy, copy_rows
+from furlong.core.weight_versions import WeightSourceInfo
 from furlong.rpc import channel, error_from_rpc
+from furlong.transfer.nixl_transport import NixlEndpoint
+from furlong.transfer.shm import SharedBuffer
 from furlong.v1 import weight_broker_pb2 as pb
 from furlong.v1 import weight_broker_pb2_grpc as pb_grpc
-from furlong.weight_broker.core import WeightSourceInfo
-from furlong.weight_broker.nixl_transport import NixlEndpoint
-from furlong.weight_broker.shm import SharedBuffer
 
 log = logging.getLogger(__name__)
 
