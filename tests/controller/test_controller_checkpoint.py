@@ -14,18 +14,10 @@ from tiny_policy import write_tiny_checkpoint
 
 from furlong import rpc
 from furlong.controller.auth import ApiTokens
-from furlong.controller.clients import (
-    BROKER_SERVICE,
-    ROLLOUT_SERVICE,
-    TRAINER_SERVICE,
-    GrpcBrokerClient,
-    GrpcRolloutClient,
-    GrpcTrainerClient,
-)
 from furlong.controller.config import DriverTimeouts
-from furlong.controller.prompt_source import TaskPromptSource
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
+from furlong.controller.services import BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE, connect
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.receivers import broker_receiver_factory
 from furlong.rollout.run_records import redis_records
@@ -72,18 +64,10 @@ def services(tmp_path, redis_url):
 def test_checkpoint_mid_run_is_written_by_the_trainer(services, tmp_path, redis_url):
     model = write_tiny_checkpoint(tmp_path / "model")
     store = RunStore.from_url(redis_url)
-    clients = (
-        GrpcTrainerClient(services["trainer"]),
-        GrpcRolloutClient(services["rollout"]),
-        GrpcBrokerClient(services["broker"]),
-    )
+    timeouts = DriverTimeouts(end_s=10.0)
+    clients = connect(services["trainer"], services["rollout"], services["broker"], timeouts)
     controller = build_controller(
-        store,
-        *clients,
-        TaskPromptSource(),
-        ApiTokens(admin=(ADMIN,), viewer=(VIEWER,)),
-        lambda: {"redis": True},
-        DriverTimeouts(end_s=10.0),
+        store, clients, ApiTokens(admin=(ADMIN,), viewer=(VIEWER,)), lambda: {"redis": True}, timeouts
     )
     server = HttpServer(controller.app).start()
     http = httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": f"Bearer {ADMIN}"})
@@ -139,6 +123,5 @@ def test_checkpoint_mid_run_is_written_by_the_trainer(services, tmp_path, redis_
         http.close()
         controller.close(30)
         server.stop()
-        for c in clients:
-            c.close()
+        clients.close()
         store.close()

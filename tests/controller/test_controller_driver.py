@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -14,10 +15,12 @@ from furlong.controller.core.step_record import sampling_seed
 from furlong.controller.driver import RunDriver
 from furlong.controller.executor import RunExecutor
 from furlong.controller.metrics import ControllerMetrics
-from furlong.controller.prompt_source import TaskPromptSource
 from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.run_store import RunStore
 from furlong.core.errors import UnavailableError
+from furlong.core.settings import RolloutSettings, SettingError
+from furlong.rollout.core.types import RolloutRunConfig
+from furlong.trainer.api import TrainerRunConfig
 
 pytestmark = pytest.mark.integration
 
@@ -68,24 +71,23 @@ def test_steps_advance_and_metrics_are_recorded(env):
     for s in steps:
         assert s.step_seconds >= s.generate_seconds + s.train_seconds + s.sync_seconds - 1e-9
     # what the services were asked
-    assert fakes.rollout.configured[run.run_id] == {
-        "model_dir": "/models/tiny",
-        "reward": "addition_exact_match",
-        "num_engines": 1,
-        "seed": 7,
-    }
-    trainer_cfg = fakes.trainer.configured[run.run_id]
-    assert (
-        trainer_cfg["model_dir"],
-        trainer_cfg["seed"],
-        trainer_cfg["total_steps"],
-        trainer_cfg["temperature"],
-    ) == ("/models/tiny", 7, 3, 1.0)
-    assert trainer_cfg["algorithm"] == run.spec.algorithm
+    assert fakes.rollout.configured[run.run_id] == RolloutRunConfig(
+        run_id=run.run_id, model_dir="/models/tiny", seed=7, task="addition", rollout=RolloutSettings()
+    )
+    assert fakes.trainer.configured[run.run_id] == TrainerRunConfig(
+        run_id=run.run_id,
+        model_dir="/models/tiny",
+        algorithm=run.spec.algorithm,
+        sampling_temperature=1.0,
+        seed=7,
+        total_steps=3,
+        checkpoint=run.spec.checkpoint,
+    )
     calls = fakes.rollout.generate_calls
-    assert [c["min_policy_version"] for c in calls] == [0, 1, 2]
-    assert [c["seed"] for c in calls] == [sampling_seed(7, s) for s in (1, 2, 3)]
-    assert calls[0]["prompt_ids"] == [f"s7-t1-{i}" for i in range(4)]
+    assert [c.min_policy_version for c in calls] == [0, 1, 2]
+    assert [c.sampling.seed for c in calls] == [sampling_seed(7, s) for s in (1, 2, 3)]
+    assert [c.sampling.settings() for c in calls] == [run.spec.sampling] * 3
+    assert [(c.num_groups, c.samples_per_prompt, c.prompts) for c in calls] == [(4, 2, ())] * 3
     assert fakes.rollout.ended == fakes.trainer.ended == fakes.broker.ended == [run.run_id]
     # Prometheus
     assert sample(metrics, "furlong_controller_runs_total", state="succeeded") == 1
@@ -116,9 +118,9 @@ def test_configure_error_and_unknown_task(env):
     assert final.reason.startswith("rollout.ConfigureRun: ValueError: no such checkpoint")
     assert fakes.trainer.runs == {}  # the trainer was never configured
     fakes.faults.raise_in.clear()
-    other = store.create(parse_run_spec({"name": "x", "model": "/m", "task": "sorting", "steps": 1}))
-    final = driver.execute(other.run_id)
-    assert final.state == RunState.FAILED and final.reason.startswith("task: ValueError: unknown task")
+    with pytest.raises(SettingError, match="task: must be one of") as info:
+        parse_run_spec({"name": "x", "model": "/m", "task": "sorting", "steps": 1})
+    assert info.value.field == "task"
 
 
 def test_teardown_error_turns_success_into_failure(env):
@@ -225,12 +227,12 @@ def test_a_service_that_goes_away_once_is_recovered_from(env):
     real_train_step = fakes.trainer.train_step
     failures = []
 
-    def flaky(run_id, step, num_groups, wait_s):
-        if step == 2 and not failures:
-            failures.append(step)
-            fakes.trainer.runs.pop(run_id)  # the trainer "restarted": it forgot the run
+    def flaky(request):
+        if request.step == 2 and not failures:
+            failures.append(request.step)
+            fakes.trainer.runs.pop(request.run_id)  # the trainer "restarted": it forgot the run
             raise UnavailableError("trainer went away")
-        return real_train_step(run_id, step, num_groups, wait_s)
+        return real_train_step(request)
 
     fakes.trainer.train_step = flaky
     run = store.create(make_spec(steps=3))
@@ -241,9 +243,9 @@ def test_a_service_that_goes_away_once_is_recovered_from(env):
     recovery = [e for _, e in store.events(run.run_id) if e["type"] == "recovery"]
     assert len(recovery) == 1
     assert "step 2 trainer.TrainStep: UnavailableError: trainer went away" in recovery[0]["reason"]
-    audit = store.ledger(run.run_id).audit(finished_step=3)
-    # the fakes keep no checkpoint: the run went back to step 0 and submitted steps 1-2 again
-    assert audit.submitted == 12 and audit.resubmitted == 8 and audit.recoveries == 1
+    # the fakes keep no checkpoint: the run went back to step 0 and asked for steps 1-2 again
+    assert [c.step for c in fakes.rollout.generate_calls] == [1, 2, 1, 2, 3]
+    assert store.ledger(run.run_id).audit(finished_step=3).recoveries == 1
 
 
 def test_a_service_that_stays_away_fails_the_run_after_max_attempts(env):
@@ -262,11 +264,11 @@ def test_recovery_times_out_naming_the_service_that_did_not_come_back(env):
     store, fakes, driver, _ = env
     real_train_step = fakes.trainer.train_step
 
-    def dies(run_id, step, num_groups, wait_s):
-        if step == 2:
+    def dies(request):
+        if request.step == 2:
             fakes.faults.raise_in["rollout.end_run"] = UnavailableError("rollout is down")
             raise UnavailableError("rollout is down")
-        return real_train_step(run_id, step, num_groups, wait_s)
+        return real_train_step(request)
 
     fakes.trainer.train_step = dies
     run = store.create(make_spec(recovery={"max_attempts": 1, "timeout_s": 1.0}))
@@ -299,39 +301,34 @@ def test_closing_executor_stops_the_active_run_and_leaves_queued_ones_pending(en
     assert store.get(queued.run_id).state == RunState.PENDING
 
 
-@pytest.mark.unit
-def test_task_prompt_source_uses_the_registered_tasks():
-    source = TaskPromptSource()
-    assert source.reward_name("addition") == "addition_exact_match"
-    prompts = source.prompts("addition", seed=3, step=2, count=4)
-    assert len(prompts) == 4 and len({p.prompt_id for p in prompts}) == 4
-    assert prompts == source.prompts("addition", seed=3, step=2, count=4)  # deterministic
-    a, b = prompts[0].text.rstrip("=").split("+")
-    assert prompts[0].answer == str(int(a) + int(b))
-    with pytest.raises(ValueError, match="unknown task 'sorting'"):
-        source.reward_name("sorting")
-
-
-def test_over_sampling_asks_for_more_prompts_and_trains_the_first_to_complete(env):
+def test_rollout_settings_go_to_rollout_which_decides_the_groups(env):
     store, fakes, driver, _ = env
     run = store.create(make_spec(steps=2, rollout={"over_sampling": 1.5, "max_refill_rounds": 2}))
     final = driver.execute(run.run_id)
     assert final.state == RunState.SUCCEEDED, final.reason
-    calls = fakes.rollout.generate_calls
-    assert [len(c["prompt_ids"]) for c in calls] == [6, 6]  # ceil(4 x 1.5)
-    assert [c["keep_groups"] for c in calls] == [4, 4]
-    assert [c["max_refill_rounds"] for c in calls] == [2, 2]
+    assert fakes.rollout.configured[run.run_id].rollout == RolloutSettings(
+        over_sampling=1.5, max_refill_rounds=2
+    )
+    # the driver asks for the step's groups; how many prompts to draw and which to cut is rollout's
+    assert [(c.num_groups, c.prompts) for c in fakes.rollout.generate_calls] == [(4, ()), (4, ())]
     assert [s.samples for s in store.metrics(run.run_id)] == [8, 8]  # 4 groups x 2 trained
-    audit = store.ledger(run.run_id).audit(finished_step=2)
-    # the fake rollout writes no stream: every asked prompt is cut, none counted lost
-    assert (audit.lost, audit.cut, audit.submitted) == (0, 12, 0)
 
 
-def test_no_over_sampling_sends_no_keep_groups(env):
+def test_a_step_trains_the_groups_rollout_says_it_has(env):
     store, fakes, driver, _ = env
-    run = store.create(make_spec(steps=1))
+    original = fakes.rollout.generate
+
+    def fewer(request):  # dynamic sampling dropped one group
+        return dataclasses.replace(original(request), num_groups=3, num_groups_dropped=1)
+
+    fakes.rollout.generate = fewer
+    run = store.create(make_spec(steps=1, rollout={"max_refill_rounds": 1}))
     assert driver.execute(run.run_id).state == RunState.SUCCEEDED
-    assert [c["keep_groups"] for c in fakes.rollout.generate_calls] == [0]
+    assert store.metrics(run.run_id)[0].trainer_metrics["grad_norm"] == 0.5
+    fakes.rollout.generate = lambda request: dataclasses.replace(original(request), num_groups=0)
+    none_left = store.create(make_spec(steps=1, rollout={"max_refill_rounds": 1}))
+    final = driver.execute(none_left.run_id)
+    assert final.state == RunState.FAILED and "no group left to train" in final.reason
 
 
 @pytest.mark.parametrize(

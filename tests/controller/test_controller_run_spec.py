@@ -6,7 +6,8 @@ import copy
 
 import pytest
 
-from furlong.controller.run_spec import AlgorithmSpec, RunSpec, SamplingSpec, SettingError, parse_run_spec
+from furlong.controller.run_spec import RunSpec, parse_run_spec
+from furlong.core.settings import AlgorithmSettings, SamplingSettings, SettingError
 
 FULL = {
     "name": "addition-grpo",
@@ -16,7 +17,7 @@ FULL = {
     "seed": 0,
     "prompts_per_step": 16,
     "samples_per_prompt": 8,
-    "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 8, "stop": []},
+    "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_new_tokens": 8, "stop": []},
     "algorithm": {
         "name": "grpo",
         "learning_rate": 0.0003,
@@ -27,8 +28,8 @@ FULL = {
         "micro_batch_size": 64,
         "adam_beta1": 0.9,
         "adam_beta2": 0.999,
-        "clip_eps_high": 0.0,
-        "loss_aggregation": "",
+        "clip_eps_high": 0.2,
+        "loss_aggregation": "token_mean",
         "kl_coef": 0.0,
         "kl_estimator": "k3",
         "kl_mode": "loss",
@@ -80,8 +81,8 @@ def test_full_spec_round_trips():
 def test_minimal_spec_takes_documented_defaults():
     spec = parse_run_spec({"name": "r", "model": "/m", "task": "addition", "steps": 2})
     assert spec.seed == 0 and spec.prompts_per_step == 16 and spec.samples_per_prompt == 8
-    assert spec.sampling == SamplingSpec(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8)
-    assert spec.algorithm == AlgorithmSpec()
+    assert spec.sampling == SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8)
+    assert spec.algorithm == AlgorithmSettings()
     assert spec.algorithm.learning_rate == 3e-4
     assert spec.rollout.num_engines == 1
 
@@ -99,26 +100,38 @@ def test_integers_are_accepted_for_float_fields_and_stored_as_floats():
         (with_value("sampling.top_p", 1.5), "sampling.top_p", "(0, 1]"),
         (with_value("sampling.top_p", 0.0), "sampling.top_p", "(0, 1]"),
         (with_value("sampling.temperature", 0), "sampling.temperature", "got 0"),
+        (with_value("sampling.min_p", 1.0), "sampling.min_p", "[0, 1)"),
+        (with_value("sampling.stop", [""]), "sampling.stop", "non-empty"),
+        (with_value("sampling.stop", ["s"] * 17), "sampling.stop", "at most 16"),
         (with_value("sampling.temperature", float("nan")), "sampling.temperature", "finite"),
-        (with_value("sampling.top_k", -1), "sampling.top_k", ">= 0"),
+        (with_value("sampling.top_k", -1), "sampling.top_k", "[0, "),
         (with_value("sampling.top_k", 1.5), "sampling.top_k", "integer"),
-        (with_value("sampling.max_new_tokens", 0), "sampling.max_new_tokens", ">= 1"),
+        (with_value("sampling.max_new_tokens", 0), "sampling.max_new_tokens", "[1, "),
         (with_value("sampling.extra", 1), "sampling.extra", "unknown field"),
         (with_value("sampling", [1]), "sampling", "mapping"),
         (with_value("algorithm.name", "ppo2"), "algorithm.name", "grpo"),
+        (with_value("algorithm.clip_eps", 1.0), "algorithm.clip_eps", "(0, 1)"),
         (with_value("algorithm.learning_rate", -1e-3), "algorithm.learning_rate", "got -0.001"),
         (with_value("algorithm.adam_beta2", 1.0), "algorithm.adam_beta2", "[0, 1)"),
-        (with_value("algorithm.epochs_per_batch", 0), "algorithm.epochs_per_batch", ">= 1"),
+        (with_value("algorithm.epochs_per_batch", 0), "algorithm.epochs_per_batch", "[1, "),
         (with_value("algorithm.micro_batch_size", "64"), "algorithm.micro_batch_size", "integer"),
         (with_value("algorithm.max_grad_norm", -0.5), "algorithm.max_grad_norm", "got -0.5"),
-        (with_value("rollout.num_engines", 0), "rollout.num_engines", ">= 1"),
+        (with_value("rollout.num_engines", 0), "rollout.num_engines", "[1, "),
         (with_value("rollout.gpus", 1), "rollout.gpus", "unknown field"),
-        (with_value("steps", 0), "steps", ">= 1"),
+        (with_value("steps", 0), "steps", "[1, "),
         (with_value("steps", True), "steps", "integer"),
         (with_value("steps", "30"), "steps", "integer"),
-        (with_value("seed", -1), "seed", ">= 0"),
-        (with_value("prompts_per_step", 0), "prompts_per_step", ">= 1"),
-        (with_value("samples_per_prompt", 0), "samples_per_prompt", ">= 1"),
+        (with_value("steps", 99999999999999999999999), "steps", "[1, 10000000]"),
+        (with_value("prompts_per_step", 100000000), "prompts_per_step", "[1, 16384]"),
+        (
+            {**FULL, "prompts_per_step": 16384, "samples_per_prompt": 64},
+            "prompts_per_step",
+            "samples per step",
+        ),
+        (with_value("task", "sorting"), "task", "one of ['addition']"),
+        (with_value("seed", -1), "seed", "[0, "),
+        (with_value("prompts_per_step", 0), "prompts_per_step", "[1, "),
+        (with_value("samples_per_prompt", 0), "samples_per_prompt", "[1, "),
         (with_value("model", "relative/dir"), "model", "absolute"),
         (with_value("model", ""), "model", "non-empty"),
         (with_value("name", "has space"), "name", "must match"),
@@ -140,6 +153,6 @@ def test_bad_values_name_their_field(data, field, words):
 @pytest.mark.unit
 def test_direct_construction_validates_too():
     with pytest.raises(ValueError, match="top_p"):
-        SamplingSpec(top_p=2.0)
+        SamplingSettings(top_p=2.0)
     with pytest.raises(ValueError, match="sampling"):
-        RunSpec(name="r", model="/m", task="t", steps=1, sampling={"top_p": 1.0})
+        RunSpec(name="r", model="/m", task="addition", steps=1, sampling={"top_p": 1.0})

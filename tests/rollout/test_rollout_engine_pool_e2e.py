@@ -25,11 +25,12 @@ from rollout_models import tiny_model, tokenizer, write_checkpoint
 
 from furlong.core.checkpoint import unique_state
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
+from furlong.core.settings import RolloutSettings
 from furlong.core.weights import WeightLayout
-from furlong.rollout.client import RolloutClient
+from furlong.rollout.client import GrpcRolloutClient, RolloutDeadlines
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampling import SamplingConfig
-from furlong.rollout.core.types import EngineState, Prompt
+from furlong.rollout.core.types import EngineState, GenerateRequest, Prompt, RolloutRunConfig
 from furlong.rollout.sample_ledger import DONE, RedisSampleLedger, ledger_key
 from furlong.rpc import check_health
 from furlong.rpc.ports import free_port
@@ -75,6 +76,18 @@ def registered(broker) -> tuple[str, ...]:
 
 def engines_by_id(client):
     return {e.engine_id: e for e in client.status(RUN).engines}
+
+
+def step_request(step, prompts, samples_per_prompt, sampling, min_policy_version) -> GenerateRequest:
+    return GenerateRequest(
+        run_id=RUN,
+        step=step,
+        samples_per_prompt=samples_per_prompt,
+        sampling=sampling,
+        min_policy_version=min_policy_version,
+        timeout_s=60.0,
+        prompts=tuple(prompts),
+    )
 
 
 def in_background(fn):
@@ -125,7 +138,7 @@ def test_kill_9_an_engine_process_mid_request_then_drain(redis_url, tmp_path):
         tmp_path / "rollout.log",
     )
     broker = GrpcBrokerClient(broker_address)
-    client = RolloutClient(rollout_address, timeout_s=60.0, generate_margin_s=120.0)
+    client = GrpcRolloutClient(rollout_address, RolloutDeadlines(call_s=60.0, generate_margin_s=120.0))
     red = redis.Redis.from_url(redis_url)
     publisher = None
     try:
@@ -137,7 +150,14 @@ def test_kill_9_an_engine_process_mid_request_then_drain(redis_url, tmp_path):
         assert rollout_proc.poll() is None, (tmp_path / "rollout.log").read_text()[-3000:]
         wait_until(lambda: check_health(broker_address, "furlong.v1.WeightBroker"), 60.0, "the broker")
         checkpoint = str(write_checkpoint(tmp_path / "policy", seed=71))
-        info = client.configure_run(RUN, checkpoint, "addition_exact_match", 2, 0)
+        info = client.configure_run(
+            RolloutRunConfig(
+                run_id=RUN,
+                model_dir=checkpoint,
+                reward="addition_exact_match",
+                rollout=RolloutSettings(num_engines=2),
+            )
+        )
         assert info.engine_ids == [E0, E1]
         first = engines_by_id(client)
         assert all(e.pid > 0 and e.pid != os.getpid() for e in first.values())
@@ -152,7 +172,7 @@ def test_kill_9_an_engine_process_mid_request_then_drain(redis_url, tmp_path):
         assert {e.policy_version for e in engines_by_id(client).values()} == {1}
 
         # -- kill -9 an engine while it runs a chunk of a request --------------------------------
-        thread, box = in_background(lambda: client.generate(RUN, 0, PROMPTS, 4, LONG, 1, 60.0))
+        thread, box = in_background(lambda: client.generate(step_request(0, PROMPTS, 4, LONG, 1)))
         request = f"{RUN}/0/1"
         wait_until(
             lambda: f"flight:{E0}".encode() in red.hvals(ledger_key(request)) or not thread.is_alive(),
@@ -186,7 +206,7 @@ def test_kill_9_an_engine_process_mid_request_then_drain(redis_url, tmp_path):
         # -- the next version reaches the restarted engine too -----------------------------------
         publisher.publish(2, unique_state(v2))
         assert broker.wait_committed(RUN, 2, 60.0).committed_version == 2
-        greedy = client.generate(RUN, 1, PROMPTS[:8], 1, GREEDY, 2, 60.0)
+        greedy = client.generate(step_request(1, PROMPTS[:8], 1, GREEDY, 2))
         assert greedy.policy_version == 2
         tok = tokenizer()
         want = Engine(v2, tok).generate([tok.encode(p.text) for p in PROMPTS[:8]], GREEDY)
@@ -198,7 +218,7 @@ def test_kill_9_an_engine_process_mid_request_then_drain(redis_url, tmp_path):
         assert {e.engine_id: e.policy_version for e in client.status(RUN).engines} == {E0: 2, E1: 2}
 
         # -- drain engine 1 while it works; then it takes no new work ----------------------------
-        thread, box = in_background(lambda: client.generate(RUN, 2, PROMPTS, 2, LONG, 2, 60.0))
+        thread, box = in_background(lambda: client.generate(step_request(2, PROMPTS, 2, LONG, 2)))
         wait_until(
             lambda: f"flight:{E1}".encode() in red.hvals(ledger_key(f"{RUN}/2/1")) or not thread.is_alive(),
             120.0,
@@ -212,7 +232,7 @@ def test_kill_9_an_engine_process_mid_request_then_drain(redis_url, tmp_path):
         wait_until(lambda: engines_by_id(client)[E1].state is EngineState.DRAINED, 30.0, "drained")
         os.kill(first[E1].pid, signal.SIGSTOP)  # a chunk sent to it now would hang
         try:
-            after = client.generate(RUN, 3, PROMPTS[:6], 2, LONG, 2, 60.0)
+            after = client.generate(step_request(3, PROMPTS[:6], 2, LONG, 2))
         finally:
             os.kill(first[E1].pid, signal.SIGCONT)
         assert after.num_samples == 12

@@ -16,11 +16,12 @@ from rollout_models import tiny_model, tokenizer, write_checkpoint
 
 from furlong.core.checkpoint import unique_state
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
+from furlong.core.settings import RolloutSettings
 from furlong.core.weights import WeightLayout
-from furlong.rollout.client import RolloutClient
+from furlong.rollout.client import GrpcRolloutClient
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampler import SamplingConfig
-from furlong.rollout.core.types import Prompt
+from furlong.rollout.core.types import GenerateRequest, Prompt, RolloutRunConfig
 from furlong.rpc import check_health
 from furlong.rpc.ports import free_port
 from furlong.transfer.broker_client import GrpcBrokerClient
@@ -85,7 +86,7 @@ def test_rollout_process_takes_new_versions_from_the_broker(redis_url, tmp_path)
         tmp_path / "rollout.log",
     )
     broker = GrpcBrokerClient(broker_address)
-    client = RolloutClient(rollout_address)
+    client = GrpcRolloutClient(rollout_address)
     publisher = None
     try:
         wait_until(
@@ -97,7 +98,14 @@ def test_rollout_process_takes_new_versions_from_the_broker(redis_url, tmp_path)
         wait_until(lambda: check_health(broker_address, "furlong.v1.WeightBroker"), 60.0, "the broker")
 
         checkpoint = str(write_checkpoint(tmp_path / "policy", seed=31))
-        info = client.configure_run(RUN, checkpoint, "addition_exact_match", 2, 0)
+        info = client.configure_run(
+            RolloutRunConfig(
+                run_id=RUN,
+                model_dir=checkpoint,
+                reward="addition_exact_match",
+                rollout=RolloutSettings(num_engines=2),
+            )
+        )
         assert info.engine_ids == [f"{RUN}-engine-0", f"{RUN}-engine-1"]
         wait_until(lambda: engines(broker) == tuple(info.engine_ids), 30.0, "both engines to register")
 
@@ -107,7 +115,17 @@ def test_rollout_process_takes_new_versions_from_the_broker(redis_url, tmp_path)
             broker, RUN, WeightLayout.from_state_dict(state), agent_name="trainer-e2e"
         )
         publisher.publish(1, state)
-        result = client.generate(RUN, 0, PROMPTS, 2, GREEDY, min_policy_version=1, timeout_s=60.0)
+        result = client.generate(
+            GenerateRequest(
+                run_id=RUN,
+                step=0,
+                samples_per_prompt=2,
+                sampling=GREEDY,
+                min_policy_version=1,
+                timeout_s=60.0,
+                prompts=tuple(PROMPTS),
+            )
+        )
         assert result.policy_version == 1 and result.num_samples == 4
         assert broker.wait_committed(RUN, 1, 30.0).committed_version == 1
 

@@ -136,6 +136,9 @@ def test_broker_serves_after_the_fuzz(broker):
 # -- rollout and trainer ---------------------------------------------------------------------------
 
 
+ROLLOUT_CONFIG = rollout_pb2.RolloutConfig(num_engines=1, max_refill_rounds=0, over_sampling=1.0)
+
+
 @pytest.fixture(scope="module")
 def services(tmp_path_factory, redis_server_url):
     """Rollout and trainer servicers on loopback gRPC, each with a configured run of a tiny model."""
@@ -159,7 +162,7 @@ def services(tmp_path_factory, redis_server_url):
         "trainer": trainer_pb2_grpc.TrainerStub(channels["trainer"]),
     }
     configure_rollout = rollout_pb2.ConfigureRolloutRequest(
-        run_id=RUN, model_dir=model, reward="addition_exact_match", num_engines=1, seed=1
+        run_id=RUN, model_dir=model, reward="addition_exact_match", rollout=ROLLOUT_CONFIG, seed=1
     )
     stubs["rollout"].ConfigureRun(configure_rollout, timeout=120)
     configure_trainer = trainer_pb2.ConfigureRunRequest(
@@ -212,6 +215,7 @@ def _generate_base() -> rollout_pb2.GenerateRequest:
 
 ROLLOUT_STRINGS = {
     "run_id": [RUN],
+    "task": ["addition", "no_such_task"],
     "reward": ["addition_exact_match", "no_such_reward"],
     "prompt_id": ["a", "b"],
     "engine_id": [f"{RUN}-engine-0"],
@@ -232,7 +236,7 @@ def test_rollout_refuses_hostile_requests_with_client_errors(services, data):
                 run_id="fuzz-new",
                 model_dir=str(services["tmp"] / "missing"),
                 reward="addition_exact_match",
-                num_engines=1,
+                rollout=ROLLOUT_CONFIG,
                 seed=1,
             ),
             CLIENT_ERRORS,
