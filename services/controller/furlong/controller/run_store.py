@@ -52,6 +52,7 @@ INDEX_KEY = PREFIX + "_index"
 IDEMPOTENCY_TTL_S = 24 * 3600
 EVENTS_MAXLEN = 10_000
 _PAGE_SCAN = 200
+_MAX_LIST_INDEX = 2**63 - 1
 
 
 def run_key(run_id: str) -> str:
@@ -373,7 +374,8 @@ class RunStore:
             raise ValueError(f"since must be >= 0, got {since}")
         with self._errors():
             exists = self._redis.exists(run_key(run_id))
-            raws = self._redis.lrange(metrics_key(run_id), since, -1)
+            # Redis list indices are signed 64-bit; any larger since is past the end all the same
+            raws = self._redis.lrange(metrics_key(run_id), min(since, _MAX_LIST_INDEX), -1)
         if not exists:
             raise NotFoundError(f"run {run_id!r} not found")
         return [StepRecord.from_dict(json.loads(raw)) for raw in raws]
