@@ -15,6 +15,7 @@ from furlong.controller.core.step_record import sampling_seed
 from furlong.controller.driver import RunDriver
 from furlong.controller.executor import RunExecutor
 from furlong.controller.metrics import ControllerMetrics
+from furlong.controller.run_events import RecoveryEvent
 from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.run_store import RunStore
 from furlong.core.errors import UnavailableError
@@ -201,7 +202,7 @@ def test_executor_recovers_orphans_and_runs_pending_in_order(env):
     assert store.get(first.run_id).state == store.get(second.run_id).state == RunState.SUCCEEDED
     assert list(fakes.rollout.configured) == [orphan.run_id, first.run_id, second.run_id]
     assert fakes.rollout.ended[0] == fakes.trainer.ended[0] == orphan.run_id
-    assert [e["type"] for _, e in store.events(orphan.run_id)].count("recovery") == 1
+    assert [e.TYPE.value for _, e in store.events(orphan.run_id).events].count("recovery") == 1
 
 
 def test_executor_ends_orphans_whose_spec_allows_no_recovery(env):
@@ -240,9 +241,9 @@ def test_a_service_that_goes_away_once_is_recovered_from(env):
     assert final.state == RunState.SUCCEEDED, final.reason
     assert final.current_step == 3
     assert [r.step for r in store.metrics(run.run_id)] == [1, 2, 3]
-    recovery = [e for _, e in store.events(run.run_id) if e["type"] == "recovery"]
+    recovery = [e for _, e in store.events(run.run_id).events if isinstance(e, RecoveryEvent)]
     assert len(recovery) == 1
-    assert "step 2 trainer.TrainStep: UnavailableError: trainer went away" in recovery[0]["reason"]
+    assert "step 2 trainer.TrainStep: UnavailableError: trainer went away" in recovery[0].reason
     # the fakes keep no checkpoint: the run went back to step 0 and asked for steps 1-2 again
     assert [c.step for c in fakes.rollout.generate_calls] == [1, 2, 1, 2, 3]
     assert store.ledger(run.run_id).audit(finished_step=3).recoveries == 1

@@ -159,7 +159,7 @@ def check_roles_events_and_service_auth(stack: dict, state_dir: Path, run_id: st
     with httpx.stream("GET", f"{rest}/v1/runs/{run_id}/events", headers=viewer, timeout=30) as resp:
         data = [json.loads(line[len("data: ") :]) for line in resp.iter_lines() if line.startswith("data: ")]
     assert [d["state"] for d in data if d["type"] != "step"][-1] == "succeeded"
-    assert [d["current_step"] for d in data if d["type"] == "step"] == ["1", "2"]
+    assert [d["current_step"] for d in data if d["type"] == "step"] == [1, 2]
     internal = (state_dir / "internal-token").read_text().strip()
     for token, refused in ((None, True), ("not-the-internal-token-0123", True), (internal, False)):
         ch = rpc.channel(stack["addresses"]["trainer"], auth_token=token)

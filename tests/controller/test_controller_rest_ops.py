@@ -190,8 +190,8 @@ def test_checkpoint_of_a_running_or_paused_run_is_recorded(env):
     events = [json.loads(e["data"]) for e in read_sse(env.http, f"/v1/runs/{run_id}/events")]
     taken_events = [e for e in events if e["type"] == "checkpoint"]
     assert [(e["checkpoint_step"], e["checkpoint_path"]) for e in taken_events] == [
-        ("0", f"/checkpoints/{run_id}"),
-        ("1", f"/checkpoints/{run_id}"),
+        (0, f"/checkpoints/{run_id}"),
+        (1, f"/checkpoints/{run_id}"),
     ]
 
 
@@ -246,7 +246,7 @@ def test_events_stream_follows_a_run_to_its_end(env):
     data = [json.loads(e["data"]) for e in got]
     states = [d["state"] for d in data if d["type"] in ("created", "state")]
     assert states == ["pending", "starting", "running", "stopping", "succeeded"]
-    assert [int(d["current_step"]) for d in data if d["type"] == "step"] == [1, 2, 3]
+    assert [d["current_step"] for d in data if d["type"] == "step"] == [1, 2, 3]
     assert [e["event"] for e in got] == [d["type"] for d in data]
     # resuming after an event id replays only what came after it
     tail = read_sse(env.http, f"/v1/runs/{run_id}/events", {"Last-Event-ID": got[-3]["id"]})

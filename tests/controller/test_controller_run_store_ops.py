@@ -58,19 +58,20 @@ def test_every_change_is_an_event_in_order(store):
     store.request_resume(run.run_id)
     store.request_stop(run.run_id)
     kinds = [
-        (f["type"], f["state"], f["pause_requested"], f["stop_requested"])
-        for _, f in store.events(run.run_id)
+        (e.TYPE.value, e.state, e.pause_requested, e.stop_requested)
+        for _, e in store.events(run.run_id).events
     ]
     assert kinds == [
-        ("created", "pending", "0", "0"),
-        ("state", "starting", "0", "0"),
-        ("request", "starting", "1", "0"),
-        ("request", "starting", "0", "0"),
-        ("request", "starting", "0", "1"),
+        ("created", RunState.PENDING, False, False),
+        ("state", RunState.STARTING, False, False),
+        ("request", RunState.STARTING, True, False),
+        ("request", RunState.STARTING, False, False),
+        ("request", RunState.STARTING, False, True),
     ]
-    first_id = store.events(run.run_id)[0][0]
-    assert len(store.events(run.run_id, after=first_id)) == 4
-    assert len(store.events(run.run_id, count=2)) == 2
+    first_id = store.events(run.run_id).events[0][0]
+    assert len(store.events(run.run_id, after=first_id).events) == 4
+    page = store.events(run.run_id, count=2)
+    assert len(page.events) == 2 and page.num_entries == 2 and page.last_id == page.events[-1][0]
 
 
 def test_pause_on_a_pending_run_is_refused(store):

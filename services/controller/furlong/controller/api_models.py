@@ -2,6 +2,10 @@
 
 The run spec's JSON schema is derived from the `run_spec` dataclasses (field names, JSON types,
 required fields, no unknown fields); ranges are checked by `parse_run_spec` and answered with 422.
+The events' schemas are derived from the `run_events` dataclasses, one per event type, and the
+events stream is described the OpenAPI 3.2 way: `itemSchema` is one Server-Sent Event (its `event`
+the type, its `data` the JSON payload, as `contentMediaType` / `contentSchema`), `schema` the
+whole stream as an array of them; the served document is therefore OpenAPI 3.2.
 """
 
 from __future__ import annotations
@@ -13,8 +17,12 @@ from pydantic import BaseModel, ConfigDict
 
 from furlong.controller import run_spec as _spec
 from furlong.controller.core.run_state import RunState
+from furlong.controller.run_events import EVENT_CLASSES, field_types
 
 _JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
+OPENAPI_VERSION = "3.2.0"
+_SCHEMAS = "#/components/schemas/"
+STREAM_ID_PATTERN = "^[0-9]+-[0-9]+$"
 
 
 def spec_schema(cls: type = _spec.RunSpec) -> dict[str, Any]:
@@ -36,6 +44,67 @@ def spec_schema(cls: type = _spec.RunSpec) -> dict[str, Any]:
     if required:
         schema["required"] = required
     return schema
+
+
+def event_schema(cls: type) -> dict[str, Any]:
+    """JSON schema of one event type's payload (a `run_events` class): all fields required."""
+    properties: dict[str, Any] = {"type": {"const": cls.TYPE.value, "description": "the event type"}}
+    for f in dataclasses.fields(cls):
+        declared = field_types(cls)[f.name]
+        if declared is RunState:
+            prop: dict[str, Any] = {"type": "string", "enum": [s.value for s in RunState]}
+        else:
+            prop = {"type": _JSON_TYPES[declared.__name__]}
+        if f.metadata["minimum"] is not None:
+            prop["minimum"] = f.metadata["minimum"]
+        properties[f.name] = {**prop, "description": f.metadata["doc"]}
+    return {
+        "type": "object",
+        "title": cls.__name__,
+        "description": cls.DOC,
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def event_components() -> dict[str, Any]:
+    """Component schemas: one per event type, `RunEvent` (their union on `type`) and
+    `RunEventMessage` (one Server-Sent Event of the events stream)."""
+    schemas: dict[str, Any] = {cls.__name__: event_schema(cls) for cls in EVENT_CLASSES}
+    schemas["RunEvent"] = {
+        "oneOf": [{"$ref": _SCHEMAS + cls.__name__} for cls in EVENT_CLASSES],
+        "discriminator": {
+            "propertyName": "type",
+            "mapping": {cls.TYPE.value: _SCHEMAS + cls.__name__ for cls in EVENT_CLASSES},
+        },
+    }
+    schemas["RunEventMessage"] = {
+        "type": "object",
+        "description": "One Server-Sent Event: `id` the stream id (send the last one seen as "
+        "`Last-Event-ID` to resume), `event` the event type, `data` the event as JSON.",
+        "required": ["id", "event", "data"],
+        "properties": {
+            "id": {"type": "string", "pattern": STREAM_ID_PATTERN},
+            "event": {"type": "string", "enum": [cls.TYPE.value for cls in EVENT_CLASSES]},
+            "data": {"type": "string", "contentMediaType": "application/json"},
+        },
+        "oneOf": [
+            {"properties": {"event": {"const": cls.TYPE.value}, "data": _json_of(cls.__name__)}}
+            for cls in EVENT_CLASSES
+        ],
+    }
+    return schemas
+
+
+def _json_of(schema_name: str) -> dict[str, Any]:
+    return {"contentMediaType": "application/json", "contentSchema": {"$ref": _SCHEMAS + schema_name}}
+
+
+def event_stream_content() -> dict[str, Any]:
+    """The `content` of the events stream's 200 answer."""
+    message = {"$ref": _SCHEMAS + "RunEventMessage"}
+    return {"text/event-stream": {"itemSchema": message, "schema": {"type": "array", "items": message}}}
 
 
 class CheckpointModel(BaseModel):
@@ -135,7 +204,9 @@ def finish_openapi(document: dict[str, Any]) -> dict[str, Any]:
             for code, response in responses.items():
                 if code.isdigit() and int(code) >= 400 and path.startswith("/v1/"):
                     response["content"] = dict(_PROBLEM_CONTENT)
-    schemas = document.get("components", {}).get("schemas", {})
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
+    schemas.update(event_components())
+    document["openapi"] = OPENAPI_VERSION  # for `itemSchema` (sequential media types)
     return document

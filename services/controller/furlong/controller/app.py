@@ -24,9 +24,9 @@ from starlette.concurrency import run_in_threadpool
 
 from furlong.controller import api_models as m
 from furlong.controller.auth import ApiTokens, Role
-from furlong.controller.core.run_state import TERMINAL_STATES
 from furlong.controller.metrics import CONTENT_TYPE, ControllerMetrics
 from furlong.controller.problems import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, install_problem_handlers
+from furlong.controller.run_events import EventPage, RunEvent
 from furlong.controller.runs import RunService
 from furlong.core.errors import NotFoundError, UnavailableError
 from furlong.core.settings import SettingError
@@ -41,7 +41,6 @@ EVENT_POLL_S = 0.2
 ENGINE_STATUS_TIMEOUT_S = 5.0  # the deadline of the rollout client behind /v1/engines
 EVENT_BATCH = 100
 KEEPALIVE_S = 15.0
-_TERMINAL = {s.value for s in TERMINAL_STATES}
 _IDEMPOTENCY_KEY_MAX = 255
 
 
@@ -111,7 +110,7 @@ def _read_routes(router: APIRouter, service: RunService) -> None:
             200: {
                 "description": "Server-Sent Events: one per change of the run; "
                 "the stream ends after the event of a final state",
-                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                "content": m.event_stream_content(),
             },
             **m.problem_responses(401, 404, 503),
         },
@@ -127,7 +126,7 @@ def _read_routes(router: APIRouter, service: RunService) -> None:
             )
         first = await run_in_threadpool(service.events, run_id, after, EVENT_BATCH)
         return StreamingResponse(
-            _event_stream(request, service, run_id, after, first),
+            _event_stream(request, service, run_id, first),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -184,33 +183,43 @@ def _valid_stream_id(value: str) -> bool:
     return value.isascii() and ms.isdigit() and sep == "-" and seq.isdigit() and len(value) <= 40
 
 
-async def _event_stream(
-    request: Request, service: RunService, run_id: str, after: str, first: list[tuple[str, dict]]
-):
-    events, idle_s = first, 0.0
+async def _event_stream(request: Request, service: RunService, run_id: str, page: EventPage):
+    idle_s = 0.0
     while True:
-        for event_id, fields in events:
-            after = event_id
-            yield (
-                f"id: {event_id}\nevent: {fields.get('type', 'message')}\n"
-                f"data: {json.dumps(fields, sort_keys=True)}\n\n"
-            )
-            if fields.get("state") in _TERMINAL:
+        for event_id, event in page.events:
+            yield _sse_message(event_id, event)
+            if event.state.terminal:
                 return
-        if events:
+        caught_up = page.num_entries < EVENT_BATCH
+        if page.events:
             idle_s = 0.0
+        elif caught_up and await run_in_threadpool(_run_finished, service, run_id):
+            return  # resumed after the final event (or the run was deleted while followed)
         elif idle_s >= KEEPALIVE_S:
             idle_s = 0.0
             yield ": keep-alive\n\n"
         if await request.is_disconnected():
             return
-        if len(events) < EVENT_BATCH:  # caught up: wait for more; else keep replaying
+        if caught_up:  # wait for more; else keep replaying
             await asyncio.sleep(EVENT_POLL_S)
             idle_s += EVENT_POLL_S
         try:
-            events = await run_in_threadpool(service.events, run_id, after, EVENT_BATCH)
+            page = await run_in_threadpool(service.events, run_id, page.last_id, EVENT_BATCH)
         except NotFoundError:
             return  # the run was deleted while followed
+
+
+def _sse_message(event_id: str, event: RunEvent) -> str:
+    """One Server-Sent Event: the stream id, the event type, the typed payload as one JSON line."""
+    data = json.dumps(event.to_dict(), sort_keys=True)
+    return f"id: {event_id}\nevent: {event.TYPE.value}\ndata: {data}\n\n"
+
+
+def _run_finished(service: RunService, run_id: str) -> bool:
+    try:
+        return service.get_run(run_id).state.terminal
+    except NotFoundError:
+        return True
 
 
 def _change_routes(router: APIRouter, service: RunService) -> None:

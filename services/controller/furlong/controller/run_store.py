@@ -3,8 +3,9 @@
 Keys (all under `furlong:runs:`):
   furlong:runs:{run_id}          the run record, JSON (`Run.to_dict()`)
   furlong:runs:{run_id}:metrics  list of per-step records, JSON, in step order
-  furlong:runs:{run_id}:events   stream of the run's events (creation, state changes, steps,
-                                 stop/pause requests), appended in the same transaction as the change
+  furlong:runs:{run_id}:events   stream of the run's events (`run_events`: creation, state changes,
+                                 steps, checkpoints, requests, recovery), appended in the same
+                                 transaction as the change
   furlong:runs:_index            sorted set of run ids scored by creation time
   furlong:runs:_idem:{key}       JSON {fingerprint, run_id} of a POST with an Idempotency-Key (24 h)
   furlong:ledger:{run_id}:*      the run's sample ledger (`furlong.ledger.group_ledger`), deleted with it
@@ -31,6 +32,15 @@ import redis
 
 from furlong.controller.core.run_state import CheckpointRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
+from furlong.controller.run_events import (
+    EventDecodeError,
+    EventPage,
+    RunEvent,
+    decode_fields,
+    encode_fields,
+    event_for_change,
+    recovery_event,
+)
 from furlong.controller.run_spec import RunSpec
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.ledger.group_ledger import GroupLedger, ledger_keys
@@ -42,6 +52,7 @@ INDEX_KEY = PREFIX + "_index"
 IDEMPOTENCY_TTL_S = 24 * 3600
 EVENTS_MAXLEN = 10_000
 _PAGE_SCAN = 200
+_MAX_LIST_INDEX = 2**63 - 1
 
 
 def run_key(run_id: str) -> str:
@@ -74,33 +85,6 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
         return float(score), run_id
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
         raise ValueError(f"malformed cursor {cursor[:64]!r}") from None
-
-
-def run_event(before: Run | None, after: Run) -> dict[str, str]:
-    """The event recorded for a change of a run (flat strings, as a stream entry holds them)."""
-    if before is None:
-        kind = "created"
-    elif before.state != after.state:
-        kind = "state"
-    elif before.current_step != after.current_step:
-        kind = "step"
-    elif before.checkpoint != after.checkpoint:
-        kind = "checkpoint"
-    else:
-        kind = "request"
-    event = {
-        "type": kind,
-        "state": after.state.value,
-        "reason": after.reason,
-        "current_step": str(after.current_step),
-        "policy_version": str(after.policy_version),
-        "stop_requested": str(int(after.stop_requested)),
-        "pause_requested": str(int(after.pause_requested)),
-        "time": repr(after.updated_at),
-    }
-    if kind == "checkpoint" and after.checkpoint is not None:
-        event.update(checkpoint_step=str(after.checkpoint.step), checkpoint_path=after.checkpoint.path)
-    return event
 
 
 class RunStore:
@@ -159,7 +143,10 @@ class RunStore:
                     pipe.set(rkey, json.dumps(run.to_dict()))
                     pipe.zadd(INDEX_KEY, {run.run_id: now})
                     pipe.xadd(
-                        events_key(run.run_id), run_event(None, run), maxlen=EVENTS_MAXLEN, approximate=True
+                        events_key(run.run_id),
+                        encode_fields(event_for_change(None, run)),
+                        maxlen=EVENTS_MAXLEN,
+                        approximate=True,
                     )
                     if idem is not None:
                         pipe.set(
@@ -259,13 +246,22 @@ class RunStore:
                 except redis.WatchError:
                     continue
 
-    def events(self, run_id: str, after: str = "0-0", count: int = 100) -> list[tuple[str, dict]]:
-        """Up to count events recorded after stream id after, oldest first: (id, fields)."""
+    def events(self, run_id: str, after: str = "0-0", count: int = 100) -> EventPage:
+        """The events of up to count stream entries recorded after stream id after, oldest first.
+        An entry that decodes to no event (see `run_events`) is skipped with a warning."""
         with self._errors():
             entries = self._redis.xrange(
                 events_key(run_id), f"({after}" if after != "0-0" else "-", "+", count=count
             )
-        return [(entry_id, dict(fields)) for entry_id, fields in entries]
+        events: list[tuple[str, RunEvent]] = []
+        for entry_id, fields in entries:
+            try:
+                events.append((entry_id, decode_fields(fields)))
+            except EventDecodeError as exc:
+                log.warning("run %s: skipping event %s that cannot be decoded: %s", run_id, entry_id, exc)
+        return EventPage(
+            events=events, last_id=entries[-1][0] if entries else after, num_entries=len(entries)
+        )
 
     def transition(
         self, run_id: str, target: RunState, reason: str | None = None, expected: RunState | None = None
@@ -364,7 +360,10 @@ class RunStore:
             return replace(run, current_step=step, policy_version=policy_version, updated_at=self._clock())
 
         run = self._update(
-            run_id, change, trim=(metrics_key(run_id), step), event={"type": "recovery", "reason": reason}
+            run_id,
+            change,
+            trim=(metrics_key(run_id), step),
+            describe=lambda _before, after: recovery_event(after, reason),
         )
         log.info("run %s rewound to step %d (version %d): %s", run_id, step, policy_version, reason)
         return run
@@ -375,7 +374,8 @@ class RunStore:
             raise ValueError(f"since must be >= 0, got {since}")
         with self._errors():
             exists = self._redis.exists(run_key(run_id))
-            raws = self._redis.lrange(metrics_key(run_id), since, -1)
+            # Redis list indices are signed 64-bit; any larger since is past the end all the same
+            raws = self._redis.lrange(metrics_key(run_id), min(since, _MAX_LIST_INDEX), -1)
         if not exists:
             raise NotFoundError(f"run {run_id!r} not found")
         return [StepRecord.from_dict(json.loads(raw)) for raw in raws]
@@ -386,8 +386,10 @@ class RunStore:
         change: Callable[[Run], Run],
         push: tuple[str, str] | None = None,
         trim: tuple[str, int] | None = None,
-        event: dict[str, str] | None = None,
+        describe: Callable[[Run, Run], RunEvent] | None = None,
     ) -> Run:
+        """Apply change to the run in one compare-and-set, with the event describe (default
+        `event_for_change`) makes of it; an unchanged run is written only with describe given."""
         key = run_key(run_id)
         with self._errors(), self._redis.pipeline() as pipe:
             while True:
@@ -398,14 +400,14 @@ class RunStore:
                         raise NotFoundError(f"run {run_id!r} not found")
                     before = Run.from_dict(json.loads(raw))
                     run = change(before)
-                    if run == before and event is None:
+                    if run == before and describe is None:
                         pipe.unwatch()
                         return run
                     pipe.multi()
                     pipe.set(key, json.dumps(run.to_dict()))
                     pipe.xadd(
                         events_key(run_id),
-                        {**run_event(before, run), **(event or {})},
+                        encode_fields((describe or event_for_change)(before, run)),
                         maxlen=EVENTS_MAXLEN,
                         approximate=True,
                     )

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from furlong.controller.core.run_state import CheckpointRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
 from furlong.controller.metrics import ControllerMetrics
+from furlong.controller.run_events import EventPage
 from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.run_store import RunStore
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
@@ -117,13 +118,13 @@ class RunService:
         """Remove a finished run, its metrics and events; ConflictError for an unfinished one."""
         self._store.delete(run_id)
 
-    def events(self, run_id: str, after: str = "0-0", count: int = 100) -> list[tuple[str, dict]]:
-        """Up to count events of a run after stream id after; NotFoundError for an unknown run
-        with none."""
-        events = self._store.events(run_id, after, count)
-        if not events:
+    def events(self, run_id: str, after: str = "0-0", count: int = 100) -> EventPage:
+        """The events of up to count stream entries of a run after stream id after; NotFoundError
+        for an unknown run with none."""
+        page = self._store.events(run_id, after, count)
+        if not page.events:
             self._store.get(run_id)
-        return events
+        return page
 
     def get_run(self, run_id: str) -> Run:
         return self._store.get(run_id)
