@@ -47,19 +47,19 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from furlong import rpc
-from furlong.controller.clients import (
-    GenerationPrompt,
-    GrpcBrokerClient,
-    GrpcRolloutClient,
-    GrpcTrainerClient,
-)
 from furlong.controller.core.step_record import sampling_seed
 from furlong.controller.local_stack import StackConfig, start_stack, stop_stack
-from furlong.controller.run_spec import AlgorithmSpec, SamplingSpec
 from furlong.core.checkpoint import save_policy
+from furlong.core.settings import AlgorithmSettings, SamplingSettings
 from furlong.core.tasks import AdditionTask, get_task
 from furlong.core.tokenizer import CharTokenizer
+from furlong.rollout.client import GrpcRolloutClient, RolloutDeadlines
+from furlong.rollout.core.sampling import SamplingConfig
+from furlong.rollout.core.types import GenerateRequest, RolloutRunConfig
 from furlong.rollout.rewards import FORMAT_INTEGER, format_integer_reward
+from furlong.trainer.api import TrainerRunConfig, TrainStepRequest
+from furlong.trainer.client import GrpcTrainerClient, TrainerDeadlines
+from furlong.transfer.broker_client import GrpcBrokerClient
 
 LR = 1e-5
 STACK_SERVICES = ("redis", "weight_broker", "trainer", "rollout", "controller")
@@ -105,37 +105,53 @@ def run_ours(
         if not ready["ready"]:
             raise RuntimeError(f"controller is not ready: {ready}")
         rpc.use_auth_token(Path(stack.internal_token_file).read_text().strip())
-        trainer = GrpcTrainerClient(stack.addresses["trainer"])
-        rollout = GrpcRolloutClient(stack.addresses["rollout"])
-        broker = GrpcBrokerClient(stack.addresses["weight_broker"])
-        clients = [trainer, rollout, broker]
-        sampling = SamplingSpec(temperature=1.0, max_new_tokens=max_new)
-        configured = time.perf_counter()
-        rollout.configure_run("bench", str(model_dir), FORMAT_INTEGER, 1, 0, WAIT_S)
-        version = trainer.configure_run(
-            "bench",
-            str(model_dir),
-            AlgorithmSpec(name="grpo", learning_rate=LR),
-            0,
-            steps,
-            sampling.temperature,
-            WAIT_S,
+        trainer = GrpcTrainerClient(
+            stack.addresses["trainer"],
+            TrainerDeadlines(call_s=WAIT_S, configure_s=WAIT_S, publish_s=WAIT_S, checkpoint_s=WAIT_S),
         )
+        rollout = GrpcRolloutClient(
+            stack.addresses["rollout"], RolloutDeadlines(call_s=WAIT_S, configure_s=WAIT_S)
+        )
+        broker = GrpcBrokerClient(stack.addresses["weight_broker"], timeout_s=WAIT_S)
+        clients = [trainer, rollout, broker]
+        sampling = SamplingSettings(temperature=1.0, max_new_tokens=max_new)
+        configured = time.perf_counter()
+        # The addition task's prompts (run seed 0), scored by format_integer instead of its reward.
+        rollout.configure_run(
+            RolloutRunConfig(
+                run_id="bench", model_dir=str(model_dir), seed=0, task="addition", reward=FORMAT_INTEGER
+            )
+        )
+        version = trainer.configure_run(
+            TrainerRunConfig(
+                run_id="bench",
+                model_dir=str(model_dir),
+                algorithm=AlgorithmSettings(name="grpo", learning_rate=LR),
+                sampling_temperature=sampling.temperature,
+                seed=0,
+                total_steps=steps,
+            )
+        ).policy_version
         out["configure_s"] = time.perf_counter() - configured
-        task = get_task("addition")
         for step in range(1, steps + 1):
-            prompts = [
-                GenerationPrompt(p.prompt_id, p.text, p.answer)
-                for p in task.prompts(0, step, prompts_per_step)
-            ]
             t0 = time.perf_counter()
             gen = rollout.generate(
-                "bench", step, prompts, samples, sampling, sampling_seed(0, step), version, WAIT_S
+                GenerateRequest(
+                    run_id="bench",
+                    step=step,
+                    samples_per_prompt=samples,
+                    sampling=SamplingConfig.of(sampling, sampling_seed(0, step)),
+                    num_groups=prompts_per_step,
+                    min_policy_version=version,
+                    timeout_s=WAIT_S,
+                )
             )
             t1 = time.perf_counter()
-            train = trainer.train_step("bench", step, prompts_per_step, WAIT_S)
+            train = trainer.train_step(
+                TrainStepRequest(run_id="bench", step=step, num_groups=prompts_per_step, timeout_s=WAIT_S)
+            )
             t2 = time.perf_counter()
-            trainer.publish_weights("bench", train.policy_version, WAIT_S)
+            trainer.publish_weights("bench", train.policy_version)
             status = broker.wait_committed("bench", train.policy_version, WAIT_S)
             t3 = time.perf_counter()
             if status.committed_version != train.policy_version:
@@ -152,8 +168,8 @@ def run_ours(
                     "trained_samples": train.metrics.get("num_trained_samples"),
                 }
             )
-        for client, _name in ((rollout, "rollout"), (trainer, "trainer"), (broker, "broker")):
-            client.end_run("bench", 30.0)
+        for client in (rollout, trainer, broker):
+            client.end_run("bench")
     finally:
         for client in clients:
             client.close()

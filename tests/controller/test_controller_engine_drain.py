@@ -10,16 +10,16 @@ import httpx
 import pytest
 import redis
 from controller_fakes import fake_stack
-from tiny_policy import write_tiny_checkpoint
+from tiny_policy import rollout_run, write_tiny_checkpoint
 
 from furlong.controller.auth import ApiTokens
-from furlong.controller.engines import GrpcEngineStatus
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
+from furlong.rollout.client import GrpcRolloutClient
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
-from furlong.rollout.core.types import Prompt
+from furlong.rollout.core.types import GenerateRequest, Prompt
 from furlong.rollout.run_records import redis_records
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import start_server
@@ -44,7 +44,7 @@ def stack(redis_url, tmp_path):
     red = redis.Redis.from_url(redis_url)
     service = RolloutService(redis_records(red), None, max_batch_size=8)
     grpc_server = start_server([RolloutServicer(service).add_to_server], [SERVICE_NAME])
-    engines = GrpcEngineStatus(f"127.0.0.1:{grpc_server.port}")
+    engines = GrpcRolloutClient(f"127.0.0.1:{grpc_server.port}")
     fakes = fake_stack()
     store = RunStore.from_url(redis_url)
     controller = build_controller(
@@ -70,7 +70,7 @@ def stack(redis_url, tmp_path):
 
 def test_drain_an_engine_over_rest(stack):
     service, url, checkpoint, red = stack
-    service.configure_run(RUN, checkpoint, "addition_exact_match", 2, 5)
+    service.configure_run(rollout_run(RUN, checkpoint, num_engines=2, seed=5))
     admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30.0)
     viewer = {"Authorization": f"Bearer {VIEWER}"}
     target = f"/v1/engines/{RUN}-engine-1/drain"
@@ -102,11 +102,24 @@ def test_drain_an_engine_over_rest(stack):
 
     # The drained engine takes no new work: every row goes to engine 0, so the samples are those of
     # a run with engine 0 alone (share 0 of a request samples with the same seed either way).
-    prompts = [Prompt(f"q{i}", f"{i}+{i}=", str(2 * i)) for i in range(3)]
+    prompts = tuple(Prompt(f"q{i}", f"{i}+{i}=", str(2 * i)) for i in range(3))
     sampling = SamplingConfig(temperature=1.0, top_k=8, max_new_tokens=6, seed=3)
-    result = service.generate(RUN, 0, prompts, 2, sampling, 0, 30.0)
-    service.configure_run("solo", checkpoint, "addition_exact_match", 1, 5)
-    solo = service.generate("solo", 0, prompts, 2, sampling, 0, 30.0)
+
+    def generate(run_id: str):
+        return service.generate(
+            GenerateRequest(
+                run_id=run_id,
+                step=0,
+                samples_per_prompt=2,
+                sampling=sampling,
+                timeout_s=30.0,
+                prompts=prompts,
+            )
+        )
+
+    result = generate(RUN)
+    service.configure_run(rollout_run("solo", checkpoint, seed=5))
+    solo = generate("solo")
     assert result.num_samples == solo.num_samples == 6
 
     def responses(run_id: str) -> list[list[int]]:

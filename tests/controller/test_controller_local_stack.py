@@ -131,13 +131,14 @@ def test_cli_run_against_the_running_stack(stack, fakes, tmp_path, capsys):
     run = json.loads((out / "run.json").read_text())
     assert run["state"] == "succeeded"
     assert run["spec"]["model"] == str((tmp_path / "cfg" / "ckpt" / "tiny").resolve())
-    # the real addition task drew the prompts the fake rollout received
-    step1 = next(c for c in fakes.stack.rollout.generate_calls if c["step"] == 1)
-    assert step1["prompt_ids"] == ["s1-0", "s1-1"]
-    assert (step1["sampling"].temperature, step1["sampling"].max_new_tokens) == (0.7, 5)
+    # the fake rollout was asked for the step's groups of the run's task
+    step1 = next(c for c in fakes.stack.rollout.generate_calls if c.step == 1)
+    assert (step1.num_groups, step1.prompts) == (2, ())
+    assert fakes.stack.rollout.configured[run["run_id"]].task == "addition"
+    assert (step1.sampling.temperature, step1.sampling.max_new_tokens) == (0.7, 5)
     trained = fakes.stack.trainer.configured[run["run_id"]]
-    assert trained["temperature"] == 0.7 and trained["total_steps"] == 3
-    assert (trained["algorithm"].learning_rate, trained["algorithm"].micro_batch_size) == (0.01, 3)
+    assert trained.sampling_temperature == 0.7 and trained.total_steps == 3
+    assert (trained.algorithm.learning_rate, trained.algorithm.micro_batch_size) == (0.01, 3)
     assert "succeeded" in printed and run["run_id"] in printed
     assert running_stack(Path(stack.state_dir)) is not None  # a stack it did not start stays up
 

@@ -303,20 +303,6 @@ def test_engines_of_the_active_or_a_named_run(env):
     wait_for(lambda: env.http.get("/v1/engines").json()["run_id"] is None, what="idle")
 
 
-def test_engines_without_a_status_source_is_503(redis_url):
-    fakes = fake_stack()
-    store = RunStore.from_url(redis_url)
-    controller = build_controller(store, fakes.services, ADMIN, lambda: {})
-    server = HttpServer(controller.app).start()
-    try:
-        resp = httpx.get(server.url + "/v1/engines", headers={"Authorization": f"Bearer {ADMIN}"})
-        assert "not configured" in is_problem(resp, 503)["detail"]
-    finally:
-        controller.close(10)
-        server.stop()
-        store.close()
-
-
 def test_errors_are_problem_json_and_bodies_are_limited(env):
     is_problem(env.http.get("/v1/nothing-here"), 404)
     is_problem(env.http.put("/v1/runs"), 405)

@@ -45,10 +45,7 @@ def served(redis_url):
     legacy_ids = rewrite_as_legacy(raw, store, legacy)
     controller = build_controller(
         store,
-        fakes.trainer,
-        fakes.rollout,
-        fakes.broker,
-        fakes.prompts,
+        fakes.services,
         ApiTokens(admin=(ADMIN,)),
         lambda: {"redis": True},
         DriverTimeouts(end_s=1.0, pause_poll_s=0.02),

@@ -19,12 +19,14 @@ from proto_fuzz import CLIENT_ERRORS, WAIT_ERRORS, details_of, messages, status_
 from tiny_policy import write_tiny_checkpoint
 
 from furlong import rpc
+from furlong.core.settings import AlgorithmSettings
 from furlong.core.weight_versions import WeightSourceInfo
 from furlong.core.weights import Manifest, WeightLayout
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.run_records import redis_records
 from furlong.rollout.server import SERVICE_NAME as ROLLOUT_SERVICE
 from furlong.rollout.server import RolloutServicer
+from furlong.rpc.settings import algorithm_to_proto
 from furlong.trainer.server import SERVICE_NAME as TRAINER_SERVICE
 from furlong.trainer.server import register as register_trainer
 from furlong.trainer.service import TrainerService
@@ -171,16 +173,8 @@ def services(tmp_path_factory, redis_server_url):
         seed=0,
         total_steps=5,
         sampling_temperature=1.0,
-        algorithm=trainer_pb2.AlgorithmConfig(
-            name="grpo",
-            learning_rate=1e-3,
-            clip_eps=0.2,
-            max_grad_norm=1.0,
-            epochs_per_batch=1,
-            micro_batch_size=8,
-            adam_beta1=0.9,
-            adam_beta2=0.999,
-        ),
+        algorithm=algorithm_to_proto(AlgorithmSettings(learning_rate=1e-3, micro_batch_size=8)),
+        checkpoint_every_steps=1,
     )
     stubs["trainer"].ConfigureRun(configure_trainer, timeout=120)
     yield {
