@@ -118,13 +118,13 @@ def test_num_groups_is_checked(env):
 
 @pytest.mark.unit
 def test_over_sampling_sizes_requests():
-    assert OverSampling.prompts_for(8, 1.5) == 12
-    assert OverSampling.prompts_for(8, 1.0) == 8
-    assert OverSampling.prompts_for(3, 1.2) == 4
+    assert RolloutSettings(over_sampling=1.5).prompts_to_draw(8) == 12
+    assert RolloutSettings().prompts_to_draw(8) == 8
+    assert RolloutSettings(over_sampling=1.2).prompts_to_draw(3) == 4
     assert OverSampling(2).keep([5, 1, 3]) == [5, 1]
     assert OverSampling(0).keep([5, 1, 3]) == [5, 1, 3]
-    with pytest.raises(ValueError, match="factor must be a number in \\[1, 16\\], got 0.5"):
-        OverSampling.prompts_for(8, 0.5)
+    with pytest.raises(ValueError, match=r"over_sampling: must be in \[1, 4\], got 0.5"):
+        RolloutSettings(over_sampling=0.5)
 
 
 def test_ledger_counts_and_refusals(redis_url):

@@ -1,6 +1,8 @@
 """RolloutService over real checkpoints and a real Redis: groups on the run's stream, versions gating,
-rewards, request validation, run lifecycle. Weight receivers are test doubles that record the apply
-function, so versions can be delivered without a broker."""
+rewards, request validation, run lifecycle, and runs with a task (prompts drawn by rollout,
+over-sampled, recorded in the group ledger; a repeated step writes only what is missing). Weight
+receivers are test doubles that record the apply function, so versions can be delivered without a
+broker."""
 
 from __future__ import annotations
 

@@ -9,8 +9,6 @@ from collections.abc import Sequence
 
 from furlong.rollout.core.types import Prompt
 
-MAX_ENGINES = 64
-MAX_SAMPLES_PER_PROMPT = 4096
 MAX_ID_CHARS = 256
 
 

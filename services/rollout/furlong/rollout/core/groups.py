@@ -9,13 +9,11 @@ Knows nothing about engines, Redis or transports.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from furlong.core.settings.rollout import MAX_REFILL_ROUNDS
 from furlong.rollout.core.checks import check_int
-
-MAX_REFILL_ROUNDS = 16
 
 
 @dataclass(frozen=True)
@@ -60,8 +58,8 @@ class GroupOutcome:
 @dataclass(frozen=True)
 class OverSampling:
     """Over-sampling: a request carries more prompts than the step needs and keeps the first
-    `keep_groups` groups to complete (0 = keep every group, off). The caller sizes the request with
-    `prompts_for(needed, factor)`; the groups beyond keep_groups are surplus: not written, closed in
+    `keep_groups` groups to complete (0 = keep every group, off). Rollout sizes a step's draw with
+    `RolloutSettings.prompts_to_draw`; the groups beyond keep_groups are surplus: not written, closed in
     the ledger, counted. Picking the first to complete (not the first submitted) is the point: a
     slow engine or a long response no longer holds the step back."""
 
@@ -81,11 +79,3 @@ class OverSampling:
     def keep(self, completed: Sequence[int]) -> list[int]:
         """The groups kept, from group indices in the order they completed."""
         return list(completed[: self.keep_groups]) if self.enabled else list(completed)
-
-    @staticmethod
-    def prompts_for(needed: int, factor: float) -> int:
-        """Prompts to submit for `needed` groups at over-sampling `factor` (>= 1)."""
-        check_int("needed", needed, 1)
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= factor <= 16.0:
-            raise ValueError(f"over-sampling factor must be a number in [1, 16], got {factor!r}")
-        return math.ceil(needed * factor - 1e-9)

@@ -79,7 +79,7 @@ class GenerateResult:
     generate_seconds: float
     num_groups_dropped: int = 0  # dynamic sampling: constant after every refill round
     num_groups_refilled: int = 0  # dynamic sampling: groups drawn again, summed over rounds
-    num_groups_surplus: int = 0  # over-sampling: groups beyond keep_groups, not written
+    num_groups_surplus: int = 0  # over-sampling: groups beyond those the step keeps, not written
     request_id: str = ""  # the request's sample ledger (refill round k: "<id>/r<k>")
     num_groups_resumed: int = 0  # groups an earlier attempt at the step had written (in num_groups)
 
