@@ -3,6 +3,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DISTS := libs/core libs/proto libs/ledger libs/transfer services/weight-broker services/trainer services/rollout services/dashboard services/controller
 
+# The distributions' source roots, so that tools which read files see the one `furlong` namespace.
+SOURCE_PATH := $(subst $(eval) ,:,$(DISTS))
+
 .PHONY: setup proto proto-check lint test example clean
 
 $(VENV)/.installed: requirements.txt $(foreach d,$(DISTS),$(d)/pyproject.toml)
@@ -22,6 +25,7 @@ proto-check: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	PYTHONPATH=$(SOURCE_PATH) $(VENV)/bin/lint-imports --no-cache
 
 test: setup
 	$(PY) -m pytest -q

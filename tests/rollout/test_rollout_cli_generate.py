@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from rollout_models import greedy_uncached, reference, uncached_logits, write_checkpoint
 
-from furlong.controller.cli_generate import add_commands
 from furlong.core.checkpoint import load_policy
+from furlong.rollout.generate_cli import add_commands
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,6 @@ import sglang_contract as contract
 from fake_sglang import FakeSGLang
 from rollout_models import write_checkpoint
 
-from furlong.controller.cli_generate import add_commands
 from furlong.controller.run_spec import parse_run_spec
 from furlong.core.checkpoint import load_policy
 from furlong.core.errors import UnavailableError
@@ -21,6 +20,7 @@ from furlong.core.settings import SettingError
 from furlong.rollout.convert import sampling_from_proto, sampling_to_proto
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampling import SamplingConfig
+from furlong.rollout.generate_cli import add_commands
 from furlong.rollout.sglang import SGLangEngine
 
 pytestmark = pytest.mark.integration

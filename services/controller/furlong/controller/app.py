@@ -30,8 +30,7 @@ from furlong.controller.run_events import EventPage, RunEvent
 from furlong.controller.runs import RunService
 from furlong.core.errors import NotFoundError, UnavailableError
 from furlong.core.settings import SettingError
-from furlong.rollout.client import RolloutClient
-from furlong.rollout.core.types import EngineStatus
+from furlong.rollout.api import EngineStatus, RolloutClient
 
 log = logging.getLogger(__name__)
 

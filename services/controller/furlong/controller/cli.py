@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from furlong.controller import cli_generate, cli_models
+from furlong.controller import cli_models
 from furlong.controller.client import HttpControllerClient
 from furlong.controller.local_stack import (
     StackConfig,
@@ -40,6 +40,7 @@ from furlong.controller.local_stack import (
 from furlong.controller.run_follow import Interrupts, follow_run, summary_table
 from furlong.controller.run_spec import parse_run_spec
 from furlong.core.errors import FurlongError
+from furlong.rollout import generate_cli
 
 DEFAULT_STATE_DIR = Path(".furlong")
 console = Console()
@@ -260,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     runs_sub.add_parser("stop").add_argument("run_id")
     runs.set_defaults(func=cmd_runs)
     cli_models.add_commands(sub)
-    cli_generate.add_commands(sub)
+    generate_cli.add_commands(sub)
     return parser
 
 

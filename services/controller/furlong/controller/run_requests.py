@@ -7,8 +7,7 @@ from __future__ import annotations
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.core.run_state import Run
 from furlong.controller.core.step_record import sampling_seed
-from furlong.rollout.core.sampling import SamplingConfig
-from furlong.rollout.core.types import GenerateRequest, RolloutRunConfig
+from furlong.rollout.api import GenerateRequest, RolloutRunConfig, SamplingConfig
 from furlong.trainer.api import TrainerRunConfig, TrainStepRequest
 
 

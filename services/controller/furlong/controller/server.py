@@ -27,7 +27,7 @@ from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.run_store import RunStore
 from furlong.controller.runs import RunService
 from furlong.controller.services import Services
-from furlong.rollout.client import RolloutClient
+from furlong.rollout.api import RolloutClient
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from furlong.controller.config import DriverTimeouts
 from furlong.rollout import client as rollout_client
-from furlong.rollout.client import RolloutClient, RolloutDeadlines
+from furlong.rollout.api import RolloutClient
+from furlong.rollout.client import RolloutDeadlines
 from furlong.trainer import client as trainer_client
 from furlong.trainer.api import TrainerClient
 from furlong.trainer.client import TrainerDeadlines

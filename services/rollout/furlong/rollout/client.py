@@ -1,20 +1,22 @@
-"""Clients of the rollout service: the `RolloutClient` Protocol, its gRPC implementation
-`GrpcRolloutClient` and its in-process twin `InProcessRolloutClient` over a RolloutService (same
-behaviour, same exceptions), and `make_client` choosing between them, so a whole RL loop can run in
-one process.
+"""Clients of the rollout service: `GrpcRolloutClient` over gRPC and its in-process twin
+`InProcessRolloutClient` over a RolloutService, both implementing `api.RolloutClient` with the same
+behaviour and exceptions, and `make_client` choosing between them, so a whole RL loop can run in one
+process.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from furlong.rollout import convert
-from furlong.rollout.core.types import (
+from furlong.rollout.api import (
+    SERVICE_NAME,
     EngineStatus,
     GenerateRequest,
     GenerateResult,
+    RolloutClient,
     RolloutRunConfig,
     RunInfo,
     RunStatus,
@@ -26,20 +28,14 @@ from furlong.v1 import rollout_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from furlong.rollout.core.service import RolloutService
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Rollout"].full_name  # also its grpc.health.v1 name
-
-
-class RolloutClient(Protocol):
-    """The rollout service. Thread-safe. Errors are furlong.core.errors domain exceptions,
-    ValueError (a bad request, naming the field) and TimeoutError (min_policy_version not
-    reached). configure_run with the same config is idempotent; end_run is not."""
-
-    def configure_run(self, config: RolloutRunConfig) -> RunInfo: ...
-    def generate(self, request: GenerateRequest) -> GenerateResult: ...
-    def status(self, run_id: str) -> RunStatus: ...
-    def drain_engine(self, run_id: str, engine_id: str) -> EngineStatus: ...
-    def end_run(self, run_id: str) -> None: ...
-    def close(self) -> None: ...
+__all__ = [
+    "SERVICE_NAME",
+    "GrpcRolloutClient",
+    "InProcessRolloutClient",
+    "RolloutClient",
+    "RolloutDeadlines",
+    "make_client",
+]
 
 
 @dataclass(frozen=True)

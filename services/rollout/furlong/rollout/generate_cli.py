@@ -16,7 +16,8 @@ every drawn token, the stop string's included. Without `--json` it prints one re
 sample.
 
 Exit codes: 0 success, 2 a bad argument, checkpoint or prompt (the message names it). This module is
-an edge; the engine lives in `furlong.rollout.core.engine`, imported only when the command runs.
+an edge of the rollout service, mounted by the `furlong` CLI; the engine lives in
+`furlong.rollout.core.engine`, imported only when the command runs.
 """
 
 from __future__ import annotations
