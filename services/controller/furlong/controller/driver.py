@@ -212,11 +212,15 @@ class RunDriver:
 
     def _configure(self, run: Run, configured: list[str]) -> int:
         configured.append("rollout")
-        rollout = self._call("rollout.ConfigureRun", self._rollout.configure_run, rollout_config(run))
+        rollout = self._call(
+            "rollout.ConfigureRun", self._rollout.configure_run, rollout_config(run.run_id, run.spec)
+        )
         self._check_stop(run.run_id, "after rollout.ConfigureRun")
         configured.append("trainer")
         configured.append("broker")
-        trainer = self._call("trainer.ConfigureRun", self._trainer.configure_run, trainer_config(run))
+        trainer = self._call(
+            "trainer.ConfigureRun", self._trainer.configure_run, trainer_config(run.run_id, run.spec)
+        )
         if rollout.policy_version != trainer.policy_version:
             raise _PhaseFailed(
                 "configure",
@@ -236,7 +240,7 @@ class RunDriver:
         # Rollout draws the step's prompts and decides which groups are written; after a recovery
         # the groups an earlier attempt wrote count (num_groups_resumed) and are not drawn again.
         gen = self._call(
-            f"{where} rollout.Generate", self._rollout.generate, generate_request(run, step, version, t)
+            f"{where} rollout.Generate", self._rollout.generate, generate_request(rid, spec, step, version, t)
         )
         if gen.num_groups == 0:
             raise _PhaseFailed(
@@ -251,7 +255,7 @@ class RunDriver:
         train = self._call(
             f"{where} trainer.TrainStep",
             self._trainer.train_step,
-            train_request(run, step, gen.num_groups, t),
+            train_request(rid, step, gen.num_groups, t),
         )
         if train.policy_version <= version:
             raise _PhaseFailed(

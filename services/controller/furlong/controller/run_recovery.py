@@ -124,7 +124,7 @@ class RunRecovery:
             except NotFoundError:
                 log.info("run %s: %s had no state of the run", rid, name)
         ledger = self._store.ledger(rid)
-        version = self._trainer.configure_run(trainer_config(run)).policy_version
+        version = self._trainer.configure_run(trainer_config(run.run_id, run.spec)).policy_version
         checkpoint = ledger.checkpoint()  # the trainer re-recorded the one it resumed from
         step = 0 if checkpoint is None else checkpoint[0]
         if checkpoint is None and ledger.audit(finished_step=spec.steps).trained:
@@ -138,7 +138,7 @@ class RunRecovery:
             if status.committed_version < version:
                 raise TimeoutError(f"version {version} not committed after recovery")
         ledger.record_committed(version)
-        self._rollout.configure_run(rollout_config(run))
+        self._rollout.configure_run(rollout_config(run.run_id, run.spec))
         self._store.rewind(rid, step, version, f"resumed from step {step} after {cause}")
         ledger.count(RECOVERIES)
         return Resumed(step=step, version=version)

@@ -5,16 +5,15 @@ Knows nothing about transports."""
 from __future__ import annotations
 
 from furlong.controller.config import DriverTimeouts
-from furlong.controller.core.run_state import Run
 from furlong.controller.core.step_record import sampling_seed
+from furlong.controller.run_spec import RunSpec
 from furlong.rollout.api import GenerateRequest, RolloutRunConfig, SamplingConfig
 from furlong.trainer.api import TrainerRunConfig, TrainStepRequest
 
 
-def trainer_config(run: Run) -> TrainerRunConfig:
-    spec = run.spec
+def trainer_config(run_id: str, spec: RunSpec) -> TrainerRunConfig:
     return TrainerRunConfig(
-        run_id=run.run_id,
+        run_id=run_id,
         model_dir=spec.model,
         algorithm=spec.algorithm,
         sampling_temperature=spec.sampling.temperature,
@@ -24,19 +23,19 @@ def trainer_config(run: Run) -> TrainerRunConfig:
     )
 
 
-def rollout_config(run: Run) -> RolloutRunConfig:
-    spec = run.spec
+def rollout_config(run_id: str, spec: RunSpec) -> RolloutRunConfig:
     return RolloutRunConfig(
-        run_id=run.run_id, model_dir=spec.model, seed=spec.seed, task=spec.task, rollout=spec.rollout
+        run_id=run_id, model_dir=spec.model, seed=spec.seed, task=spec.task, rollout=spec.rollout
     )
 
 
-def generate_request(run: Run, step: int, min_version: int, timeouts: DriverTimeouts) -> GenerateRequest:
+def generate_request(
+    run_id: str, spec: RunSpec, step: int, min_version: int, timeouts: DriverTimeouts
+) -> GenerateRequest:
     """The step's groups: rollout draws the prompts from the run's task and decides which groups are
     written (over-sampling, dynamic sampling, groups an earlier attempt already wrote)."""
-    spec = run.spec
     return GenerateRequest(
-        run_id=run.run_id,
+        run_id=run_id,
         step=step,
         samples_per_prompt=spec.samples_per_prompt,
         sampling=SamplingConfig.of(spec.sampling, sampling_seed(spec.seed, step)),
@@ -46,5 +45,5 @@ def generate_request(run: Run, step: int, min_version: int, timeouts: DriverTime
     )
 
 
-def train_request(run: Run, step: int, num_groups: int, timeouts: DriverTimeouts) -> TrainStepRequest:
-    return TrainStepRequest(run_id=run.run_id, step=step, num_groups=num_groups, timeout_s=timeouts.train_s)
+def train_request(run_id: str, step: int, num_groups: int, timeouts: DriverTimeouts) -> TrainStepRequest:
+    return TrainStepRequest(run_id=run_id, step=step, num_groups=num_groups, timeout_s=timeouts.train_s)
