@@ -105,6 +105,11 @@ def test_malformed_spec_is_422_naming_the_field_and_creates_nothing(env, redis_u
         ({**SPEC, "task": "sorting"}, "task"),
         ({**SPEC, "foo": 1}, "foo"),
         ({k: v for k, v in SPEC.items() if k != "model"}, "model"),
+        # what a service would refuse is refused here, by the same declaration
+        ({**SPEC, "algorithm": {"clip_eps": 1.0}}, "algorithm.clip_eps"),
+        ({**SPEC, "sampling": {"min_p": 1.0}}, "sampling.min_p"),
+        ({**SPEC, "prompts_per_step": 100000000}, "prompts_per_step"),
+        ({**SPEC, "steps": 99999999999999999999999}, "steps"),
     ]:
         resp = env.post("/v1/runs", json=body)
         assert (resp.status_code, resp.json()["field"]) == (422, field)
