@@ -7,7 +7,8 @@ import json
 import pytest
 import redis
 
-from furlong.core.samples import STREAM_FIELD, stream_key
+from furlong.core.samples import STREAM_FIELD, Sample, SampleGroup, stream_key
+from furlong.core.sampling_mask import RolloutSamplingMask
 from furlong.ledger.__main__ import main
 from furlong.ledger.group_ledger import GroupLedger, ledger_id, ledger_keys
 
@@ -22,15 +23,18 @@ def client(redis_url):
     c.close()
 
 
-def _group(run_id: str, step: int, prompt_id: str, version: int = 0) -> bytes:
-    return json.dumps(
-        {
-            "run_id": run_id,
-            "step": step,
-            "prompt_id": prompt_id,
-            "samples": [{"sample_id": f"{prompt_id}/0", "policy_version": version}],
-        }
-    ).encode()
+def _sample_group(run_id: str, step: int, prompt_id: str, version: int = 0) -> SampleGroup:
+    sample = Sample(
+        sample_id=f"{prompt_id}/0",
+        prompt_token_ids=[1, 2],
+        response_token_ids=[3],
+        response_logprobs=[-0.5],
+        sampling_support=RolloutSamplingMask.from_lists([[3, 4]], 8),
+        reward=1.0,
+        policy_version=version,
+        finish_reason="eos",
+    )
+    return SampleGroup(run_id=run_id, step=step, prompt_id=prompt_id, samples=[sample])
 
 
 def test_ids_are_deterministic_and_checked():
@@ -75,20 +79,22 @@ def test_non_durable_steps_do_not_move_the_checkpoint(client):
     assert ledger.checkpoint() == (2, 2)
 
 
-def test_scan_records_generated_groups_once_with_their_versions(client):
+def test_append_writes_and_records_groups_at_once_with_their_versions(client):
     ledger = GroupLedger(client, "run")
-    key = stream_key("run")
-    client.xadd(key, {STREAM_FIELD: _group("run", 1, "p0", version=0)})
-    client.xadd(key, {STREAM_FIELD: b"not json"})
-    assert ledger.scan_stream() == 2
-    client.xadd(key, {STREAM_FIELD: _group("run", 1, "p1", version=0)})
-    client.xadd(key, {STREAM_FIELD: _group("run", 1, "p0", version=7)})  # a duplicate
-    assert ledger.scan_stream() == 2
-    assert ledger.scan_stream() == 0
+    groups = [_sample_group("run", 1, p) for p in ("p0", "p1")]
+    written = ledger.append_groups(groups)
+    entries = client.xrange(stream_key("run"))
+    assert [(e, True) for e, _ in entries] == [(e.encode(), first) for e, first in written]
+    assert [SampleGroup.decode(f[STREAM_FIELD]).prompt_id for _, f in entries] == ["p0", "p1"]
+    again = ledger.append_groups([_sample_group("run", 1, "p0", version=7)])  # a duplicate
+    assert [first for _, first in again] == [False]
     assert ledger.generated_ids(1, ["p0", "p1", "p2"]) == {"p0", "p1"}
+    assert client.hget(ledger_keys("run")[1], "1/p0") == written[0][0].encode()  # the first entry owns it
     result = ledger.audit()
-    assert result.generated == 2 and result.undecodable == 1
-    assert result.sample_versions == {0: 2}
+    assert result.generated == 2 and result.sample_versions == {0: 2}  # the duplicate's not counted
+    with pytest.raises(ValueError, match="belongs to run 'other'"):
+        ledger.append_groups([_sample_group("other", 1, "p9")])
+    assert ledger.append_groups([]) == []
 
 
 def test_audit_counts_lost_ids_and_uncommitted_versions(client, capsys, redis_url):

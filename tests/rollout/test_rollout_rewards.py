@@ -13,7 +13,7 @@ from rollout_models import write_checkpoint
 
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.core.settings import RolloutSettings
-from furlong.rollout.core.groups import DynamicSampling, constant_groups, zero_variance
+from furlong.rollout.core.groups import DynamicSampling, zero_variance
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import GenerateRequest, Prompt, RolloutRunConfig
@@ -107,7 +107,6 @@ def test_score_all_runs_concurrently_and_enforces_the_deadline():
 @pytest.mark.unit
 def test_group_decisions():
     assert zero_variance([1.0, 1.0]) and zero_variance([0.5]) and not zero_variance([0.0, 1.0])
-    assert constant_groups([[1, 1], [0, 1], [0, 0]]) == [0, 2]
     with pytest.raises(ValueError, match="max_refill_rounds must be an integer"):
         DynamicSampling(-1)
     with pytest.raises(ValueError, match="needs samples_per_prompt >= 2"):

@@ -28,7 +28,6 @@ gRPC, the services, or how samples are trained; the caller passes the Redis clie
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -50,7 +49,6 @@ DUPLICATES_REFUSED = "duplicates_refused"
 RESUBMITTED = "resubmitted"
 RECOVERIES = "recoveries"
 REJECTED = "rejected"
-UNDECODABLE = "undecodable"
 CUT = "cut"  # submitted, then cut: over-sampling surplus or dropped by dynamic sampling
 COUNTERS = (
     RETRAIN_REFUSED,
@@ -59,7 +57,6 @@ COUNTERS = (
     RESUBMITTED,
     RECOVERIES,
     REJECTED,
-    UNDECODABLE,
     CUT,
 )
 
@@ -165,7 +162,6 @@ class LedgerAudit:
     resubmitted: int
     recoveries: int
     rejected: int
-    undecodable: int
     cut: int
     committed_versions: list[int]
     sample_versions: dict[int, int]
@@ -245,42 +241,6 @@ class GroupLedger:
         with self._errors():
             out = self._append([stream_key(self.run_id), self._generated, self._sample_versions], args)
         return [(_text(entry), int(first) == 1) for entry, first in out]
-
-    def scan_stream(self) -> int:
-        """Record as generated every group appended to the run's stream since the last scan (the
-        first entry of an id wins; entries that are not JSON groups of this run are counted as
-        undecodable). Several round trips; safe to repeat. Returns the entries scanned."""
-        scanned = 0
-        with self._errors():
-            cursor = _text(self._redis.hget(self._meta, "scan_cursor") or "0-0")
-            while True:
-                entries = (
-                    self._redis.xrange(stream_key(self.run_id), f"({cursor}", "+", count=_SCAN_BATCH)
-                    if cursor != "0-0"
-                    else self._redis.xrange(stream_key(self.run_id), "-", "+", count=_SCAN_BATCH)
-                )
-                if not entries:
-                    return scanned
-                for entry_id, fields in entries:
-                    self._scan_entry(_text(entry_id), fields)
-                    cursor = _text(entry_id)
-                    scanned += 1
-                self._redis.hset(self._meta, "scan_cursor", cursor)
-
-    def _scan_entry(self, entry_id: str, fields: dict) -> None:
-        raw = fields.get(STREAM_FIELD, fields.get(STREAM_FIELD.decode()))
-        try:
-            data = json.loads(raw)
-            if data["run_id"] != self.run_id:
-                raise ValueError
-            ident = ledger_id(int(data["step"]), str(data["prompt_id"]))
-            versions = [int(s["policy_version"]) for s in data["samples"]]
-        except (TypeError, ValueError, KeyError):
-            self._redis.hincrby(self._meta, UNDECODABLE, 1)
-            return
-        if self._redis.hsetnx(self._generated, ident, entry_id):
-            for version in versions:
-                self._redis.hincrby(self._sample_versions, str(version), 1)
 
     def record_committed(self, version: int) -> None:
         """Record a policy version every engine of the run acknowledged (0: the initial checkpoint)."""

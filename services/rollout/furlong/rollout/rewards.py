@@ -75,10 +75,6 @@ def builtin_rewards() -> dict[str, RewardFn]:
     return dict(_BUILTIN)
 
 
-def known_rewards() -> list[str]:
-    return sorted(_BUILTIN)
-
-
 def resolve_user_reward(reference: str) -> RewardFn:
     """Import `module:function` (e.g. "my_pkg.rewards:strict_match") and check its signature.
     ValueError naming the reference when the module, the attribute or the signature is wrong."""

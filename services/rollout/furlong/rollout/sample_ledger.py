@@ -145,7 +145,3 @@ class RedisSampleLedger:
         raw = self._call("read counts", self._redis.hgetall, counts_key(self.scope))
         values = {k.decode(): int(v) for k, v in raw.items()}
         return LedgerCounts(**{name: values.get(name, 0) for name in LedgerCounts.__dataclass_fields__})
-
-    def drop_counts(self) -> None:
-        """Forget the scope's counts (the request hashes expire on their own)."""
-        self._call("drop counts", self._redis.delete, counts_key(self.scope))

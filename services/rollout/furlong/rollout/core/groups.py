@@ -43,11 +43,6 @@ def zero_variance(rewards: Sequence[float]) -> bool:
     return len(set(rewards)) <= 1
 
 
-def constant_groups(rewards_by_group: Sequence[Sequence[float]]) -> list[int]:
-    """Indices of the groups with zero reward variance."""
-    return [i for i, rewards in enumerate(rewards_by_group) if zero_variance(rewards)]
-
-
 @dataclass(frozen=True)
 class GroupOutcome:
     kept: list[int]  # group indices written, in request order
