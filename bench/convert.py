@@ -143,7 +143,10 @@ def main() -> None:
         peak_cmd = [sys.executable, "-c", _PEAK_SCRIPT, str(src), str(root / "dst"), args.kernel]
         out = subprocess.run(peak_cmd, check=True, capture_output=True, text=True).stdout.split()
         before, peak = int(out[0]), int(out[1])
-    gbps = lambda s: src_bytes / s / 1e9  # noqa: E731
+
+    def gbps(seconds: float) -> float:
+        return src_bytes / seconds / 1e9
+
     result = {
         "bench": "convert",
         "machine": {"cpus": os.cpu_count(), "gpu": None},

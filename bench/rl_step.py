@@ -290,7 +290,7 @@ def main() -> None:
         save_policy(copy.deepcopy(model), tokenizer, tmp / "model")
         ours = run_ours(tmp / "model", tmp, prompts, samples, max_new, steps, args.torch_threads)
         try:
-            import trl  # noqa: F401
+            import trl
 
             trl_version = trl.__version__
         except ImportError:

@@ -128,7 +128,7 @@ def test_concurrent_updates_are_not_lost(store):
         try:
             for i in range(1, 41):
                 store.record_step(run.run_id, record(i, i))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - the test thread reports it to the main thread
             errors.append(exc)
 
     writer = threading.Thread(target=steps)

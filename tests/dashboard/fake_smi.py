@@ -14,11 +14,11 @@ class NVMLError(Exception):
     pass
 
 
-class NVMLError_LibraryNotFound(NVMLError):  # noqa: N801 - pynvml's spelling
+class NVMLError_LibraryNotFound(NVMLError):
     pass
 
 
-class NVMLError_NotSupported(NVMLError):  # noqa: N801
+class NVMLError_NotSupported(NVMLError):
     pass
 
 

@@ -40,8 +40,8 @@ from furlong.trainer.sample_reader import rejected_key
 from furlong.weight_broker.fault_hooks import DROP_BUCKET_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
-from test_controller_e2e import spec  # noqa: E402
-from tiny_policy import write_tiny_checkpoint  # noqa: E402
+from test_controller_e2e import spec
+from tiny_policy import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -111,7 +111,7 @@ def test_async_rollout_is_paced_not_filtered(redis_url, tmp_path):
                 time.sleep(0.3)  # "training": rollout runs ahead meanwhile
                 for apply in receivers.apply.values():
                     apply(step + 1, new_weights[step])
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - the main thread re-raises what this thread hit
             errors.append(exc)
 
     threads = [threading.Thread(target=rollout), threading.Thread(target=trainer)]

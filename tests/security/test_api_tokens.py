@@ -14,7 +14,7 @@ from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
-from controller_fakes import fake_stack  # noqa: E402
+from controller_fakes import fake_stack
 
 ADMIN = "admin-token-0123456789abcdef"
 VIEWER = "viewer-token-0123456789abcdef"

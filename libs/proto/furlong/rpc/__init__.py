@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError, UnavailableError
-from furlong.rpc.tls import TlsConfig, TlsFiles  # noqa: F401 - TlsFiles re-exported for callers
+from furlong.rpc.tls import TlsConfig, TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ def rpc_errors(method: F) -> F:
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - every error must become a status, never a hang
+        except Exception as exc:
             code = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method.__qualname__)

@@ -199,7 +199,7 @@ class NixlEndpoint:
                     self._agent.get_xfer_descs(remote, source.memory_kind),
                     peer,
                 )
-            except Exception as exc:  # noqa: BLE001 - NIXL raises its own binding error types
+            except Exception as exc:
                 raise UnavailableError(
                     f"NIXL agent {self.agent_name}: cannot set up a READ of "
                     f"{num_bytes} bytes in {len(local)} pieces from "
@@ -238,7 +238,7 @@ class NixlEndpoint:
             del self._handles[key]
         try:
             self._agent.release_xfer_handle(handle)
-        except Exception:  # noqa: BLE001 - a transfer NIXL could not cancel; nothing else to do
+        except Exception:
             log.exception("NIXL agent %s: could not release a transfer handle", self.agent_name)
 
     def read(
@@ -295,7 +295,7 @@ class NixlEndpoint:
             self._agent.remove_remote_agent(known[1])
         try:
             peer = self._agent.add_remote_agent(source.agent_metadata)
-        except Exception as exc:  # noqa: BLE001 - NIXL raises its own binding error types
+        except Exception as exc:
             raise UnavailableError(
                 f"NIXL agent {self.agent_name}: cannot load metadata of {source.agent_name}: {exc!r}"
             ) from exc

@@ -167,7 +167,7 @@ class RunDriver:
         except _PhaseFailed as exc:
             log.warning("run %s failed: %s", run.run_id, exc)
             return RunState.FAILED, str(exc)
-        except Exception as exc:  # noqa: BLE001 - any error must end the run, never wedge it
+        except Exception as exc:
             log.exception("run %s failed outside a service call", run.run_id)
             return RunState.FAILED, f"controller: {type(exc).__name__}: {exc}"
 
@@ -183,7 +183,7 @@ class RunDriver:
     def _call(self, phase: str, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - named by phase and stored as the run's reason
+        except Exception as exc:
             raise _PhaseFailed(phase, exc) from exc
 
     def _check_stop(self, run_id: str, where: str) -> None:

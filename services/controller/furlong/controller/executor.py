@@ -97,7 +97,7 @@ class RunExecutor:
                     continue
                 run = self._driver.resume(run_id) if kind == "resume" else self._driver.execute(run_id)
                 log.info("run %s finished: %s %s", run_id, run.state.value, run.reason)
-            except Exception:  # noqa: BLE001 - one broken run must not stop the executor
+            except Exception:
                 log.exception("run %s could not be executed", run_id)
             finally:
                 with self._lock:

@@ -420,7 +420,7 @@ class StackSupervisor:
         while not self._stop.wait(self._poll_s):
             try:
                 self.check()
-            except Exception:  # noqa: BLE001 - the supervisor must outlive one bad poll
+            except Exception:
                 log.exception("stack supervisor: poll failed")
 
     def check(self) -> list[str]:

@@ -104,7 +104,7 @@ class RunRecovery:
                 return resumed
             except RecoveryFailed:
                 raise
-            except Exception as exc:  # noqa: BLE001 - classified below; the reason keeps it
+            except Exception as exc:
                 if not recoverable(exc):
                     raise RecoveryFailed(f"{cause}; recovery failed: {type(exc).__name__}: {exc}") from exc
                 if self._clock() >= deadline:

@@ -59,7 +59,7 @@ class GpuTelemetry:
             for device in self.devices:
                 try:
                     reading = self.backend.read(device)
-                except Exception as exc:  # vendor errors have no common base; skip, keep the rest
+                except Exception as exc:  # noqa: BLE001 - vendor errors have no common base; skip the device
                     self._warn(device, "read", exc)
                     continue
                 samples.append(GpuSample(device, reading, tuple(self._processes(device))))
@@ -68,7 +68,7 @@ class GpuTelemetry:
     def _processes(self, device: GpuDevice) -> list[GpuProcess]:
         try:
             return self.backend.processes(device)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - vendor errors have no common base; list none
             self._warn(device, "process list", exc)
             return []
 
@@ -109,7 +109,7 @@ def open_gpu_telemetry(
         backend = backends[name]()
         try:
             devices = backend.init()
-        except Exception as exc:  # ImportError, vendor "library not found", driver errors...
+        except Exception as exc:  # noqa: BLE001 - ImportError, vendor "library not found", driver errors
             failures.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
         if not devices:

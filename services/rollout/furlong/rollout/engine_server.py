@@ -186,7 +186,7 @@ def _stop_param(stop: object) -> list[str]:
 class _Handler(BaseHTTPRequestHandler):
     target: EngineHttpServer
 
-    def log_message(self, format, *args):  # noqa: A002 - requests are not logged one by one
+    def log_message(self, format, *args):
         pass
 
     def _reply(self, status: int, payload: object) -> None:
@@ -197,10 +197,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def do_GET(self):  # noqa: N802 - http.server's naming
+    def do_GET(self):
         self._reply(*self.target.get(self.path))
 
-    def do_POST(self):  # noqa: N802 - http.server's naming
+    def do_POST(self):
         length = int(self.headers.get("Content-Length", 0))
         try:
             body = json.loads(self.rfile.read(length) or b"{}")

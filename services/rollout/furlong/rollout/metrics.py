@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from furlong.core.errors import NotFoundError
 from furlong.rollout.core.types import EngineState, RunStatus
 
 SAMPLES_TOTAL = "furlong_rollout_samples_total"
@@ -155,7 +156,7 @@ class _EngineHealthCollector(Collector):
         for run_id in self._metrics.run_ids():
             try:
                 status = self._status_of(run_id)
-            except Exception:  # the run ended between listing and reading: nothing to report
+            except NotFoundError:  # the run ended between listing and reading: nothing to report
                 continue
             for engine in status.engines:
                 labels = [run_id, engine.engine_id]

@@ -234,7 +234,7 @@ class EnginePool:
             log.info(
                 "%s restarted (pid %d), serving version %d", e.engine_id, e.proc.pid, e.adapter.policy_version
             )
-        except Exception:  # noqa: BLE001 - a failed restart is retried by the next failure check
+        except Exception:
             log.exception("%s restart failed", e.engine_id)
             with self._cond:
                 e.restarting = False

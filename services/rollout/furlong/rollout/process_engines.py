@@ -178,7 +178,7 @@ class ProcessEngines:
         if self._receiver is not None:
             try:
                 self._receiver.close()
-            except Exception:  # noqa: BLE001 - the engines are stopped either way
+            except Exception:
                 log.exception("run %s: closing the pool's weight receiver failed", self._run_id)
             self._receiver = None
         self.pool.close()

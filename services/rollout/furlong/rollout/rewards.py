@@ -128,7 +128,7 @@ def score(name: str, fn: RewardFn, response_text: str, answer: str, where: str) 
     """fn(response_text, answer) as a finite float; RewardError naming `where` otherwise."""
     try:
         value = fn(response_text, answer)
-    except Exception as exc:  # noqa: BLE001 - any failure of a reward fails the request, loudly
+    except Exception as exc:
         raise RewardError(f"reward {name!r} failed on {where}: {type(exc).__name__}: {exc}") from exc
     return _checked(name, value, where)
 
@@ -152,7 +152,7 @@ def score_all(
                 value = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise RewardError(f"reward {name!r} did not finish within {timeout_s} s on {where}") from None
-            except Exception as exc:  # noqa: BLE001 - any failure of a reward fails the request
+            except Exception as exc:
                 raise RewardError(f"reward {name!r} failed on {where}: {type(exc).__name__}: {exc}") from exc
             out.append(_checked(name, value, where))
         return out

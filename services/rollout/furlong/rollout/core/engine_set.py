@@ -229,7 +229,7 @@ class InProcessEngines:
                 continue
             try:
                 slot.receiver.close()
-            except Exception:  # noqa: BLE001 - closing one receiver must not keep the others open
+            except Exception:
                 log.exception("run %s: closing the receiver of %s failed", self._run_id, slot.engine_id)
             slot.receiver = None
 

@@ -210,7 +210,7 @@ class RolloutService:
         run.ended = True
         try:
             run.engines.close()
-        except Exception:  # noqa: BLE001 - the run is ended either way
+        except Exception:
             log.exception("run %s: closing its engines failed", run_id)
         self._observer.run_ended(run_id, list(run.engines.engine_ids))
         log.info("run %s ended", run_id)
