@@ -1,4 +1,4 @@
-"""The run-level sample ledger on a real Redis: states, atomic refusals, stream scans, the audit."""
+"""The run's group ledger on a real Redis: states, atomic refusals, atomic appends, the audit."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ within a run; one id names the whole group of samples drawn for it). Its states:
 Keys, all under `furlong:ledger:{run_id}:`: `submitted` (hash id -> count), `generated` (hash
 id -> stream entry id), `trained` (set of ids), `versions` (hash: policy versions known committed),
 `sample_versions` (hash version -> samples generated with it), `meta` (hash: checkpoint step and
-version, highest published version, checkpoint cadence, counters).
+version, highest published version, counters).
 
 Every change is one atomic Redis operation or Lua script, so concurrent writers and crashes cannot
 tear it: marking an id trained when it already is trained is refused (and counted as
@@ -216,7 +216,7 @@ class GroupLedger:
                 self._redis.hincrby(self._meta, CUT, int(removed))
 
     def generated_ids(self, step: int, prompt_ids: Sequence[str]) -> set[str]:
-        """The prompt ids of step that already have a group in the stream (as last scanned)."""
+        """The prompt ids of step that already have a group in the stream."""
         if not prompt_ids:
             return set()
         with self._errors():

@@ -68,7 +68,7 @@ class RolloutMetrics:
         )
         self.surplus_groups = Counter(
             GROUPS_SURPLUS_TOTAL,
-            "Over-sampling: groups beyond the request's keep_groups, closed unwritten",
+            "Over-sampling: groups beyond those the step keeps, closed unwritten",
             ["run_id"],
             registry=registry,
         )

@@ -1,8 +1,9 @@
 """The trainer service's domain object: one `Learner` and one `WeightPublisher` per configured run,
 fed from the run's Redis stream. No gRPC here; `server.py` is the transport.
 
-With a `checkpoint_root`, every step is written as a training checkpoint (`train_checkpoint`) to
-`<root>/<run_id>` before its stream entries are acknowledged, and `configure_run` resumes a run
+With a `checkpoint_root`, every `checkpoint.every_steps`-th step (and the last) is written as a
+training checkpoint (`train_checkpoint`) to `<root>/<run_id>` before its stream entries are
+acknowledged, and `configure_run` resumes a run
 from its checkpoint when one exists (policy, optimizer, RNG, step and version). `checkpoint` writes
 one on request, there or to a given directory.
 
