@@ -1,7 +1,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-DISTS := libs/core libs/proto libs/ledger libs/transfer services/weight-broker services/trainer services/rollout services/dashboard services/controller
+DISTS := libs/core libs/service-main libs/proto libs/ledger libs/transfer services/weight-broker services/trainer services/rollout services/dashboard services/controller
 
 # The distributions' source roots, so that tools which read files see the one `furlong` namespace.
 SOURCE_PATH := $(subst $(eval) ,:,$(DISTS))

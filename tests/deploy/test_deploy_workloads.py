@@ -4,7 +4,7 @@ flags the services really accept, and addresses that resolve to Services of the 
 
 from __future__ import annotations
 
-import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -12,7 +12,6 @@ import pytest
 from k8s_render import (
     COMPONENT,
     OVERLAYS,
-    ROOT,
     SERVICE_MODULES,
     containers,
     find,
@@ -82,27 +81,16 @@ def flag_value(args: list[str], flag: str) -> str:
 
 
 def declared_flags(module: str) -> tuple[set[str], set[str]]:
-    """(all, required) long options the service's argparse parsers declare, read from its source."""
-    package = ROOT.glob(f"services/*/{module.replace('.', '/')}")
-    package_dir = next(package)
+    """(all, required) long options of the service's real command line (`<module>.__main__.command()`,
+    the start-up scaffold's shared flags included)."""
+    parser = importlib.import_module(f"{module}.__main__").command().parser
     flags, required = set(), set()
-    for path in (package_dir / "__main__.py", package_dir / "config.py"):
-        if not path.is_file():
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "add_argument"
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
-                and str(node.args[0].value).startswith("--")
-            ):
-                continue
-            flags.add(node.args[0].value)
-            for kw in node.keywords:
-                if kw.arg == "required" and isinstance(kw.value, ast.Constant) and kw.value.value:
-                    required.add(node.args[0].value)
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith("--"):
+                flags.add(option)
+                if action.required:
+                    required.add(option)
     assert flags, f"no flags found for {module}"
     return flags, required
 

@@ -177,6 +177,7 @@ def stack(tmp_path_factory):
         StackConfig(
             state_dir=state_dir,
             broker_ack_timeout_s=ACK_TIMEOUT_S,
+            broker_fault_hooks=True,  # the dropped-bucket fault needs the broker's hook
             services=("redis", "weight_broker", "trainer", "rollout", "controller"),
         )
     )
@@ -265,7 +266,8 @@ def test_corrupt_sample_in_redis_is_rejected_by_name_and_nothing_else_dropped(st
 
 
 def test_dropped_weight_bucket_fails_the_run_clearly_and_no_torn_version(stack, model, monkeypatch):
-    # the broker restarted with its fault hook: the first round 0 of version 2 is dropped
+    # the broker restarted with its fault hook (it runs with --enable-fault-hooks): the first round 0
+    # of version 2 is dropped
     monkeypatch.setenv(DROP_BUCKET_ENV, "2:0")
     stack.kill9("weight_broker")
     monkeypatch.delenv(DROP_BUCKET_ENV)

@@ -15,7 +15,7 @@ import pytest
 pytestmark = [pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
-DISTS = ["libs/core", "libs/proto", "libs/ledger", "libs/transfer"] + [
+DISTS = ["libs/core", "libs/service-main", "libs/proto", "libs/ledger", "libs/transfer"] + [
     f"services/{name}" for name in ("weight-broker", "trainer", "rollout", "dashboard", "controller")
 ]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")

@@ -218,11 +218,11 @@ def test_manifest_and_event_conversions_round_trip():
 @pytest.mark.unit
 def test_config_validation_and_arguments():
     config = BrokerConfig.from_args(["--port", "5000", "--metrics-port", "5001", "--log-level", "debug"])
-    assert (config.host, config.port, config.metrics_port, config.log_level) == (
+    assert (config.host, config.port, config.metrics_port, config.fault_hooks) == (
         "127.0.0.1",
         5000,
         5001,
-        "DEBUG",
+        False,
     )
     assert config.relay_lanes == ("nixl", "shm", "grpc")
     assert BrokerConfig.from_args(
@@ -230,10 +230,8 @@ def test_config_validation_and_arguments():
     ).relay_lanes == ("nixl",)
     with pytest.raises(ValueError, match=r"relay_lanes \('nixl', 'smoke'\)"):
         BrokerConfig(relay_lanes=("nixl", "smoke"))
-    with pytest.raises(ValueError, match="port 70000"):
+    with pytest.raises(ValueError, match="port must be a port number in 0..65535, got 70000"):
         BrokerConfig(port=70000)
-    with pytest.raises(ValueError, match="log_level 'LOUD'"):
-        BrokerConfig(log_level="LOUD")
     with pytest.raises(ValueError, match="max_ack_attempts 0"):
         BrokerConfig(max_ack_attempts=0)
     with pytest.raises(ValueError, match="transfer_timeout_s 0"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError, UnavailableError
+from furlong.rpc.inflight import InFlightCalls
 from furlong.rpc.tls import TlsConfig, TlsFiles
 
 log = logging.getLogger(__name__)
@@ -83,17 +85,13 @@ def use_tls(tls: TlsConfig | None) -> None:
     _process_tls = tls
 
 
-def use_credentials(auth_token_file: Path | str | None, tls: TlsFiles) -> bool:
+def install_credentials(auth_token_file: Path | str | None, tls: TlsFiles) -> None:
     """A service's start-up: read its `--auth-token-file` (empty or None: no token) and its TLS
-    files, and make both the process defaults. False, with the reason logged (naming the flag and
-    file, never the token), when either is invalid: the service then exits with status 2."""
-    try:
-        use_auth_token(read_auth_token_file(auth_token_file or None))
-        use_tls(tls.load())
-    except ValueError as exc:
-        log.error("%s", exc)
-        return False
-    return True
+    files, and make both the process defaults. ValueError naming the flag and file (never the
+    token) when either is invalid: the service then exits with status 2
+    (`furlong.rpc.service_main`)."""
+    use_auth_token(read_auth_token_file(auth_token_file or None))
+    use_tls(tls.load())
 
 
 def add_tls_arguments(parser: Any) -> None:
@@ -288,10 +286,17 @@ class RunningServer:
     server: grpc.Server
     port: int
     health: health.HealthServicer
+    in_flight: InFlightCalls
+
+    def begin_stop(self, grace_s: float) -> threading.Event:
+        """Report NOT_SERVING, refuse new calls, and give the calls in flight grace_s to finish
+        before they are cancelled; the event is set once the server has stopped."""
+        self.health.enter_graceful_shutdown()
+        return self.server.stop(grace_s)
 
     def stop(self, grace_s: float = 2.0) -> None:
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace_s).wait()
+        """`begin_stop`, then wait until the server has stopped (about grace_s at most)."""
+        self.begin_stop(grace_s).wait()
 
 
 def start_server(
@@ -309,7 +314,8 @@ def start_server(
     (explicit, else the process's), the port serves only mutual TLS: a client without a
     certificate signed by the CA fails the handshake (health checks included)."""
     token = _token(auth_token)
-    interceptors = [TokenServerInterceptor(token)] if token is not None else []
+    in_flight = InFlightCalls()
+    interceptors = [in_flight, *([TokenServerInterceptor(token)] if token is not None else [])]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS, interceptors=interceptors
     )
@@ -327,7 +333,7 @@ def start_server(
     server.start()
     for name in ["", *service_names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, port=bound, health=health_servicer)
+    return RunningServer(server=server, port=bound, health=health_servicer, in_flight=in_flight)
 
 
 def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:

@@ -3,8 +3,9 @@
 Reads the admin bearer token from --token-file (or the environment variable named by --token-env)
 and an optional viewer token likewise, the shared gRPC token from --auth-token-file and, with
 --tls-ca-file/--tls-cert-file/--tls-key-file, mutual TLS to the services; connects to Redis and the
-three gRPC services, recovers runs a previous process left behind, and serves until SIGINT/SIGTERM;
-then asks the active run to stop and waits for its teardown.
+three gRPC services, recovers runs a previous process left behind, and serves until SIGINT/SIGTERM.
+Then it stops accepting connections, lets the requests in flight finish, asks the active run to stop
+and waits for its teardown, all within --shutdown-grace-s (`furlong.service_main`).
 """
 
 from __future__ import annotations
@@ -13,26 +14,31 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from furlong import rpc
 from furlong.controller.app import ENGINE_STATUS_TIMEOUT_S
 from furlong.controller.auth import ApiTokens
 from furlong.controller.config import ControllerConfig
+from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
 from furlong.controller.services import BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE, connect
 from furlong.core.errors import FurlongError
 from furlong.rollout import client as rollout_client
 from furlong.rollout.client import RolloutDeadlines
+from furlong.rpc.service_main import add_credential_flags, credential_fields, install_credentials
+from furlong.service_main import REQUIRED, ServiceCommand, ServiceFlags, start
 
 log = logging.getLogger("furlong.controller")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m furlong.controller", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+def command() -> ServiceCommand:
+    """The controller's command line: the shared flags (no --metrics-port: /metrics is on --port)
+    and its own."""
+    cmd = ServiceCommand("python -m furlong.controller", __doc__, port=REQUIRED)
+    p = cmd.parser
     p.add_argument("--redis-url", required=True)
     p.add_argument("--trainer", required=True, help="host:port of the trainer")
     p.add_argument("--rollout", required=True, help="host:port of the rollout service")
@@ -68,14 +74,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="cors_origins",
         help="allow browser requests from this origin (repeatable); CORS is off without",
     )
-    p.add_argument(
-        "--auth-token-file",
-        default="",
-        help="file with the shared token every gRPC call to the services carries",
-    )
-    rpc.add_tls_arguments(p)
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    add_credential_flags(p)
+    return cmd
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The parsed command line, the shared flags validated (exits with status 2 on a bad value);
+    `load_config` turns it into the config."""
+    cmd = command()
+    args = cmd.parser.parse_args(argv)
+    cmd.check(lambda: cmd.flags(args))
+    return args
 
 
 def _secret(file_flag: str, path: Path | None, env_flag: str, var: str | None, required: bool) -> str:
@@ -96,14 +105,17 @@ def _secret(file_flag: str, path: Path | None, env_flag: str, var: str | None, r
     return ""
 
 
-def load_config(args: argparse.Namespace) -> ControllerConfig:
+def load_config(args: argparse.Namespace, flags: ServiceFlags | None = None) -> ControllerConfig:
+    """The controller's config: reads the tokens (ValueError naming the flag or variable). `flags`:
+    the validated shared flags (default: taken from args)."""
+    flags = flags if flags is not None else command().flags(args)
     token = _secret("--token-file", args.token_file, "--token-env", args.token_env, True)
     viewer = _secret(
         "--viewer-token-file", args.viewer_token_file, "--viewer-token-env", args.viewer_token_env, False
     )
     return ControllerConfig(
-        host=args.host,
-        port=args.port,
+        host=flags.host,
+        port=flags.port,
         redis_url=args.redis_url,
         trainer=args.trainer,
         rollout=args.rollout,
@@ -111,24 +123,16 @@ def load_config(args: argparse.Namespace) -> ControllerConfig:
         token=token,
         viewer_token=viewer,
         cors_origins=tuple(args.cors_origins),
-        auth_token_file=args.auth_token_file,
-        tls=rpc.TlsFiles(args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name),
+        **credential_fields(args),
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        config = load_config(args)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
+def main(argv: Sequence[str] | None = None) -> int:
+    cmd = command()
+    config, flags = cmd.parse(argv, load_config)
+    runtime = start("controller", flags)
     log.info("starting with %r", config)
-    if not rpc.use_credentials(config.auth_token_file, config.tls):
-        return 2
+    cmd.check(lambda: install_credentials(config.auth_token_file, config.tls))
     tokens = ApiTokens(admin=(config.token,), viewer=(config.viewer_token,) if config.viewer_token else ())
     store = RunStore.from_url(config.redis_url)
     services = connect(config.trainer, config.rollout, config.broker, config.timeouts)
@@ -150,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens,
             readiness,
             config.timeouts,
+            metrics=ControllerMetrics(runtime.registry),
             cors_origins=config.cors_origins,
             engines=engines,
         )
@@ -157,15 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot start: %s", exc)
         return 1
     server = HttpServer(controller.app, config.host, config.port, log_level="warning")
+    runtime.shutdown.add("HTTP server", server.stop)
+    runtime.shutdown.probe("HTTP requests in flight", server.still_running)
+    runtime.shutdown.add("active run teardown", controller.close)
+    runtime.shutdown.probe("active run", lambda: controller.executor.active_run or "")
+    runtime.shutdown.add_close("service clients", services)
+    runtime.shutdown.add_close("engine status client", engines)
+    runtime.shutdown.add_close("run store", store)
+    server.start()
     log.info("serving the REST API on %s", server.url)
-    try:
-        server.serve()
-    finally:
-        controller.close()
-        services.close()
-        engines.close()
-        store.close()
-    return 0
+    return runtime.serve_until_stopped()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, fields
 
 from furlong.rpc.tls import TlsFiles
+from furlong.service_main.ports import check_port
 
 _ADDRESS_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
@@ -42,9 +43,7 @@ def check_address(name: str, address: str) -> str:
     """address if it looks like host:port, else ValueError naming it."""
     if not _ADDRESS_RE.match(address or ""):
         raise ValueError(f"{name} must be host:port, got {address!r}")
-    port = int(address.rsplit(":", 1)[1])
-    if not 0 < port < 65536:
-        raise ValueError(f"{name} port must be in 1..65535, got {port}")
+    check_port(f"{name} port", int(address.rsplit(":", 1)[1]), allow_zero=False)
     return address
 
 
@@ -66,8 +65,7 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must be non-empty")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in 0..65535, got {self.port!r}")
+        check_port("port", self.port)
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must be a redis:// URL, got {self.redis_url!r}")
         for name in ("trainer", "rollout", "broker"):

@@ -40,7 +40,7 @@ from furlong.controller.config import check_address
 from furlong.controller.redis_server import RedisServer
 from furlong.controller.services import BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE
 from furlong.controller.stack_processes import ServiceProcess, adopt, is_running, log_tail, spawn, terminate
-from furlong.rpc.ports import free_port
+from furlong.service_main.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class StackConfig:
     torch_threads: int = 1
     # an engine that has not acknowledged a version's current stage within this is fenced out of it
     broker_ack_timeout_s: float = 60.0
+    # fault tests only: start the broker with --enable-fault-hooks (furlong.weight_broker.fault_hooks)
+    broker_fault_hooks: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.services) - set(SERVICES)
@@ -291,6 +293,8 @@ def _launch(config: StackConfig, state_dir: Path, info: StackInfo) -> StackInfo:
             ]
         if name == "weight_broker":
             argv += ["--ack-timeout-s", repr(float(config.broker_ack_timeout_s))]
+            if config.broker_fault_hooks:
+                argv.append("--enable-fault-hooks")
         if name == "trainer":
             argv += ["--checkpoint-dir", str(state_dir / "checkpoints")]
         sp = spawn(name, argv, logs / f"{name}.log", port, metrics_port)

@@ -4,6 +4,10 @@ the web UI on / (runs from the controller's REST API when --controller-url is gi
     python -m furlong.dashboard --host 127.0.0.1 --port P [--watch-pid PID ...]
         [--gpu-backend auto|nvml|amdsmi|none] [--hostname NAME]
         [--controller-url URL --controller-token-file PATH] [--sample-interval-s 2]
+        [--log-level INFO] [--shutdown-grace-s 10]
+
+On SIGTERM or SIGINT it stops accepting connections, lets the requests in flight finish within
+--shutdown-grace-s, stops sampling and exits (`furlong.service_main`).
 """
 
 from __future__ import annotations
@@ -12,29 +16,32 @@ import argparse
 import logging
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-
-import uvicorn
 
 from furlong.dashboard.app import create_app
 from furlong.dashboard.config import GPU_BACKEND_CHOICES, DashboardConfig
-from furlong.dashboard.exporter import build_registry
+from furlong.dashboard.exporter import register_telemetry
 from furlong.dashboard.gpu_providers import GpuTelemetryUnavailable, open_gpu_telemetry
 from furlong.dashboard.host_provider import HostTelemetryProvider, service_of_pid
 from furlong.dashboard.run_source import ControllerRuns
 from furlong.dashboard.telemetry_history import TelemetryHistory
+from furlong.service_main import REQUIRED, ServiceCommand, ServiceFlags, start
+from furlong.service_main.http_server import HttpServer
 
 log = logging.getLogger("furlong.dashboard")
 
 
-def parse_config(argv: list[str] | None) -> tuple[DashboardConfig, str]:
-    p = argparse.ArgumentParser(
-        prog="python -m furlong.dashboard",
-        description=__doc__,
+def command() -> ServiceCommand:
+    """The dashboard's command line: the shared flags (no --metrics-port: /metrics is on --port)
+    and its own."""
+    cmd = ServiceCommand(
+        "python -m furlong.dashboard",
+        __doc__,
+        port=REQUIRED,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+    p = cmd.parser
     p.add_argument(
         "--watch-pid",
         type=int,
@@ -57,17 +64,19 @@ def parse_config(argv: list[str] | None) -> tuple[DashboardConfig, str]:
     p.add_argument(
         "--sample-interval-s", type=float, default=2.0, help="utilisation history tick of the web UI"
     )
-    p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
+    return cmd
+
+
+def _config(args: argparse.Namespace, flags: ServiceFlags) -> DashboardConfig:
     token = ""
     if args.controller_token_file is not None:
         try:
             token = args.controller_token_file.read_text().strip()
         except OSError as exc:
-            raise ValueError(f"controller token file {args.controller_token_file}: {exc}") from exc
-    config = DashboardConfig(
-        host=args.host,
-        port=args.port,
+            raise ValueError(f"--controller-token-file {args.controller_token_file}: {exc}") from exc
+    return DashboardConfig(
+        host=flags.host,
+        port=flags.port,
         watch_pids=tuple(args.watch_pid),
         gpu_backend=args.gpu_backend,
         hostname=args.hostname or socket.gethostname(),
@@ -75,17 +84,17 @@ def parse_config(argv: list[str] | None) -> tuple[DashboardConfig, str]:
         controller_token=token,
         sample_interval_s=args.sample_interval_s,
     )
-    return config, args.log_level
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        config, log_level = parse_config(argv)
-    except ValueError as exc:
-        logging.basicConfig()
-        log.error("%s", exc)
-        return 2
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def parse_config(argv: Sequence[str] | None = None) -> DashboardConfig:
+    """The dashboard's config from a command line (exits with status 2 on a bad value)."""
+    return command().parse(argv, _config)[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cmd = command()
+    config, flags = cmd.parse(argv, _config)
+    runtime = start("dashboard", flags)
     try:
         gpu = open_gpu_telemetry(config.gpu_backend)
     except GpuTelemetryUnavailable as exc:
@@ -93,34 +102,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runs = ControllerRuns(config.controller_url, config.controller_token) if config.controller_url else None
     history = TelemetryHistory(gpu, config.sample_interval_s)
-    try:
-        registry = build_registry(
-            HostTelemetryProvider(config.watch_pids), gpu, config.hostname, service_of_pid
-        )
-        app = create_app(registry, runs, history.lanes)
-        history.tick()
-        history.start()
-        log.info(
-            "serving telemetry on http://%s:%d/metrics and the web UI on / (watching %s, "
-            "%d GPU(s), runs from %s)",
-            config.host,
-            config.port,
-            list(config.watch_pids) or "every Furlong process",
-            len(gpu.devices) if gpu else 0,
-            config.controller_url or "nowhere",
-        )
-        uvicorn.Server(
-            uvicorn.Config(
-                app, host=config.host, port=config.port, log_level="warning", access_log=False, lifespan="off"
-            )
-        ).run()
-    finally:
-        history.stop()
-        if runs is not None:
-            runs.close()
-        if gpu is not None:
-            gpu.close()
-    return 0
+    register_telemetry(
+        runtime.registry, HostTelemetryProvider(config.watch_pids), gpu, config.hostname, service_of_pid
+    )
+    http = HttpServer(create_app(runtime.registry, runs, history.lanes), config.host, config.port)
+    runtime.shutdown.add("HTTP server", http.stop)
+    runtime.shutdown.probe("HTTP requests in flight", http.still_running)
+    runtime.shutdown.add("telemetry history", lambda _left_s: history.stop())
+    if runs is not None:
+        runtime.shutdown.add_close("controller client", runs)
+    if gpu is not None:
+        runtime.shutdown.add_close("GPU telemetry", gpu)
+    history.tick()
+    history.start()
+    http.start()
+    log.info(
+        "serving telemetry on %s/metrics and the web UI on / (watching %s, %d GPU(s), runs from %s)",
+        http.url,
+        list(config.watch_pids) or "every Furlong process",
+        len(gpu.devices) if gpu else 0,
+        config.controller_url or "nowhere",
+    )
+    return runtime.serve_until_stopped()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from furlong.dashboard.gpu_providers import GPU_BACKEND_CHOICES
+from furlong.service_main.ports import check_port
 
 
 @dataclass(frozen=True)
@@ -21,8 +22,7 @@ class DashboardConfig:
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must be non-empty")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in 0..65535, got {self.port!r}")
+        check_port("port", self.port)
         for pid in self.watch_pids:
             if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
                 raise ValueError(f"watch pid must be a positive integer, got {pid!r}")

@@ -1,6 +1,7 @@
 """Prometheus exposition of host and GPU telemetry: a collector that reads fresh values per scrape.
 
-Owns no global state: `build_registry` returns a registry holding only this collector. GPU series
+Owns no global state: `register_telemetry` adds the collector to a given registry (the process's,
+from the start-up scaffold) and `build_registry` returns a fresh one holding only it. GPU series
 come twice: `furlong_gpu_*` in base units with a `vendor` label, and dcgm-exporter's `DCGM_FI_*`
 names, units and labels. A value a backend could not read is a missing series, never 0. Per-process
 GPU memory is labelled with the Furlong service owning the pid (`service_of_pid`).
@@ -125,15 +126,26 @@ class HostCollector(Collector):
         return []  # collected lazily; describing would take a snapshot at registration
 
 
+def register_telemetry(
+    registry: CollectorRegistry,
+    provider: TelemetryProvider,
+    gpu: GpuSource | None = None,
+    hostname: str = "",
+    service_of_pid: Callable[[int], str] | None = None,
+) -> CollectorRegistry:
+    """Add the host and GPU telemetry collector to registry; returns registry."""
+    registry.register(HostCollector(provider, gpu, hostname, service_of_pid))
+    return registry
+
+
 def build_registry(
     provider: TelemetryProvider,
     gpu: GpuSource | None = None,
     hostname: str = "",
     service_of_pid: Callable[[int], str] | None = None,
 ) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(HostCollector(provider, gpu, hostname, service_of_pid))
-    return registry
+    """A fresh registry holding only the telemetry collector."""
+    return register_telemetry(CollectorRegistry(auto_describe=False), provider, gpu, hostname, service_of_pid)
 
 
 def exposition(registry: CollectorRegistry) -> bytes:

@@ -5,26 +5,24 @@
         [--user-reward NAME=MODULE:FN ...] [--reward-timeout-s 60] [--reward-workers 4]
         [--engines inprocess|process] [--engine-threads 1] [--engine-max-batch-size 64]
         [--chunk-rows 8] [--engine-work-dir DIR]
-        [--log-level INFO] [--auth-token-file F] [--tls-ca-file F --tls-cert-file F --tls-key-file F
-        [--tls-server-name NAME]]
+        [--log-level INFO] [--shutdown-grace-s 10] [--auth-token-file F]
+        [--tls-ca-file F --tls-cert-file F --tls-key-file F [--tls-server-name NAME]]
 
 Serves furlong.v1.Rollout and grpc.health.v1 on host:port and Prometheus metrics on
-host:metrics-port; on SIGTERM or SIGINT ends every run (closing its weight receivers) and exits.
+host:metrics-port. On SIGTERM or SIGINT it reports NOT_SERVING and refuses new calls, lets the
+Generate calls in flight finish within --shutdown-grace-s, then ends every run (closing its weight
+receivers and engine processes) and exits (`furlong.service_main`).
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 
 import redis
 import torch
-from prometheus_client import REGISTRY, start_http_server
 
-from furlong import rpc
 from furlong.rollout.config import ENGINES_PROCESS, RolloutServerConfig
 from furlong.rollout.core.sampling import SupportBound
 from furlong.rollout.core.service import RolloutService
@@ -35,24 +33,32 @@ from furlong.rollout.rewards import resolve_user_reward, reward_registry
 from furlong.rollout.run_records import redis_records
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import start_server
+from furlong.rpc.service_main import drain_on_shutdown, install_credentials
+from furlong.service_main import ServiceCommand, start
 from furlong.transfer.broker_client import GrpcBrokerClient
 
 log = logging.getLogger("furlong.rollout")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    config = RolloutServerConfig.from_args(argv)
-    logging.basicConfig(level=config.logging_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(config.num_threads)
-    if not rpc.use_credentials(config.auth_token_file, config.tls):
-        return 2
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda received, frame: stop.set())
+def command() -> ServiceCommand:
+    """The service's command line (`RolloutServerConfig.command`)."""
+    return RolloutServerConfig.command()
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cmd = command()
+    config, flags = cmd.parse(argv, RolloutServerConfig.from_namespace)
+    runtime = start("rollout", flags)
+    cmd.check(lambda: install_credentials(config.auth_token_file, config.tls))
+    torch.set_num_threads(config.num_threads)
     redis_client = redis.Redis.from_url(config.redis_url)
     broker = GrpcBrokerClient(config.broker_address)
-    metrics = RolloutMetrics(REGISTRY)
+    rewards = cmd.check(  # --user-reward callables are imported and checked here
+        lambda: reward_registry(
+            {name: resolve_user_reward(reference) for name, reference in config.user_rewards}
+        )
+    )
+    metrics = RolloutMetrics(runtime.registry)
     receivers = broker_receiver_factory(broker)
     engines = None
     if config.engines == ENGINES_PROCESS:
@@ -73,16 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_batch_size=config.max_batch_size,
         observer=metrics,
         support_bound=SupportBound(max_size=config.max_support_size),
-        rewards=reward_registry(
-            {name: resolve_user_reward(reference) for name, reference in config.user_rewards}
-        ),
+        rewards=rewards,
         reward_timeout_s=config.reward_timeout_s,
         reward_workers=config.reward_workers,
     )
     metrics.watch_engines(service.status)
-    metrics_server, metrics_thread = start_http_server(
-        config.metrics_port, addr=config.host, registry=REGISTRY
-    )
+    metrics_endpoint = runtime.serve_metrics()
     server = start_server(
         [RolloutServicer(service).add_to_server],
         [SERVICE_NAME],
@@ -95,24 +97,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.host,
         server.port,
         config.host,
-        metrics_server.server_port,
+        metrics_endpoint.port,
         config.broker_address,
         config.num_threads,
         config.engines,
     )
 
-    while not stop.wait(0.5):
-        pass
-    log.info("rollout stopping")
-    server.stop(grace_s=2.0)
-    service.close()
-    broker.close()
-    redis_client.close()
-    metrics_server.shutdown()
-    metrics_server.server_close()
-    metrics_thread.join(timeout=5.0)
-    log.info("rollout stopped")
-    return 0
+    drain_on_shutdown(runtime.shutdown, server)
+    runtime.shutdown.add_close("runs and engines", service)
+    runtime.shutdown.add_close("broker client", broker)
+    runtime.shutdown.add_close("Redis client", redis_client)
+    return runtime.serve_until_stopped()
 
 
 if __name__ == "__main__":

@@ -4,22 +4,17 @@ here."""
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from furlong.rpc import add_tls_arguments
+from furlong.rpc.service_main import add_credential_flags, credential_fields
 from furlong.rpc.tls import TlsFiles
+from furlong.service_main import REQUIRED, ServiceCommand, ServiceFlags
+from furlong.service_main.ports import check_port
 
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 ENGINES_IN_PROCESS = "inprocess"  # engines inside the rollout service (the default)
 ENGINES_PROCESS = "process"  # one process per engine behind the engine pool
 ENGINE_MODES = (ENGINES_IN_PROCESS, ENGINES_PROCESS)
-
-
-def _check_port(name: str, port: int) -> None:
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{name} {port} is not a TCP port (0-65535)")
 
 
 def _user_reward(value: str) -> tuple[str, str]:
@@ -43,7 +38,6 @@ class RolloutServerConfig:
     user_rewards: tuple[tuple[str, str], ...] = ()  # (name, "package.module:function") pairs
     reward_timeout_s: float = 60.0  # all rewards of one request must finish within this
     reward_workers: int = 4  # threads scoring one request's samples
-    log_level: str = "INFO"
     auth_token_file: str = ""  # "" = gRPC unauthenticated; else the shared service token's file
     engines: str = ENGINES_IN_PROCESS  # where a run's engines run (ENGINE_MODES)
     engine_threads: int = 1  # process mode: torch threads per engine process
@@ -55,15 +49,16 @@ class RolloutServerConfig:
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must not be empty")
-        _check_port("port", self.port)
-        _check_port("metrics_port", self.metrics_port)
+        check_port("port", self.port)
+        check_port("metrics_port", self.metrics_port)
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
                 f"redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}"
             )
         host, sep, port = self.broker_address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        if not sep or not host or not port.isdigit():
             raise ValueError(f"broker_address must be HOST:PORT, got {self.broker_address!r}")
+        check_port(f"broker_address {self.broker_address!r}: the port", int(port), allow_zero=False)
         if self.engines not in ENGINE_MODES:
             raise ValueError(f"engines must be one of {ENGINE_MODES}, got {self.engines!r}")
         for name, low in (
@@ -88,17 +83,17 @@ class RolloutServerConfig:
                 raise ValueError(f"user reward {name!r}={reference!r} must be NAME=package.module:function")
         if len(set(names)) != len(names):
             raise ValueError(f"user reward names repeat: {names}")
-        if self.log_level not in _LOG_LEVELS:
-            raise ValueError(f"log_level {self.log_level!r} not one of {_LOG_LEVELS}")
 
     @classmethod
-    def from_args(cls, argv: Sequence[str] | None = None) -> RolloutServerConfig:
-        parser = argparse.ArgumentParser(
-            prog="python -m furlong.rollout", description="Furlong rollout service (gRPC)"
+    def command(cls) -> ServiceCommand:
+        """The rollout service's command line: the shared flags and its own."""
+        cmd = ServiceCommand(
+            "python -m furlong.rollout",
+            "Furlong rollout service (gRPC)",
+            port=REQUIRED,
+            metrics_port=REQUIRED,
         )
-        parser.add_argument("--host", default=cls.host)
-        parser.add_argument("--port", type=int, required=True)
-        parser.add_argument("--metrics-port", type=int, required=True)
+        parser = cmd.parser
         parser.add_argument("--redis-url", required=True)
         parser.add_argument("--broker", required=True, help="weight broker HOST:PORT")
         parser.add_argument("--num-threads", type=int, default=cls.num_threads)
@@ -120,13 +115,7 @@ class RolloutServerConfig:
         )
         parser.add_argument("--reward-timeout-s", type=float, default=cls.reward_timeout_s)
         parser.add_argument("--reward-workers", type=int, default=cls.reward_workers)
-        parser.add_argument("--log-level", default=cls.log_level, type=str.upper)
-        parser.add_argument(
-            "--auth-token-file",
-            default="",
-            help="file with the shared token every gRPC call (in and out) must carry",
-        )
-        add_tls_arguments(parser)
+        add_credential_flags(parser)
         parser.add_argument(
             "--engines",
             default=cls.engines,
@@ -142,13 +131,16 @@ class RolloutServerConfig:
             default=cls.engine_work_dir,
             help="process mode: folder for weight versions and engine logs (default: under /dev/shm)",
         )
-        args = parser.parse_args(argv)
+        return cmd
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace, flags: ServiceFlags) -> RolloutServerConfig:
         return cls(
             redis_url=args.redis_url,
             broker_address=args.broker,
-            host=args.host,
-            port=args.port,
-            metrics_port=args.metrics_port,
+            host=flags.host,
+            port=flags.port,
+            metrics_port=flags.metrics_port,
             num_threads=args.num_threads,
             max_batch_size=args.max_batch_size,
             max_workers=args.max_workers,
@@ -156,16 +148,15 @@ class RolloutServerConfig:
             user_rewards=tuple(_user_reward(v) for v in args.user_reward),
             reward_timeout_s=args.reward_timeout_s,
             reward_workers=args.reward_workers,
-            log_level=args.log_level,
-            auth_token_file=args.auth_token_file,
             engines=args.engines,
             engine_threads=args.engine_threads,
             engine_max_batch_size=args.engine_max_batch_size,
             chunk_rows=args.chunk_rows,
             engine_work_dir=args.engine_work_dir,
-            tls=TlsFiles(args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name),
+            **credential_fields(args),
         )
 
-    @property
-    def logging_level(self) -> int:
-        return logging.getLevelName(self.log_level)
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> RolloutServerConfig:
+        """The config of a command line (exits with status 2 on a bad value)."""
+        return cls.command().parse(argv, cls.from_namespace)[0]

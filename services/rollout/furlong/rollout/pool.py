@@ -44,7 +44,7 @@ from furlong.rollout.core.engine import Generation
 from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
 from furlong.rollout.core.types import EngineState, EngineStatus, SampleLedger
 from furlong.rollout.sglang import SGLangEngine
-from furlong.rpc.ports import free_port
+from furlong.service_main.ports import free_port
 
 log = logging.getLogger(__name__)
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from furlong.core.errors import UnavailableError
 from furlong.core.weights import dtype_from_name, dtype_name
+from furlong.service_main.ports import check_port
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,7 @@ class GroupSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.master_address, str) or not self.master_address:
             raise ValueError(f"master_address must be a host name or address, got {self.master_address!r}")
-        if (
-            isinstance(self.master_port, bool)
-            or not isinstance(self.master_port, int)
-            or not 0 < self.master_port < 65536
-        ):
-            raise ValueError(f"master_port must be an integer in [1, 65535], got {self.master_port!r}")
+        check_port("master_port", self.master_port, allow_zero=False)
         for name in ("rank", "world_size"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")

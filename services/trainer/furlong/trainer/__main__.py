@@ -1,19 +1,31 @@
-"""`python -m furlong.trainer`: the trainer service process (composition root)."""
+"""`python -m furlong.trainer`: the trainer service process (composition root).
+
+Serves furlong.v1.Trainer and grpc.health.v1 on --host:--port and Prometheus metrics on
+--metrics-port. On SIGTERM or SIGINT it reports NOT_SERVING and refuses new calls, lets the calls in
+flight (a training step, a publish) finish within --shutdown-grace-s, then ends its runs and exits
+(`furlong.service_main`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
+import sys
+from collections.abc import Sequence
 
-import prometheus_client
 import redis
 import torch
 
-from furlong import rpc
 from furlong.rpc import start_server
+from furlong.rpc.service_main import (
+    add_credential_flags,
+    credential_fields,
+    drain_on_shutdown,
+    install_credentials,
+)
+from furlong.service_main import PortOption, ServiceCommand, ServiceFlags, start
 from furlong.trainer.config import TrainerServiceConfig
+from furlong.trainer.metrics import TrainerMetrics
 from furlong.trainer.server import SERVICE_NAME, register
 from furlong.trainer.service import TrainerService
 from furlong.transfer.broker_client import GrpcBrokerClient
@@ -21,11 +33,15 @@ from furlong.transfer.broker_client import GrpcBrokerClient
 log = logging.getLogger("furlong.trainer")
 
 
-def parse_args(argv: list[str] | None = None) -> TrainerServiceConfig:
-    p = argparse.ArgumentParser(prog="python -m furlong.trainer", description="Furlong trainer service")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--metrics-port", type=int, default=0)
+def command() -> ServiceCommand:
+    """The trainer's command line: the shared flags and its own."""
+    cmd = ServiceCommand(
+        "python -m furlong.trainer",
+        "Furlong trainer service",
+        port=PortOption(default=0),
+        metrics_port=PortOption(default=0),
+    )
+    p = cmd.parser
     p.add_argument("--redis-url", required=True)
     p.add_argument("--broker", required=True, help="weight broker HOST:PORT")
     p.add_argument("--consumer-name", default="trainer-0")
@@ -35,46 +51,42 @@ def parse_args(argv: list[str] | None = None) -> TrainerServiceConfig:
         default="",
         help="write a training checkpoint per step under DIR/<run_id> and resume from it",
     )
-    p.add_argument(
-        "--auth-token-file",
-        default="",
-        help="file with the shared token every gRPC call (in and out) must carry",
-    )
-    rpc.add_tls_arguments(p)
+    add_credential_flags(p)
     p.add_argument(
         "--check-weight-update-equal",
         action="store_true",
         help="before a run's first version, check that a weight sync rewrites every "
         "parameter bit for bit (fails the run's configuration if not)",
     )
-    p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    return cmd
+
+
+def _config(args: argparse.Namespace, flags: ServiceFlags) -> TrainerServiceConfig:
+    return TrainerServiceConfig(
+        host=flags.host,
+        port=flags.port,
+        metrics_port=flags.metrics_port,
+        redis_url=args.redis_url,
+        broker_address=args.broker,
+        consumer_name=args.consumer_name,
+        num_threads=args.num_threads,
+        checkpoint_dir=args.checkpoint_dir,
+        check_weight_update_equal=args.check_weight_update_equal,
+        **credential_fields(args),
     )
-    try:
-        return TrainerServiceConfig(
-            host=args.host,
-            port=args.port,
-            metrics_port=args.metrics_port,
-            redis_url=args.redis_url,
-            broker_address=args.broker,
-            consumer_name=args.consumer_name,
-            num_threads=args.num_threads,
-            checkpoint_dir=args.checkpoint_dir,
-            auth_token_file=args.auth_token_file,
-            tls=rpc.TlsFiles(args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name),
-            check_weight_update_equal=args.check_weight_update_equal,
-        )
-    except ValueError as exc:
-        p.error(str(exc))
 
 
-def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
+def parse_args(argv: Sequence[str] | None = None) -> TrainerServiceConfig:
+    """The trainer's config from a command line (exits with status 2 on a bad value)."""
+    return command().parse(argv, _config)[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cmd = command()
+    config, flags = cmd.parse(argv, _config)
+    runtime = start("trainer", flags)
+    cmd.check(lambda: install_credentials(config.auth_token_file, config.tls))
     torch.set_num_threads(config.num_threads)
-    if not rpc.use_credentials(config.auth_token_file, config.tls):
-        return 2
     redis_client = redis.Redis.from_url(config.redis_url)
     broker = GrpcBrokerClient(config.broker_address)
     service = TrainerService(
@@ -83,22 +95,19 @@ def main(argv: list[str] | None = None) -> int:
         config.consumer_name,
         checkpoint_root=config.checkpoint_dir or None,
         check_weight_update_equal=config.check_weight_update_equal,
+        metrics=TrainerMetrics(runtime.registry),
     )
     server = start_server([register(service)], [SERVICE_NAME], host=config.host, port=config.port)
-    if config.metrics_port:
-        prometheus_client.start_http_server(config.metrics_port, addr=config.host)
-    log.info("trainer serving on %s:%d", config.host, server.port)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
-    log.info("trainer shutting down")
-    server.stop()
-    service.close()
-    broker.close()
-    redis_client.close()
-    return 0
+    metrics = runtime.serve_metrics()
+    log.info(
+        "trainer serving on %s:%d, metrics on %s:%d", config.host, server.port, config.host, metrics.port
+    )
+    drain_on_shutdown(runtime.shutdown, server)
+    runtime.shutdown.add_close("runs", service)
+    runtime.shutdown.add_close("broker client", broker)
+    runtime.shutdown.add_close("Redis client", redis_client)
+    return runtime.serve_until_stopped()
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from furlong.rpc.tls import TlsFiles
+from furlong.service_main.ports import check_port
 
 
 @dataclass(frozen=True)
 class TrainerServiceConfig:
     host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int = 0  # 0 = no Prometheus endpoint
+    port: int = 0  # 0 = any free port
+    metrics_port: int = 0  # Prometheus /metrics; 0 = any free port
     redis_url: str = "redis://127.0.0.1:6379/0"
     broker_address: str = "127.0.0.1:50051"
     consumer_name: str = "trainer-0"  # stable across restarts so pending samples are replayed
@@ -25,10 +26,8 @@ class TrainerServiceConfig:
     check_weight_update_equal: bool = False
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65536), got {self.metrics_port}")
+        check_port("port", self.port)
+        check_port("metrics_port", self.metrics_port)
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must be a redis:// URL, got {self.redis_url!r}")
         if ":" not in self.broker_address:

@@ -26,6 +26,7 @@ from typing import Any
 
 import redis
 import torch
+from prometheus_client import CollectorRegistry
 
 from furlong.core.checkpoint import load_policy
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
@@ -33,7 +34,6 @@ from furlong.core.samples import TRAINER_GROUP, stream_key
 from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_STEPS
 from furlong.core.weights import WeightLayout
 from furlong.ledger.group_ledger import GroupLedger
-from furlong.trainer import metrics
 from furlong.trainer.api import (
     CheckpointResult,
     Offloaded,
@@ -44,6 +44,7 @@ from furlong.trainer.api import (
     TrainStepResult,
 )
 from furlong.trainer.core.learner import Learner, LearnerConfig
+from furlong.trainer.metrics import TrainerMetrics
 from furlong.trainer.offload import Offloader, learner_offloader
 from furlong.trainer.sample_reader import SampleReader
 from furlong.trainer.train_checkpoint import (
@@ -108,8 +109,12 @@ class TrainerService:
         publisher_factory: Callable[..., WeightPublisher] = WeightPublisher,
         checkpoint_root: str | Path | None = None,
         check_weight_update_equal: bool = False,
+        metrics: TrainerMetrics | None = None,
     ):
+        """`metrics`: where the service's Prometheus collectors live (the process's registry in
+        the service; default: a private registry of its own, as in tests)."""
         self._redis = redis_client
+        self.metrics = metrics if metrics is not None else TrainerMetrics(CollectorRegistry())
         self._check_weight_update_equal = check_weight_update_equal
         self._checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self._broker = broker
@@ -241,23 +246,16 @@ class TrainerService:
             run.last_step = step
             run.data_cursor = cursor
             seconds = time.perf_counter() - started
-        labels = {"run_id": run_id}
-        metrics.STEPS.labels(**labels).inc()
-        metrics.SAMPLES_CONSUMED.labels(**labels).inc(stats.num_samples)
-        metrics.SAMPLES_REJECTED.labels(**labels).inc(batch.num_rejected)  # 0 creates the series
-        metrics.STEP_SECONDS.observe(seconds)
-        metrics.LOSS.labels(**labels).set(stats.loss)
-        metrics.REWARD_MEAN.labels(**labels).set(stats.reward_mean)
-        metrics.CLIP_FRACTION.labels(**labels).set(stats.clip_fraction)
-        metrics.RATIO_MEAN.labels(**labels).set(stats.ratio_mean)
-        metrics.POLICY_VERSION.labels(**labels).set(run.learner.version)
-        metrics.APPROX_KL.labels(**labels).set(stats.approx_kl)
-        metrics.GRAD_NORM.labels(**labels).set(stats.grad_norm)
-        metrics.LOGPROB_ABS_DIFF.labels(**labels).set(stats.logprob_abs_diff)
-        metrics.ENTROPY.labels(**labels).set(stats.entropy)
-        for group in batch.groups:
-            for sample in group.samples:
-                metrics.SAMPLE_STALENESS.observe(trainer_version - sample.policy_version)
+        self.metrics.step_trained(
+            run_id,
+            stats,
+            num_rejected=batch.num_rejected,
+            seconds=seconds,
+            policy_version=run.learner.version,
+            staleness_versions=(
+                trainer_version - sample.policy_version for group in batch.groups for sample in group.samples
+            ),
+        )
         self._observe_queue_depth(run_id)
         return TrainStepResult(
             run_id=run_id,
@@ -279,7 +277,7 @@ class TrainerService:
         for info in groups:
             if info["name"] in (TRAINER_GROUP, TRAINER_GROUP.encode()):
                 backlog = (info.get("lag") or 0) + info["pending"]
-                metrics.QUEUE_DEPTH.labels(run_id=run_id).set(backlog)
+                self.metrics.queue_depth_read(run_id, backlog)
 
     def publish_weights(self, run_id: str, version: int) -> Published:
         run = self._run(run_id)
@@ -298,7 +296,7 @@ class TrainerService:
             run.ledger.ledger.record_published(version)
             result = run.publisher.publish(version, run.learner.state_dict())
             run.published_version = version
-        metrics.PUBLISH_SECONDS.observe(result.stage_seconds)
+        self.metrics.published(result.stage_seconds)
         return Published(
             run_id=run_id,
             version=result.version,

@@ -1,32 +1,34 @@
 """Run the weight broker service:
 
     python -m furlong.weight_broker --host 127.0.0.1 --port P --metrics-port M [--log-level INFO]
-        [--max-ack-attempts N] [--ack-timeout-s S] [--relay-run RUN ...] [--relay-lanes L,...]
-        [--auth-token-file F]
+        [--shutdown-grace-s 10] [--max-ack-attempts N] [--ack-timeout-s S] [--relay-run RUN ...]
+        [--relay-lanes L,...] [--auth-token-file F]
         [--tls-ca-file F --tls-cert-file F --tls-key-file F [--tls-server-name NAME]]
+        [--enable-fault-hooks]
 
 Serves furlong.v1.WeightBroker and grpc.health.v1 on host:port and Prometheus metrics on
-host:metrics-port; relays the runs named by --relay-run (see furlong.weight_broker.relay); stops
-cleanly on SIGTERM or SIGINT.
+host:metrics-port; relays the runs named by --relay-run (see furlong.weight_broker.relay). On
+SIGTERM or SIGINT it reports NOT_SERVING and refuses new calls, ends the engines' watch streams,
+lets the calls in flight finish within --shutdown-grace-s, closes its relays and exits
+(`furlong.service_main`). `--enable-fault-hooks` (tests only) installs the fault-injection hooks
+of `furlong.weight_broker.fault_hooks`; without it their variables are ignored.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from prometheus_client import REGISTRY, start_http_server
-
-from furlong import rpc
 from furlong.rpc import start_server
+from furlong.rpc.service_main import install_credentials
+from furlong.service_main import ServiceCommand, start
 from furlong.transfer.config import TransferConfig
+from furlong.weight_broker import fault_hooks
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.config import BrokerConfig
-from furlong.weight_broker.fault_hooks import broker_core
+from furlong.weight_broker.core import BrokerCore, BrokerObserver
 from furlong.weight_broker.metrics import BrokerMetrics
 from furlong.weight_broker.relay import WeightRelay
 from furlong.weight_broker.server import SERVICE_NAME, WeightBrokerServicer
@@ -34,29 +36,35 @@ from furlong.weight_broker.server import SERVICE_NAME, WeightBrokerServicer
 log = logging.getLogger("furlong.weight_broker")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    config = BrokerConfig.from_args(argv)
-    logging.basicConfig(level=config.logging_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not rpc.use_credentials(config.auth_token_file, config.tls):
-        return 2
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda received, frame: stop.set())
+def command() -> ServiceCommand:
+    """The service's command line (`BrokerConfig.command`)."""
+    return BrokerConfig.command()
 
-    try:  # a test-only fault hook, off unless its variable is set (see fault_hooks)
-        core = broker_core(
-            os.environ,
-            max_ack_attempts=config.max_ack_attempts,
-            observer=BrokerMetrics(REGISTRY),
-            ack_timeout_s=config.ack_timeout_s,
-        )
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    servicer = WeightBrokerServicer(core)
-    metrics_server, metrics_thread = start_http_server(
-        config.metrics_port, addr=config.host, registry=REGISTRY
+
+def broker_core(config: BrokerConfig, observer: BrokerObserver, environ: Mapping[str, str]) -> BrokerCore:
+    """The broker's core. The fault hooks are installed only with --enable-fault-hooks (then from
+    their environment variables in environ); without it a plain BrokerCore, whatever environ
+    holds. ValueError naming a bad hook variable."""
+    kwargs = dict(
+        max_ack_attempts=config.max_ack_attempts, observer=observer, ack_timeout_s=config.ack_timeout_s
     )
+    if config.fault_hooks:
+        log.warning("fault hooks enabled (--enable-fault-hooks): this process is for fault tests only")
+        return fault_hooks.broker_core(environ, **kwargs)
+    ignored = fault_hooks.hook_variables_set(environ)
+    if ignored:
+        log.warning("fault hooks are off (no --enable-fault-hooks): ignoring %s", ", ".join(ignored))
+    return BrokerCore(**kwargs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cmd = command()
+    config, flags = cmd.parse(argv, BrokerConfig.from_namespace)
+    runtime = start("weight-broker", flags)
+    cmd.check(lambda: install_credentials(config.auth_token_file, config.tls))
+    core = cmd.check(lambda: broker_core(config, BrokerMetrics(runtime.registry), os.environ))
+    servicer = WeightBrokerServicer(core)
+    metrics = runtime.serve_metrics()
     server = start_server(
         [servicer.add_to_server],
         [SERVICE_NAME],
@@ -69,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.host,
         server.port,
         config.host,
-        metrics_server.server_port,
+        metrics.port,
     )
     relay_client = InProcessBrokerClient(core)
     relays = []
@@ -83,19 +91,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         relay.start()
         relays.append(relay)
 
-    while not stop.wait(0.5):
-        pass
-    log.info("weight broker stopping")
+    def drain(left_s: float) -> None:
+        stopped = server.begin_stop(left_s)  # NOT_SERVING, no new calls
+        core.shutdown()  # end the watch streams, so that their handler threads return
+        stopped.wait()
+
+    runtime.shutdown.add("gRPC server", drain)
+    runtime.shutdown.probe("gRPC calls in flight", server.in_flight.describe)
     for relay in relays:
-        relay.close()
-    relay_client.close()
-    core.shutdown()  # end watch streams so that their handler threads return
-    server.stop(grace_s=2.0)
-    metrics_server.shutdown()
-    metrics_server.server_close()
-    metrics_thread.join(timeout=5.0)
-    log.info("weight broker stopped")
-    return 0
+        runtime.shutdown.add_close(f"relay of run {relay.run_id}", relay)
+    runtime.shutdown.add_close("relay client", relay_client)
+    return runtime.serve_until_stopped()
 
 
 if __name__ == "__main__":

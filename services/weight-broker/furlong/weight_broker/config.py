@@ -4,21 +4,15 @@ here. The transfer endpoints' settings (TransferConfig) live in furlong.transfer
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from furlong.rpc import add_tls_arguments
+from furlong.rpc.service_main import add_credential_flags, credential_fields
 from furlong.rpc.tls import TlsFiles
+from furlong.service_main import REQUIRED, ServiceCommand, ServiceFlags
+from furlong.service_main.ports import check_port
 from furlong.transfer.config import LANE_NAMES, check_lanes
-
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def _check_port(name: str, port: int) -> None:
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{name} {port} is not a TCP port (0-65535)")
 
 
 @dataclass(frozen=True)
@@ -31,9 +25,11 @@ class BrokerConfig:
     ack_timeout_s: float = 60.0  # an engine that has not acknowledged the current stage is fenced
     relay_runs: tuple[str, ...] = ()  # runs this process relays (trainers publish to <run>~upstream)
     relay_lanes: tuple[str, ...] = LANE_NAMES  # the relays' lanes, in order
-    log_level: str = "INFO"
     auth_token_file: str = ""  # "" = gRPC unauthenticated; else the shared service token's file
     tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
+    # Test-only fault injection (furlong.weight_broker.fault_hooks): off unless --enable-fault-hooks;
+    # only then does __main__ read the hooks' environment variables.
+    fault_hooks: bool = False
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -47,23 +43,23 @@ class BrokerConfig:
                 f"relay_runs {self.relay_runs!r} must be distinct run ids not ending in '~upstream'"
             )
         check_lanes("relay_lanes", self.relay_lanes)
-        _check_port("port", self.port)
-        _check_port("metrics_port", self.metrics_port)
+        check_port("port", self.port)
+        check_port("metrics_port", self.metrics_port)
         if self.max_workers < 2:
             raise ValueError(f"max_workers {self.max_workers} < 2")
         if self.max_ack_attempts < 1:
             raise ValueError(f"max_ack_attempts {self.max_ack_attempts} < 1")
-        if self.log_level not in _LOG_LEVELS:
-            raise ValueError(f"log_level {self.log_level!r} not one of {_LOG_LEVELS}")
 
     @classmethod
-    def from_args(cls, argv: Sequence[str] | None = None) -> BrokerConfig:
-        parser = argparse.ArgumentParser(
-            prog="python -m furlong.weight_broker", description="Furlong weight broker (gRPC)"
+    def command(cls) -> ServiceCommand:
+        """The broker's command line: the shared flags and its own."""
+        cmd = ServiceCommand(
+            "python -m furlong.weight_broker",
+            "Furlong weight broker (gRPC)",
+            port=REQUIRED,
+            metrics_port=REQUIRED,
         )
-        parser.add_argument("--host", default=cls.host)
-        parser.add_argument("--port", type=int, required=True)
-        parser.add_argument("--metrics-port", type=int, required=True)
+        parser = cmd.parser
         parser.add_argument("--max-workers", type=int, default=cls.max_workers)
         parser.add_argument("--max-ack-attempts", type=int, default=cls.max_ack_attempts)
         parser.add_argument("--ack-timeout-s", type=float, default=cls.ack_timeout_s)
@@ -80,29 +76,33 @@ class BrokerConfig:
             help="comma-separated lanes a relay pulls over and serves on, in order "
             "(default nixl,shm,grpc; without shm its bucket gets huge pages)",
         )
-        parser.add_argument("--log-level", default=cls.log_level, type=str.upper)
+        add_credential_flags(parser)
         parser.add_argument(
-            "--auth-token-file", default="", help="file with the shared token every gRPC call must carry"
+            "--enable-fault-hooks",
+            action="store_true",
+            dest="fault_hooks",
+            help="TESTS ONLY: install the fault-injection hooks configured by FURLONG_FAULT_* "
+            "environment variables (furlong.weight_broker.fault_hooks); off by default, and the "
+            "variables are ignored without this flag",
         )
-        add_tls_arguments(parser)
-        args = parser.parse_args(argv)
-        try:
-            return cls(
-                host=args.host,
-                port=args.port,
-                metrics_port=args.metrics_port,
-                max_workers=args.max_workers,
-                max_ack_attempts=args.max_ack_attempts,
-                ack_timeout_s=args.ack_timeout_s,
-                relay_runs=tuple(args.relay_runs),
-                relay_lanes=tuple(lane.strip() for lane in args.relay_lanes.split(",")),
-                log_level=args.log_level,
-                auth_token_file=args.auth_token_file,
-                tls=TlsFiles(args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name),
-            )
-        except ValueError as exc:
-            parser.error(str(exc))  # exits with status 2 and the message
+        return cmd
 
-    @property
-    def logging_level(self) -> int:
-        return logging.getLevelName(self.log_level)
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace, flags: ServiceFlags) -> BrokerConfig:
+        return cls(
+            host=flags.host,
+            port=flags.port,
+            metrics_port=flags.metrics_port,
+            max_workers=args.max_workers,
+            max_ack_attempts=args.max_ack_attempts,
+            ack_timeout_s=args.ack_timeout_s,
+            relay_runs=tuple(args.relay_runs),
+            relay_lanes=tuple(lane.strip() for lane in args.relay_lanes.split(",")),
+            fault_hooks=args.fault_hooks,
+            **credential_fields(args),
+        )
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> BrokerConfig:
+        """The config of a command line (exits with status 2 on a bad value)."""
+        return cls.command().parse(argv, cls.from_namespace)[0]

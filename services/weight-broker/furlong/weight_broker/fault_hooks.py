@@ -1,5 +1,7 @@
-"""Fault injection for the weight broker, for fault tests only: off unless its environment variable
-is set when the broker process starts (read in `__main__`, nowhere else).
+"""Fault injection for the weight broker, for fault tests only. Nothing here runs unless the broker
+process is started with `--enable-fault-hooks` (default off); only then does `__main__` pass its
+environment to `broker_core`, which installs the hooks its variables ask for. Without the flag the
+variables are ignored (with a warning naming them) and the broker runs a plain `BrokerCore`.
 
 `FURLONG_FAULT_DROP_BUCKET=VERSION:ROUND` makes the broker drop the first staged bucket round that
 matches (of any run): the trainer's StageRound call succeeds, but no engine is told to pull the
@@ -19,6 +21,12 @@ from furlong.weight_broker.core import BrokerCore
 log = logging.getLogger(__name__)
 
 DROP_BUCKET_ENV = "FURLONG_FAULT_DROP_BUCKET"
+HOOK_VARIABLES = (DROP_BUCKET_ENV,)
+
+
+def hook_variables_set(environ: Mapping[str, str]) -> list[str]:
+    """The hooks' variables that are set (non-empty) in environ."""
+    return [name for name in HOOK_VARIABLES if environ.get(name)]
 
 
 def parse_drop_bucket(value: str) -> tuple[int, int]:
@@ -56,7 +64,8 @@ class BucketDroppingCore(BrokerCore):
 
 
 def broker_core(environ: Mapping[str, str], **kwargs) -> BrokerCore:
-    """The broker's core: a BucketDroppingCore when the fault variable is set, else a BrokerCore."""
+    """The broker's core with the hooks environ asks for (called only with --enable-fault-hooks):
+    a BucketDroppingCore when the drop variable is set, else a BrokerCore."""
     value = environ.get(DROP_BUCKET_ENV, "")
     if not value:
         return BrokerCore(**kwargs)
