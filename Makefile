@@ -22,6 +22,7 @@ proto-check: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) tools/deps_check.py
 
 test: setup
 	$(PY) -m pytest -q
