@@ -26,6 +26,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	PYTHONPATH=$(SOURCE_PATH) $(VENV)/bin/lint-imports --no-cache
+	$(PY) tools/deps_check.py
 
 test: setup
 	$(PY) -m pytest -q

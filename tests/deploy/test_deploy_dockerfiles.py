@@ -1,19 +1,21 @@
 """Structure of the services' Dockerfiles (no Docker engine here): pinned base images, non-root
 users, health checks, entry points that run the service, no downloads outside the package indexes,
-images that install exactly the Furlong distributions their service depends on, and build contexts
-(<Dockerfile>.dockerignore) that keep what the COPY lines need."""
+images that install exactly the Furlong distributions their service depends on (derived from the
+pyproject.toml files, transitively, as tools/deps_check.py reads them), and build contexts
+(<Dockerfile>.dockerignore) that keep what the COPY lines need and no other distribution."""
 
 from __future__ import annotations
 
 import fnmatch
 import json
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from k8s_render import OVERLAYS, ROOT, render_overlay, workloads
+
+from tools.deps_check import FURLONG_PREFIX, load_distributions, requirement_extras, requirement_name
 
 SERVICES = {  # directory -> module
     "controller": "furlong.controller",
@@ -66,42 +68,60 @@ def resolve(image: str, args: dict[str, str]) -> str:
 
 def distribution_dirs() -> dict[str, str]:
     """Furlong distribution name -> its directory (libs/<x>, services/<x>)."""
-    dirs = {}
-    for pyproject in [*ROOT.glob("libs/*/pyproject.toml"), *ROOT.glob("services/*/pyproject.toml")]:
-        name = tomllib.loads(pyproject.read_text())["project"]["name"]
-        dirs[name] = pyproject.parent.relative_to(ROOT).as_posix()
-    return dirs
+    return {name: d.directory.relative_to(ROOT).as_posix() for name, d in load_distributions(ROOT).items()}
 
 
 def furlong_closure(directory: str, dirs: dict[str, str]) -> set[str]:
     """`directory` and the directories of every Furlong distribution it depends on, transitively."""
-    wanted, todo = set(), [directory]
+    distributions = load_distributions(ROOT)
+    by_dir = {d: name for name, d in dirs.items()}
+    wanted, todo = set(), [by_dir[directory]]
     while todo:
         current = todo.pop()
-        if current in wanted:
+        if dirs[current] in wanted:
             continue
-        wanted.add(current)
-        project = tomllib.loads((ROOT / current / "pyproject.toml").read_text())["project"]
-        for dep in project["dependencies"]:
-            name = re.split(r"[\s<>=!~;\[]", dep, maxsplit=1)[0]
-            if name.startswith("furlong-"):
+        wanted.add(dirs[current])
+        for name in distributions[current].declared():
+            if name.startswith(FURLONG_PREFIX):
                 assert name in dirs, f"{current} depends on {name}, which no pyproject.toml declares"
-                todo.append(dirs[name])
+                todo.append(name)
     return wanted
+
+
+def third_party_closure(directory: str, dirs: dict[str, str]) -> set[str]:
+    """Canonical names of the third-party dependencies of `directory`'s Furlong closure."""
+    distributions = {d.directory.relative_to(ROOT).as_posix(): d for d in load_distributions(ROOT).values()}
+    names = set()
+    for current in furlong_closure(directory, dirs):
+        names |= {n for n in distributions[current].declared() if not n.startswith(FURLONG_PREFIX)}
+    return names
+
+
+def pip_installs(stage: Stage) -> list[list[str]]:
+    """The arguments of each `pip install` in a stage's RUN commands, quotes removed."""
+    found = []
+    for keyword, value in stage.instructions:
+        if keyword == "RUN":
+            matches = re.finditer(r"pip install ([^&;]*)", value)
+            found += [m.group(1).replace('"', "").split() for m in matches]
+    return found
+
+
+def installed_requests(stage: Stage) -> dict[str, set[str]]:
+    """Repository directory -> extras, for each directory a stage's `pip install` commands install
+    (constraint files aside): `/src/services/dashboard[nvidia]` -> {"services/dashboard": {"nvidia"}}."""
+    installed: dict[str, set[str]] = {}
+    for tokens in pip_installs(stage):
+        for before, token in zip(["", *tokens], tokens):
+            path = token.split("[", 1)[0]
+            if before != "-c" and path.startswith("/src/") and (ROOT / path[len("/src/") :]).is_dir():
+                installed.setdefault(path[len("/src/") :], set()).update(requirement_extras(token))
+    return installed
 
 
 def installed_sources(stage: Stage) -> set[str]:
     """The repository directories a stage's `pip install` commands install (constraint files aside)."""
-    installed = set()
-    for keyword, value in stage.instructions:
-        if keyword != "RUN":
-            continue
-        for match in re.finditer(r"pip install ([^&;]*)", value):
-            tokens = match.group(1).split()
-            for before, token in zip(["", *tokens], tokens):
-                if before != "-c" and token.startswith("/src/") and (ROOT / token[len("/src/") :]).is_dir():
-                    installed.add(token[len("/src/") :])
-    return installed
+    return set(installed_requests(stage))
 
 
 def image_stages(stages: list[Stage]) -> list[Stage]:
@@ -181,13 +201,56 @@ def test_images_install_exactly_the_furlong_distributions_their_service_needs(se
 
 
 @pytest.mark.unit
-def test_only_the_broker_image_installs_the_broker_service():
+@pytest.mark.parametrize("service", SERVICES)
+def test_requested_extras_exist(service):
+    distributions = {d.directory.relative_to(ROOT).as_posix(): d for d in load_distributions(ROOT).values()}
+    _, stages = parse(ROOT / "services" / service / "Dockerfile")
+    for stage in stages:
+        for directory, extras in installed_requests(stage).items():
+            assert extras <= set(distributions[directory].optional), f"{service}/{stage.name}: {directory}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("service", SERVICES)
+def test_stages_installing_without_dependencies_install_the_rest_by_name(service):
+    """A stage that installs the Furlong distributions with --no-deps (on a base image that brings
+    its own torch) names every other third-party dependency of the service's closure, or leaves it
+    to the base image explicitly (the packages it drops from the constraints)."""
+    _, stages = parse(ROOT / "services" / service / "Dockerfile")
+    for stage in stages:
+        installs = pip_installs(stage)
+        if not any("--no-deps" in tokens for tokens in installs):
+            continue
+        named = {requirement_name(t) for tokens in installs for t in tokens if not t.startswith(("-", "/"))}
+        run = " ".join(v for k, v in stage.instructions if k == "RUN")
+        left = re.search(r"grep -v -E '\^\(([^)]*)\)=='", run)
+        from_base = {requirement_name(n) for n in left.group(1).split("|")} if left else set()
+        needed = third_party_closure(f"services/{service}", distribution_dirs())
+        assert needed - from_base <= named, f"{service}/{stage.name}: {sorted(needed - from_base - named)}"
+        assert not named & from_base, f"{service}/{stage.name}"
+
+
+@pytest.mark.unit
+def test_the_derived_distribution_sets():
+    """What the declared dependencies say each image needs; the controller has the trainer's, rollout's
+    and broker's clients, and only it and the broker install the broker service."""
     dirs = distribution_dirs()
-    assert "libs/transfer" in furlong_closure("services/trainer", dirs)
-    assert "libs/transfer" in furlong_closure("services/rollout", dirs)
+    for service in ("trainer", "rollout"):
+        assert {"libs/transfer", "libs/ledger"} <= furlong_closure(f"services/{service}", dirs)
+    assert furlong_closure("services/controller", dirs) == {
+        "libs/core",
+        "libs/proto",
+        "libs/ledger",
+        "libs/transfer",
+        "services/trainer",
+        "services/rollout",
+        "services/weight-broker",
+        "services/controller",
+    }
+    assert furlong_closure("services/dashboard", dirs) == {"libs/core", "services/dashboard"}
     for service in SERVICES:
         needs_broker = "services/weight-broker" in furlong_closure(f"services/{service}", dirs)
-        assert needs_broker == (service == "weight-broker"), service
+        assert needs_broker == (service in ("weight-broker", "controller")), service
 
 
 @pytest.mark.unit
@@ -205,6 +268,9 @@ def test_build_context_keeps_what_copy_needs(service):
             if keyword == "COPY" and not value.startswith("--from"):
                 sources += value.split()[:-1]
     assert "requirements.txt" in sources
+    distribution_roots = set(distribution_dirs().values())
+    wanted = furlong_closure(f"services/{service}", distribution_dirs())
+    assert {inc for inc in included if inc in distribution_roots} == wanted, f"{service}: context"
     for source in sources:
         assert (ROOT / source).exists(), f"{service}: COPY {source} does not exist"
         assert any(
