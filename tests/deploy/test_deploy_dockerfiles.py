@@ -239,6 +239,7 @@ def test_the_derived_distribution_sets():
         assert {"libs/transfer", "libs/ledger"} <= furlong_closure(f"services/{service}", dirs)
     assert furlong_closure("services/controller", dirs) == {
         "libs/core",
+        "libs/service-main",
         "libs/proto",
         "libs/ledger",
         "libs/transfer",
@@ -247,7 +248,11 @@ def test_the_derived_distribution_sets():
         "services/weight-broker",
         "services/controller",
     }
-    assert furlong_closure("services/dashboard", dirs) == {"libs/core", "services/dashboard"}
+    assert furlong_closure("services/dashboard", dirs) == {
+        "libs/core",
+        "libs/service-main",
+        "services/dashboard",
+    }
     for service in SERVICES:
         needs_broker = "services/weight-broker" in furlong_closure(f"services/{service}", dirs)
         assert needs_broker == (service in ("weight-broker", "controller")), service

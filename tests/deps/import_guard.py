@@ -86,7 +86,7 @@ def main(spec: dict) -> dict:
     for name in spec["imports"]:
         try:
             import_one(name)
-        except BaseException as exc:  # every failure is reported, SystemExit too
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported, SystemExit too
             failed[name] = "".join(traceback.format_exception_only(exc)).strip()
         else:
             imported.append(name)
