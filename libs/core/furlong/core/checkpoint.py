@@ -129,8 +129,11 @@ def load_policy(
     with torch.no_grad():
         for name, target in expected.items():
             target.copy_(found[name])
-    model.to(dtype)
-    model.eval()
+    # Through nn.Module's signatures: transformers wraps `to` with functools.wraps, which types it
+    # as the unbound Module.to, and leaves `eval` unannotated. The methods called are the model's.
+    module: torch.nn.Module = model
+    module.to(dtype)
+    module.eval()
     log.info(
         "loaded policy from %s: %d tensors, %d parameters, dtype %s",
         model_dir,
