@@ -463,6 +463,11 @@ class Manifest:
         return self.layout.total_bytes
 
     @property
+    def bucket_plan(self) -> BucketPlan:
+        """The plan; for a manifest built without one, the single round covering the layout."""
+        assert self.plan is not None  # __post_init__ fills it in
+        return self.plan
+
+    @property
     def rounds(self) -> tuple[BucketRound, ...]:
-        assert self.plan is not None
-        return self.plan.rounds
+        return self.bucket_plan.rounds

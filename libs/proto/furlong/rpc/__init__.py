@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from google.protobuf.message import Message
-
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -251,8 +249,8 @@ _OPTIONS = [
 ]
 
 _Servicer = TypeVar("_Servicer")
-_Request = TypeVar("_Request", bound=Message)
-_Response = TypeVar("_Response", bound=Message)
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
 _UnaryMethod = Callable[[_Servicer, _Request, grpc.ServicerContext], _Response]
 
 
