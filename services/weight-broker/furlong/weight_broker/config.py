@@ -105,4 +105,4 @@ class BrokerConfig:
 
     @property
     def logging_level(self) -> int:
-        return logging.getLevelName(self.log_level)
+        return int(logging.getLevelName(self.log_level))
