@@ -100,7 +100,7 @@ def _check_tensors(expected: dict[str, torch.Tensor], found: dict[str, torch.Ten
 
 
 def load_policy(
-    model_dir: Path, dtype: torch.dtype = torch.float32
+    model_dir: Path | str, dtype: torch.dtype = torch.float32
 ) -> tuple[transformers.PreTrainedModel, CharTokenizer]:
     """Build LlamaForCausalLM from `config.json`, load `model.safetensors` strictly, cast to `dtype`
     and return it in eval() mode with its tokenizer."""
