@@ -26,6 +26,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	PYTHONPATH=$(SOURCE_PATH) $(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy -p furlong.core -p furlong.rpc -p furlong.ledger -p furlong.transfer -p furlong.weight_broker -p furlong.trainer -p furlong.rollout -p furlong.dashboard -p furlong.controller
 
 test: setup
 	$(PY) -m pytest -q

@@ -168,4 +168,4 @@ class RolloutServerConfig:
 
     @property
     def logging_level(self) -> int:
-        return logging.getLevelName(self.log_level)
+        return int(logging.getLevelName(self.log_level))
