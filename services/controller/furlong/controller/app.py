@@ -333,7 +333,7 @@ def create_app(
             )
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI documents replacing app.openapi to customise the schema
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if cors_origins:
         app.add_middleware(
