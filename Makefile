@@ -26,6 +26,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	PYTHONPATH=$(SOURCE_PATH) $(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy -p furlong.core -p furlong.service_main -p furlong.rpc -p furlong.ledger -p furlong.transfer -p furlong.weight_broker -p furlong.trainer -p furlong.rollout -p furlong.dashboard -p furlong.controller
 	$(PY) tools/deps_check.py
 
 test: setup

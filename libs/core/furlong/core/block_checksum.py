@@ -21,7 +21,7 @@ import bisect
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -82,7 +82,9 @@ def _check_segments(size_bytes: int, offsets: Sequence[int], lengths: Sequence[i
         end = offset + length
 
 
-def _parts(lo: int, hi: int, offsets: Sequence[int], lengths: Sequence[int]):
+def _parts(
+    lo: int, hi: int, offsets: Sequence[int], lengths: Sequence[int]
+) -> Iterator[tuple[int, int, int, int]]:
     """(segment index or -1 for zeros, start within the segment, range offset, length) covering
     [lo, hi) in order."""
     cursor = lo
@@ -116,13 +118,13 @@ class RangeHasher:
         self._offsets = [offset for offset, _ in segments]
         self._lengths = [data.numel() for _, data in segments]
         _check_segments(size_bytes, self._offsets, self._lengths)
-        self._views = [memoryview(data.numpy()) for _, data in segments]
+        self._views = [data.numpy().data for _, data in segments]
 
     @property
     def num_blocks(self) -> int:
         return (self.size_bytes + BLOCK_BYTES - 1) // BLOCK_BYTES
 
-    def _block_parts(self, k: int):
+    def _block_parts(self, k: int) -> Iterator[tuple[int, int, int]]:
         """(segment index or -1 for zeros, start within the segment, length) covering block k."""
         lo = k * BLOCK_BYTES
         for index, start, _, length in _parts(
@@ -147,7 +149,7 @@ class RangeHasher:
         return xxhash.xxh3_128(b"".join(digests)).hexdigest()
 
 
-def _combine(hasher: RangeHasher, block_digest, workers: int | None) -> str:
+def _combine(hasher: RangeHasher, block_digest: Callable[[int], bytes], workers: int | None) -> str:
     blocks = range(hasher.num_blocks)
     workers = default_workers() if workers is None else workers
     if workers > 1 and len(blocks) > 1:

@@ -100,7 +100,7 @@ def _check_tensors(expected: dict[str, torch.Tensor], found: dict[str, torch.Ten
 
 
 def load_policy(
-    model_dir: Path, dtype: torch.dtype = torch.float32
+    model_dir: Path | str, dtype: torch.dtype = torch.float32
 ) -> tuple[transformers.PreTrainedModel, CharTokenizer]:
     """Build LlamaForCausalLM from `config.json`, load `model.safetensors` strictly, cast to `dtype`
     and return it in eval() mode with its tokenizer."""
@@ -129,8 +129,11 @@ def load_policy(
     with torch.no_grad():
         for name, target in expected.items():
             target.copy_(found[name])
-    model.to(dtype)
-    model.eval()
+    # Through nn.Module's signatures: transformers wraps `to` with functools.wraps, which types it
+    # as the unbound Module.to, and leaves `eval` unannotated. The methods called are the model's.
+    module: torch.nn.Module = model
+    module.to(dtype)
+    module.eval()
     log.info(
         "loaded policy from %s: %d tensors, %d parameters, dtype %s",
         model_dir,

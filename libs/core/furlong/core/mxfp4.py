@@ -20,6 +20,7 @@ Knows nothing about files or tensor names; callers add those to errors.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +75,8 @@ def pack_codes(codes: np.ndarray) -> np.ndarray:
     codes = np.asarray(codes, dtype=np.uint8)
     if codes.shape[-1] % 2 or (codes > 15).any():
         raise ValueError("FP4 codes need an even last dimension and values 0..15")
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    packed: np.ndarray = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return packed
 
 
 def check_shapes(packed: np.ndarray, scales: np.ndarray) -> tuple[int, int, int]:
@@ -102,7 +104,8 @@ def dequantize(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
         raise ValueError(f"MXFP4 scale byte {E8M0_NAN} (NaN) at {_first(scales == E8M0_NAN)}")
     values = FP4_VALUES[unpack_codes(packed)]
     factors = np.ldexp(1.0, scales.astype(np.int64) - E8M0_BIAS)
-    return values * np.repeat(factors, BLOCK, axis=-1)
+    decoded: np.ndarray = values * np.repeat(factors, BLOCK, axis=-1)
+    return decoded
 
 
 def _first(mask: np.ndarray) -> tuple[int, ...]:
@@ -236,7 +239,9 @@ def _swar_rows(packed: np.ndarray, spread: np.ndarray, out: np.ndarray) -> None:
     x |= e
 
 
-def encode_fp8(packed: np.ndarray, check: TileCheck, rows_per_chunk: int = 32):
+def encode_fp8(
+    packed: np.ndarray, check: TileCheck, rows_per_chunk: int = 32
+) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (row_start, e4m3 bytes [chunk_rows, cols]) for every row chunk of every batch entry,
     in order. The tensor must be exact (`check.exact`); the caller writes or concatenates chunks."""
     if not check.exact:

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -233,7 +234,7 @@ class SafetensorsReader:
         out = np.empty(entry.nbytes, dtype=np.uint8)
         with open(self.path, "rb") as f:
             f.seek(self.header.data_start + entry.begin)
-            got = f.readinto(memoryview(out))
+            got = f.readinto(out.data)
         if got != entry.nbytes:
             raise _fail(
                 self.path,
@@ -250,7 +251,7 @@ class SafetensorsReader:
             remaining = entry.nbytes
             while remaining:
                 out = np.empty(min(chunk_bytes, remaining), dtype=np.uint8)
-                got = f.readinto(memoryview(out))
+                got = f.readinto(out.data)
                 if got != out.nbytes:
                     raise _fail(self.path, f"tensor {name!r}: file ended inside the tensor")
                 remaining -= got
@@ -287,7 +288,7 @@ class ShardWriter:
         self._reserve = -(-reserve_header_bytes // 8) * 8
         self._file = open(self.path, "wb")
         self._file.write(b"\0" * (_LEN_BYTES + self._reserve))
-        self._header: dict[str, dict] = {}
+        self._header: dict[str, dict[str, Any]] = {}
         self._offset = 0
         self._current: tuple[str, int] | None = None
         self._remaining = 0
@@ -309,7 +310,7 @@ class ShardWriter:
         self._offset += size
 
     def write(self, chunk: bytes | memoryview | np.ndarray) -> None:
-        view = memoryview(np.ascontiguousarray(chunk) if isinstance(chunk, np.ndarray) else chunk)
+        view = np.ascontiguousarray(chunk).data if isinstance(chunk, np.ndarray) else memoryview(chunk)
         if self._current is None or view.nbytes > self._remaining:
             raise ValueError(
                 f"{self.path}: {view.nbytes} bytes written beyond the current tensor "
@@ -358,7 +359,12 @@ class ShardWriter:
     def __enter__(self) -> ShardWriter:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc_type is None:
             self.close()
         else:

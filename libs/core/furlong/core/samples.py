@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from furlong.core.sampling_mask import RolloutSamplingMask
 
@@ -68,7 +69,7 @@ class Sample:
                     f"sample {self.sample_id}: log-prob {lp} at position {pos} is not a finite value <= 0"
                 )
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "sample_id": self.sample_id,
             "prompt_token_ids": self.prompt_token_ids,
@@ -82,7 +83,7 @@ class Sample:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> Sample:
+    def from_dict(cls, d: dict[str, Any]) -> Sample:
         try:
             return cls(
                 sample_id=str(d["sample_id"]),

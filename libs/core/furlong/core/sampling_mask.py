@@ -17,6 +17,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -68,7 +69,8 @@ class RolloutSamplingMask:
             and np.array_equal(self.token_ids, other.token_ids)
         )
 
-    __hash__ = None  # mutable arrays inside
+    # Unhashable (mutable arrays inside): a class that defines __eq__ and no __hash__ gets
+    # __hash__ = None, and eq=False keeps the dataclass decorator from changing that.
 
     def __len__(self) -> int:
         return self.num_rows
@@ -171,7 +173,7 @@ class RolloutSamplingMask:
     def to_lists(self) -> list[list[int]]:
         return [self.row(i).tolist() for i in range(self.num_rows)]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "token_ids": self.token_ids.tolist(),
             "offsets": self.offsets.tolist(),
@@ -179,7 +181,7 @@ class RolloutSamplingMask:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> RolloutSamplingMask:
+    def from_dict(cls, d: dict[str, Any]) -> RolloutSamplingMask:
         """Inverse of `to_dict`. Strict, because the dict comes from JSON that may be corrupt:
         ValueError for a missing field, a non-integer or out-of-range value or a nested list;
         nothing is converted (no float truncation, no strings parsed as numbers)."""

@@ -36,8 +36,11 @@ class Task(Protocol):
     count, in any process) and give ids unique per (step, index).
     """
 
-    name: str
-    reward_name: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def reward_name(self) -> str: ...
 
     def prompts(self, seed: int, step: int, count: int) -> list[TaskPrompt]: ...
 
@@ -74,7 +77,7 @@ class AdditionTask:
 
     @property
     def max_operand(self) -> int:
-        return 10**self.num_digits - 1
+        return int(10**self.num_digits) - 1
 
     @property
     def prompt_chars(self) -> int:

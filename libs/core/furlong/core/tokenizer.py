@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_TYPE = "furlong-char"
@@ -81,7 +82,7 @@ class CharTokenizer:
                 out.append(self.chars[tok - num_special])
         return "".join(out)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "type": TOKENIZER_TYPE,
             "version": FORMAT_VERSION,

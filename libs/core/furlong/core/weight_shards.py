@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from furlong.core.weights import BucketPlan, WeightLayout
+from furlong.core.weights import BucketPlan, TensorSlot, WeightLayout
 
 _HASH_BLOCK_BYTES = 8 << 20  # strided pieces are hashed through a scratch copy of at most this
 
@@ -166,7 +166,11 @@ class ShardLayout:
                 dtype, rest = slot.dtype, shape[1:]
                 rows += shape[0] if shape else 1
                 last = shape
-            out_shape = last if len(tensor.pieces) == 1 else (rows, *rest)
+            if len(tensor.pieces) == 1:
+                out_shape = last
+            else:
+                assert rest is not None  # set by the loop over the (two or more) pieces
+                out_shape = (rows, *rest)
             shapes[tensor.name] = torch.empty(out_shape, dtype=dtype, device="meta")
         return WeightLayout.from_state_dict(shapes, alignment_bytes)
 
@@ -218,7 +222,7 @@ class ShardPlan:
         return sum(r.size_bytes for r in self.rounds)
 
 
-def _piece_copy(dst_name: str, dst_offset: int, slot, piece: ShardPiece) -> PieceCopy:
+def _piece_copy(dst_name: str, dst_offset: int, slot: TensorSlot, piece: ShardPiece) -> PieceCopy:
     item = slot.dtype.itemsize
     if piece.dim is None:
         return PieceCopy(slot.name, dst_name, dst_offset, slot.offset_bytes, slot.size_bytes)
@@ -275,11 +279,11 @@ def shard_checksums(
             name = copy.src_name
             rows = _source_rows(state_dict[name], copy, source.slot(name).offset_bytes)
             if rows.is_contiguous():
-                hasher.update(memoryview(rows.reshape(-1).numpy()))
+                hasher.update(rows.reshape(-1).numpy().data)
                 continue
             step = max(1, _HASH_BLOCK_BYTES // copy.row_bytes)
             for first in range(0, copy.num_rows, step):
-                hasher.update(memoryview(rows[first : first + step].contiguous().reshape(-1).numpy()))
+                hasher.update(rows[first : first + step].contiguous().reshape(-1).numpy().data)
         digests.append(hasher.hexdigest())
     return tuple(digests)
 
@@ -290,9 +294,7 @@ def digest_copies(copies: Sequence[PieceCopy], tensors: Mapping[str, torch.Tenso
     hasher = xxhash.xxh3_128()
     for copy in copies:
         raw = tensors[copy.dst_name].detach().reshape(-1).view(torch.uint8)
-        hasher.update(
-            memoryview(raw[copy.dst_offset_bytes : copy.dst_offset_bytes + copy.size_bytes].numpy())
-        )
+        hasher.update(raw[copy.dst_offset_bytes : copy.dst_offset_bytes + copy.size_bytes].numpy().data)
     return hasher.hexdigest()
 
 
@@ -338,7 +340,7 @@ def llama_tensor_parallel(layout: WeightLayout, rank: int, world: int, *, fuse: 
     gate, up shards in one `gate_up_proj` tensor (vLLM/SGLang style). ValueError when a dimension
     does not split evenly."""
     names = [s.name for s in layout.slots]
-    fused_parts = {}
+    fused_parts: dict[str, tuple[str, list[str]]] = {}
     if fuse:
         for fused, parts in _FUSED:
             for name in names:
@@ -351,10 +353,11 @@ def llama_tensor_parallel(layout: WeightLayout, rank: int, world: int, *, fuse: 
     for name in names:
         shape = layout.slot(name).shape
         if name in fused_parts:
-            fused, parts = fused_parts[name]
+            fused_name, sources = fused_parts[name]
             tensors.append(
                 ShardTensor(
-                    fused, tuple(split_piece(p, 0, rank, world, layout.slot(p).shape[0]) for p in parts)
+                    fused_name,
+                    tuple(split_piece(p, 0, rank, world, layout.slot(p).shape[0]) for p in sources),
                 )
             )
         elif name in skip:

@@ -324,7 +324,8 @@ def _cut_rounds(layout: WeightLayout, bucket_size_bytes: int) -> list[BucketRoun
     slots = sorted(layout.slots, key=lambda s: (s.offset_bytes, s.size_bytes))
     bucket = max(bucket_size_bytes, max(s.size_bytes for s in slots))
     rounds: list[BucketRound] = []
-    start, end, names = slots[0].offset_bytes, slots[0].offset_bytes, []
+    names: list[str] = []
+    start, end = slots[0].offset_bytes, slots[0].offset_bytes
     for slot in slots:
         if names and slot.end_bytes - start > bucket:
             rounds.append(BucketRound(len(rounds), start, end - start, tuple(names)))
@@ -462,6 +463,11 @@ class Manifest:
         return self.layout.total_bytes
 
     @property
+    def bucket_plan(self) -> BucketPlan:
+        """The plan; for a manifest built without one, the single round covering the layout."""
+        assert self.plan is not None  # __post_init__ fills it in
+        return self.plan
+
+    @property
     def rounds(self) -> tuple[BucketRound, ...]:
-        assert self.plan is not None
-        return self.plan.rounds
+        return self.bucket_plan.rounds

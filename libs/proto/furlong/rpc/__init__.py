@@ -35,7 +35,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError, UnavailableError
 from furlong.rpc.inflight import InFlightCalls
-from furlong.rpc.tls import TlsConfig, TlsFiles
+from furlong.rpc.tls import TlsConfig as TlsConfig
+from furlong.rpc.tls import TlsFiles as TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +150,15 @@ class TokenServerInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {check_auth_token(token)}".encode()
-        self._reject = grpc.unary_unary_rpc_method_handler(_abort_unauthenticated)
+        self._reject: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(
+            _abort_unauthenticated
+        )
 
-    def intercept_service(self, continuation, handler_call_details):
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
             return continuation(handler_call_details)
         given = b""
@@ -183,16 +190,36 @@ class _TokenClientInterceptor(
             getattr(details, "compression", None),
         )
 
-    def intercept_unary_unary(self, continuation, details, request):
+    def intercept_unary_unary(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Any], Any],
+        details: grpc.ClientCallDetails,
+        request: Any,
+    ) -> Any:
         return continuation(self._with_token(details), request)
 
-    def intercept_unary_stream(self, continuation, details, request):
+    def intercept_unary_stream(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Any], Any],
+        details: grpc.ClientCallDetails,
+        request: Any,
+    ) -> Any:
         return continuation(self._with_token(details), request)
 
-    def intercept_stream_unary(self, continuation, details, request_iterator):
+    def intercept_stream_unary(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Any], Any],
+        details: grpc.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
         return continuation(self._with_token(details), request_iterator)
 
-    def intercept_stream_stream(self, continuation, details, request_iterator):
+    def intercept_stream_stream(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Any], Any],
+        details: grpc.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
         return continuation(self._with_token(details), request_iterator)
 
 
@@ -219,7 +246,10 @@ _OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_BACKOFF_S * 1000)),
 ]
 
-F = TypeVar("F", bound=Callable[..., Any])
+_Servicer = TypeVar("_Servicer")
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
+_UnaryMethod = Callable[[_Servicer, _Request, grpc.ServicerContext], _Response]
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -229,11 +259,13 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def rpc_errors(method: F) -> F:
+def rpc_errors(
+    method: _UnaryMethod[_Servicer, _Request, _Response],
+) -> _UnaryMethod[_Servicer, _Request, _Response]:
     """Decorate a unary servicer method: domain errors become their status code with the message."""
 
     @functools.wraps(method)
-    def wrapper(self, request, context):
+    def wrapper(self: _Servicer, request: _Request, context: grpc.ServicerContext) -> _Response:
         try:
             return method(self, request, context)
         except Exception as exc:
@@ -244,7 +276,7 @@ def rpc_errors(method: F) -> F:
                 code, f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc)
             )
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 def error_from_rpc(err: grpc.RpcError) -> Exception:
@@ -315,7 +347,10 @@ def start_server(
     certificate signed by the CA fails the handshake (health checks included)."""
     token = _token(auth_token)
     in_flight = InFlightCalls()
-    interceptors = [in_flight, *([TokenServerInterceptor(token)] if token is not None else [])]
+    interceptors: list[grpc.ServerInterceptor] = [
+        in_flight,
+        *([TokenServerInterceptor(token)] if token is not None else []),
+    ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS, interceptors=interceptors
     )
@@ -343,7 +378,7 @@ def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> boo
     try:
         stub = health_pb2_grpc.HealthStub(ch)
         resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
     except grpc.RpcError:
         return False
     finally:

@@ -41,7 +41,11 @@ class InFlightCalls(grpc.ServerInterceptor):
             if self._running[method] <= 0:
                 del self._running[method]
 
-    def intercept_service(self, continuation, handler_call_details):
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = continuation(handler_call_details)
         if handler is None:
             return None
@@ -56,6 +60,7 @@ class InFlightCalls(grpc.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(self._unary(method, handler.stream_unary), **kwargs)
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(self._stream(method, handler.unary_stream), **kwargs)
+        assert handler.stream_stream is not None  # a handler has one of the four kinds
         return grpc.stream_stream_rpc_method_handler(self._stream(method, handler.stream_stream), **kwargs)
 
     def _unary(self, method: str, behaviour: Callable[..., Any]) -> Callable[..., Any]:

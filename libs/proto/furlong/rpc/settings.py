@@ -14,14 +14,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
+from google.protobuf.message import Message
+
 from furlong.core.settings import AlgorithmSettings, RolloutSettings, SamplingSettings, SettingError
 from furlong.core.settings.fields import settings_fields
 from furlong.v1 import common_pb2, rollout_pb2, trainer_pb2
 
 S = TypeVar("S")
+M = TypeVar("M", bound=Message)
 
 
-def to_proto(settings: Any, message: Any) -> Any:
+def to_proto(settings: Any, message: M) -> M:
     """Fill `message` (a fresh proto message) from a settings dataclass; returns it."""
     for f, _ in settings_fields(type(settings)):
         value = getattr(settings, f.name)

@@ -42,6 +42,13 @@ class ServiceFlags:
     log_level: str = "INFO"
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
 
+    @property
+    def served_metrics_port(self) -> int:
+        """metrics_port of a service that has one (ValueError for a service without)."""
+        if self.metrics_port is None:
+            raise ValueError("this service has no --metrics-port")
+        return self.metrics_port
+
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host or any(c.isspace() for c in self.host):
             raise ValueError(f"--host must be a host name or address, got {self.host!r}")

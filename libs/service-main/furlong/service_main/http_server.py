@@ -7,6 +7,7 @@ uvicorn installs no handlers off the main thread, so it never re-raises a signal
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import threading
 import time
@@ -52,7 +53,7 @@ class HttpServer:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop accepting connections, let requests in flight finish for up to timeout_s (then
         cancel them), and wait for the server thread."""
-        self._server.config.timeout_graceful_shutdown = max(0.1, timeout_s)
+        self._server.config.timeout_graceful_shutdown = max(1, math.ceil(timeout_s))  # whole seconds
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout_s + _JOIN_MARGIN_S)

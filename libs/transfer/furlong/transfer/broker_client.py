@@ -10,6 +10,7 @@ import abc
 import collections.abc
 import logging
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
@@ -78,7 +79,7 @@ class BrokerClient(Protocol):
     def close(self) -> None: ...
 
 
-class VersionWatch(collections.abc.Iterator):
+class VersionWatch(collections.abc.Iterator[VersionEventInfo]):
     """A blocking iterator of an engine's version events (VersionEventInfo). It stops when the
     broker ends the stream (engine unregistered, run ended) or when close() is called from any
     thread. Errors (unknown engine, broker unreachable) are raised from the call that opened it or
@@ -89,8 +90,16 @@ class VersionWatch(collections.abc.Iterator):
         """Idempotent; a thread blocked in next() returns promptly with StopIteration."""
 
 
+class _EventStream(Protocol):
+    """The response iterator of a WatchVersions call (a grpc Call)."""
+
+    def __next__(self) -> pb.VersionEvent: ...
+
+    def cancel(self) -> bool: ...
+
+
 class _GrpcVersionWatch(VersionWatch):
-    def __init__(self, rendezvous, forget) -> None:
+    def __init__(self, rendezvous: _EventStream, forget: Callable[[_GrpcVersionWatch], None]) -> None:
         self._call = rendezvous
         self._forget = forget
         self._closed = threading.Event()
@@ -124,7 +133,7 @@ class GrpcBrokerClient:
         self.address = address
         self._timeout_s = timeout_s
         self._channel = channel(address)
-        self._stub = pb_grpc.WeightBrokerStub(self._channel)
+        self._stub = pb_grpc.WeightBrokerStub(self._channel)  # type: ignore[no-untyped-call]  # generated gRPC code is unannotated
         self._lock = threading.Lock()
         self._watches: set[_GrpcVersionWatch] = set()
 
@@ -132,7 +141,8 @@ class GrpcBrokerClient:
         req = pb.RegisterEngineRequest(run_id=run_id, engine_id=engine_id)
         if shard_layout is not None:
             req.shard_layout.CopyFrom(shard_layout_to_proto(shard_layout))
-        return call(self._stub.RegisterEngine, req, self._timeout_s).committed_version
+        resp: pb.RegisterEngineResponse = call(self._stub.RegisterEngine, req, self._timeout_s)
+        return resp.committed_version
 
     def destinations(self, run_id: str) -> list[ShardLayout]:
         resp = call(self._stub.GetDestinations, pb.GetDestinationsRequest(run_id=run_id), self._timeout_s)
@@ -216,7 +226,8 @@ class GrpcBrokerClient:
             transfer_bytes=transfer_bytes,
             lane=lane,
         )
-        return call(self._stub.AckVersion, req, self._timeout_s).committed_version
+        resp: pb.AckVersionResponse = call(self._stub.AckVersion, req, self._timeout_s)
+        return resp.committed_version
 
     def wait_committed(self, run_id: str, version: int, timeout_s: float) -> VersionStatusInfo:
         req = pb.WaitCommittedRequest(run_id=run_id, version=version, timeout_s=timeout_s)

@@ -9,8 +9,9 @@ Knows nothing about versions or the broker; the publisher (and the relay) decide
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+import grpc
 import torch
 
 from furlong.core.weight_versions import WeightSourceInfo
@@ -36,11 +37,13 @@ class WeightStreamServicer(pb_grpc.WeightStreamServicer):
     def __init__(self, buffer: torch.Tensor) -> None:
         self._buffer = buffer
 
-    def add_to_server(self, server) -> None:
-        pb_grpc.add_WeightStreamServicer_to_server(self, server)
+    def add_to_server(self, server: grpc.Server) -> None:
+        pb_grpc.add_WeightStreamServicer_to_server(self, server)  # type: ignore[no-untyped-call]  # generated gRPC code is unannotated
 
     @rpc_errors
-    def ReadRange(self, request, context):
+    def ReadRange(
+        self, request: pb.ReadRangeRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.RangeChunk]:
         size = self._buffer.numel()
         if request.offset_bytes + request.size_bytes > size:
             raise ValueError(
@@ -53,7 +56,7 @@ class WeightStreamServicer(pb_grpc.WeightStreamServicer):
             raise ValueError(f"chunk_bytes {chunk} > {_MAX_CHUNK_BYTES}")
         return self._chunks(request.offset_bytes, request.size_bytes, chunk)
 
-    def _chunks(self, offset: int, size: int, chunk: int):
+    def _chunks(self, offset: int, size: int, chunk: int) -> Iterator[pb.RangeChunk]:
         end = offset + size
         while offset < end:
             n = min(chunk, end - offset)
@@ -89,17 +92,19 @@ class StagingBucket:
         try:
             if LANE_SHM in lanes:
                 self._shm = SharedBuffer.create(agent_name, size_bytes)
-                self.tensor = self._shm.tensor
+                assert self._shm.tensor is not None  # open until closed
+                tensor = self._shm.tensor
             else:
-                self.tensor = host_buffer(size_bytes)
+                tensor = host_buffer(size_bytes)
+            self.tensor: torch.Tensor | None = tensor  # None once closed
             metadata, address = b"", 0
             if LANE_NIXL in lanes:
                 self._endpoint = NixlEndpoint(agent_name, backends)
-                self._endpoint.register(self.tensor)
-                metadata, address = self._endpoint.metadata, self.tensor.data_ptr()
+                self._endpoint.register(tensor)
+                metadata, address = self._endpoint.metadata, tensor.data_ptr()
             stream_address = ""
             if LANE_GRPC in lanes:
-                servicer = WeightStreamServicer(self.tensor)
+                servicer = WeightStreamServicer(tensor)
                 self._server = start_server(
                     [servicer.add_to_server],
                     [STREAM_SERVICE_NAME],

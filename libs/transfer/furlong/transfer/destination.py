@@ -31,7 +31,7 @@ from furlong.core.weight_shards import (
 )
 from furlong.core.weights import BucketRound, Manifest, WeightLayout, checksum
 from furlong.transfer.host_memory import host_buffer
-from furlong.transfer.lanes import Lane
+from furlong.transfer.lanes import Lane, ReadHashed
 from furlong.transfer.nixl_transport import NixlEndpoint
 
 
@@ -79,7 +79,7 @@ class BufferDestination:
     ) -> tuple[float, str]:
         dst = self.buffer[rnd.offset_bytes : rnd.end_bytes]
         src_offset = rnd.offset_bytes if holds_all_rounds else rnd.bucket_offset_bytes
-        read_hashed = getattr(lane, "read_hashed", None)
+        read_hashed: ReadHashed | None = getattr(lane, "read_hashed", None)
         if read_hashed is not None:
             return read_hashed(
                 rnd.size_bytes, [(0, src_offset, dst)], timeout_s, ("round", rnd.index, holds_all_rounds)
@@ -115,7 +115,7 @@ class PieceDestination:
     ) -> None:
         self._own_layout = shard_layout is not None
         layout = shard_layout or identity_layout(manifest.layout)
-        self.plan = plan_shards(manifest.layout, manifest.plan, layout)
+        self.plan = plan_shards(manifest.layout, manifest.bucket_plan, layout)
         self._key = self._plan_key(manifest)
         if params is None:
             self._buffer = host_buffer(max(1, self.plan.layout.total_bytes))
@@ -130,13 +130,12 @@ class PieceDestination:
             endpoint.register(registered)
 
     @staticmethod
-    def _plan_key(manifest: Manifest) -> tuple:
-        assert manifest.plan is not None
+    def _plan_key(
+        manifest: Manifest,
+    ) -> tuple[WeightLayout, tuple[tuple[int, int, tuple[str, ...], int], ...]]:
         return (
             manifest.layout,
-            tuple(
-                (r.offset_bytes, r.size_bytes, r.names, r.bucket_offset_bytes) for r in manifest.plan.rounds
-            ),
+            tuple((r.offset_bytes, r.size_bytes, r.names, r.bucket_offset_bytes) for r in manifest.rounds),
         )
 
     def check(self, manifest: Manifest) -> None:
@@ -154,7 +153,7 @@ class PieceDestination:
     ) -> tuple[float, str]:
         copies = self.plan.rounds[rnd.index].copies
         region = _region_offset(rnd, holds_all_rounds)
-        read_hashed = getattr(lane, "read_hashed", None)
+        read_hashed: ReadHashed | None = getattr(lane, "read_hashed", None)
         whole = not self._own_layout and all(c.num_rows == 1 for c in copies)
         if read_hashed is not None and whole:
             # whole published tensors, one contiguous piece each: hashed like the round checksum

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Protocol
 
 import grpc
@@ -70,6 +70,11 @@ class Lane(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+# A lane's optional `read_hashed` (nixl, shm): (size_bytes, pieces (offset in the range, offset in
+# the source's region, destination), timeout_s, cache_key) -> (seconds, checksum of what landed).
+ReadHashed = Callable[[int, Sequence[tuple[int, int, torch.Tensor]], float, Hashable], tuple[float, str]]
 
 
 def _check_copies(copies: Sequence[PieceCopy], dst: Mapping[str, torch.Tensor]) -> None:
@@ -280,7 +285,7 @@ class GrpcStreamLane:
         self._address = source.stream_address
         self._chunk_bytes = chunk_bytes
         self._channel = channel(source.stream_address)
-        self._stub = pb_grpc.WeightStreamStub(self._channel)
+        self._stub = pb_grpc.WeightStreamStub(self._channel)  # type: ignore[no-untyped-call]  # generated gRPC code is unannotated
 
     def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
         started = time.perf_counter()

@@ -29,6 +29,9 @@ from furlong.core.weight_versions import WeightSourceInfo
 
 log = logging.getLogger(__name__)
 
+# (peer agent name, peer metadata, the caller's cache key) of a READ request
+_RequestKey = tuple[str, bytes, Hashable]
+
 _POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
 DEFAULT_PROGRESS_DELAY_US = 1000
@@ -58,11 +61,13 @@ def _new_agent(agent_name: str, backends: Sequence[str]) -> nixl_agent:
     base = bindings.nixlAgentConfig
     field = base.__dict__["pthrDelay"]
 
-    class _PausingConfig(base):
-        pthrDelay = property(field.__get__, lambda self, v: field.__set__(self, max(int(v), delay)))
+    pausing = property(field.__get__, lambda self, v: field.__set__(self, max(int(v), delay)))
+    # built with type(): the base is a runtime value of the bindings, which a class statement
+    # cannot name as a type
+    pausing_config = type("_PausingConfig", (base,), {"pthrDelay": pausing})
 
     with _AGENT_LOCK:
-        bindings.nixlAgentConfig = _PausingConfig
+        bindings.nixlAgentConfig = pausing_config
         try:
             return nixl_agent(agent_name, config)
         finally:
@@ -83,15 +88,16 @@ class NixlEndpoint:
                 f"NIXL agent {agent_name}: backends {missing} are not available "
                 f"(plugins: {self._agent.get_plugin_list()})"
             )
-        self._registrations: list[tuple[torch.Tensor, object]] = []
+        self._registrations: list[tuple[list[torch.Tensor], object]] = []
         self._peers: dict[str, tuple[bytes, str | bytes]] = {}  # name -> (metadata, NIXL peer id)
-        self._handles: dict[Hashable, object] = {}  # reusable READ requests (read_descs cache_key)
+        self._handles: dict[_RequestKey, object] = {}  # reusable READ requests (read_descs cache_key)
         self._closed = False
 
     @property
     def metadata(self) -> bytes:
         """This agent's metadata, for peers that read from its registered buffers."""
-        return self._agent.get_agent_metadata()
+        metadata: bytes = self._agent.get_agent_metadata()
+        return metadata
 
     def register(self, buffers: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Register contiguous host tensors (one, or a list in one registration) for the
@@ -146,8 +152,9 @@ class NixlEndpoint:
         posted: set[int] = set()
 
         def post(k: int) -> None:
-            if requests[k] is not None:
-                key, handle, num_bytes = requests[k]
+            request = requests[k]
+            if request is not None:
+                key, handle, num_bytes = request
                 self._post(key, handle, source, num_bytes)
                 posted.add(k)
 
@@ -163,8 +170,10 @@ class NixlEndpoint:
                 on_block(k)
         except BaseException:
             for k in posted:  # let a READ in flight end before its memory is reused
+                request = requests[k]
+                assert request is not None  # only existing requests are posted
                 try:
-                    self._finish(*requests[k], source, deadline, True)
+                    self._finish(*request, source, deadline, True)
                 except Exception:  # noqa: BLE001 - the first error is the one to report
                     log.warning("NIXL agent %s: a READ in flight failed too", self.agent_name)
             raise
@@ -172,7 +181,7 @@ class NixlEndpoint:
 
     def _request(
         self, source: WeightSourceInfo, local: np.ndarray, remote: np.ndarray, cache_key: Hashable | None
-    ) -> tuple[tuple, object, int]:
+    ) -> tuple[_RequestKey, object, int]:
         """(cache key, transfer request, bytes) for a READ, built now or taken from the cache."""
         if local.shape != remote.shape or local.ndim != 2 or local.shape[1] != 3 or not len(local):
             raise ValueError(
@@ -188,7 +197,7 @@ class NixlEndpoint:
                 f"READ of [{start:#x}, {end:#x}) exceeds the source region of {source.agent_name}"
             )
         peer = self._peer(source)
-        key = (source.agent_name, source.agent_metadata, cache_key)
+        key: _RequestKey = (source.agent_name, source.agent_metadata, cache_key)
         handle = self._handles.get(key) if cache_key is not None else None
         num_bytes = int(local[:, 1].sum())
         if handle is None:
@@ -209,7 +218,7 @@ class NixlEndpoint:
                 self._handles[key] = handle
         return key, handle, num_bytes
 
-    def _post(self, key, handle, source: WeightSourceInfo, num_bytes: int) -> None:
+    def _post(self, key: _RequestKey, handle: object, source: WeightSourceInfo, num_bytes: int) -> None:
         try:
             state = self._agent.transfer(handle)
         except BaseException:
@@ -222,7 +231,13 @@ class NixlEndpoint:
             )
 
     def _finish(
-        self, key, handle, num_bytes: int, source: WeightSourceInfo, deadline: float, keep: bool
+        self,
+        key: _RequestKey,
+        handle: object,
+        num_bytes: int,
+        source: WeightSourceInfo,
+        deadline: float,
+        keep: bool,
     ) -> None:
         """Wait for a posted request; a failed one, or one not kept, is released."""
         try:
@@ -233,7 +248,7 @@ class NixlEndpoint:
         if not keep:
             self._drop_handle(key, handle)
 
-    def _drop_handle(self, key, handle) -> None:
+    def _drop_handle(self, key: _RequestKey, handle: object) -> None:
         if self._handles.get(key) is handle:
             del self._handles[key]
         try:
@@ -269,7 +284,7 @@ class NixlEndpoint:
             source, local, remote, timeout_s, cache_key=("range", dst.data_ptr(), src_offset_bytes, num_bytes)
         )
 
-    def _wait(self, handle, source: WeightSourceInfo, num_bytes: int, deadline: float) -> None:
+    def _wait(self, handle: object, source: WeightSourceInfo, num_bytes: int, deadline: float) -> None:
         state = self._agent.check_xfer_state(handle)
         pause_s = _POLL_MIN_S
         while state == "PROC":
@@ -294,7 +309,7 @@ class NixlEndpoint:
                 self._drop_handle(key, self._handles[key])
             self._agent.remove_remote_agent(known[1])
         try:
-            peer = self._agent.add_remote_agent(source.agent_metadata)
+            peer: str | bytes = self._agent.add_remote_agent(source.agent_metadata)
         except Exception as exc:
             raise UnavailableError(
                 f"NIXL agent {self.agent_name}: cannot load metadata of {source.agent_name}: {exc!r}"

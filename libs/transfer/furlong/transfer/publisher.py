@@ -260,5 +260,5 @@ class WeightPublisher:
     def __enter__(self) -> WeightPublisher:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

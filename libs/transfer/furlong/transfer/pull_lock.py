@@ -65,6 +65,7 @@ class PullLock:
             yield acquired
         finally:
             if acquired:
+                assert self._fd is not None  # only an open lock file is acquired
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _acquire(self, deadline: float) -> bool:

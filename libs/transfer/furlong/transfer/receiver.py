@@ -291,7 +291,7 @@ class WeightReceiver:
             f"{_PULLS_PER_ROUND} pulls"
         )
 
-    def _pull_turn(self, incoming: _Incoming):
+    def _pull_turn(self, incoming: _Incoming) -> contextlib.AbstractContextManager[bool | None]:
         """The host's pull lock for copies out of host memory on this host (see pull_lock)."""
         if (
             self._pull_lock is None

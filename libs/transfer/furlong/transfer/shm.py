@@ -107,7 +107,7 @@ def remove_stale(directory: str = SHM_DIR) -> list[str]:
     """Unlink the objects `SharedBuffer.create` made in directory whose creator is gone (nobody
     holds their lock); returns their names. Empty objects are left alone: their creator may not
     have locked them yet. Processes that still map a removed object keep their mapping."""
-    removed = []
+    removed: list[str] = []
     try:
         names = [n for n in os.listdir(directory) if _CREATED.match(n)]
     except OSError:

@@ -6,10 +6,10 @@ ValueError naming it. Knows nothing about channels, servers or the broker's rule
 
 from __future__ import annotations
 
+from furlong.core.block_checksum import CHECKSUM_ALGORITHM
 from furlong.core.weight_shards import ShardLayout, ShardPiece, ShardTensor
 from furlong.core.weight_versions import EventKind, VersionEventInfo, VersionStatusInfo, WeightSourceInfo
 from furlong.core.weights import (
-    CHECKSUM_ALGORITHM,
     BucketPlan,
     BucketRound,
     Manifest,
@@ -46,7 +46,7 @@ def manifest_to_proto(manifest: Manifest) -> common_pb2.WeightManifest:
         total_bytes=manifest.total_bytes,
         checksum_algorithm=CHECKSUM_ALGORITHM,
         checksum=manifest.checksum,
-        bucket_size_bytes=manifest.plan.bucket_size_bytes,
+        bucket_size_bytes=manifest.bucket_plan.bucket_size_bytes,
         rounds=[
             common_pb2.BucketRound(
                 index=r.index,

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from furlong.controller import run_spec as _spec
 from furlong.controller.core.run_state import RunState
-from furlong.controller.run_events import EVENT_CLASSES, field_types
+from furlong.controller.run_events import EVENT_CLASSES, RunEvent, field_types
 
 _JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
 OPENAPI_VERSION = "3.2.0"
@@ -34,7 +34,7 @@ def spec_schema(cls: type = _spec.RunSpec) -> dict[str, Any]:
         nested = getattr(_spec, type_name, None)
         if type_name in _JSON_TYPES:
             properties[f.name] = {"type": _JSON_TYPES[type_name]}
-        elif dataclasses.is_dataclass(nested):
+        elif isinstance(nested, type) and dataclasses.is_dataclass(nested):
             properties[f.name] = spec_schema(nested)
         else:
             properties[f.name] = {}
@@ -46,7 +46,7 @@ def spec_schema(cls: type = _spec.RunSpec) -> dict[str, Any]:
     return schema
 
 
-def event_schema(cls: type) -> dict[str, Any]:
+def event_schema(cls: type[RunEvent]) -> dict[str, Any]:
     """JSON schema of one event type's payload (a `run_events` class): all fields required."""
     properties: dict[str, Any] = {"type": {"const": cls.TYPE.value, "description": "the event type"}}
     for f in dataclasses.fields(cls):

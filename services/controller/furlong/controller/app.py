@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
@@ -182,7 +182,9 @@ def _valid_stream_id(value: str) -> bool:
     return value.isascii() and ms.isdigit() and sep == "-" and seq.isdigit() and len(value) <= 40
 
 
-async def _event_stream(request: Request, service: RunService, run_id: str, page: EventPage):
+async def _event_stream(
+    request: Request, service: RunService, run_id: str, page: EventPage
+) -> AsyncIterator[str]:
     idle_s = 0.0
     while True:
         for event_id, event in page.events:
@@ -331,7 +333,7 @@ def create_app(
             )
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI documents replacing app.openapi to customise the schema
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if cors_origins:
         app.add_middleware(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import hmac
 from dataclasses import dataclass
+from pathlib import Path
 
 MIN_TOKEN_CHARS = 16
 
@@ -62,7 +63,7 @@ class ApiTokens:
         return f"ApiTokens(admin=<{len(self.admin)} redacted>, viewer=<{len(self.viewer)} redacted>)"
 
 
-def read_token_file(flag: str, path) -> str:
+def read_token_file(flag: str, path: Path) -> str:
     """The stripped content of a token file; ValueError naming the flag and the file."""
     try:
         return check_token(flag, path.read_text().strip())

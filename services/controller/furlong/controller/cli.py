@@ -18,6 +18,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import yaml
@@ -125,7 +126,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sigterm_as_interrupt(signum, frame) -> None:
+def _sigterm_as_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
@@ -136,7 +137,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     stack = running_stack(args.state_dir)
     owned = stack is None
     try:
-        if owned:
+        if stack is None:
             stack = _start(args)
             console.print(f"started a local stack in {args.state_dir} (stopped when the run ends)")
         else:
@@ -269,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        code: int = args.func(args)
+        return code
     except (UsageError, StackRunningError) as exc:
         err_console.print(f"[red]error:[/] {exc}")
         return 2

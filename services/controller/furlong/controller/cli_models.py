@@ -139,7 +139,7 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(subparsers: argparse._SubParsersAction) -> None:
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `models`, `convert` and `prepare` to the main parser's subparsers."""
     models = subparsers.add_parser("models", help="model specs and checkpoint checks")
     models_sub = models.add_subparsers(dest="models_command", required=True)

@@ -66,13 +66,14 @@ class HttpControllerClient:
             base_url=self.base_url, timeout=timeout_s, headers={"Authorization": f"Bearer {token}"}
         )
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             raise UnavailableError(f"controller at {self.base_url} unreachable: {exc}") from None
         _raise_for(response)
-        return response.json()
+        body: dict[str, Any] = response.json()  # every endpoint answers with an object
+        return body
 
     def create_run(self, spec: Mapping[str, Any]) -> dict[str, Any]:
         return self._request("POST", "/v1/runs", json=dict(spec))
@@ -94,7 +95,10 @@ class HttpControllerClient:
         return self._request("POST", f"/v1/runs/{run_id}/stop")
 
     def run_metrics(self, run_id: str, since: int = 0) -> list[dict[str, Any]]:
-        return self._request("GET", f"/v1/runs/{run_id}/metrics", params={"since": since})["steps"]
+        steps: list[dict[str, Any]] = self._request(
+            "GET", f"/v1/runs/{run_id}/metrics", params={"since": since}
+        )["steps"]
+        return steps
 
     def close(self) -> None:
         self._http.close()

@@ -10,6 +10,7 @@ stay pending in Redis.
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -21,14 +22,21 @@ from furlong.core.errors import FurlongError
 
 log = logging.getLogger(__name__)
 
-_SHUTDOWN = object()
+
+class _Shutdown(enum.Enum):
+    """The queue item that ends the loop (an enum member, so that `is` narrows the item's type)."""
+
+    TOKEN = "shutdown"
+
+
+_SHUTDOWN = _Shutdown.TOKEN
 
 
 class RunExecutor:
     def __init__(self, store: RunStore, driver: RunDriver) -> None:
         self._store = store
         self._driver = driver
-        self._queue: queue.Queue[tuple[str, str] | object] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, str] | _Shutdown] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="furlong-run-executor", daemon=True)
         self._lock = threading.Lock()
         self._active: str | None = None

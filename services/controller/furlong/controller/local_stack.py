@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -127,7 +128,7 @@ class StackInfo:
     def token(self) -> str:
         return Path(self.token_file).read_text().strip()
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "state_dir": self.state_dir,
             "rest_url": self.rest_url,
@@ -143,7 +144,7 @@ class StackInfo:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> StackInfo:
+    def from_dict(cls, data: dict[str, Any]) -> StackInfo:
         return cls(
             state_dir=data["state_dir"],
             rest_url=data["rest_url"],
@@ -244,7 +245,7 @@ def _any_running(state_dir: Path) -> bool:
     return info is not None and any(is_running(p) for p in info.processes)
 
 
-def _with(info: StackInfo, sp: ServiceProcess, **changes) -> StackInfo:
+def _with(info: StackInfo, sp: ServiceProcess, **changes: Any) -> StackInfo:
     updated = replace(info, processes=(*info.processes, sp), **changes)
     _write(updated)
     return updated
@@ -258,9 +259,17 @@ def _launch(config: StackConfig, state_dir: Path, info: StackInfo) -> StackInfo:
     except BaseException:
         redis.stop()
         raise
+    process = redis.process
+    assert process is not None and isinstance(process.args, list)  # start() ran a list of strings
     info = _with(
         info,
-        adopt("redis", redis.process.pid, redis.port, state_dir / "redis" / "redis.log", redis.process.args),
+        adopt(
+            "redis",
+            process.pid,
+            redis.port,
+            state_dir / "redis" / "redis.log",
+            [str(a) for a in process.args],
+        ),
         redis_url=redis.url,
     )
     addresses = dict(config.external)

@@ -9,6 +9,7 @@ title say what kind of problem it is. Domain errors map to codes here and only h
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -47,24 +48,30 @@ def problem(
 
 
 def install_problem_handlers(app: FastAPI) -> None:
-    def simple(status: int):
+    # Starlette types every handler as taking any Exception; each below is registered for one
+    # class, which it asserts.
+    def simple(status: int) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
         async def handle(request: Request, exc: Exception) -> JSONResponse:
             return problem(status, str(exc), request.url.path)
 
         return handle
 
-    async def spec_error(request: Request, exc: SettingError) -> JSONResponse:
+    async def spec_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, SettingError)
         return problem(422, str(exc), request.url.path, field=exc.field)
 
-    async def value_error(request: Request, exc: ValueError) -> JSONResponse:
+    async def value_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ValueError)
         return problem(422, str(exc), request.url.path, field=None)
 
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
         return problem(
             exc.status_code, str(exc.detail), request.url.path, headers=getattr(exc, "headers", None)
         )
 
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
         errors = [
             {
                 "field": ".".join(str(p) for p in e.get("loc", ())[1:]) or "body",

@@ -45,7 +45,7 @@ class RedisServer:
     # "always" fsyncs every write before replying (nothing acknowledged is lost when the server is
     # killed); "everysec" may lose the last second of writes.
     appendfsync: str = "everysec"
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:

@@ -121,8 +121,8 @@ class RecoveryEvent(_RunEvent):
 
 
 RunEvent = CreatedEvent | StateEvent | StepEvent | CheckpointEvent | RequestEvent | RecoveryEvent
-EVENT_CLASSES: tuple[type[_RunEvent], ...] = typing.get_args(RunEvent)
-_BY_TYPE: dict[str, type[_RunEvent]] = {cls.TYPE.value: cls for cls in EVENT_CLASSES}
+EVENT_CLASSES: tuple[type[RunEvent], ...] = typing.get_args(RunEvent)
+_BY_TYPE: dict[str, type[RunEvent]] = {cls.TYPE.value: cls for cls in EVENT_CLASSES}
 
 
 @dataclass(frozen=True)
@@ -136,9 +136,16 @@ class EventPage:
     num_entries: int
 
 
-@functools.cache
 def field_types(cls: type[_RunEvent]) -> dict[str, type]:
     """The declared type of each payload field of an event class (all but `type`), in order."""
+    # As a plain `type`: mypy checks a dataclass's class object against Hashable with the
+    # instances' __hash__, and so refuses it as a cache key.
+    key: type = cls
+    return _field_types(key)
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, type]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
@@ -212,7 +219,7 @@ def _from_values(data: Mapping[str, Any], convert: Callable[[str, Any, type], An
             raise EventDecodeError(f"{kind} event without field {name!r}")
         values[name] = convert(name, data[name], declared)
     try:
-        return typing.cast(RunEvent, cls(**values))
+        return cls(**values)
     except ValueError as exc:
         raise EventDecodeError(str(exc)) from None
 
@@ -264,7 +271,7 @@ def _has_type(value: Any, declared: type) -> bool:
     return isinstance(value, declared)
 
 
-def _type_name(f: dataclasses.Field) -> str:
+def _type_name(f: dataclasses.Field[Any]) -> str:
     return {"int": "an integer", "float": "a finite number", "bool": "a boolean", "str": "a string"}.get(
         str(f.type), f"a {f.type}"
     )

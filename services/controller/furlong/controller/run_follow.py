@@ -14,9 +14,11 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -37,6 +39,10 @@ class FollowResult:
     metrics_path: Path
 
 
+# What signal.signal installs and returns.
+_SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
 class Interrupts:
     """While active: the first SIGINT/SIGTERM sets `requested`; the next raises KeyboardInterrupt.
     Must be entered on the main thread."""
@@ -45,9 +51,9 @@ class Interrupts:
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, _SignalHandler] = {}
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
@@ -57,7 +63,7 @@ class Interrupts:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
 
@@ -74,7 +80,7 @@ class _Follower:
         self.steps: list[dict[str, Any]] = []
         self.run: dict[str, Any] = {}
 
-    def poll(self, out) -> dict[str, Any]:
+    def poll(self, out: TextIO) -> dict[str, Any]:
         self.run = self.client.get_run(self.run_id)
         for record in self.client.run_metrics(self.run_id, since=len(self.steps)):
             out.write(json.dumps(record) + "\n")

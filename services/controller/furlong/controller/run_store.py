@@ -27,8 +27,10 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import Any, cast
 
 import redis
+from redis.typing import EncodableT, FieldT
 
 from furlong.controller.core.run_state import CheckpointRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
@@ -53,6 +55,16 @@ IDEMPOTENCY_TTL_S = 24 * 3600
 EVENTS_MAXLEN = 10_000
 _PAGE_SCAN = 200
 _MAX_LIST_INDEX = 2**63 - 1
+
+
+# redis-py types every reply as bytes | str (and xadd's fields as an invariant Dict of its unions):
+# its annotations cannot follow `decode_responses`. This store's client decodes replies, so the
+# casts below state the str replies the client gives.
+
+
+def _stream_fields(event: RunEvent) -> dict[FieldT, EncodableT]:
+    """The fields of event's stream entry, typed as xadd takes them."""
+    return cast("dict[FieldT, EncodableT]", encode_fields(event))
 
 
 def run_key(run_id: str) -> str:
@@ -130,7 +142,7 @@ class RunStore:
                 )
                 rkey = run_key(run.run_id)
                 try:
-                    pipe.watch(rkey, *([idem] if idem else []))
+                    pipe.watch(rkey, *([idem] if idem else []))  # type: ignore[no-untyped-call]  # redis-py leaves Pipeline.watch unannotated
                     if idem is not None:
                         previous = pipe.get(idem)
                         if previous is not None:
@@ -144,7 +156,7 @@ class RunStore:
                     pipe.zadd(INDEX_KEY, {run.run_id: now})
                     pipe.xadd(
                         events_key(run.run_id),
-                        encode_fields(event_for_change(None, run)),
+                        _stream_fields(event_for_change(None, run)),
                         maxlen=EVENTS_MAXLEN,
                         approximate=True,
                     )
@@ -161,7 +173,7 @@ class RunStore:
                 return run, False
         raise ConflictError(f"could not allocate a unique id for run name {spec.name!r}")
 
-    def _replay(self, previous: dict, fingerprint: str) -> Run:
+    def _replay(self, previous: dict[str, Any], fingerprint: str) -> Run:
         if previous["fingerprint"] != fingerprint:
             raise ConflictError(
                 "Idempotency-Key was already used with a different request body "
@@ -184,7 +196,7 @@ class RunStore:
     def list_runs(self, state: RunState | None = None) -> list[Run]:
         """All runs, newest first, optionally only those in state."""
         with self._errors():
-            ids = self._redis.zrevrange(INDEX_KEY, 0, -1)
+            ids = cast(list[str], self._redis.zrevrange(INDEX_KEY, 0, -1))  # decoded replies
             raws = self._redis.mget([run_key(i) for i in ids]) if ids else []
         runs = [Run.from_dict(json.loads(raw)) for raw in raws if raw is not None]
         return [r for r in runs if state is None or r.state == state]
@@ -202,8 +214,11 @@ class RunStore:
         with self._errors():
             while True:
                 high = "+inf" if after is None else after[0]
-                batch = self._redis.zrevrangebyscore(
-                    INDEX_KEY, high, "-inf", start=offset, num=_PAGE_SCAN, withscores=True
+                batch = cast(  # decoded replies
+                    list[tuple[str, float]],
+                    self._redis.zrevrangebyscore(
+                        INDEX_KEY, high, "-inf", start=offset, num=_PAGE_SCAN, withscores=True
+                    ),
                 )
                 offset += len(batch)
                 last_batch = len(batch) < _PAGE_SCAN
@@ -227,7 +242,7 @@ class RunStore:
         with self._errors(), self._redis.pipeline() as pipe:
             while True:
                 try:
-                    pipe.watch(key)
+                    pipe.watch(key)  # type: ignore[no-untyped-call]  # redis-py leaves Pipeline.watch unannotated
                     raw = pipe.get(key)
                     if raw is None:
                         raise NotFoundError(f"run {run_id!r} not found")
@@ -250,8 +265,11 @@ class RunStore:
         """The events of up to count stream entries recorded after stream id after, oldest first.
         An entry that decodes to no event (see `run_events`) is skipped with a warning."""
         with self._errors():
-            entries = self._redis.xrange(
-                events_key(run_id), f"({after}" if after != "0-0" else "-", "+", count=count
+            entries = cast(  # decoded replies
+                list[tuple[str, dict[str, str]]],
+                self._redis.xrange(
+                    events_key(run_id), f"({after}" if after != "0-0" else "-", "+", count=count
+                ),
             )
         events: list[tuple[str, RunEvent]] = []
         for entry_id, fields in entries:
@@ -394,7 +412,7 @@ class RunStore:
         with self._errors(), self._redis.pipeline() as pipe:
             while True:
                 try:
-                    pipe.watch(key)
+                    pipe.watch(key)  # type: ignore[no-untyped-call]  # redis-py leaves Pipeline.watch unannotated
                     raw = pipe.get(key)
                     if raw is None:
                         raise NotFoundError(f"run {run_id!r} not found")
@@ -407,7 +425,7 @@ class RunStore:
                     pipe.set(key, json.dumps(run.to_dict()))
                     pipe.xadd(
                         events_key(run_id),
-                        encode_fields((describe or event_for_change)(before, run)),
+                        _stream_fields((describe or event_for_change)(before, run)),
                         maxlen=EVENTS_MAXLEN,
                         approximate=True,
                     )

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -35,7 +36,7 @@ class ServiceProcess:
     argv: tuple[str, ...] = ()
     metrics_port: int | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "pid": self.pid,
@@ -47,7 +48,7 @@ class ServiceProcess:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> ServiceProcess:
+    def from_dict(cls, data: dict[str, Any]) -> ServiceProcess:
         return cls(
             name=data["name"],
             pid=int(data["pid"]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from furlong.dashboard.gpu_providers import GPU_BACKEND_CHOICES
+from furlong.dashboard.gpu_providers import GPU_BACKEND_CHOICES as GPU_BACKEND_CHOICES
 from furlong.service_main.ports import check_port
 
 

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from furlong.dashboard import metrics as names
@@ -27,7 +28,8 @@ class TelemetryProvider(Protocol):
 
 
 class GpuSource(Protocol):
-    vendor: str
+    @property
+    def vendor(self) -> str: ...
 
     def sample(self) -> list[GpuSample]:
         """Every readable device now; thread-safe."""
@@ -122,7 +124,7 @@ class HostCollector(Collector):
         yield procs
         yield from dcgm.values()
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return []  # collected lazily; describing would take a snapshot at registration
 
 

@@ -31,7 +31,9 @@ from furlong.dashboard.core.gpu_telemetry import (
 log = logging.getLogger(__name__)
 
 
-def _optional(read: Callable[[], float | None], errors: type[BaseException] | tuple) -> float | None:
+def _optional(
+    read: Callable[[], float | None], errors: type[BaseException] | tuple[type[BaseException], ...]
+) -> float | None:
     try:
         return read()
     except errors as exc:  # "not supported" on this device: the series is missing, not zero
@@ -164,16 +166,17 @@ class AmdSmiBackend:
         smi = self._smi
         # MI200/MI300 report no edge sensor; the hotspot (junction) one exists on every generation.
         for sensor in ("HOTSPOT", "EDGE"):
-            value = _optional(
-                lambda sensor=sensor: amd_value(
+
+            def read(sensor: str = sensor) -> float | None:
+                return amd_value(
                     smi.amdsmi_get_temp_metric(
                         handle,
                         getattr(smi.AmdSmiTemperatureType, sensor),
                         smi.AmdSmiTemperatureMetric.CURRENT,
                     )
-                ),
-                smi.AmdSmiException,
-            )
+                )
+
+            value = _optional(read, smi.AmdSmiException)
             if value is not None:
                 return value
         return None

@@ -37,13 +37,16 @@ class ControllerRuns:
             raise NotFoundError(f"controller: {path} not found")
         if resp.status_code != 200:
             raise UnavailableError(f"controller: GET {path} -> {resp.status_code} {resp.text[:200]}")
-        return resp.json()
+        body: dict[str, Any] = resp.json()  # the controller's REST API answers with an object
+        return body
 
     def runs(self) -> list[dict[str, Any]]:
-        return self._get("/v1/runs")["runs"]
+        runs: list[dict[str, Any]] = self._get("/v1/runs")["runs"]
+        return runs
 
     def steps(self, run_id: str) -> list[dict[str, Any]]:
-        return self._get(f"/v1/runs/{run_id}/metrics")["steps"]
+        steps: list[dict[str, Any]] = self._get(f"/v1/runs/{run_id}/metrics")["steps"]
+        return steps
 
     def close(self) -> None:
         self._http.close()

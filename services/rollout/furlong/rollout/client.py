@@ -62,7 +62,7 @@ class GrpcRolloutClient:
         self.address = address
         self._deadlines = deadlines
         self._channel = channel(address)
-        self._stub = pb_grpc.RolloutStub(self._channel)
+        self._stub = pb_grpc.RolloutStub(self._channel)  # type: ignore[no-untyped-call]  # generated gRPC code is unannotated
 
     def configure_run(self, config: RolloutRunConfig) -> RunInfo:
         response = call(

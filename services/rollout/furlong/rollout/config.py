@@ -140,7 +140,7 @@ class RolloutServerConfig:
             broker_address=args.broker,
             host=flags.host,
             port=flags.port,
-            metrics_port=flags.metrics_port,
+            metrics_port=flags.served_metrics_port,
             num_threads=args.num_threads,
             max_batch_size=args.max_batch_size,
             max_workers=args.max_workers,

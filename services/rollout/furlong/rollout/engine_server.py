@@ -25,6 +25,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ class EngineHttpServer:
             self._thread.join(10)
         self.weights.close()
 
-    def generate(self, body: dict) -> tuple[int, object]:
+    def generate(self, body: dict[str, Any]) -> tuple[int, object]:
         params = body.get("sampling_params", {})
         try:
             config = SamplingConfig(
@@ -128,7 +129,7 @@ class EngineHttpServer:
             )
         return 200, out[0] if single else out
 
-    def post(self, path: str, body: dict) -> tuple[int, object]:
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, object]:
         if path == "/generate":
             return self.generate(body)
         if path == "/pause_generation":
@@ -156,7 +157,7 @@ class EngineHttpServer:
         self.weight_version = label
         self._labels[version] = label
 
-    def _load(self, body: dict) -> tuple[int, object]:
+    def _load(self, body: dict[str, Any]) -> tuple[int, object]:
         try:
             model, _ = load_policy(body["model_path"])
             version = int(body.get("weight_version", self.engine.policy_version + 1))
@@ -176,8 +177,9 @@ class EngineHttpServer:
         return 404, {"error": {"message": f"no route {path}"}}
 
 
-def _stop_param(stop: object) -> list[str]:
-    """SGLang's `stop`: absent, one string or a list of strings."""
+def _stop_param(stop: object) -> Any:
+    """SGLang's `stop`: absent, one string or a list of strings; anything else goes on as sent, for
+    SamplingConfig to refuse naming `stop`."""
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else stop
@@ -186,7 +188,7 @@ def _stop_param(stop: object) -> list[str]:
 class _Handler(BaseHTTPRequestHandler):
     target: EngineHttpServer
 
-    def log_message(self, format, *args):
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
     def _reply(self, status: int, payload: object) -> None:
@@ -197,10 +199,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def do_GET(self):
+    def do_GET(self) -> None:
         self._reply(*self.target.get(self.path))
 
-    def do_POST(self):
+    def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length", 0))
         try:
             body = json.loads(self.rfile.read(length) or b"{}")

@@ -27,6 +27,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -63,7 +64,7 @@ class EngineWeightUpdates:
 
     # -- tensors ---------------------------------------------------------------------------------
 
-    def from_tensor(self, body: dict) -> Reply:
+    def from_tensor(self, body: dict[str, Any]) -> Reply:
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or len(entries) != 1:
             return _bad(
@@ -82,13 +83,13 @@ class EngineWeightUpdates:
 
     # -- distributed -----------------------------------------------------------------------------
 
-    def init_group(self, body: dict) -> Reply:
+    def init_group(self, body: dict[str, Any]) -> Reply:
         try:
             spec = GroupSpec(
-                master_address=body.get("master_address"),
-                master_port=body.get("master_port"),
-                rank=body.get("rank_offset"),
-                world_size=body.get("world_size"),
+                master_address=_unchecked(body, "master_address"),
+                master_port=_unchecked(body, "master_port"),
+                rank=_unchecked(body, "rank_offset"),
+                world_size=_unchecked(body, "world_size"),
                 group_name=body.get("group_name", DEFAULT_GROUP_NAME),
                 backend=body.get("backend", "nccl"),
                 timeout_s=self._group_timeout_s,
@@ -123,7 +124,7 @@ class EngineWeightUpdates:
         )
         return 200, {"success": True, "message": f"joined {spec.group_name} as rank {spec.rank}"}
 
-    def from_distributed(self, body: dict) -> Reply:
+    def from_distributed(self, body: dict[str, Any]) -> Reply:
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         try:
             specs = _tensor_specs(names, dtypes, shapes)
@@ -150,9 +151,10 @@ class EngineWeightUpdates:
                 "success": False,
                 "message": f"receiving {len(tensors)} tensor(s) from rank 0 failed: {exc}",
             }
+        assert isinstance(names, list)  # _tensor_specs checked it
         return self._load(body.get("weight_version"), list(zip(names, tensors)))
 
-    def destroy_group(self, body: dict) -> Reply:
+    def destroy_group(self, body: dict[str, Any]) -> Reply:
         name = body.get("group_name", DEFAULT_GROUP_NAME)
         member = self._member(name)
         if isinstance(member, tuple):
@@ -207,7 +209,12 @@ class EngineWeightUpdates:
         return full
 
 
-def _common_problem(body: dict) -> str | None:
+def _unchecked(body: dict[str, Any], name: str) -> Any:
+    """A field of a request body as sent, None when absent: the constructor it goes to checks it."""
+    return body.get(name)
+
+
+def _common_problem(body: dict[str, Any]) -> str | None:
     if body.get("load_format") is not None:
         return f"load_format {body['load_format']!r} is not supported here (only null)"
     for name in ("flush_cache", "abort_all_requests"):
@@ -218,7 +225,7 @@ def _common_problem(body: dict) -> str | None:
 
 def _tensor_specs(names: object, dtypes: object, shapes: object) -> list[tuple[list[int], torch.dtype]]:
     if (
-        not all(isinstance(v, list) for v in (names, dtypes, shapes))
+        not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list))
         or not len(names) == len(dtypes) == len(shapes)
         or not names
     ):

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 
-def add_commands(subparsers: argparse._SubParsersAction) -> None:
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `generate` to a `furlong` sub-command set; its handler is `args.func(args) -> int`."""
     p = subparsers.add_parser("generate", help="sample from a checkpoint and show log-probs and supports")
     p.add_argument("--model", type=Path, required=True, help="checkpoint directory")
@@ -63,7 +63,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-def generate_record(model_dir: Path, prompt: str, n: int, sampling: Any, bound: Any) -> dict:
+def generate_record(model_dir: Path, prompt: str, n: int, sampling: Any, bound: Any) -> dict[str, Any]:
     """Load the checkpoint, draw `n` samples of `prompt` and return the JSON-able record. ValueError
     for a bad checkpoint, prompt or sampling."""
     import torch
@@ -127,7 +127,7 @@ def cmd_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
             max_new_tokens=args.max_new_tokens,
             seed=args.seed,
             min_p=args.min_p,
-            stop=list(args.stop),
+            stop=tuple(args.stop),
         )
         bound = SupportBound(
             args.max_support_size, OVERFLOW_TRUNCATE if args.truncate_support else OVERFLOW_ERROR

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from furlong.core.errors import NotFoundError
@@ -169,5 +170,5 @@ class _EngineHealthCollector(Collector):
             refused.add_metric([run_id], float(counts.duplicates_refused))
         yield from (healthy, drained, restarts, ledger, refused)
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return []

@@ -79,13 +79,25 @@ class _EngineProcess:
     def __init__(self, engine_id: str, log_path: Path) -> None:
         self.engine_id = engine_id
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.adapter: SGLangEngine | None = None
         self.healthy = False
         self.restarting = False
         self.in_flight = 0
         self.restarts = 0
         self.draining = False
+
+    @property
+    def engine(self) -> SGLangEngine:
+        """The adapter of a started engine."""
+        assert self.adapter is not None  # set when the process is started, before any use
+        return self.adapter
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        """The process of a started engine."""
+        assert self.proc is not None  # set when the process is started, before any use
+        return self.proc
 
     @property
     def pid(self) -> int | None:
@@ -177,10 +189,10 @@ class EnginePool:
 
     def _wait_ready(self, e: _EngineProcess) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
-        while not e.adapter.healthy():
+        while not e.engine.healthy():
             if not e.alive():
                 raise UnavailableError(
-                    f"{e.engine_id} exited with {e.proc.returncode} while starting (log {e.log_path})"
+                    f"{e.engine_id} exited with {e.process.returncode} while starting (log {e.log_path})"
                 )
             if time.monotonic() > deadline:
                 raise UnavailableError(
@@ -204,7 +216,7 @@ class EnginePool:
         while not self._stop.wait(self.config.health_interval_s):
             for e in self._engines:
                 if e.healthy and not e.alive():
-                    self._mark_dead(e, f"process exited with {e.proc.returncode}")
+                    self._mark_dead(e, f"process exited with {e.process.returncode}")
 
     def _mark_dead(self, e: _EngineProcess, why: str) -> None:
         with self._cond:
@@ -224,15 +236,18 @@ class EnginePool:
             while True:  # catch up with updates made while restarting
                 with self._cond:
                     version, weights = self._version, self._weights_dir
-                if e.adapter.policy_version >= version:
+                if e.engine.policy_version >= version:
                     break
-                e.adapter.update_weights_from_disk(version, weights)
+                e.engine.update_weights_from_disk(version, weights)
             with self._cond:
                 e.healthy, e.restarting = True, False
                 e.restarts += 1
                 self._cond.notify_all()
             log.info(
-                "%s restarted (pid %d), serving version %d", e.engine_id, e.proc.pid, e.adapter.policy_version
+                "%s restarted (pid %d), serving version %d",
+                e.engine_id,
+                e.process.pid,
+                e.engine.policy_version,
             )
         except Exception:
             log.exception("%s restart failed", e.engine_id)
@@ -321,7 +336,7 @@ class EnginePool:
             try:
                 if self._ledger is not None:
                     self._ledger.dispatch(request_id, [s for s, _ in chunk], e.engine_id)
-                gens = e.adapter.generate([p for _, p in chunk], chunk_config)
+                gens = e.engine.generate([p for _, p in chunk], chunk_config)
             except UnavailableError as exc:
                 errors.append(f"{e.engine_id}: {exc}")
                 self._mark_dead(e, str(exc))
@@ -333,7 +348,9 @@ class EnginePool:
             f"request {request_id} chunk {index} failed on {self.config.max_attempts} engines: {errors}"
         )
 
-    def _deliver(self, request_id: str, chunk, gens: list[Generation]) -> dict[str, Generation]:
+    def _deliver(
+        self, request_id: str, chunk: list[tuple[str, list[int]]], gens: list[Generation]
+    ) -> dict[str, Generation]:
         out = {}
         for (sample_id, _), g in zip(chunk, gens):
             if self._ledger is None or self._ledger.finish(request_id, sample_id):
@@ -354,7 +371,7 @@ class EnginePool:
             engines = [e for e in self._engines if e.healthy]
         for e in engines:
             try:
-                e.adapter.update_weights_from_disk(version, model_dir)
+                e.engine.update_weights_from_disk(version, model_dir)
             except UnavailableError as exc:
                 self._mark_dead(e, str(exc))  # the restart loads this version
         with self._cond:
@@ -411,7 +428,7 @@ class EnginePool:
     def restarts(self) -> dict[str, int]:
         return {e.engine_id: e.restarts for e in self._engines}
 
-    def adapter(self, engine_id: str) -> SGLangEngine:
+    def adapter(self, engine_id: str) -> SGLangEngine | None:
         for e in self._engines:
             if e.engine_id == engine_id:
                 return e.adapter

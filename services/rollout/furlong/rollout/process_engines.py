@@ -106,7 +106,7 @@ class ProcessEngines:
             log_dir=self.work_dir / "logs",
             ledger=ledger,
             name=run_id,
-        )  # type: ignore[arg-type]
+        )
         self.engine_ids = [s.engine_id for s in self.pool.status()]
         self.max_positions: int | None = int(model.config.max_position_embeddings)
         self._receiver: WeightReceiverLike | None = None

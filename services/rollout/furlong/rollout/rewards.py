@@ -61,7 +61,7 @@ def check_signature(name: str, fn: object) -> RewardFn:
             f"reward {name!r} must be callable as fn(response_text: str, answer: str)"
             f" -> float; its signature is {signature}: {exc}"
         ) from None
-    return fn  # type: ignore[return-value]
+    return fn
 
 
 _BUILTIN: dict[str, RewardFn] = {

@@ -19,8 +19,8 @@ Redis being unreachable is an UnavailableError. Knows nothing about engines or H
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import redis
 
@@ -78,6 +78,9 @@ def counts_key(scope: str) -> str:
     return f"furlong:rollout:ledger-counts:{scope}"
 
 
+_T = TypeVar("_T")
+
+
 class RedisSampleLedger:
     """Thread-safe (one Redis client, whose connection pool is thread-safe). `scope` groups the
     counts of many requests (the rollout service uses the run id)."""
@@ -89,7 +92,7 @@ class RedisSampleLedger:
         self.scope = scope
         self._change = redis_client.register_script(_CHANGE)
 
-    def _call(self, what: str, fn, *args):
+    def _call(self, what: str, fn: Callable[..., _T], *args: Any) -> _T:
         try:
             return fn(*args)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
@@ -108,11 +111,12 @@ class RedisSampleLedger:
         """A fresh request id `<base>/<n>` for the n-th attempt at `base`."""
         key = f"furlong:rollout:ledger-seq:{base}"
 
-        def bump():
+        def bump() -> int:
             with self._redis.pipeline(transaction=True) as pipe:
                 pipe.incr(key)
                 pipe.expire(key, LEDGER_TTL_S)
-                return pipe.execute()[0]
+                count: int = pipe.execute()[0]  # INCR's reply
+                return count
 
         return f"{base}/{self._call(f'number {base}', bump)}"
 

@@ -24,25 +24,29 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         self._service = service
 
     def add_to_server(self, server: grpc.Server) -> None:
-        pb_grpc.add_RolloutServicer_to_server(self, server)
+        pb_grpc.add_RolloutServicer_to_server(self, server)  # type: ignore[no-untyped-call]  # generated gRPC code is unannotated
 
     @rpc_errors
-    def ConfigureRun(self, request, context):
+    def ConfigureRun(
+        self, request: pb.ConfigureRolloutRequest, context: grpc.ServicerContext
+    ) -> pb.ConfigureRolloutResponse:
         return convert.run_info_to_proto(self._service.configure_run(convert.run_config_from_proto(request)))
 
     @rpc_errors
-    def Generate(self, request, context):
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
         return convert.result_to_proto(self._service.generate(convert.request_from_proto(request)))
 
     @rpc_errors
-    def GetStatus(self, request, context):
+    def GetStatus(
+        self, request: pb.GetRolloutStatusRequest, context: grpc.ServicerContext
+    ) -> pb.RolloutStatus:
         return convert.status_to_proto(self._service.status(request.run_id))
 
     @rpc_errors
-    def DrainEngine(self, request, context):
+    def DrainEngine(self, request: pb.DrainEngineRequest, context: grpc.ServicerContext) -> pb.EngineStatus:
         return convert.engine_status_to_proto(self._service.drain_engine(request.run_id, request.engine_id))
 
     @rpc_errors
-    def EndRun(self, request, context):
+    def EndRun(self, request: pb.EndRolloutRequest, context: grpc.ServicerContext) -> pb.EndRolloutResponse:
         self._service.end_run(request.run_id)
         return pb.EndRolloutResponse(run_id=request.run_id)

@@ -106,7 +106,7 @@ class SGLangEngine:
         with self._version_changed:
             return self._version_changed.wait_for(lambda: self._policy_version >= min_version, timeout_s)
 
-    def _request(self, method: str, path: str, body: dict | None = None) -> Any:
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
@@ -236,7 +236,7 @@ class SGLangEngine:
         reply = self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
         self._check_success("/destroy_weights_update_group", reply)
 
-    def _paused_update(self, path: str, version: int, body: dict) -> None:
+    def _paused_update(self, path: str, version: int, body: dict[str, Any]) -> None:
         self.pause()
         try:
             self._check_success(path, self._request("POST", path, body))
@@ -276,22 +276,23 @@ class SGLangEngine:
         if not prompts:
             return []
         version = self._policy_version
+        sampling_params: dict[str, Any] = {
+            "temperature": config.temperature,
+            "top_k": config.top_k or -1,
+            "top_p": config.top_p,
+            "min_p": config.min_p,
+            "max_new_tokens": config.max_new_tokens,
+            "sampling_seed": config.seed,
+            "ignore_eos": ignore_eos,
+        }
         body = {
             "input_ids": prompts,
             "return_logprob": True,
             "return_sampling_mask": True,
-            "sampling_params": {
-                "temperature": config.temperature,
-                "top_k": config.top_k or -1,
-                "top_p": config.top_p,
-                "min_p": config.min_p,
-                "max_new_tokens": config.max_new_tokens,
-                "sampling_seed": config.seed,
-                "ignore_eos": ignore_eos,
-            },
+            "sampling_params": sampling_params,
         }
         if config.stop:
-            body["sampling_params"]["stop"] = list(config.stop)
+            sampling_params["stop"] = list(config.stop)
         reply = self._request("POST", "/generate", body)
         if not isinstance(reply, list) or len(reply) != len(prompts):
             raise UnavailableError(

@@ -20,9 +20,10 @@ import base64
 import binascii
 import io
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import torch
 import torch.multiprocessing.reductions as torch_reductions
@@ -57,7 +58,9 @@ class Payload:
     tensors: tuple[torch.Tensor, ...]
 
 
-def _reduce_storage_as_file(storage: torch.UntypedStorage):
+def _reduce_storage_as_file(
+    storage: torch.UntypedStorage,
+) -> tuple[Callable[..., object], tuple[object, ...]]:
     # torch's own reducer with the "file_system" branch taken unconditionally.
     if storage.device.type != "cpu":
         raise ValueError(
@@ -66,8 +69,9 @@ def _reduce_storage_as_file(storage: torch.UntypedStorage):
     if storage.size() == 0:
         return torch_reductions.rebuild_storage_empty, (type(storage),)
     manager, handle, size = storage._share_filename_cpu_()
-    storage._shared_incref()  # the receiver's rebuild takes this reference over
-    torch_reductions.shared_cache[handle] = torch_reductions.StorageWeakRef(storage)
+    storage._shared_incref()  # type: ignore[no-untyped-call]  # torch leaves _shared_incref unannotated
+    # the receiver's rebuild takes the reference just taken over
+    torch_reductions.shared_cache[handle] = torch_reductions.StorageWeakRef(storage)  # type: ignore[no-untyped-call]  # torch leaves StorageWeakRef unannotated
     return torch_reductions.rebuild_storage_filename, (type(storage), manager, handle, size)
 
 
@@ -78,7 +82,7 @@ def _in_shared_memory(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "cpu":
         return tensor
     storage = torch.UntypedStorage._new_using_filename_cpu(tensor.numel() * tensor.element_size())
-    out = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape)
+    out: torch.Tensor = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape)  # type: ignore[call-overload]  # torch stubs lack set_(source, offset, size)
     out.copy_(tensor)
     return out
 
@@ -96,7 +100,7 @@ def payload_of(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Payload:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> Any:
         found = _ALLOWED_CALLABLES.get((module, name))
         if found is not None:
             return found

@@ -32,9 +32,16 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed import (  # type: ignore[attr-defined]  # torch.distributed re-exports these implicitly
+    PrefixStore,
+    Store,
+    TCPStore,
+)
+from torch.distributed.distributed_c10d import GroupName
 
 from furlong.core.errors import UnavailableError
 from furlong.core.weights import dtype_from_name, dtype_name
@@ -49,9 +56,11 @@ _GRACE_S = 5.0  # how long a finished exchange may lag its last reply
 
 def dtype_of(text: object) -> torch.dtype:
     """A torch dtype from SGLang's wire form ("bfloat16" or "torch.bfloat16")."""
+    if not isinstance(text, str):
+        raise ValueError(f"unknown dtype {text!r}")
     try:
-        return dtype_from_name(text.removeprefix("torch."))  # AttributeError: not a string
-    except (AttributeError, ValueError):
+        return dtype_from_name(text.removeprefix("torch."))
+    except ValueError:
         raise ValueError(f"unknown dtype {text!r}") from None
 
 
@@ -93,9 +102,9 @@ class GroupSpec:
         return datetime.timedelta(seconds=self.timeout_s)
 
 
-def open_store(spec: GroupSpec, is_master: bool) -> dist.TCPStore:
+def open_store(spec: GroupSpec, is_master: bool) -> TCPStore:
     """The group's TCPStore (rank 0 hosts it; the others connect, retrying until the timeout)."""
-    return dist.TCPStore(
+    return TCPStore(
         spec.master_address,
         spec.master_port,
         spec.world_size,
@@ -109,27 +118,28 @@ class GroupMember:
     """One rank of a weight-update group; `join` returns once every rank joined (or raises after
     the timeout). Not thread-safe: one broadcast sequence at a time."""
 
-    def __init__(self, spec: GroupSpec, store: dist.Store, local_host: str) -> None:
+    def __init__(self, spec: GroupSpec, store: Store, local_host: str) -> None:
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs a CUDA device; this process has none (use 'gloo')")
         self.spec = spec
         self._store = store  # kept: nccl exchanges its unique id lazily through it
         device = "cpu" if spec.backend == "gloo" else "cuda"
-        prefixed = dist.PrefixStore(
-            f"{device}/", dist.PrefixStore(f"{spec.group_name}/", dist.PrefixStore(spec.init_method, store))
+        prefixed = PrefixStore(
+            f"{device}/", PrefixStore(f"{spec.group_name}/", PrefixStore(spec.init_method, store))
         )
+        self._backend: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
         if spec.backend == "gloo":
-            options = dist.ProcessGroupGloo._Options()
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch stubs lack ProcessGroupGloo._Options
             options._timeout = spec.timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
             options.group_name = spec.group_name
             self._backend = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, options)
         else:
-            options = dist.ProcessGroupNCCL.Options()
-            options.is_high_priority_stream = False
-            options._timeout = spec.timeout
-            options.group_name = spec.group_name
-            self._backend = dist.ProcessGroupNCCL(prefixed, spec.rank, spec.world_size, options)
+            nccl_options = dist.ProcessGroupNCCL.Options()
+            nccl_options.is_high_priority_stream = False
+            nccl_options._timeout = spec.timeout
+            nccl_options.group_name = GroupName(spec.group_name)
+            self._backend = dist.ProcessGroupNCCL(prefixed, spec.rank, spec.world_size, nccl_options)
         self._backend._set_sequence_number_for_group()  # as torch does for a named group
         self.device = torch.device(device)
 
@@ -147,7 +157,7 @@ class GroupMember:
         for tensor in tensors:
             options = dist.BroadcastOptions()
             options.rootRank, options.rootTensor, options.timeout = 0, 0, self.spec.timeout
-            works.append(self._backend.broadcast([tensor], options))
+            works.append(self._backend.broadcast([tensor], options))  # type: ignore[union-attr]  # torch stubs lack Backend.broadcast
         for work in works:
             work.wait(self.spec.timeout)
         if self.device.type == "cuda":
@@ -160,6 +170,49 @@ class GroupMember:
             log.debug("weight update group %s: shutdown: %s", self.spec.group_name, exc)
 
 
+class GroupEngine(Protocol):
+    """An engine in a weight-update group (an SGLangEngine adapter). The group calls each engine
+    from its own worker thread, so one engine's calls may run while another's are blocked."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tp_size(self) -> int: ...
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """Join the group at ranks rank_offset.. (one per TP rank); returns once joined."""
+
+    def update_weights_from_distributed(
+        self,
+        version: int,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+    ) -> None:
+        """Receive the named tensors of the broadcast and serve them as policy `version`."""
+
+    def destroy_weights_update_group(self, group_name: str) -> None: ...
+
+
+def _close_when_joined(rendezvous: Future[GroupMember]) -> None:
+    """Done-callback of a rank-0 join that is no longer wanted: close the member once it joined."""
+    if rendezvous.exception() is None:
+        rendezvous.result().close()
+
+
 class WeightUpdateGroup:
     """Rank 0 over `engines` (SGLangEngine adapters); each engine joins at the ranks after the
     previous engines' (one per TP rank: `engine.tp_size`). Opens in the constructor. Not
@@ -167,7 +220,7 @@ class WeightUpdateGroup:
 
     def __init__(
         self,
-        engines: Sequence,
+        engines: Sequence[GroupEngine],
         master_address: str = "127.0.0.1",
         group_name: str = DEFAULT_GROUP_NAME,
         backend: str = "gloo",
@@ -184,7 +237,7 @@ class WeightUpdateGroup:
         self._broken: str | None = None
         # checked before the store exists; its port is only known once it listens
         wanted = GroupSpec(master_address, 1, 0, 1 + sum(ranks), group_name, backend, timeout_s)
-        store = dist.TCPStore(
+        store = TCPStore(
             master_address, 0, wanted.world_size, True, wanted.timeout, wait_for_workers=False
         )  # port 0: the OS picks a free one
         self.spec = dataclasses.replace(wanted, master_port=store.port)
@@ -207,7 +260,7 @@ class WeightUpdateGroup:
         try:
             self._member = self._await_join(joins, rendezvous)
         except BaseException:
-            rendezvous.add_done_callback(lambda f: f.exception() or f.result().close())
+            rendezvous.add_done_callback(_close_when_joined)
             raise
         log.info(
             "weight update group %s: rank 0 at %s, %d engine(s), world size %d, %s",
@@ -218,8 +271,10 @@ class WeightUpdateGroup:
             backend,
         )
 
-    def _await_join(self, joins: Mapping[Future, object], rendezvous: Future) -> GroupMember:
-        pending = set(joins) | {rendezvous}
+    def _await_join(
+        self, joins: Mapping[Future[None], GroupEngine], rendezvous: Future[GroupMember]
+    ) -> GroupMember:
+        pending: set[Future[Any]] = {*joins, rendezvous}
         deadline = time.monotonic() + self.spec.timeout_s + _GRACE_S
         while pending:
             done, pending = wait(

@@ -65,7 +65,7 @@ def _config(args: argparse.Namespace, flags: ServiceFlags) -> TrainerServiceConf
     return TrainerServiceConfig(
         host=flags.host,
         port=flags.port,
-        metrics_port=flags.metrics_port,
+        metrics_port=flags.served_metrics_port,
         redis_url=args.redis_url,
         broker_address=args.broker,
         consumer_name=args.consumer_name,

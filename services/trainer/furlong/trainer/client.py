@@ -57,7 +57,7 @@ class GrpcTrainerClient:
         self.address = address
         self._deadlines = deadlines
         self._channel = channel(address)
-        self._stub = pb_grpc.TrainerStub(self._channel)
+        self._stub = pb_grpc.TrainerStub(self._channel)  # type: ignore[no-untyped-call]  # generated gRPC code is unannotated
 
     def configure_run(self, config: TrainerRunConfig) -> TrainerRun:
         response = call(self._stub.ConfigureRun, convert.config_to_proto(config), self._deadlines.configure_s)

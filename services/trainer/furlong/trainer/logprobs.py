@@ -26,14 +26,19 @@ Knows nothing about models, samples or optimizers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from furlong.core.sampling_mask import RolloutSamplingMask
+
+# A support's entries on this rank for a chunk's partial rows: (the rows' chunk indices, each
+# entry's row among them, its local vocabulary id)
+_Coords = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 DEFAULT_CHUNK_ROWS = 256
 
@@ -96,7 +101,7 @@ class _Plan:
     support_rows: np.ndarray | None = None  # global response index of each row (context parallel)
     unique_positions: bool = True
 
-    def chunks(self):
+    def chunks(self) -> Iterator[tuple[int, int]]:
         for a in range(0, self.n, self.chunk_rows):
             yield a, min(a + self.chunk_rows, self.n)
 
@@ -106,10 +111,11 @@ class _Plan:
         out = rows.to(self.dtype, copy=True)
         return out.div_(self.temperature)
 
-    def support_coords(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def support_coords(self, a: int, b: int) -> _Coords | None:
         """For rows [a, b) whose support is not the whole vocabulary: (those rows' chunk indices,
         each support entry's row among them, its local vocabulary id), entries on this rank only.
         None when every row is the full vocabulary (then the full path is exact)."""
+        assert self.support is not None  # callers ask only for a plan with a support
         sub = self.support.rows(a, b)
         lengths = sub.row_lengths()
         partial = np.flatnonzero(lengths < sub.vocab_size)
@@ -126,7 +132,7 @@ class _Plan:
             ids, rows = ids[own], rows[own]
         return torch.from_numpy(partial), rows, ids
 
-    def allreduce(self, t: torch.Tensor, op) -> torch.Tensor:
+    def allreduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
         if self.shard is not None:
             dist.all_reduce(t, op=op, group=self.shard.group)
         return t
@@ -140,7 +146,7 @@ class _Plan:
         lse = total.log() + top
         return lse, lse - weighted / total
 
-    def support_lse(self, x: torch.Tensor, coords) -> torch.Tensor:
+    def support_lse(self, x: torch.Tensor, coords: _Coords) -> torch.Tensor:
         """Log-sum-exp over its support of each partial row of x, from the support entries (O(nnz))."""
         partial, rows, ids = coords
         vals = x[partial[rows], ids]
@@ -164,7 +170,7 @@ def _pick(x: torch.Tensor, local: torch.Tensor, own: torch.Tensor) -> torch.Tens
     return torch.where(own, picked, torch.zeros_like(picked))
 
 
-def _in_support(coords, local: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+def _in_support(coords: _Coords, local: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     """Per partial row: does this rank's part of its support contain the (owned) target?"""
     partial, rows, ids = coords
     hit = torch.zeros(partial.numel(), dtype=torch.float64).index_add_(
@@ -175,7 +181,9 @@ def _in_support(coords, local: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
 
 class _SupportLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits2d: torch.Tensor, targets: torch.Tensor, plan: _Plan):
+    def forward(
+        ctx: Any, logits2d: torch.Tensor, targets: torch.Tensor, plan: _Plan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         logp = torch.empty(plan.n, dtype=plan.dtype)
         entropy = torch.empty(plan.n, dtype=plan.dtype)
         lse_full = torch.empty(plan.n, dtype=plan.dtype)
@@ -202,7 +210,9 @@ class _SupportLogProbs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(
+        ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None, None]:
         logits2d, targets, entropy, lse_full, lse_support = ctx.saved_tensors
         plan: _Plan = ctx.plan
         grad = torch.zeros_like(logits2d)
@@ -310,10 +320,10 @@ def log_probs_with_support(
         shard=vocab_shard,
         local_vocab=logits2d.shape[-1],
         support_rows=rows_idx,
-        unique_positions=positions is None or int(positions.unique().numel()) == n,
+        unique_positions=positions is None or int(torch.unique(positions).numel()) == n,
     )
     if n == 0:
         empty = logits2d.new_zeros(0, dtype=dtype)
         return LogProbs(empty, empty.clone())
-    logp, entropy = _SupportLogProbs.apply(logits2d, targets, plan)
+    logp, entropy = _SupportLogProbs.apply(logits2d, targets, plan)  # type: ignore[no-untyped-call]  # torch leaves Function.apply unannotated
     return LogProbs(logp, entropy)

@@ -18,8 +18,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from furlong.trainer.core.learner import Learner
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +99,11 @@ class Offloader:
         if not self.offloaded:
             raise RuntimeError("not offloaded")
         for slot in self._slots:
-            source = slot.backup if slot.master is None else slot.master.detach().to(slot.tensor.dtype)
+            if slot.master is None:
+                assert slot.backup is not None  # a slot without a master keeps a host copy
+                source = slot.backup
+            else:
+                source = slot.master.detach().to(slot.tensor.dtype)
             # A host backup of a host tensor is handed back as is: no second copy.
             slot.tensor.data = (
                 source
@@ -111,7 +119,9 @@ class Offloader:
         self.offloaded = False
 
 
-def learner_offloader(learner, masters: Mapping[torch.Tensor, torch.Tensor] | None = None) -> Offloader:
+def learner_offloader(
+    learner: Learner, masters: Mapping[torch.Tensor, torch.Tensor] | None = None
+) -> Offloader:
     """An Offloader over a Learner's policy, reference and value models and its optimizer."""
     modules = [m for m in (learner.model, learner.reference, learner.critic) if m is not None]
     return Offloader(modules, learner.optimizer, masters)

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 
@@ -29,6 +30,10 @@ from furlong.core.samples import STREAM_FIELD, TRAINER_GROUP, Sample, SampleGrou
 from furlong.ledger.group_ledger import REJECTED, GroupLedger
 
 log = logging.getLogger(__name__)
+
+# XREADGROUP's reply on a client that keeps replies as bytes: [(stream, [(entry id, fields)])].
+# redis-py types replies as unions it cannot narrow by the client's decode_responses.
+_ReadReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 
 
 def _name_the_sample(exc: ValueError, data: bytes | None) -> str:
@@ -121,16 +126,22 @@ class SampleReader:
             # First re-read what this consumer had read but not acknowledged (after a restart or a
             # failed step), then new entries.
             if self._replay_pending:
-                reply = self._redis.xreadgroup(
-                    self._group, self._consumer, {self._key: replay_from}, count=num_groups - len(groups)
+                reply = cast(
+                    _ReadReply,
+                    self._redis.xreadgroup(
+                        self._group, self._consumer, {self._key: replay_from}, count=num_groups - len(groups)
+                    ),
                 )
             else:
-                reply = self._redis.xreadgroup(
-                    self._group,
-                    self._consumer,
-                    {self._key: ">"},
-                    count=num_groups - len(groups),
-                    block=max(1, int(min(remaining_s, 1.0) * 1000)),
+                reply = cast(
+                    _ReadReply,
+                    self._redis.xreadgroup(
+                        self._group,
+                        self._consumer,
+                        {self._key: ">"},
+                        count=num_groups - len(groups),
+                        block=max(1, int(min(remaining_s, 1.0) * 1000)),
+                    ),
                 )
             entries = reply[0][1] if reply else []
             if self._replay_pending and not entries:
@@ -152,7 +163,7 @@ class SampleReader:
                 ids.append(entry_id)
         return StreamBatch(groups=groups, entry_ids=ids, num_rejected=rejected, num_refused=refused)
 
-    def _claim(self, entry_id: bytes, group: SampleGroup, fields: dict) -> bool:
+    def _claim(self, entry_id: bytes, group: SampleGroup, fields: dict[bytes, bytes]) -> bool:
         """True when the ledger lets the trainer train on group (always, without a ledger)."""
         if self._ledger is None:
             return True
@@ -172,7 +183,7 @@ class SampleReader:
         self._move_to_rejected(entry_id, fields, reason)
         return False
 
-    def _move_to_rejected(self, entry_id: bytes, fields: dict, reason: str) -> None:
+    def _move_to_rejected(self, entry_id: bytes, fields: dict[bytes, bytes], reason: str) -> None:
         pipe = self._redis.pipeline()
         pipe.xadd(
             rejected_key(self._run_id),
@@ -181,7 +192,7 @@ class SampleReader:
         pipe.xack(self._key, self._group, entry_id)
         pipe.execute()
 
-    def _decode(self, entry_id: bytes, fields: dict) -> SampleGroup | None:
+    def _decode(self, entry_id: bytes, fields: dict[bytes, bytes]) -> SampleGroup | None:
         try:
             data = fields.get(STREAM_FIELD)
             if data is None:

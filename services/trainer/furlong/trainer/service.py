@@ -71,11 +71,11 @@ class _Run:
     total_steps: int
     num_parameters: int
     lock: threading.Lock
+    ledger: TrainedGroups  # what of the run is durable (see step_ledger)
     last_step: int = 0
     published_version: int = 0
     data_cursor: Any = None  # what the last step consumed (a checkpoint's data cursor)
     offloader: Offloader | None = None  # set while the run's tensors are offloaded
-    ledger: TrainedGroups | None = None  # what of the run is durable (see step_ledger)
 
     @property
     def offloaded(self) -> bool:
@@ -321,9 +321,10 @@ class TrainerService:
         """Bring an offloaded run's tensors back; returns its (unchanged) policy version."""
         run = self._run(run_id)
         with run.lock:
-            if not run.offloaded:
+            offloader = run.offloader
+            if offloader is None:
                 raise ConflictError(f"run {run_id} is resident: there is nothing to restore")
-            run.offloader.restore()
+            offloader.restore()
             run.offloader = None
         log.info("run %s: restored", run_id)
         return run.learner.version
@@ -337,12 +338,13 @@ class TrainerService:
             if not target.is_absolute():
                 raise ValueError(f"checkpoint directory must be an absolute path, got {directory!r}")
         else:
-            target = self._checkpoint_dir(run_id)
-            if target is None:
+            root_target = self._checkpoint_dir(run_id)
+            if root_target is None:
                 raise ConflictError(
                     f"run {run_id}: this trainer has no --checkpoint-dir; name a "
                     "directory to write the checkpoint to"
                 )
+            target = root_target
         with run.lock:
             _require_resident(run, "checkpoint")
             if target != self._checkpoint_dir(run_id):  # a snapshot: the resume point is unchanged

@@ -64,7 +64,7 @@ def _models(learner: Learner) -> dict[str, torch.nn.Module]:
     return out
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     state = optimizer.state_dict()
     tensors, scalars = {}, {}
     for index, entries in state["state"].items():

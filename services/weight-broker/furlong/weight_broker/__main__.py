@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from furlong.rpc import start_server
 from furlong.rpc.service_main import install_credentials
@@ -45,7 +46,7 @@ def broker_core(config: BrokerConfig, observer: BrokerObserver, environ: Mapping
     """The broker's core. The fault hooks are installed only with --enable-fault-hooks (then from
     their environment variables in environ); without it a plain BrokerCore, whatever environ
     holds. ValueError naming a bad hook variable."""
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         max_ack_attempts=config.max_ack_attempts, observer=observer, ack_timeout_s=config.ack_timeout_s
     )
     if config.fault_hooks:

@@ -14,6 +14,9 @@ from furlong.core.weights import Manifest
 from furlong.transfer.broker_client import BrokerClient, GrpcBrokerClient, VersionWatch
 from furlong.weight_broker.core import BrokerCore, EventSubscription
 
+# BrokerClient is the seam, re-exported for the controller (which reaches the broker through here).
+__all__ = ["BrokerClient", "InProcessBrokerClient", "make_client"]
+
 
 def make_client(target: BrokerCore | str, timeout_s: float = 10.0) -> BrokerClient:
     """The in-process twin for a BrokerCore, the gRPC client (unary deadline timeout_s) for a

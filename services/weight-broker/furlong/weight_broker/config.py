@@ -92,7 +92,7 @@ class BrokerConfig:
         return cls(
             host=flags.host,
             port=flags.port,
-            metrics_port=flags.metrics_port,
+            metrics_port=flags.served_metrics_port,
             max_workers=args.max_workers,
             max_ack_attempts=args.max_ack_attempts,
             ack_timeout_s=args.ack_timeout_s,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
+from typing import Any
 
 from furlong.weight_broker.core import BrokerCore
 
@@ -43,7 +44,7 @@ def parse_drop_bucket(value: str) -> tuple[int, int]:
 class BucketDroppingCore(BrokerCore):
     """A BrokerCore that drops one staged round (see the module doc)."""
 
-    def __init__(self, drop: tuple[int, int], **kwargs) -> None:
+    def __init__(self, drop: tuple[int, int], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._drop: tuple[int, int] | None = drop
         self._drop_lock = threading.Lock()
@@ -63,7 +64,7 @@ class BucketDroppingCore(BrokerCore):
         return super().stage_round(run_id, version, index)
 
 
-def broker_core(environ: Mapping[str, str], **kwargs) -> BrokerCore:
+def broker_core(environ: Mapping[str, str], **kwargs: Any) -> BrokerCore:
     """The broker's core with the hooks environ asks for (called only with --enable-fault-hooks):
     a BucketDroppingCore when the drop variable is set, else a BrokerCore."""
     value = environ.get(DROP_BUCKET_ENV, "")

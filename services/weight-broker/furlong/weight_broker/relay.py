@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
@@ -269,7 +270,7 @@ class WeightRelay:
             done.lane.name if done else "",
         )
 
-    def _call(self, method, *args) -> None:
+    def _call(self, method: Callable[..., object], *args: object) -> None:
         try:
             method(*args)
         except (ConflictError, NotFoundError) as exc:

@@ -22,7 +22,9 @@ _CLIP_SPREAD = 15
 
 
 @njit(cache=True, nogil=True)
-def scan_tiles(packed, scales, rows, tile_bmax, block_spread):  # pragma: no cover - compiled
+def scan_tiles(  # pragma: no cover - compiled
+    packed: np.ndarray, scales: np.ndarray, rows: int, tile_bmax: np.ndarray, block_spread: np.ndarray
+) -> tuple[int, int]:
     """Fill tile_bmax (largest scale byte per tile) and block_spread (octaves below it, clipped to
     0..15) and return (number of NaN scale bytes, number of lossy tiles). A tile is lossy when a
     block more than 14 octaves below its maximum holds a code with magnitude bits (& 0x77). Stops
@@ -58,7 +60,7 @@ def scan_tiles(packed, scales, rows, tile_bmax, block_spread):  # pragma: no cov
                             bits |= packed[r, j]
                         if bits & 0x77:
                             lossy_cols[tc] = True
-                        d = _CLIP_SPREAD
+                        d = np.int32(_CLIP_SPREAD)
                     block_spread[r, k] = d
             for tc in range(tile_cols):
                 if lossy_cols[tc]:
@@ -67,7 +69,9 @@ def scan_tiles(packed, scales, rows, tile_bmax, block_spread):  # pragma: no cov
 
 
 @njit(cache=True, nogil=True)
-def encode_rows(packed, block_spread, lut16, start, out16):  # pragma: no cover - compiled
+def encode_rows(  # pragma: no cover - compiled
+    packed: np.ndarray, block_spread: np.ndarray, lut16: np.ndarray, start: int, out16: np.ndarray
+) -> None:
     """out16[i] = e4m3 byte pairs of row start + i: each packed byte b of a block with spread d
     becomes lut16[d, b] (low byte: the low nibble's e4m3 byte, i.e. element 2i first)."""
     nb = block_spread.shape[1]

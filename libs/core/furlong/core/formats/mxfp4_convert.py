@@ -30,6 +30,7 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -113,9 +114,10 @@ def source_fingerprint(ckpt: CheckpointDir, options: ConvertOptions) -> str:
 
 def _plan_entries(
     ckpt: CheckpointDir, shard: str, fp4: dict[str, Fp4Tensor], dropped: set[str], options: ConvertOptions
-):
+) -> tuple[list[tuple[str, str, tuple[int, ...]]], int]:
     """(name, dtype, shape) of the largest possible output of one shard, and its data bound."""
-    entries, bound = [], 0
+    entries: list[tuple[str, str, tuple[int, ...]]] = []
+    bound = 0
     for name in ckpt.names_in(shard):
         if name in dropped:
             continue
@@ -180,7 +182,7 @@ def _convert_fp4(
     loaded: _LoadedFp4,
     options: ConvertOptions,
     encoder: Fp8Encoder,
-    report: dict,
+    report: dict[str, Any],
 ) -> None:
     check = loaded.check
     if not check.exact:
@@ -212,7 +214,7 @@ def _convert_shard(
     dropped: set[str],
     options: ConvertOptions,
     encoder: Fp8Encoder,
-    report: dict,
+    report: dict[str, Any],
 ) -> dict[str, str]:
     """Write one output shard. While a weight is being encoded and written, a loader thread reads
     and checks the shard's next MXFP4 weight, so at most two source weights are in memory."""
@@ -227,7 +229,7 @@ def _convert_shard(
         ShardWriter(out_dir / shard, header_bound(entries, bound, metadata)) as writer,
     ):
 
-        def load_next() -> Future | None:
+        def load_next() -> Future[_LoadedFp4] | None:
             name = next(upcoming, None)
             return None if name is None else loader.submit(_load_fp4, ckpt, fp4[name], encoder)
 
@@ -326,7 +328,7 @@ def convert_mxfp4_to_fp8(
     scratch = dst.parent / f".{dst.name}.partial-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
-    report: dict = {"fp8": 0, "copied": 0, "bf16": [], "lossy_tiles": {}}
+    report: dict[str, Any] = {"fp8": 0, "copied": 0, "bf16": [], "lossy_tiles": {}}
     try:
         weight_map: dict[str, str] = {}
         for shard in ckpt.shards:

@@ -17,7 +17,6 @@ never bytes: tests compare them bit for bit. Knows nothing about files or tensor
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -80,6 +79,24 @@ class NumpyEncoder:
         pass
 
 
+class _Kernels(Protocol):
+    """The compiled kernels of `_mxfp4_numba` (the module itself satisfies this). Both are
+    single-threaded, release the GIL and write only into the arrays they are given."""
+
+    def scan_tiles(
+        self,
+        packed: np.ndarray,
+        scales: np.ndarray,
+        rows: int,
+        tile_bmax: np.ndarray,
+        block_spread: np.ndarray,
+    ) -> tuple[int, int]: ...
+
+    def encode_rows(
+        self, packed: np.ndarray, block_spread: np.ndarray, lut16: np.ndarray, start: int, out16: np.ndarray
+    ) -> None: ...
+
+
 def _pair_lut() -> np.ndarray:
     """uint16 [16, 256]: in memory order, the e4m3 byte of byte b's low nibble then its high
     nibble, for every spread 0..15 (built byte-wise, so independent of the machine's endianness)."""
@@ -98,7 +115,7 @@ class NumbaEncoder:
 
     name = "numba"
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels: _Kernels) -> None:
         self._k = kernels
         self._lut16 = _pair_lut()
         self._pool: ThreadPoolExecutor | None = None
@@ -185,12 +202,13 @@ class NumbaEncoder:
 
 
 @functools.cache
-def _numba_kernels():
+def _numba_kernels() -> _Kernels | str:
     """The compiled-kernel module, or why it cannot be imported (imported once per process)."""
     try:
-        return importlib.import_module("furlong.core.formats._mxfp4_numba")
+        from furlong.core.formats import _mxfp4_numba
     except ImportError as exc:
         return f"numba is not importable ({exc})"
+    return _mxfp4_numba
 
 
 def numba_unavailable_reason() -> str | None:

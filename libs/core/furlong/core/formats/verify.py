@@ -10,6 +10,7 @@ a stacked tensor at a time).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,9 @@ class VerifyReport:
     bf16_tensors: tuple[str, ...]
 
 
-def _fp8_values(dst: CheckpointDir, name: str, scale_name: str, shape: tuple[int, ...]):
+def _fp8_values(
+    dst: CheckpointDir, name: str, scale_name: str, shape: tuple[int, ...]
+) -> Iterator[np.ndarray]:
     scale_entry = dst.entry(scale_name)
     if scale_entry.dtype != "F32":
         raise IntegrityError(f"destination scale {scale_name!r} is {scale_entry.dtype}, not F32")
@@ -54,7 +57,7 @@ def _fp8_values(dst: CheckpointDir, name: str, scale_name: str, shape: tuple[int
         yield _E4M3_VALUES[codes[b]] * factors
 
 
-def _bf16_values(dst: CheckpointDir, name: str, shape: tuple[int, ...]):
+def _bf16_values(dst: CheckpointDir, name: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
     raw = dst.read(name).reshape(-1, shape[-2], shape[-1])
     for b in range(raw.shape[0]):
         yield raw[b].to(torch.float64).numpy()

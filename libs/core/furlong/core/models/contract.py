@@ -46,7 +46,7 @@ def _num_equal(a: Any, b: Any) -> bool:
         return a is b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
-    return a == b
+    return bool(a == b)
 
 
 def config_rope(config: Mapping[str, Any]) -> tuple[str, Any, dict[str, Any]]:
@@ -179,7 +179,7 @@ def _differences(spec: ModelSpec, config: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def _identity(spec: ModelSpec) -> tuple:
+def _identity(spec: ModelSpec) -> tuple[str, int, int, int, str]:
     stored = spec.experts.stored_dtype if spec.experts else "bf16"
     return (spec.model_type, spec.hidden_size, spec.num_hidden_layers, spec.vocab_size, stored)
 

@@ -10,9 +10,32 @@ different function.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from furlong.core.models.spec import AttentionKind, ExpertLayout, ModelSpec, NormKind, RopeSpec, RopeType
 
-_LLAMA3_DIMS = dict(
+
+class _FamilyDims(TypedDict):
+    """The ModelSpec fields a family's members share."""
+
+    model_type: str
+    attention: AttentionKind
+    rotary_dim: int
+    norm: NormKind
+    norm_eps: float
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+
+
+class _ReleaseDims(_FamilyDims):
+    """The ModelSpec fields the members of one release share (all but the experts)."""
+
+    rope: RopeSpec
+    max_position_embeddings: int
+
+
+_LLAMA3_DIMS = _FamilyDims(
     model_type="llama",
     attention=AttentionKind.GQA,
     rotary_dim=128,
@@ -22,7 +45,7 @@ _LLAMA3_DIMS = dict(
     hidden_size=4096,
     num_hidden_layers=32,
 )
-_V4_FLASH_DIMS = dict(
+_V4_FLASH_DIMS = _ReleaseDims(
     model_type="deepseek_v4",
     attention=AttentionKind.COMPRESSED_MQA,
     # rope_theta 10000, compress_rope_theta 160000, rope_scaling {type yarn, factor 16,

@@ -21,42 +21,46 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _yarn(rope: RopeSpec, base: float, dim: int) -> tuple[torch.Tensor, float]:
+    factor, original = rope.factor, rope.original_max_position_embeddings
+    beta_fast, beta_slow = rope.beta_fast, rope.beta_slow
+    # RopeSpec.__post_init__ requires these for YaRN
+    assert factor is not None and original is not None and beta_fast is not None and beta_slow is not None
     exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
     extrapolated = 1.0 / base**exponents
-    interpolated = extrapolated / rope.factor
+    interpolated = extrapolated / factor
 
     def correction_dim(rotations: float) -> float:
         # the dimension whose wavelength makes `rotations` turns over the original context
-        return (
-            dim
-            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
-            / (2 * math.log(base))
-        )
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high: float = min(math.ceil(correction_dim(beta_slow)), dim - 1)
     if high == low:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     keep_extrapolated = 1.0 - ramp
     inv_freq = interpolated * (1 - keep_extrapolated) + extrapolated * keep_extrapolated
     if rope.mscale is not None:
-        scaling = _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
+        assert rope.mscale_all_dim is not None  # RopeSpec states both or neither
+        scaling = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
     else:
-        scaling = _yarn_mscale(rope.factor)
+        scaling = _yarn_mscale(factor)
     return inv_freq, scaling
 
 
 def _llama3(rope: RopeSpec, base: float, dim: int) -> torch.Tensor:
+    factor, original = rope.factor, rope.original_max_position_embeddings
+    low_freq_factor, high_freq_factor = rope.low_freq_factor, rope.high_freq_factor
+    # RopeSpec.__post_init__ requires these for llama3
+    assert factor is not None and original is not None
+    assert low_freq_factor is not None and high_freq_factor is not None
     inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     wavelen = 2 * math.pi / inv_freq
-    low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
-    high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    low_wavelen = original / low_freq_factor
+    high_wavelen = original / high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
 
@@ -66,9 +70,12 @@ def inverse_frequencies(rope: RopeSpec, dim: int, compressed: bool = False) -> t
     selects DeepSeek-V4's compress_theta base."""
     if dim < 2 or dim % 2:
         raise ValueError(f"rotary dim {dim} must be even and >= 2")
-    if compressed and rope.compress_theta is None:
-        raise ValueError("this RoPE declares no compress_theta")
-    base = rope.compress_theta if compressed else rope.theta
+    if compressed:
+        if rope.compress_theta is None:
+            raise ValueError("this RoPE declares no compress_theta")
+        base = rope.compress_theta
+    else:
+        base = rope.theta
     if rope.type is RopeType.PLAIN:
         return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim), 1.0
     if rope.type is RopeType.YARN:
@@ -80,6 +87,8 @@ def inverse_frequencies(rope: RopeSpec, dim: int, compressed: bool = False) -> t
 
 class RotaryEmbedding(torch.nn.Module):
     """Rotates [..., seq, dim] tensors by position (half-split layout: pairs (i, i + dim/2))."""
+
+    inv_freq: torch.Tensor  # a registered buffer
 
     def __init__(self, rope: RopeSpec, dim: int, compressed: bool = False) -> None:
         super().__init__()

@@ -131,7 +131,7 @@ class ModelSpec:
     name: str
     model_type: str
     attention: AttentionKind
-    rope: RopeSpec | None
+    rope: RopeSpec  # None is refused in __post_init__, naming the config fields to copy
     rotary_dim: int
     norm: NormKind
     norm_eps: float

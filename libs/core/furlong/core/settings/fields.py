@@ -68,7 +68,8 @@ def setting(default: Any = dataclasses.MISSING, **bounds: Any) -> Any:
 
 
 def bounds_of(field: dataclasses.Field[Any]) -> Bounds:
-    return field.metadata.get(_BOUNDS, Bounds())
+    bounds: Bounds = field.metadata.get(_BOUNDS, Bounds())  # only `setting` writes this key
+    return bounds
 
 
 @functools.cache
@@ -156,7 +157,8 @@ def check_value(name: str, value: Any, tp: Any, b: Bounds) -> Any:
 def check_fields(obj: Any) -> None:
     """Check every field of a frozen settings dataclass against its declaration, normalising values
     in place (int → float for float fields, lists → tuples). Call first in `__post_init__`."""
-    hints = field_types(type(obj))
+    cls: type = type(obj)
+    hints = field_types(cls)
     for f in dataclasses.fields(obj):
         value = check_value(f.name, getattr(obj, f.name), hints[f.name], bounds_of(f))
         if value is not getattr(obj, f.name):

@@ -12,7 +12,7 @@ class UtilizationLanes:
         if max_points < 2:
             raise ValueError(f"max_points must be >= 2, got {max_points}")
         self._max_points = max_points
-        self._lanes: dict[str, deque] = {}
+        self._lanes: dict[str, deque[list[float]]] = {}
         self._lock = threading.Lock()
 
     def add(self, t_s: float, ratios: dict[str, float]) -> None:

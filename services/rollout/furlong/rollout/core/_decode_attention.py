@@ -14,7 +14,14 @@ from numba import njit
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def decode_attention(q, keys, values, positions, scale, out):  # pragma: no cover - compiled
+def decode_attention(  # pragma: no cover - compiled
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    positions: np.ndarray,
+    scale: np.float32,
+    out: np.ndarray,
+) -> None:
     """out[i, h] = softmax(scale * q[i, h] . keys[i, kv(h), :L]) @ values[i, kv(h), :L] with
     L = positions[i] + 1, for every row i of q (n, heads, dim); keys and values are the slot
     cache (slots, kv_heads, max_positions, dim), row i in slot i; kv(h) = h // (heads / kv_heads)."""

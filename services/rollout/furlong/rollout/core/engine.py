@@ -35,7 +35,7 @@ from typing import Protocol
 import torch
 
 from furlong.core.sampling_mask import RolloutSamplingMask
-from furlong.rollout.core.llama_runner import LlamaRunner
+from furlong.rollout.core.llama_runner import LlamaRunner, by_name
 from furlong.rollout.core.sampler import UNBOUNDED, sample_step
 from furlong.rollout.core.sampling import SamplingConfig, SupportBound
 from furlong.rollout.core.slot_table import SlotTable
@@ -95,7 +95,8 @@ class Engine:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
-        self.vocab_size = int(model.config.vocab_size)
+        config = by_name(model).config
+        self.vocab_size = int(config.vocab_size)
         for special in ("pad_id", "eos_id"):
             value = getattr(tokenizer, special)
             if not 0 <= value < self.vocab_size:
@@ -127,7 +128,7 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
-        self.max_positions = int(model.config.max_position_embeddings)
+        self.max_positions = int(config.max_position_embeddings)
         self._batch_lock = threading.Lock()
         self._version_changed = threading.Condition()
         self._policy_version = policy_version

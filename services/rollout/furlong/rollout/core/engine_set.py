@@ -19,11 +19,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+import torch
+
 from furlong.core.errors import NotFoundError, UnavailableError
 from furlong.rollout.core.checks import split_evenly
 from furlong.rollout.core.engine import Engine, Generation
 from furlong.rollout.core.sampling import SamplingConfig, SupportBound
 from furlong.rollout.core.types import (
+    ApplyWeightsFn,
     EngineState,
     EngineStatus,
     ReceiverFactory,
@@ -45,7 +48,9 @@ class EngineSet(Protocol):
     skipped (the caller closes them in the ledger). UnavailableError when no engine can serve."""
 
     engine_ids: list[str]
-    max_positions: int | None
+
+    @property
+    def max_positions(self) -> int | None: ...
 
     def policy_version(self) -> int: ...
 
@@ -131,8 +136,8 @@ class InProcessEngines:
             self.close()
             raise
 
-    def _apply_fn(self, slot: _Slot):
-        def apply(version, tensors) -> None:
+    def _apply_fn(self, slot: _Slot) -> ApplyWeightsFn:
+        def apply(version: int, tensors: Mapping[str, torch.Tensor]) -> None:
             slot.engine.load_weights(version, tensors)
             self._observer.version_applied(self._run_id, slot.engine_id, version)
 

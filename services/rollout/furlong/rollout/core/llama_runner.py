@@ -25,7 +25,8 @@ SDPA. Knows nothing about sampling, tokenizers or requests.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,16 +57,23 @@ def check_supported(model: torch.nn.Module) -> None:
         )
 
 
+def by_name(model: torch.nn.Module) -> Any:
+    """`model` as the transformers causal LM it is, whose config and submodules are reached by name
+    (nn.Module's __getattr__ types each as Tensor | Module); `check_supported` vouches for the names."""
+    return model
+
+
 class LlamaRunner:
     """Not thread-safe: the engine serialises calls. Buffers are allocated on first use."""
 
     def __init__(self, model: torch.nn.Module, num_slots: int, decode_attention: str = "auto") -> None:
         check_supported(model)
         self.model = model
+        self._llama = by_name(model)
         self.num_slots = num_slots
         self._kernel = _select_kernel(model, decode_attention)
         self.decode_attention = "numba" if self._kernel is not None else "sdpa"
-        config = model.config
+        config = self._llama.config
         self.max_positions = int(config.max_position_embeddings)
         self.num_kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(
@@ -92,7 +100,7 @@ class LlamaRunner:
             return
         param = next(self.model.parameters())
         shape = (self.num_slots, self.num_kv_heads, self.max_positions, self.head_dim)
-        for _ in self.model.model.layers:
+        for _ in self._llama.model.layers:
             self._keys.append(torch.zeros(shape, dtype=param.dtype, device=param.device))
             self._values.append(torch.zeros(shape, dtype=param.dtype, device=param.device))
 
@@ -145,7 +153,7 @@ class LlamaRunner:
         position_ids = torch.tensor(flat_positions, dtype=torch.long, device=device)
         rows_index = torch.tensor(rows, dtype=torch.long, device=device)
         total = n + j * width
-        inner = self.model.model
+        inner = self._llama.model
         hidden = inner.embed_tokens(flat_ids)  # (total, hidden)
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids[None])
         cos, sin = cos[0], sin[0]  # (total, head_dim)
@@ -156,7 +164,7 @@ class LlamaRunner:
             decode_positions = position_ids[:n]
             if kernel is not None:
                 decode_positions_np = np.asarray(flat_positions[:n], dtype=np.int64)
-                decode_out = torch.empty(n, self.model.config.num_attention_heads, self.head_dim)
+                decode_out = torch.empty(n, self._llama.config.num_attention_heads, self.head_dim)
             else:
                 columns = torch.arange(max(span for _, _, span in groups), device=device)
                 masks = [
@@ -209,10 +217,15 @@ class LlamaRunner:
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(inner.norm(hidden[rows_index])).float()
+        logits: torch.Tensor = self._llama.lm_head(inner.norm(hidden[rows_index])).float()
+        return logits
 
 
-def _select_kernel(model: torch.nn.Module, choice: str):
+# decode_attention's signature: (q, keys, values, positions, scale, out), writing into out
+_DecodeKernel = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.float32, np.ndarray], None]
+
+
+def _select_kernel(model: torch.nn.Module, choice: str) -> _DecodeKernel | None:
     """The numba decode kernel, or None for SDPA. "auto" takes numba for float32 models on the CPU
     when it imports; "numba" fails where it cannot run; "sdpa" never takes it."""
     if choice not in DECODE_ATTENTION:

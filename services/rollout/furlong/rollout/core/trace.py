@@ -27,6 +27,10 @@ class RowTrace:
     truncated_positions: list[int]  # decode positions whose support the bound cut
 
 
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.cpu()
+
+
 class DecodeTrace:
     """Accumulates `StepDraw`s of a batch of `num_rows` rows over a vocabulary of `vocab_size`."""
 
@@ -48,17 +52,12 @@ class DecodeTrace:
         self._rows.append(rows.cpu())
         self._draws.append(
             StepDraw(
-                *(
-                    None if t is None else t.cpu()
-                    for t in (
-                        draw.tokens,
-                        draw.logprobs,
-                        draw.kept_ids,
-                        draw.kept_counts,
-                        draw.full_logprobs,
-                        draw.truncated,
-                    )
-                )
+                draw.tokens.cpu(),
+                draw.logprobs.cpu(),
+                _cpu(draw.kept_ids),
+                _cpu(draw.kept_counts),
+                _cpu(draw.full_logprobs),
+                _cpu(draw.truncated),
             )
         )
 
@@ -126,15 +125,22 @@ class DecodeTrace:
         ]
 
     def _filtered_supports(self, order: torch.Tensor, lengths: list[int]) -> list[RolloutSamplingMask]:
-        width = max(int(d.kept_ids.shape[1]) for d in self._draws)
+        kept_ids: list[torch.Tensor] = []
+        kept_counts: list[torch.Tensor] = []
+        for d in self._draws:
+            # add() lets no decode mix filtered and unfiltered steps
+            assert d.kept_ids is not None and d.kept_counts is not None
+            kept_ids.append(d.kept_ids)
+            kept_counts.append(d.kept_counts)
+        width = max(int(ids.shape[1]) for ids in kept_ids)
         # Pad with vocab_size, which sorts after every real id, then sort each support by token id.
         kept = torch.cat(
             [
-                torch.nn.functional.pad(d.kept_ids, (0, width - d.kept_ids.shape[1]), value=self.vocab_size)
-                for d in self._draws
+                torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=self.vocab_size)
+                for ids in kept_ids
             ]
         )
-        counts = torch.cat([d.kept_counts for d in self._draws])[order]
+        counts = torch.cat(kept_counts)[order]
         kept = kept[order]
         in_support = torch.arange(width)[None, :] < counts[:, None]
         kept = torch.sort(kept.masked_fill(~in_support, self.vocab_size), dim=-1).values

@@ -36,7 +36,7 @@ MODES = ("ddp", "fsdp2", "allreduce")
 T = TypeVar("T")
 
 
-def _sum_hook(group, bucket):  # unannotated: DDP checks annotations, which are strings here
+def _sum_hook(group, bucket):  # type: ignore[no-untyped-def]  # DDP checks a hook's annotations at run time, and they are strings here
     """DDP comm hook: all-reduce a bucket (a dist.GradBucket) as a sum (DDP's default divides by
     the world size)."""
     future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
@@ -52,7 +52,7 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 class DataParallel:
     """One rank's view of a data-parallel group for one policy model."""
 
-    def __init__(self, model: torch.nn.Module, group, mode: str = "ddp"):
+    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup, mode: str = "ddp") -> None:
         """Wraps (ddp) or shards in place (fsdp2) `model`; build the optimizer afterwards, over
         `model.parameters()` (fsdp2 replaces them with sharded ones)."""
         if mode not in MODES:
@@ -107,11 +107,17 @@ class DataParallel:
     def pass_context(self, last: bool) -> Iterator[None]:
         """Around one micro-batch's forward and backward: gradients are reduced on the last only."""
         if self.mode == "ddp" and not last:
-            with self.forward_module.no_sync():
+            ddp = self.forward_module
+            assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)  # wrapped in __init__
+            with ddp.no_sync():
                 yield
             return
         if self.mode == "fsdp2":
-            self.forward_module.set_requires_gradient_sync(last)
+            from torch.distributed.fsdp import FSDPModule
+
+            sharded = self.forward_module
+            assert isinstance(sharded, FSDPModule)  # fully_shard made the model one in __init__
+            sharded.set_requires_gradient_sync(last)
         yield
 
     def sum_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
@@ -119,14 +125,16 @@ class DataParallel:
         `allreduce` mode, extra ones (a value model) otherwise."""
         if not params:
             return
+        grads: list[torch.Tensor] = []
         for p in params:
             if p.grad is None:  # a rank without rows, or a parameter its rows did not reach
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.group)
         offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        for p, grad in zip(params, grads):
+            grad.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
     def sum_floats(self, values: list[float]) -> list[float]:

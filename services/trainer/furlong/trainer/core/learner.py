@@ -19,13 +19,14 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from furlong.core.samples import SampleGroup
 from furlong.core.settings import AlgorithmSettings
 from furlong.trainer.core.batch import MicroBatch, build_micro_batch, split_per_row
 from furlong.trainer.core.data_parallel import DataParallel, full_tensor
 from furlong.trainer.core.scoring import Scorer
-from furlong.trainer.core.step import StepMath, plan_rows
+from furlong.trainer.core.step import Denominators, StepMath, plan_rows
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,10 @@ def _validate(groups: list[SampleGroup], vocab_size: int | None, version: int) -
                     )
 
 
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
+
+
 class Learner:
     """Owns the policy model and its AdamW optimizer; one call = one RL step. Knows nothing of Redis or gRPC.
 
@@ -142,7 +147,7 @@ class Learner:
         config: LearnerConfig,
         *,
         version: int = 0,
-        data_parallel_group: object | None = None,
+        data_parallel_group: dist.ProcessGroup | None = None,
         data_parallel: str = "ddp",
     ) -> None:
         """`data_parallel_group` (a torch.distributed group): every rank passes the same batch to
@@ -173,7 +178,8 @@ class Learner:
             weight_decay=config.algorithm.weight_decay,
             betas=(config.algorithm.adam_beta1, config.algorithm.adam_beta2),
         )
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        get_embeddings = getattr(model, "get_input_embeddings", None)  # a transformers model's
+        embeddings = get_embeddings() if get_embeddings is not None else None
         self.vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
         self._math = StepMath(self.objective)
         model.eval()
@@ -235,7 +241,7 @@ class Learner:
         return stats
 
     def _epoch(
-        self, micro_batches: list[tuple[MicroBatch, bool]], denominators, epoch: int
+        self, micro_batches: list[tuple[MicroBatch, bool]], denominators: Denominators, epoch: int
     ) -> dict[str, float]:
         """Accumulate the gradient of the whole batch over its micro-batches, then step once."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -252,14 +258,14 @@ class Learner:
                 with context:
                     logp, entropy = self.scorer.policy_logprobs(mb)
                     if padding:  # keeps this rank in step with the group's collectives; adds nothing
-                        (logp.sum() * 0.0).backward()
+                        _backward(logp.sum() * 0.0)
                         continue
                     if epoch == 0 and self.objective.off_policy != "none":
                         for row, old in zip(mb.rows, split_per_row(logp.detach(), mb)):
                             row.old_logprobs = old
                     values = self.scorer.values(mb) if self.scorer.critic is not None else None
                     loss, value_loss, stats = self._math.loss(mb, logp, entropy, values, denominators)
-                    (loss + value_loss).backward()
+                    _backward(loss + value_loss)
                 loss_sum += loss.item()
                 value_loss_sum += value_loss.item()
                 trained_tokens += mb.num_tokens

@@ -190,7 +190,7 @@ def _clip(ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float
     )
 
 
-def policy_loss(config: AlgorithmSettings):
+def policy_loss(config: AlgorithmSettings) -> ClippedTokenLoss | SequenceRatioLoss:
     """The policy-loss component the configured algorithm uses."""
     if config.name == "gspo":
         return SequenceRatioLoss(config.clip_eps, config.clip_eps_high)

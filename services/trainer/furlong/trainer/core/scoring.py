@@ -34,12 +34,13 @@ class Scorer:
         return [] if self.critic is None else [p for p in self.critic.parameters() if p.requires_grad]
 
     def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        kwargs: dict = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask}
+        kwargs: dict[str, object] = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask}
         if self._pass_use_cache:
             kwargs["use_cache"] = False
         if self._can_trim_logits:
             kwargs["logits_to_keep"] = mb.width - mb.first  # prompt positions before `first` need no logits
-        return model(**kwargs).logits
+        logits: torch.Tensor = model(**kwargs).logits
+        return logits
 
     def _logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self._logits(model, mb)
@@ -70,5 +71,5 @@ class Scorer:
         """(N,) value of the state before each response token (the position that predicts it)."""
         if self.critic is None:
             raise ValueError("this objective has no value model (algorithm is not ppo)")
-        values = self.critic(mb.input_ids, mb.attention_mask)
+        values: torch.Tensor = self.critic(mb.input_ids, mb.attention_mask)
         return values.reshape(-1).index_select(0, mb.positions(values.shape[1]))

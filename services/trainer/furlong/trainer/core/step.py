@@ -7,13 +7,18 @@ the first epoch; `StepMath.loss` is pure tensor math on one micro-batch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from furlong.core.samples import SampleGroup
 from furlong.core.settings import AlgorithmSettings
 from furlong.trainer.core.batch import MicroBatch, Row, build_micro_batch, split_per_row
+
+if TYPE_CHECKING:
+    from furlong.trainer.core.scoring import Scorer
 from furlong.trainer.core.objectives import (
     clipped_value_loss,
     gae,
@@ -48,14 +53,20 @@ def _scalar_advantages(
     ]
 
 
-def _chunks(rows: list[Row], size: int):
+def _filled(t: torch.Tensor | None) -> torch.Tensor:
+    """A row tensor that plan_rows filled in above."""
+    assert t is not None
+    return t
+
+
+def _chunks(rows: list[Row], size: int) -> Iterator[MicroBatch]:
     for i in range(0, len(rows), size):
         mb = build_micro_batch(rows[i : i + size])
         yield mb
 
 
 def plan_rows(
-    groups: list[SampleGroup], objective: AlgorithmSettings, scorer, micro_batch_size: int
+    groups: list[SampleGroup], objective: AlgorithmSettings, scorer: Scorer, micro_batch_size: int
 ) -> tuple[list[Row], Denominators]:
     samples = [s for g in groups for s in g.samples]
     rows = [Row(s, torch.zeros(len(s.response_token_ids))) for s in samples]
@@ -67,7 +78,9 @@ def plan_rows(
     if objective.uses_reference and objective.kl_mode == "reward":
         penalties = [
             objective.kl_coef
-            * kl_estimate(torch.tensor(r.sample.response_logprobs), r.ref_logprobs, objective.kl_estimator)
+            * kl_estimate(
+                torch.tensor(r.sample.response_logprobs), _filled(r.ref_logprobs), objective.kl_estimator
+            )
             for r in rows
         ]
     if objective.name == "ppo":
@@ -78,7 +91,9 @@ def plan_rows(
         for row, penalty in zip(rows, penalties):
             token_rewards = -penalty.double()
             token_rewards[-1] += row.sample.reward
-            adv, ret = gae(token_rewards, row.old_values.double(), objective.gamma, objective.gae_lambda)
+            adv, ret = gae(
+                token_rewards, _filled(row.old_values).double(), objective.gamma, objective.gae_lambda
+            )
             row.advantages, row.returns = adv.float(), ret.float()
     else:
         it = iter(penalties)

@@ -33,4 +33,5 @@ class ValueModel(torch.nn.Module):
         hidden = self.body(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()
+        values: torch.Tensor = self.head(hidden).squeeze(-1).float()
+        return values

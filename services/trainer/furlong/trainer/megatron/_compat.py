@@ -27,7 +27,12 @@ _applied = False
 def megatron_version() -> str:
     from megatron.core import __version__
 
-    return __version__
+    version: str = __version__
+    return version
+
+
+def _cpu_device() -> str:
+    return "cpu"
 
 
 def apply_cpu_shims() -> None:
@@ -42,7 +47,8 @@ def apply_cpu_shims() -> None:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     if not torch.cuda.is_available() and not _applied:
-        torch.cuda.current_device = lambda: "cpu"  # RoPE tables and the global memory buffer
+        # RoPE tables and the global memory buffer
+        torch.cuda.current_device = _cpu_device  # type: ignore[assignment]  # the shim answers a device name where torch declares an index
         log.info("megatron-core %s on CPU: torch.cuda.current_device now returns 'cpu'", version)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _applied = True

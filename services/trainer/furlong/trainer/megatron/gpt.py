@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from furlong.trainer.megatron._compat import apply_cpu_shims
+
+# A transformers LlamaConfig, whose fields are read by name, and a megatron-core GPTModel (megatron
+# ships no type information).
+HfConfig = Any
+GptModel = Any
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +38,7 @@ def init_model_parallel(port: int, tensor_parallel: int = 1) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
 
 
-def _rope_theta(config) -> float:
+def _rope_theta(config: HfConfig) -> float:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
@@ -45,7 +51,7 @@ def _rope_theta(config) -> float:
     return float(theta)
 
 
-def _check_spec(config) -> None:
+def _check_spec(config: HfConfig) -> None:
     for name, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if getattr(config, name, expected) != expected:
             raise ValueError(
@@ -53,7 +59,7 @@ def _check_spec(config) -> None:
             )
 
 
-def build_gpt_model(config, dtype: torch.dtype = torch.float32):
+def build_gpt_model(config: HfConfig, dtype: torch.dtype = torch.float32) -> GptModel:
     """A GPTModel with the architecture of a transformers LlamaConfig (weights random)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -98,13 +104,13 @@ def build_gpt_model(config, dtype: torch.dtype = torch.float32):
     )
 
 
-def _layout(config) -> tuple[int, int, int]:
+def _layout(config: HfConfig) -> tuple[int, int, int]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     groups = config.num_key_value_heads
     return head_dim, groups, config.num_attention_heads // groups
 
 
-def hf_to_megatron(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+def hf_to_megatron(state: dict[str, torch.Tensor], config: HfConfig) -> dict[str, torch.Tensor]:
     """HF Llama names -> Megatron GPTModel names (QKV interleaved per query group, gate|up fused)."""
     d, groups, per_group = _layout(config)
     out = {
@@ -129,7 +135,7 @@ def hf_to_megatron(state: dict[str, torch.Tensor], config) -> dict[str, torch.Te
     return out
 
 
-def megatron_to_hf(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+def megatron_to_hf(state: dict[str, torch.Tensor], config: HfConfig) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron` (for publishing a Megatron-trained policy under HF names)."""
     d, groups, per_group = _layout(config)
     out = {
@@ -161,14 +167,14 @@ class MegatronCausalLM(torch.nn.Module):
     """`model(input_ids=..., attention_mask=...).logits` over a GPTModel, like a transformers causal
     LM, for right-padded batches (the causal mask alone keeps padding out of real positions)."""
 
-    def __init__(self, gpt, config):
+    def __init__(self, gpt: GptModel, config: HfConfig) -> None:
         super().__init__()
         self.gpt = gpt
         self.config = config
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module) -> MegatronCausalLM:
-        config = hf_model.config
+        config: HfConfig = hf_model.config
         gpt = build_gpt_model(config, dtype=next(hf_model.parameters()).dtype)
         converted = hf_to_megatron(hf_model.state_dict(), config)
         missing, unexpected = gpt.load_state_dict(converted, strict=False)
@@ -178,13 +184,14 @@ class MegatronCausalLM(torch.nn.Module):
         return cls(gpt, config).eval()
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
-        return self.gpt.embedding.word_embeddings
+        embeddings: torch.nn.Embedding = self.gpt.embedding.word_embeddings
+        return embeddings
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         state = {k: v for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
         return megatron_to_hf(state, self.config)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> SimpleNamespace:
         b, s = input_ids.shape
         positions = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=input_ids.device), diagonal=1)
