@@ -134,7 +134,9 @@ def test_mla_family_without_latent_fields_and_unknown_families_are_refused():
 def test_a_registered_release_is_checked_against_its_spec():
     config = fixture("deepseek-v3")
     config["rope_scaling"] = dict(config["rope_scaling"], factor=32)  # still YaRN: the family allows it
-    with pytest.raises(ContractError, match=r"(?s)model spec 'deepseek-v3'.*rope_scaling.factor: spec 40.0, config 32"):
+    with pytest.raises(
+        ContractError, match=r"(?s)model spec 'deepseek-v3'.*rope_scaling.factor: spec 40.0, config 32"
+    ):
         check_model_config(config)
 
 

@@ -72,13 +72,17 @@ def test_engine_equals_transformers(family):
     for prompt, g, s in zip(prompts, greedy, scored):
         assert s.token_ids == g.token_ids
         reference = hf_logprobs(model, prompt, s.token_ids)
-        worst = max(worst, float((torch.tensor(s.full_logprobs, dtype=torch.float64) - reference).abs().max()))
+        worst = max(
+            worst, float((torch.tensor(s.full_logprobs, dtype=torch.float64) - reference).abs().max())
+        )
 
     sampled = run(SamplingConfig(temperature=0.8, top_p=0.95, max_new_tokens=max(LIMITS), seed=3))
     assert [s.token_ids for s in sampled] != [g.token_ids for g in greedy]
     for prompt, s in zip(prompts, sampled):
         assert all(t in row for t, row in zip(s.token_ids, s.support.to_lists()))
         reference = hf_logprobs(model, prompt, s.token_ids, temperature=0.8)
-        worst = max(worst, float((torch.tensor(s.full_logprobs, dtype=torch.float64) - reference).abs().max()))
+        worst = max(
+            worst, float((torch.tensor(s.full_logprobs, dtype=torch.float64) - reference).abs().max())
+        )
     print(f"{family}: max |log-prob - transformers| = {worst:.2e}")
     assert worst <= TOLERANCE

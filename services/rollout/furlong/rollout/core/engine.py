@@ -150,6 +150,14 @@ class Engine:
         self._policy_version = policy_version
 
     @property
+    def device(self) -> torch.device:
+        return self._runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._runner.dtype
+
+    @property
     def policy_version(self) -> int:
         return self._policy_version
 
