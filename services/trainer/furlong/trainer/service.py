@@ -29,8 +29,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from furlong.core.checkpoint import load_policy
-from furlong.core.models import check_transformers_model
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
+from furlong.core.models import check_transformers_model
 from furlong.core.samples import TRAINER_GROUP, stream_key
 from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_STEPS
 from furlong.core.weights import WeightLayout

@@ -52,7 +52,7 @@ class ModelRunner:
         max_positions: int | None = None,
     ) -> None:
         lm = skeleton(model)
-        config = getattr(lm, "config", None)
+        config: Any = getattr(lm, "config", None)
         self.family = family_of(getattr(config, "model_type", None))
         self.checked: CheckedConfig = check_model_config(config_mapping(config))
         self.family.check(config)

@@ -40,7 +40,7 @@ from furlong.rollout.core.blocks.norms import RmsNorm
 def mla_softmax_scale(qk_head_dim: int, rope: RopeSpec) -> float:
     """qk_head_dim^-0.5, times (0.1 * mscale_all_dim * ln(factor) + 1)^2 for a YaRN RoPE that
     states mscale_all_dim (DeepSeek's attention-entropy correction)."""
-    scale = qk_head_dim**-0.5
+    scale = 1.0 / math.sqrt(qk_head_dim)
     if rope.type is RopeType.YARN and rope.mscale_all_dim and rope.factor and rope.factor > 1:
         m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
         scale *= m * m
@@ -132,9 +132,9 @@ class MlaAttention:
         assert self._cache is not None, "allocate() first"
         total, heads, rank = x.shape[0], self.num_heads, self.kv_lora_rank
         q = self._query(x).view(total, heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a(x).split([rank, self.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_norm(latent)
+        q_nope, q_pe = q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim :]
+        compressed = self.kv_a(x)
+        latent, k_pe = self.kv_a_norm(compressed[:, :rank]), compressed[:, rank:]
         k_pe = k_pe[:, None]  # (total, 1, rope): the one key head every query head shares
         if self._deinterleave is not None:
             q_pe, k_pe = q_pe[..., self._deinterleave], k_pe[..., self._deinterleave]
