@@ -90,6 +90,13 @@ class RunSpec:
                 f"{self.rollout.over_sampling:g}) x samples_per_prompt {self.samples_per_prompt} is "
                 f"{drawn * self.samples_per_prompt} samples per step, more than {MAX_SAMPLES_PER_STEP}",
             )
+        if self.sampling.greedy:
+            raise SettingError(
+                "sampling.temperature",
+                "0 (greedy decoding) cannot be trained on: the sampling distribution is a point "
+                "mass with log-prob 0 and no gradient; a training run needs a temperature > 0 "
+                "(temperature 0 is for generation and evaluation, e.g. `furlong generate`)",
+            )
         if self.rollout.max_refill_rounds and self.samples_per_prompt < 2:
             raise SettingError(
                 "rollout.max_refill_rounds",

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from furlong.core.checkpoint import load_policy
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
+from furlong.core.models import check_transformers_model
 from furlong.core.samples import TRAINER_GROUP, stream_key
 from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_STEPS
 from furlong.core.weights import WeightLayout
@@ -147,6 +148,18 @@ class TrainerService:
                 raise ConflictError(f"run {run_id} is already configured on this trainer")
         torch.manual_seed(config.seed)
         model, _ = load_policy(path)
+        # The family contract where the model is built: a config that contradicts its family, or
+        # a model whose rotary embedding is not the one its config declares, is never trained.
+        checked = check_transformers_model(model)
+        log.info(
+            "run %s: %s model, %s attention, %s RoPE (theta %g)%s",
+            run_id,
+            checked.family.model_type,
+            checked.attention.value,
+            checked.rope.type.value,
+            checked.rope.theta,
+            f", release {checked.spec.name}" if checked.spec else "",
+        )
         learner = Learner(model, learner_config)
         last_step, cursor = 0, None
         ledger = TrainedGroups(GroupLedger(self._redis, run_id), config.checkpoint.every_steps)
