@@ -43,6 +43,7 @@ from furlong.core.formats.checkpoint_dir import (
     write_shards,
 )
 from furlong.core.safetensors_io import DTYPES
+from furlong.core.settings.checkpoint import DEFAULT_EXPORT_SHARD_BYTES
 from furlong.core.tokenizer import TOKENIZER_SIDE_FILES, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = SINGLE_FILE
 # The families whose stored layout this module knows (transformers' class for each is built).
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe_lite")
-DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's customary 5 GB shards
+DEFAULT_MAX_SHARD_BYTES = DEFAULT_EXPORT_SHARD_BYTES
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
