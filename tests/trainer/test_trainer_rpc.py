@@ -1,5 +1,6 @@
-"""Offload, Restore, Checkpoint and ExportPolicy over real gRPC: the trainer service behind a loopback gRPC server,
-samples from the rollout service in a real Redis stream, weights published through the broker."""
+"""Offload, Restore, Checkpoint and ExportPolicy over real gRPC: the trainer service behind a
+loopback gRPC server, samples from the rollout service in a real Redis stream, weights published
+through the broker."""
 
 import hashlib
 from pathlib import Path

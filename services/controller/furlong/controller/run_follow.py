@@ -2,11 +2,13 @@
 
 `follow_run` polls the controller (run first, then its new step records, so a terminal state is
 always followed by a complete set of records), appends each step record to `OUT/metrics.jsonl` as
-it arrives, and returns the final run. `place_policies` puts the run's exported policies (Hugging
-Face directories the trainer wrote on this machine) at `OUT/final/` and `OUT/checkpoints/step-N/`. Inside `Interrupts`, a first Ctrl-C (or SIGTERM) only sets a
+it arrives, and returns the final run. Inside `Interrupts`, a first Ctrl-C (or SIGTERM) only sets a
 flag, so it cannot be lost between submitting a run and following it: the follower then asks the
 controller to stop the run and keeps following until the run ends (bounded by `stop_wait_s`). A
 second signal raises KeyboardInterrupt, which gives up waiting.
+
+`place_policies` puts the run's exported policies (Hugging Face directories the trainer wrote on
+this machine) at `OUT/final/` and `OUT/checkpoints/step-N/`.
 """
 
 from __future__ import annotations

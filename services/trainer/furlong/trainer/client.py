@@ -36,8 +36,8 @@ __all__ = ["SERVICE_NAME", "GrpcTrainerClient", "InProcessTrainerClient", "Train
 @dataclass(frozen=True)
 class TrainerDeadlines:
     """gRPC deadlines in seconds. `configure_s` covers loading a checkpoint, `checkpoint_s` the wait
-    for a step in progress (and writing a checkpoint or an exported policy); a train step's deadline is its own timeout_s plus `wait_margin_s`, so
-    the trainer's own wait answers first."""
+    for a step in progress and writing a checkpoint or an exported policy; a train step's deadline
+    is its own timeout_s plus `wait_margin_s`, so the trainer's own wait answers first."""
 
     call_s: float = 30.0
     configure_s: float = 300.0

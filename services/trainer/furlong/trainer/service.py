@@ -14,8 +14,8 @@ before it.
 
 `offload` releases a run's tensors (policy, reference, value model, optimizer state) for a
 colocated rollout engine and `restore` brings them back bit for bit (`offload.Offloader`). While a
-run is offloaded, `train_step`, `publish_weights`, `checkpoint` and `export_policy` raise ConflictError, and so do a
-second `offload` and a `restore` of a resident run.
+run is offloaded, `train_step`, `publish_weights`, `checkpoint` and `export_policy` raise
+ConflictError, and so do a second `offload` and a `restore` of a resident run.
 """
 
 from __future__ import annotations

@@ -119,7 +119,8 @@ class PolicyRef:
     def __post_init__(self) -> None:
         if self.step < 0 or not self.path or not self.shards:
             raise ValueError(
-                f"policy step {self.step} must be >= 0, path {self.path!r} and shards {self.shards!r} non-empty"
+                f"policy step {self.step} must be >= 0, path {self.path!r} and shards "
+                f"{self.shards!r} non-empty"
             )
 
     def to_dict(self) -> dict[str, Any]:
