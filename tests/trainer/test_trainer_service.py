@@ -12,7 +12,7 @@ from tiny_policy import write_tiny_checkpoint as write_checkpoint
 from furlong.core.errors import ConflictError, NotFoundError
 from furlong.core.models import ContractError
 from furlong.core.tasks import AdditionTask
-from furlong.core.tokenizer import CharTokenizer
+from furlong.core.tokenizer import char_tokenizer
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import GenerateRequest
@@ -143,7 +143,7 @@ def test_group_the_learner_cannot_train_on_is_rejected_not_blocking(loop, redis_
     model_dir, broker, rollout, trainer = loop
     rollout.configure_run(rollout_run("run-e", model_dir))
     trainer.configure_run(trainer_run("run-e", model_dir, 1, learning_rate=1e-3))
-    vocab = CharTokenizer(AdditionTask.ALPHABET).vocab_size
+    vocab = char_tokenizer(AdditionTask.ALPHABET).vocab_size
     bad = Sample(
         sample_id="bad/0",
         prompt_token_ids=[1, vocab + 5],

@@ -38,7 +38,7 @@ from furlong.controller.local_stack import (
     start_stack,
     stop_stack,
 )
-from furlong.controller.run_follow import Interrupts, follow_run, summary_table
+from furlong.controller.run_follow import Interrupts, follow_run, place_policies, summary_table
 from furlong.controller.run_spec import parse_run_spec
 from furlong.core.errors import FurlongError
 from furlong.rollout import generate_cli
@@ -155,6 +155,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     state = result.run["state"]
     if state == "failed":
         err_console.print(f"[red]run failed:[/] {result.run['reason']}")
+    try:
+        for policy in place_policies(result.run, out_dir):
+            console.print(f"policy: [bold]{policy}[/]")
+    except OSError as exc:
+        err_console.print(f"[red]cannot place the run's policies in {out_dir}:[/] {exc}")
+        return 1
     if result.interrupted:
         return 130
     return 0 if state == "succeeded" else 1

@@ -306,6 +306,7 @@ def _launch(config: StackConfig, state_dir: Path, info: StackInfo) -> StackInfo:
                 argv.append("--enable-fault-hooks")
         if name == "trainer":
             argv += ["--checkpoint-dir", str(state_dir / "checkpoints")]
+            argv += ["--policy-dir", str(state_dir / "policies")]
         sp = spawn(name, argv, logs / f"{name}.log", port, metrics_port)
         addresses[name] = f"127.0.0.1:{port}"
         info = _with(info, sp, addresses=dict(addresses))

@@ -61,7 +61,7 @@ class RunSpec:
     model: str = setting(
         min_chars=1,
         max_chars=MAX_PATH_CHARS,
-        doc="absolute checkpoint directory, as the services will read it",
+        doc="absolute Hugging Face model directory, as the services will read it",
     )
     task: str = setting(
         min_chars=1, max_chars=64, choices=tuple(tasks.known_tasks()), doc="a registered task"
