@@ -82,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rewards=rewards,
         reward_timeout_s=config.reward_timeout_s,
         reward_workers=config.reward_workers,
+        device=config.device,
     )
     metrics.watch_engines(service.status)
     metrics_endpoint = runtime.serve_metrics()

@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from furlong.core.devices import parse_device
 from furlong.rpc.service_main import add_credential_flags, credential_fields
 from furlong.rpc.tls import TlsFiles
 from furlong.service_main import REQUIRED, ServiceCommand, ServiceFlags
@@ -45,8 +46,13 @@ class RolloutServerConfig:
     chunk_rows: int = 8  # process mode: rows per chunk routed to one engine
     engine_work_dir: str = ""  # process mode: weights and engine logs; "" = under /dev/shm
     tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
+    device: str = "cpu"  # where runs' engines run: "cpu", "cuda" or "cuda:N"
 
     def __post_init__(self) -> None:
+        try:
+            parse_device(self.device)
+        except ValueError as exc:
+            raise ValueError(f"--device {self.device!r}: {exc}") from None
         if not self.host:
             raise ValueError("host must not be empty")
         check_port("port", self.port)
@@ -123,6 +129,12 @@ class RolloutServerConfig:
             help="run engines inside this process (inprocess) or as one process "
             "per engine behind a pool that restarts them (process)",
         )
+        parser.add_argument(
+            "--device",
+            default=cls.device,
+            help="where runs' engines run: cpu, cuda or cuda:N (default cpu); a run's precision "
+            "(run spec) sets their dtype",
+        )
         parser.add_argument("--engine-threads", type=int, default=cls.engine_threads)
         parser.add_argument("--engine-max-batch-size", type=int, default=cls.engine_max_batch_size)
         parser.add_argument("--chunk-rows", type=int, default=cls.chunk_rows)
@@ -153,6 +165,7 @@ class RolloutServerConfig:
             engine_max_batch_size=args.engine_max_batch_size,
             chunk_rows=args.chunk_rows,
             engine_work_dir=args.engine_work_dir,
+            device=args.device,
             **credential_fields(args),
         )
 

@@ -4,7 +4,12 @@ the server and the gRPC client, each written once. Free of torch."""
 from __future__ import annotations
 
 from furlong.core.settings import CheckpointSettings
-from furlong.rpc.settings import algorithm_from_proto, algorithm_to_proto
+from furlong.rpc.settings import (
+    algorithm_from_proto,
+    algorithm_to_proto,
+    precision_from_proto,
+    precision_to_proto,
+)
 from furlong.trainer.api import (
     CheckpointResult,
     Offloaded,
@@ -27,6 +32,7 @@ def config_to_proto(config: TrainerRunConfig) -> pb.ConfigureRunRequest:
         total_steps=config.total_steps,
         sampling_temperature=config.sampling_temperature,
         checkpoint_every_steps=config.checkpoint.every_steps,
+        precision=precision_to_proto(config.precision),
     )
 
 
@@ -40,6 +46,7 @@ def config_from_proto(msg: pb.ConfigureRunRequest) -> TrainerRunConfig:
         seed=msg.seed,
         total_steps=msg.total_steps,
         checkpoint=CheckpointSettings(every_steps=msg.checkpoint_every_steps),
+        precision=precision_from_proto(msg.precision),
     )
 
 

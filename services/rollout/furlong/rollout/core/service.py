@@ -22,8 +22,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from furlong.core import tasks
+from furlong.core.devices import DTYPES, parse_device
 from furlong.core.errors import ConflictError, NotFoundError
-from furlong.core.settings import RolloutSettings
+from furlong.core.settings import PrecisionSettings, RolloutSettings
 from furlong.core.settings.run_shape import MAX_RUN_SEED
 from furlong.rollout.core.checks import check_id, check_int, check_timeout
 from furlong.rollout.core.engine_set import EngineSetFactory, in_process_factory
@@ -65,6 +66,8 @@ def _check_config(config: RolloutRunConfig) -> None:
     check_int("seed", config.seed, 0, MAX_RUN_SEED)
     if not isinstance(config.rollout, RolloutSettings):
         raise ValueError(f"rollout must be RolloutSettings, got {type(config.rollout).__name__}")
+    if not isinstance(config.precision, PrecisionSettings):
+        raise ValueError(f"precision must be PrecisionSettings, got {type(config.precision).__name__}")
     if not config.task and not config.reward:
         raise ValueError("a run needs a task or a reward (a run without a task scores with its reward)")
 
@@ -77,7 +80,8 @@ class RolloutService:
     the built-in reward registry (signatures checked here); rewards of a request run on up to
     `reward_workers` threads and must all finish within `reward_timeout_s`. `support_bound` caps
     every recorded sampling support; it must fail (on_overflow="error"), since the stream's Sample
-    format has no truncated flag and a cut support must never pass silently."""
+    format has no truncated flag and a cut support must never pass silently. Every run's engines
+    run on `device` ("cpu", "cuda", "cuda:N"), in the dtype of the run's `precision`."""
 
     def __init__(
         self,
@@ -92,8 +96,12 @@ class RolloutService:
         reward_timeout_s: float = 60.0,
         reward_workers: int = 4,
         engines: EngineSetFactory | None = None,
+        device: str = "cpu",
     ) -> None:
         check_int("max_batch_size", max_batch_size, 1)
+        checked = parse_device(device)  # ValueError naming a bad or missing device
+        assert checked is not None  # a value was given
+        self._device = checked
         if not isinstance(support_bound, SupportBound) or support_bound.on_overflow != OVERFLOW_ERROR:
             raise ValueError(
                 f"support_bound must be a SupportBound with on_overflow={OVERFLOW_ERROR!r} (samples "
@@ -134,6 +142,9 @@ class RolloutService:
                     raise ConflictError(f"run {run_id} is already configured with {existing[0]}")
                 return self._info(existing[1])
             model, tokenizer = self._loader(config.model_dir)
+            # The engines run where this service runs them, in the run's dtype: float32 weights
+            # the trainer publishes are cast on each copy into them (as tensor.to(dtype) rounds).
+            model.to(device=self._device, dtype=DTYPES[config.precision.dtype])
             records = self._records(run_id)
             try:
                 engines = self._engines(
