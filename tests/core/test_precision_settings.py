@@ -46,7 +46,9 @@ def test_the_precision_reaches_trainer_and_rollout_over_proto():
     assert wire.precision.dtype == "bfloat16" and wire.precision.gradient_checkpointing
     assert config_from_proto(wire) == trainer and trainer.precision == spec.precision
     rollout = rollout_config("run-1", spec)
-    wire_rollout = rollout_pb2.ConfigureRolloutRequest.FromString(run_config_to_proto(rollout).SerializeToString())
+    wire_rollout = rollout_pb2.ConfigureRolloutRequest.FromString(
+        run_config_to_proto(rollout).SerializeToString()
+    )
     assert run_config_from_proto(wire_rollout) == rollout and rollout.precision == spec.precision
 
 

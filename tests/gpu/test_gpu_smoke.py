@@ -87,7 +87,9 @@ def _worst(generations: list[Generation], prompts: list[list[int]], reference: t
 
 def check_engine_parity(family: str) -> str:
     reference = family_model(family, seed=1)  # transformers on the CPU, float32
-    engine = Engine(copy.deepcopy(reference), NoTextTokenizer(), max_batch_size=3, device=DEVICE, dtype="float32")
+    engine = Engine(
+        copy.deepcopy(reference), NoTextTokenizer(), max_batch_size=3, device=DEVICE, dtype="float32"
+    )
     assert engine.device.type == torch.device(DEVICE).type, engine.device
     prompts = family_prompts(len(LIMITS), seed=5)
     greedy = engine.generate(
@@ -128,7 +130,9 @@ def _groups(generations: list[Generation], prompts: list[list[int]], per_prompt:
 def check_bf16_train_step_and_weight_update() -> str:
     family = "qwen3"
     initial = family_model(family, seed=2)  # CPU float32: the reference before the update
-    sampler = Engine(copy.deepcopy(initial), NoTextTokenizer(), max_batch_size=8, device=DEVICE, dtype="float32")
+    sampler = Engine(
+        copy.deepcopy(initial), NoTextTokenizer(), max_batch_size=8, device=DEVICE, dtype="float32"
+    )
     prompts = family_prompts(4, seed=9)
     per_prompt = 4
     rows = [p for p in prompts for _ in range(per_prompt)]
@@ -151,7 +155,9 @@ def check_bf16_train_step_and_weight_update() -> str:
     params = list(policy.parameters())
     assert {(p.device.type, p.dtype) for p in params} == {(torch.device(DEVICE).type, torch.float32)}
     moments = [t for s in learner.optimizer.state.values() for k, t in s.items() if k != "step"]
-    assert moments and {(t.device.type, t.dtype) for t in moments} == {(torch.device(DEVICE).type, torch.float32)}
+    assert moments and {(t.device.type, t.dtype) for t in moments} == {
+        (torch.device(DEVICE).type, torch.float32)
+    }
 
     # The trainer side writes its new policy; engines load it in-process.
     state = {name: t.detach().to("cpu").contiguous() for name, t in learner.state_dict().items()}
@@ -162,7 +168,9 @@ def check_bf16_train_step_and_weight_update() -> str:
         save_file(state, str(path))
         loaded = load_file(str(path), device=str(torch.device(DEVICE)))
     sampler.load_weights(1, loaded)
-    bf16 = Engine(copy.deepcopy(initial), NoTextTokenizer(), max_batch_size=8, device=DEVICE, dtype="bfloat16")
+    bf16 = Engine(
+        copy.deepcopy(initial), NoTextTokenizer(), max_batch_size=8, device=DEVICE, dtype="bfloat16"
+    )
     bf16.load_weights(1, loaded)
     served = bf16.model.state_dict()
     for name, tensor in state.items():

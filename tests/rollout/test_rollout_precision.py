@@ -105,14 +105,25 @@ def test_a_float32_run_keeps_float32_engines(tmp_path, redis_url):
     client = redis.Redis.from_url(redis_url)
     service = RolloutService(redis_records(client), None, policy_loader=loader)
     try:
-        service.configure_run(RolloutRunConfig(run_id="run-fp32", model_dir=checkpoint, reward="addition_exact_match"))
+        service.configure_run(
+            RolloutRunConfig(run_id="run-fp32", model_dir=checkpoint, reward="addition_exact_match")
+        )
         assert {p.dtype for p in loaded[0].parameters()} == {torch.float32}
     finally:
         service.close()
         client.close()
 
 
-ARGS = ["--redis-url", "redis://127.0.0.1:6379/0", "--broker", "127.0.0.1:5", "--port", "0", "--metrics-port", "0"]
+ARGS = [
+    "--redis-url",
+    "redis://127.0.0.1:6379/0",
+    "--broker",
+    "127.0.0.1:5",
+    "--port",
+    "0",
+    "--metrics-port",
+    "0",
+]
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "cpu:0", ""])

@@ -44,14 +44,18 @@ def groups(model: torch.nn.Module) -> list[SampleGroup]:
     out = []
     for g, prompt in enumerate(([3, 5, 7], [9, 2, 11, 4, 6])):
         samples = []
-        for i, (response, reward) in enumerate((([12, 13, 14, 15], 1.0), ([20, 21], 0.0), ([8, 30, 31], 0.5))):
+        for i, (response, reward) in enumerate(
+            (([12, 13, 14, 15], 1.0), ([20, 21], 0.0), ([8, 30, 31], 0.5))
+        ):
             samples.append(
                 Sample(
                     sample_id=f"g{g}-s{i}",
                     prompt_token_ids=prompt,
                     response_token_ids=response,
                     response_logprobs=reference_logprobs(model, prompt, response),
-                    sampling_support=RolloutSamplingMask.from_lists([list(range(VOCAB))] * len(response), VOCAB),
+                    sampling_support=RolloutSamplingMask.from_lists(
+                        [list(range(VOCAB))] * len(response), VOCAB
+                    ),
                     reward=reward,
                     policy_version=0,
                     finish_reason="length",
@@ -97,7 +101,9 @@ def test_activation_checkpointing_recomputes_layers_and_keeps_the_update():
     plain_model = copy.deepcopy(model)
     calls = {"checkpointed": 0, "plain": 0}
     for name, m in (("checkpointed", model), ("plain", plain_model)):
-        m.model.layers[0].self_attn.register_forward_hook(lambda *a, name=name: calls.update({name: calls[name] + 1}))
+        m.model.layers[0].self_attn.register_forward_hook(
+            lambda *a, name=name: calls.update({name: calls[name] + 1})
+        )
     learner(model, checkpointing=True).train_step(data)
     learner(plain_model).train_step(data)
     # 4 samples with a non-zero advantage (rewards 1, 0, 0.5 per group) in micro-batches of 2: two

@@ -170,7 +170,8 @@ class TrainerService:
                 raise ConflictError(f"run {run_id} is already configured on this trainer")
         torch.manual_seed(config.seed)
         model, _ = load_policy(path)  # float32: the master weights, whatever the compute dtype
-        model.to(self.device)
+        module: torch.nn.Module = model  # nn.Module's `to` (transformers narrows its signature)
+        module.to(self.device)
         # The family contract where the model is built: a config that contradicts its family, or
         # a model whose rotary embedding is not the one its config declares, is never trained.
         checked = check_transformers_model(model)

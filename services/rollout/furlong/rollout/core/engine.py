@@ -36,8 +36,8 @@ from typing import Protocol
 
 import torch
 
-from furlong.core.sampling_mask import RolloutSamplingMask
 from furlong.core.devices import parse_device, parse_dtype
+from furlong.core.sampling_mask import RolloutSamplingMask
 from furlong.rollout.core.model_runner import ModelRunner, skeleton
 from furlong.rollout.core.sampler import UNBOUNDED, sample_step
 from furlong.rollout.core.sampling import SamplingConfig, SupportBound

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from furlong.core.samples import SampleGroup
 from furlong.core.devices import DTYPES
+from furlong.core.samples import SampleGroup
 from furlong.core.settings import AlgorithmSettings, PrecisionSettings
 from furlong.trainer.core._compat import enable_activation_checkpointing
 from furlong.trainer.core.batch import MicroBatch, build_micro_batch, split_per_row
@@ -194,7 +194,9 @@ class Learner:
         num_checkpointed = (
             enable_activation_checkpointing(model) if config.precision.gradient_checkpointing else 0
         )
-        self.scorer = Scorer(model, config.temperature, self.objective, autocast)  # copies before any sharding
+        self.scorer = Scorer(
+            model, config.temperature, self.objective, autocast
+        )  # copies before any sharding
         self._dp: DataParallel | None = None
         if data_parallel_group is not None:
             if data_parallel == "fsdp2" and self.scorer.critic is not None:
