@@ -190,13 +190,12 @@ class Learner:
         self.device = next(model.parameters()).device
         compute = DTYPES[config.precision.dtype]
         autocast = None if compute == torch.float32 else compute
-        # Before the reference and value model are copied from it, so they recompute too.
+        # The policy only: the reference runs without gradients, the value model is not checkpointed.
         num_checkpointed = (
             enable_activation_checkpointing(model) if config.precision.gradient_checkpointing else 0
         )
-        self.scorer = Scorer(
-            model, config.temperature, self.objective, autocast
-        )  # copies before any sharding
+        # The scorer copies the reference and value models before any sharding.
+        self.scorer = Scorer(model, config.temperature, self.objective, autocast)
         self._dp: DataParallel | None = None
         if data_parallel_group is not None:
             if data_parallel == "fsdp2" and self.scorer.critic is not None:
