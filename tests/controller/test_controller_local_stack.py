@@ -4,6 +4,7 @@ processes; trainer, rollout and broker are the in-process fakes served over real
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,8 +74,14 @@ def stack(fakes, tmp_path_factory):
     assert gone([p.pid for p in info.processes])
 
 
+EXAMPLE_CHECKPOINT = Path(__file__).resolve().parents[2] / "examples" / "addition" / "checkpoint"
+
+
 def write_config(directory: Path, **overrides) -> Path:
+    """A run config next to a copy of the example's checkpoint (`furlong run` checks it exists)."""
     directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / "ckpt" / "tiny").exists():
+        shutil.copytree(EXAMPLE_CHECKPOINT, directory / "ckpt" / "tiny")
     spec = {
         "name": "addition-fake",
         "model": "ckpt/tiny",

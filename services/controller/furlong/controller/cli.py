@@ -39,6 +39,7 @@ from furlong.controller.local_stack import (
     stop_stack,
 )
 from furlong.controller.run_follow import Interrupts, follow_run, summary_table
+from furlong.controller.run_preflight import preflight
 from furlong.controller.run_spec import parse_run_spec
 from furlong.core.errors import FurlongError
 from furlong.rollout import generate_cli
@@ -54,7 +55,9 @@ class UsageError(Exception):
 
 def load_run_config(path: Path) -> dict[str, Any]:
     """The run spec dict from a YAML or JSON file, with `model` resolved against the file's
-    directory and the whole spec validated (SettingError names the bad field)."""
+    directory, the whole spec validated and what it points at checked on this machine (the
+    checkpoint directory, its tokenizer, the task: `run_preflight`); a UsageError names the bad
+    field."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -70,7 +73,7 @@ def load_run_config(path: Path) -> dict[str, Any]:
     if isinstance(model, str) and model and not Path(model).is_absolute():
         data["model"] = str((path.parent / model).resolve())
     try:
-        parse_run_spec(data)
+        preflight(parse_run_spec(data))
     except ValueError as exc:
         raise UsageError(f"{path}: {exc}") from None
     return data
