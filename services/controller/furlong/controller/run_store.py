@@ -5,7 +5,7 @@ Keys (all under `furlong:runs:`):
   furlong:runs:{run_id}:metrics  list of per-step records, JSON, in step order
   furlong:runs:{run_id}:events   stream of the run's events (`run_events`: creation, state changes,
                                  steps, checkpoints, requests, recovery), appended in the same
-                                 transaction as the change
+                                 transaction as the change; and the local stack's `service` events
   furlong:runs:_index            sorted set of run ids scored by creation time
   furlong:runs:_idem:{key}       JSON {fingerprint, run_id} of a POST with an Idempotency-Key (24 h)
   furlong:ledger:{run_id}:*      the run's sample ledger (`furlong.ledger.group_ledger`), deleted with it
@@ -25,7 +25,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, cast
 
@@ -42,6 +42,7 @@ from furlong.controller.run_events import (
     encode_fields,
     event_for_change,
     recovery_event,
+    service_event,
 )
 from furlong.controller.run_spec import RunSpec
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
@@ -107,8 +108,15 @@ class RunStore:
         self._clock = clock
 
     @classmethod
-    def from_url(cls, url: str) -> RunStore:
-        return cls(redis.Redis.from_url(url, decode_responses=True, socket_timeout=10.0))
+    def from_url(cls, url: str, socket_timeout_s: float = 10.0) -> RunStore:
+        return cls(
+            redis.Redis.from_url(
+                url,
+                decode_responses=True,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+            )
+        )
 
     def close(self) -> None:
         self._redis.close()
@@ -260,6 +268,18 @@ class RunStore:
                     return
                 except redis.WatchError:
                     continue
+
+    def active_run_ids(self) -> list[str]:
+        """The runs not in a final state (pending ones included), newest first."""
+        return [r.run_id for r in self.list_runs() if not r.state.terminal]
+
+    def record_service_event(self, run_id: str, fields: Mapping[str, Any]) -> None:
+        """Append a `service` event (a local-stack service exited, was restarted or given up on;
+        fields: ServiceEvent's own) to the run's events; the run itself is not changed."""
+        run = self.get(run_id)
+        event = service_event(run, fields, self._clock())
+        with self._errors():
+            self._redis.xadd(events_key(run_id), _stream_fields(event), maxlen=EVENTS_MAXLEN, approximate=True)
 
     def events(self, run_id: str, after: str = "0-0", count: int = 100) -> EventPage:
         """The events of up to count stream entries recorded after stream id after, oldest first.
