@@ -52,7 +52,7 @@ from furlong.controller.local_stack import StackConfig, start_stack, stop_stack
 from furlong.core.checkpoint import save_policy
 from furlong.core.settings import AlgorithmSettings, SamplingSettings
 from furlong.core.tasks import AdditionTask, get_task
-from furlong.core.tokenizer import CharTokenizer
+from furlong.core.tokenizer import Tokenizer, char_tokenizer
 from furlong.rollout.client import GrpcRolloutClient, RolloutDeadlines
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.types import GenerateRequest, RolloutRunConfig
@@ -66,7 +66,7 @@ STACK_SERVICES = ("redis", "weight_broker", "trainer", "rollout", "controller")
 WAIT_S = 600.0
 
 
-def build_model(tokenizer: CharTokenizer, hidden: int, layers: int) -> LlamaForCausalLM:
+def build_model(tokenizer: Tokenizer, hidden: int, layers: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=tokenizer.vocab_size,
@@ -177,26 +177,16 @@ def run_ours(
     return out
 
 
-def hf_tokenizer(tokenizer: CharTokenizer):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": tokenizer.pad_id, "<bos>": tokenizer.bos_id, "<eos>": tokenizer.eos_id}
-    vocab.update({ch: tokenizer.encode(ch, add_bos=False)[0] for ch in tokenizer.chars})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", tokenizer.bos_id)]
-    )
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", padding_side="left"
-    )
+def hf_tokenizer(tokenizer: Tokenizer):
+    """The policy's own transformers tokenizer, padding on the left as TRL's generation needs."""
+    hf = copy.deepcopy(tokenizer.hf)
+    hf.padding_side = "left"
+    return hf
 
 
 def run_trl(
     model: LlamaForCausalLM,
-    tokenizer: CharTokenizer,
+    tokenizer: Tokenizer,
     tmp: Path,
     prompts_per_step: int,
     samples: int,
@@ -282,7 +272,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     hidden, layers, prompts, max_new, steps = (128, 2, 4, 32, 3) if args.quick else (512, 6, 16, 64, 4)
     samples = 8
-    tokenizer = CharTokenizer(AdditionTask.ALPHABET)
+    tokenizer = char_tokenizer(AdditionTask.ALPHABET)
     model = build_model(tokenizer, hidden, layers)
     num_params = sum(t.numel() for t in model.parameters())
     with tempfile.TemporaryDirectory() as d:

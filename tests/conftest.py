@@ -12,6 +12,9 @@ import redis
 
 from furlong.controller.redis_server import RedisServer
 
+# Models and tokenizers come from the tests' own directories: nothing may reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 @pytest.fixture(scope="session")
 def redis_server_url(tmp_path_factory):

@@ -1,4 +1,4 @@
-"""A tiny, untrained Llama policy on the addition alphabet, written as a real checkpoint directory:
+"""A tiny, untrained Llama policy on the addition alphabet, written as a Hugging Face directory:
 the smallest model every service accepts, for tests that need a checkpoint but not a good policy."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ def write_tiny_checkpoint(directory: Path) -> Path:
 
     from furlong.core.checkpoint import save_policy
     from furlong.core.tasks import AdditionTask
-    from furlong.core.tokenizer import CharTokenizer
+    from furlong.core.tokenizer import char_tokenizer
 
-    tokenizer = CharTokenizer(AdditionTask.ALPHABET)
+    tokenizer = char_tokenizer(AdditionTask.ALPHABET)
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=tokenizer.vocab_size,

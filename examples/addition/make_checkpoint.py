@@ -1,4 +1,4 @@
-"""Build the warm-start policy for the addition example and write it as a Furlong checkpoint.
+"""Build the warm-start policy for the addition example and write it as a Hugging Face directory.
 
 A tiny LlamaForCausalLM learns "a+b=" -> the decimal sum followed by <eos>, supervised on correct
 answers only, with label smoothing over the output tokens (digits, '+', '=', <eos>). The smoothing
@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from furlong.core.checkpoint import save_policy
 from furlong.core.tasks import AdditionTask, exact_match_reward
-from furlong.core.tokenizer import CharTokenizer
+from furlong.core.tokenizer import Tokenizer, char_tokenizer
 
 HERE = Path(__file__).resolve().parent
 NUM_DIGITS = 2
@@ -52,7 +52,7 @@ MAX_NEW_TOKENS = 8
 log = logging.getLogger("make_checkpoint")
 
 
-def build_model(tokenizer: CharTokenizer) -> LlamaForCausalLM:
+def build_model(tokenizer: Tokenizer) -> LlamaForCausalLM:
     # Every numeric choice is written out, so config.json declares it instead of inheriting a default.
     config = LlamaConfig(
         vocab_size=tokenizer.vocab_size,
@@ -73,13 +73,13 @@ def build_model(tokenizer: CharTokenizer) -> LlamaForCausalLM:
         initializer_range=0.02,
         pad_token_id=tokenizer.pad_id,
         bos_token_id=tokenizer.bos_id,
-        eos_token_id=tokenizer.eos_id,
+        eos_token_id=tokenizer.eos_id,  # generation_config.json repeats these (save_policy)
     )
     return LlamaForCausalLM(config)
 
 
 def make_batch(
-    task: AdditionTask, tokenizer: CharTokenizer, rng: random.Random
+    task: AdditionTask, tokenizer: Tokenizer, rng: random.Random
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, attention_mask, answer_mask) for one batch of fresh problems."""
     seqs, answer_starts = [], []
@@ -120,7 +120,7 @@ def sft_loss(
 @torch.no_grad()
 def answer_accuracy(
     model: LlamaForCausalLM,
-    tokenizer: CharTokenizer,
+    tokenizer: Tokenizer,
     task: AdditionTask,
     temperature: float | None,
     generator: torch.Generator,
@@ -155,7 +155,7 @@ def train(out_dir: Path, seed: int, console: Console) -> dict[str, float]:
     rng = random.Random(seed)
     eval_generator = torch.Generator().manual_seed(seed + 1)
     task = AdditionTask(num_digits=NUM_DIGITS)
-    tokenizer = CharTokenizer(task.ALPHABET)
+    tokenizer = char_tokenizer(task.ALPHABET)
     model = build_model(tokenizer)
     num_params = sum(p.numel() for p in model.parameters())
     console.print(f"model: {num_params:,} parameters; SFT with label smoothing {LABEL_SMOOTHING}")

@@ -7,13 +7,18 @@ are tested without models).
 Rules: both services start at policy version 0; TrainStep must be the next step and produces
 version+1; PublishWeights must publish the trainer's current version and commits it on the broker;
 Generate writes num_groups groups (or every explicit prompt), scores reward_mean = step / 10 and
-draws with min_policy_version; rollout reports `engines_per_run` engines per configured run.
+draws with min_policy_version; rollout reports `engines_per_run` engines per configured run;
+ExportPolicy writes a directory holding `policy.txt` ("<run> step <N>") at
+`<policy_root>/<run>/final` after the run's last step, else `<policy_root>/<run>/checkpoints/step-<N>`
+(policy_root: a fresh temporary directory), and records each export in `exports`.
 """
 
 from __future__ import annotations
 
+import tempfile
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from furlong import rpc
 from furlong.controller.services import BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE, Services
@@ -32,6 +37,7 @@ from furlong.rollout.server import RolloutServicer
 from furlong.trainer.api import (
     CheckpointResult,
     Offloaded,
+    PolicyExport,
     Published,
     TrainerRun,
     TrainerRunConfig,
@@ -95,10 +101,12 @@ class FakeTrainer:
         self.runs: dict[str, dict] = {}
         self.configured: dict[str, TrainerRunConfig] = {}
         self.ended: list[str] = []
+        self.exports: list[PolicyExport] = []
+        self.policy_root = Path(tempfile.mkdtemp(prefix="fake-policies-"))
 
     def configure_run(self, config: TrainerRunConfig) -> TrainerRun:
         self.faults.hit("trainer.configure_run")
-        self.runs[config.run_id] = {"step": 0, "version": 0}
+        self.runs[config.run_id] = {"step": 0, "version": 0, "total": config.total_steps}
         self.configured[config.run_id] = config
         return TrainerRun(run_id=config.run_id, policy_version=0, num_parameters=1)
 
@@ -144,6 +152,26 @@ class FakeTrainer:
         return CheckpointResult(
             run_id=run_id, path=f"/checkpoints/{run_id}", step=run["step"], policy_version=run["version"]
         )
+
+    def export_policy(self, run_id: str, directory: str = "", max_shard_bytes: int = 1 << 30) -> PolicyExport:
+        self.faults.hit("trainer.export_policy")
+        run = self._run(run_id)
+        final = run["step"] >= run["total"]
+        where = "final" if final else f"checkpoints/step-{run['step']}"
+        path = Path(directory) if directory else self.policy_root / run_id / where
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "policy.txt").write_text(f"{run_id} step {run['step']}")
+        exported = PolicyExport(
+            run_id=run_id,
+            path=str(path),
+            step=run["step"],
+            policy_version=run["version"],
+            num_bytes=max_shard_bytes,
+            shards=("model.safetensors",),
+            final=final,
+        )
+        self.exports.append(exported)
+        return exported
 
     def offload(self, run_id: str) -> Offloaded:
         self._run(run_id)

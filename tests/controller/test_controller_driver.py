@@ -349,3 +349,37 @@ def test_bad_rollout_filters_are_named(rollout, field):
 def test_dynamic_sampling_needs_groups_of_two():
     with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
         make_spec(rollout={"max_refill_rounds": 1}, samples_per_prompt=1)
+
+
+def test_policies_are_exported_after_the_last_step_and_every_nth(env):
+    store, fakes, driver, _ = env
+    run = store.create(
+        make_spec(steps=5, checkpoint={"export_every_steps": 2, "export_max_shard_bytes": 4096})
+    )
+    final = driver.execute(run.run_id)
+    assert final.state == RunState.SUCCEEDED, final.reason
+    assert [(e.step, e.final) for e in fakes.trainer.exports] == [(2, False), (4, False), (5, True)]
+    assert {e.num_bytes for e in fakes.trainer.exports} == {4096}  # the spec's shard size was sent
+    root = fakes.trainer.policy_root / run.run_id
+    assert [(p.step, p.final, p.path) for p in final.policies] == [
+        (2, False, str(root / "checkpoints" / "step-2")),
+        (4, False, str(root / "checkpoints" / "step-4")),
+        (5, True, str(root / "final")),
+    ]
+    assert [p["policy_version"] for p in store.get(run.run_id).to_dict()["policies"]] == [2, 4, 5]
+
+
+def test_by_default_only_the_final_policy_is_exported(env):
+    store, fakes, driver, _ = env
+    final = driver.execute(store.create(make_spec(steps=3)).run_id)
+    assert [(p.step, p.final) for p in final.policies] == [(3, True)]
+    assert fakes.trainer.exports[0].num_bytes == 5_000_000_000
+
+
+def test_a_failed_export_fails_the_run_naming_the_phase(env):
+    store, fakes, driver, _ = env
+    fakes.trainer.faults.raise_in["trainer.export_policy"] = ValueError("disk full")
+    final = driver.execute(store.create(make_spec(steps=2)).run_id)
+    assert final.state == RunState.FAILED
+    assert final.reason.startswith("step 2 trainer.ExportPolicy: ValueError: disk full")
+    assert final.policies == ()

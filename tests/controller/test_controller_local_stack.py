@@ -148,6 +148,10 @@ def test_cli_run_against_the_running_stack(stack, fakes, tmp_path, capsys):
     assert (trained.algorithm.learning_rate, trained.algorithm.micro_batch_size) == (0.01, 3)
     assert "succeeded" in printed and run["run_id"] in printed
     assert running_stack(Path(stack.state_dir)) is not None  # a stack it did not start stays up
+    # the final policy the trainer exported is placed in OUT/final (the only one: export_every_steps 0)
+    assert [p["final"] for p in run["policies"]] == [True]
+    assert (out / "final" / "policy.txt").read_text() == f"{run['run_id']} step 3"
+    assert not (out / "checkpoints").exists()
 
     assert cli.main(["runs", "--state-dir", stack.state_dir, "list"]) == 0
     assert run["run_id"] in capsys.readouterr().out

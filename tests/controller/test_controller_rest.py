@@ -108,6 +108,8 @@ def test_malformed_spec_is_422_naming_the_field_and_creates_nothing(env, redis_u
         # what a service would refuse is refused here, by the same declaration
         ({**SPEC, "algorithm": {"clip_eps": 1.0}}, "algorithm.clip_eps"),
         ({**SPEC, "sampling": {"min_p": 1.0}}, "sampling.min_p"),
+        # greedy decoding is for generation and evaluation, not for training runs
+        ({**SPEC, "sampling": {"temperature": 0}}, "sampling.temperature"),
         ({**SPEC, "prompts_per_step": 100000000}, "prompts_per_step"),
         ({**SPEC, "steps": 99999999999999999999999}, "steps"),
     ]:

@@ -43,7 +43,7 @@ FULL = {
         "value_clip": 0.2,
     },
     "rollout": {"num_engines": 1, "max_refill_rounds": 0, "over_sampling": 1.0},
-    "checkpoint": {"every_steps": 1},
+    "checkpoint": {"every_steps": 1, "export_every_steps": 0, "export_max_shard_bytes": 5_000_000_000},
     "recovery": {"max_attempts": 3, "timeout_s": 120.0},
 }
 
@@ -99,7 +99,12 @@ def test_integers_are_accepted_for_float_fields_and_stored_as_floats():
     [
         (with_value("sampling.top_p", 1.5), "sampling.top_p", "(0, 1]"),
         (with_value("sampling.top_p", 0.0), "sampling.top_p", "(0, 1]"),
-        (with_value("sampling.temperature", 0), "sampling.temperature", "got 0"),
+        (
+            with_value("sampling.temperature", 0),
+            "sampling.temperature",
+            "(greedy decoding) cannot be trained",
+        ),
+        (with_value("sampling.temperature", -0.5), "sampling.temperature", "got -0.5"),
         (with_value("sampling.min_p", 1.0), "sampling.min_p", "[0, 1)"),
         (with_value("sampling.stop", [""]), "sampling.stop", "non-empty"),
         (with_value("sampling.stop", ["s"] * 17), "sampling.stop", "at most 16"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from furlong.core.tasks import AdditionTask, TaskPrompt, exact_match_reward, get_task, known_tasks
-from furlong.core.tokenizer import CharTokenizer
+from furlong.core.tokenizer import char_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +41,7 @@ def test_prompt_ids_are_unique_per_step_and_index():
 
 def test_answers_are_the_sums_and_fit_the_alphabet():
     task = AdditionTask(num_digits=2)
-    tok = CharTokenizer(task.ALPHABET)
+    tok = char_tokenizer(task.ALPHABET)
     for p in task.prompts(5, 3, 200):
         left, right = p.text[:-1].split("+")
         assert p.text.endswith("=")

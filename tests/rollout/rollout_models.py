@@ -1,8 +1,9 @@
 """Tiny Llama policies for the rollout tests (built from a seed, on the addition alphabet, optionally
-written as a real checkpoint directory) and an independent float64 computation of sampling supports."""
+written as a Hugging Face directory) and an independent float64 computation of sampling supports."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +12,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from furlong.core.checkpoint import save_policy
 from furlong.core.tasks import AdditionTask
-from furlong.core.tokenizer import CharTokenizer
+from furlong.core.tokenizer import Tokenizer, char_tokenizer
 
 
-def tokenizer() -> CharTokenizer:
-    return CharTokenizer(AdditionTask.ALPHABET)
+@functools.cache
+def tokenizer() -> Tokenizer:
+    """The addition alphabet's character-level tokenizer (built once: it is immutable)."""
+    return char_tokenizer(AdditionTask.ALPHABET)
 
 
 def tiny_model(seed: int, tie: bool = False, vocab_size: int | None = None) -> LlamaForCausalLM:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from rollout_models import tiny_model
 
-from furlong.rollout.core.llama_runner import LlamaRunner, attention_groups
+from furlong.rollout.core.attention import attention_groups
+from furlong.rollout.core.model_runner import ModelRunner
 from furlong.rollout.core.slot_table import SlotTable
 
 pytestmark = pytest.mark.unit
@@ -29,7 +30,7 @@ def test_ranges_split_only_where_it_saves_reads():
 
 def test_several_ranges_compute_what_one_range_computes():
     model = tiny_model(71)
-    runner = LlamaRunner(model, 16, decode_attention="sdpa")
+    runner = ModelRunner(model, 16, decode_attention="sdpa")
     lengths = [20 + i for i in range(8)] + [3 + i % 5 for i in range(8)]
     prompts = [[1] + [3 + (i * 7 + j) % 12 for j in range(n)] for i, n in enumerate(lengths)]
     with torch.inference_mode():
@@ -45,7 +46,7 @@ def test_several_ranges_compute_what_one_range_computes():
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def _mixed_steps(runner: LlamaRunner, prompts, join_prompts) -> list[torch.Tensor]:
+def _mixed_steps(runner: ModelRunner, prompts, join_prompts) -> list[torch.Tensor]:
     """Prefill `prompts` into slots [0, len), then one decode step in which slot 1 is free (stale
     position 0) and `join_prompts` join into the slots after the decode range, then one more."""
     n = len(prompts)
@@ -79,8 +80,8 @@ def test_numba_decode_attention_matches_sdpa(kv_heads):
         model = type(model)(model.config).eval()
     prompts = [[1] + [3 + (i * 5 + j) % 12 for j in range(n)] for i, n in enumerate([4, 17, 9, 30, 2, 11])]
     joiners = [[1, 5, 6], [1] + [7] * 12]
-    fast = LlamaRunner(model, 8, decode_attention="numba")
-    slow = LlamaRunner(model, 8, decode_attention="sdpa")
+    fast = ModelRunner(model, 8, decode_attention="numba")
+    slow = ModelRunner(model, 8, decode_attention="sdpa")
     assert fast.decode_attention == "numba" and not fast.uses_groups
     for a, b in zip(_mixed_steps(fast, prompts, joiners), _mixed_steps(slow, prompts, joiners)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -89,10 +90,10 @@ def test_numba_decode_attention_matches_sdpa(kv_heads):
 def test_decode_attention_choice_is_checked():
     model = tiny_model(73)
     with pytest.raises(ValueError, match="decode_attention must be one of .* got 'flash'"):
-        LlamaRunner(model, 2, decode_attention="flash")
+        ModelRunner(model, 2, decode_attention="flash")
     with pytest.raises(ValueError, match="runs float32 models on the CPU, this one is torch.float64"):
-        LlamaRunner(model.double(), 2, decode_attention="numba")
-    assert LlamaRunner(model.double(), 2).decode_attention == "sdpa"  # auto falls back
+        ModelRunner(model.double(), 2, decode_attention="numba")
+    assert ModelRunner(model.double(), 2).decode_attention == "sdpa"  # auto falls back
 
 
 def test_the_engine_generates_the_same_with_either_decode_attention():

@@ -9,7 +9,7 @@ import torch
 from rollout_models import greedy_uncached, reference, tiny_model, tokenizer, uncached_logits
 
 from furlong.rollout.core.engine import Engine
-from furlong.rollout.core.llama_runner import check_supported
+from furlong.rollout.core.model_runner import ModelRunner
 from furlong.rollout.core.sampling import SamplingConfig
 
 pytestmark = pytest.mark.unit
@@ -122,4 +122,4 @@ def test_per_row_limits_and_configuration_errors():
     with pytest.raises(ValueError, match="prefill_min_rows"):
         Engine(tiny_model(24), tokenizer(), max_batch_size=2, prefill_min_rows=3)
     with pytest.raises(ValueError, match="model types"):
-        check_supported(torch.nn.Linear(2, 2))
+        ModelRunner(torch.nn.Linear(2, 2), 2)

@@ -117,6 +117,16 @@ def test_greedy_gives_singleton_supports_and_the_argmax_path(checkpoint):
     expected = greedy_uncached(model, tok.encode("7+8="), 6, tok.eos_id)
     assert sample["token_ids"] == expected
     assert sample["support"] == [[t] for t in expected] and sample["logprobs"] == [0.0] * len(expected)
+    rc, out, err = run(
+        ["generate", "--model", str(checkpoint), "--prompt", "7+8=", "--temperature", "0"]
+        + ["--max-new-tokens", "6", "--n", "2", "--json"]
+    )
+    assert rc == 0, err
+    record = json.loads(out)
+    assert record["sampling"]["temperature"] == 0.0
+    for greedy in record["samples"]:  # temperature 0 is the argmax path too, with supports of one
+        assert greedy["token_ids"] == expected and greedy["support"] == [[t] for t in expected]
+        assert greedy["logprobs"] == greedy["full_logprobs"] == [0.0] * len(expected)
 
 
 def test_text_output_and_truncated_support(checkpoint):
@@ -167,6 +177,9 @@ def test_text_output_and_truncated_support(checkpoint):
         (["--truncate-support"], "--truncate-support needs --max-support-size > 0"),
         (["--prompt", "1+x="], "character 'x'"),
         (["--max-new-tokens", "200"], "max_position_embeddings 128"),
+        (["--temperature", "-1"], "temperature: must be in [0, 100], got -1"),
+        (["--device", "tpu"], "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+        (["--dtype", "float16"], "dtype must be one of ['bfloat16', 'float32'], got 'float16'"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_value(checkpoint, extra, needle):

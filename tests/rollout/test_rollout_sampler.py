@@ -8,7 +8,7 @@ import pytest
 import torch
 from rollout_models import reference
 
-from furlong.rollout.core.sampler import SamplingConfig, StepDraw, sample_step
+from furlong.rollout.core.sampler import SamplingConfig, StepDraw, SupportBound, sample_step
 from furlong.rollout.core.trace import DecodeTrace
 
 pytestmark = pytest.mark.unit
@@ -60,6 +60,21 @@ def test_draw_frequencies_follow_the_filtered_distribution():
         assert abs(counts[t] - expected) < 0.01, (t, counts[t], expected)
 
 
+@pytest.mark.parametrize("filters", [{}, {"top_k": 5, "top_p": 0.5, "min_p": 0.2}])
+def test_temperature_zero_is_the_argmax_with_a_support_of_one(filters):
+    logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(3))
+    logits[7, :] = 0.0  # a tie: the first most probable id, as torch.argmax and transformers pick
+    config = SamplingConfig(temperature=0.0, **filters)
+    draw = sample_step(logits, config, torch.Generator().manual_seed(1), SupportBound(1))
+    assert torch.equal(draw.tokens, logits.argmax(dim=-1)) and int(draw.tokens[7]) == 0
+    assert draw.kept_ids is not None and draw.kept_counts is not None
+    assert torch.equal(draw.kept_ids[:, 0], draw.tokens) and draw.kept_counts.tolist() == [1] * 64
+    assert draw.logprobs.tolist() == [0.0] * 64 and draw.full_logprobs is not None
+    assert draw.full_logprobs.tolist() == [0.0] * 64
+    other = sample_step(logits, config, torch.Generator().manual_seed(2))
+    assert torch.equal(other.tokens, draw.tokens)  # the seed plays no part
+
+
 def test_same_generator_seed_same_draws_and_different_seed_differs():
     logits = torch.randn(128, 30, generator=torch.Generator().manual_seed(0))
     config = SamplingConfig(top_p=0.95)
@@ -73,7 +88,7 @@ def test_same_generator_seed_same_draws_and_different_seed_differs():
 @pytest.mark.parametrize(
     "field,value,needle",
     [
-        ("temperature", 0.0, "temperature"),
+        ("temperature", -0.1, "temperature"),
         ("temperature", float("nan"), "temperature"),
         ("temperature", float("inf"), "temperature"),
         ("top_k", -1, "top_k"),

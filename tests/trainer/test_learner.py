@@ -319,6 +319,13 @@ def test_config_names_the_bad_field(field, value):
         learner_config(**kwargs)
 
 
+def test_greedy_temperature_is_refused_for_training_naming_the_run_spec_field():
+    with pytest.raises(ValueError, match=r"sampling.temperature 0 \(greedy decoding\) cannot be trained on"):
+        learner_config(learning_rate=1e-3, temperature=0.0)
+    with pytest.raises(ValueError, match="sampling.temperature must be a finite number > 0, got -1.0"):
+        learner_config(learning_rate=1e-3, temperature=-1.0)
+
+
 def test_config_defaults():
     config = learner_config(learning_rate=3e-4)
     a = config.algorithm

@@ -1,5 +1,6 @@
-"""Offload, Restore and Checkpoint over real gRPC: the trainer service behind a loopback gRPC server,
-samples from the rollout service in a real Redis stream, weights published through the broker."""
+"""Offload, Restore, Checkpoint and ExportPolicy over real gRPC: the trainer service behind a
+loopback gRPC server, samples from the rollout service in a real Redis stream, weights published
+through the broker."""
 
 import hashlib
 from pathlib import Path
@@ -35,13 +36,19 @@ pytestmark = [pytest.mark.integration]
 class Stack:
     """Trainer service behind a gRPC server on 127.0.0.1, rollout and broker in process."""
 
-    def __init__(self, tmp: Path, redis_url: str, checkpoint_root: Path | None):
+    def __init__(
+        self, tmp: Path, redis_url: str, checkpoint_root: Path | None, policy_root: Path | None = None
+    ):
         self.model_dir = write_tiny_checkpoint(tmp / "model")
         self.redis = redis.Redis.from_url(redis_url)
         self.broker = InProcessBrokerClient(BrokerCore())
         self.rollout = RolloutService(redis_records(self.redis), broker_receiver_factory(self.broker))
         self.service = TrainerService(
-            self.redis, self.broker, consumer_name="trainer-0", checkpoint_root=checkpoint_root
+            self.redis,
+            self.broker,
+            consumer_name="trainer-0",
+            checkpoint_root=checkpoint_root,
+            policy_root=policy_root,
         )
         self.server = rpc.start_server([register(self.service)], [SERVICE_NAME])
         self.channel = rpc.channel(f"127.0.0.1:{self.server.port}")
@@ -239,3 +246,69 @@ def test_checkpoint_rpc_writes_the_resumable_checkpoint(tmp_path, redis_url):
         )
     finally:
         s.close()
+
+
+def test_export_policy_writes_the_trained_policy_as_a_hugging_face_directory(tmp_path, redis_url):
+    from transformers import AutoModelForCausalLM
+
+    stack = Stack(tmp_path, redis_url, checkpoint_root=None, policy_root=tmp_path / "policies")
+    try:
+        run = "run-export"
+        stack.configure(run)
+        before = stack.stub.ExportPolicy(
+            trainer_pb2.ExportPolicyRequest(run_id=run, max_shard_bytes=4096), timeout=60
+        )
+        assert (before.step, before.policy_version, before.final) == (0, 0, False)
+        assert before.path == str(tmp_path / "policies" / run / "checkpoints" / "step-0")
+        assert stack.train(run, 1).policy_version == 1
+        exported = stack.stub.ExportPolicy(
+            trainer_pb2.ExportPolicyRequest(run_id=run, max_shard_bytes=4096), timeout=60
+        )
+        assert exported.path == str(tmp_path / "policies" / run / "checkpoints" / "step-1")
+        assert (exported.step, exported.policy_version) == (1, 1) and len(exported.shards) >= 3
+        out = Path(exported.path)
+        assert {p.name for p in out.iterdir()} >= {
+            "config.json",
+            "generation_config.json",
+            "model.safetensors.index.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            *exported.shards,
+        }
+        learner = stack.service._run(run).learner
+        ids = torch.tensor([[1, 4, 5, 13, 6, 7, 14]])
+        hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+        initial, _ = load_policy(stack.model_dir)
+        with torch.no_grad():
+            trained = learner.model(input_ids=ids).logits
+            assert torch.equal(hf(input_ids=ids).logits, trained)  # the trainer's weights, bit for bit
+            assert not torch.equal(initial(input_ids=ids).logits, trained)  # and they did change
+        named = tmp_path / "named" / "policy"
+        reply = stack.stub.ExportPolicy(
+            trainer_pb2.ExportPolicyRequest(run_id=run, directory=str(named), max_shard_bytes=1 << 30),
+            timeout=60,
+        )
+        assert reply.path == str(named) and list(reply.shards) == ["model.safetensors"]
+        for request, code in [
+            (trainer_pb2.ExportPolicyRequest(run_id="nope", max_shard_bytes=4096), grpc.StatusCode.NOT_FOUND),
+            (
+                trainer_pb2.ExportPolicyRequest(run_id=run, directory="rel/dir", max_shard_bytes=4096),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+            (trainer_pb2.ExportPolicyRequest(run_id=run), grpc.StatusCode.INVALID_ARGUMENT),  # no shard size
+        ]:
+            assert _code(stack.stub.ExportPolicy, request) == code
+        stack.stub.Offload(trainer_pb2.OffloadRequest(run_id=run), timeout=30)
+        offloaded = trainer_pb2.ExportPolicyRequest(run_id=run, max_shard_bytes=4096)
+        assert _code(stack.stub.ExportPolicy, offloaded) == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        stack.close()
+
+
+def test_export_without_a_policy_dir_needs_a_directory(stack):
+    stack.configure("run-nodir")
+    request = trainer_pb2.ExportPolicyRequest(run_id="run-nodir", max_shard_bytes=4096)
+    with pytest.raises(grpc.RpcError) as info:
+        stack.stub.ExportPolicy(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no --policy-dir" in info.value.details()

@@ -1,6 +1,8 @@
 """The RL loop in one process: rollout service -> Redis stream -> trainer service -> NIXL publish ->
 engines switch versions, through the in-process broker twin. Real Redis, real NIXL."""
 
+import json
+
 import pytest
 import redis
 import torch
@@ -8,8 +10,9 @@ from tiny_policy import addition_prompts, rollout_run, train, trainer_run
 from tiny_policy import write_tiny_checkpoint as write_checkpoint
 
 from furlong.core.errors import ConflictError, NotFoundError
+from furlong.core.models import ContractError
 from furlong.core.tasks import AdditionTask
-from furlong.core.tokenizer import CharTokenizer
+from furlong.core.tokenizer import char_tokenizer
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import GenerateRequest
@@ -115,6 +118,24 @@ def test_out_of_order_step_and_stale_version_are_conflicts(loop):
         trainer.train_step(train("run-c", 1, 0, 1.0))
 
 
+def test_a_checkpoint_contradicting_its_family_contract_is_not_trained(loop, tmp_path):
+    """The trainer checks the loaded config against its family before building the learner: a
+    llama config stating multi-latent attention fields, or a RoPE parameter no code implements."""
+    model_dir, broker, rollout, trainer = loop
+    config_path = model_dir / "config.json"
+    original = json.loads(config_path.read_text())
+    for change, field in [
+        ({"kv_lora_rank": 16}, "kv_lora_rank"),
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+            "rope_parameters.rope_type 'linear' is not implemented",
+        ),
+    ]:
+        config_path.write_text(json.dumps({**original, **change}))
+        with pytest.raises(ContractError, match=field):
+            trainer.configure_run(trainer_run("run-f", model_dir, 1, learning_rate=1e-3))
+
+
 def test_group_the_learner_cannot_train_on_is_rejected_not_blocking(loop, redis_url):
     from furlong.core.samples import STREAM_FIELD, Sample, SampleGroup, stream_key
     from furlong.core.sampling_mask import RolloutSamplingMask
@@ -122,7 +143,7 @@ def test_group_the_learner_cannot_train_on_is_rejected_not_blocking(loop, redis_
     model_dir, broker, rollout, trainer = loop
     rollout.configure_run(rollout_run("run-e", model_dir))
     trainer.configure_run(trainer_run("run-e", model_dir, 1, learning_rate=1e-3))
-    vocab = CharTokenizer(AdditionTask.ALPHABET).vocab_size
+    vocab = char_tokenizer(AdditionTask.ALPHABET).vocab_size
     bad = Sample(
         sample_id="bad/0",
         prompt_token_ids=[1, vocab + 5],

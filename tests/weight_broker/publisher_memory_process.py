@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from furlong.core.weight_versions import EventKind
+from furlong.core.weight_versions import EventKind, RoundAck, VersionAck
 from furlong.core.weights import WeightLayout
 from furlong.transfer.config import TransferConfig
 from furlong.transfer.publisher import WeightPublisher
@@ -43,9 +43,9 @@ def acknowledging_engine(core: BrokerCore, stop: threading.Event) -> None:
         if event.kind is EventKind.PUBLISHED:
             rounds = len(event.manifest.rounds)
         elif event.kind is EventKind.ROUND_READY:
-            core.ack_round(RUN, "engine", event.version, event.round, True)
+            core.ack_round(RoundAck(RUN, "engine", event.version, event.round, True))
             if event.round == rounds - 1:
-                core.ack_version(RUN, "engine", event.version, True)
+                core.ack_version(VersionAck(RUN, "engine", event.version, True))
 
 
 def main() -> int:

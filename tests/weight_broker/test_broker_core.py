@@ -9,7 +9,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from furlong.core.errors import ConflictError, NotFoundError
-from furlong.core.weight_versions import EventKind, WeightSourceInfo
+from furlong.core.weight_versions import EventKind, VersionAck, WeightSourceInfo
 from furlong.core.weights import Manifest, WeightLayout
 from furlong.weight_broker.core import BrokerCore, EventSubscription
 from furlong.weight_broker.metrics import BrokerMetrics
@@ -54,14 +54,14 @@ def test_commit_only_after_every_engine_acked():
     with pytest.raises(ConflictError, match="while version 1 is pending on engines"):
         core.begin_version(RUN, manifest(2), SOURCE)
 
-    assert core.ack_version(RUN, "e1", 1, True, transfer_seconds=0.1, transfer_bytes=80) == -1
+    assert core.ack_version(VersionAck(RUN, "e1", 1, True, transfer_seconds=0.1, transfer_bytes=80)) == -1
     status = core.get_version(RUN)
     assert (status.latest_version, status.committed_version) == (1, -1)
     assert status.pending_engine_ids == ("e2",)
     with pytest.raises(TimeoutError, match=r"pending engines \['e2'\]"):
         core.wait_committed(RUN, 1, 0.05)
 
-    assert core.ack_version(RUN, "e2", 1, True) == 1
+    assert core.ack_version(VersionAck(RUN, "e2", 1, True)) == 1
     assert core.wait_committed(RUN, 1, 0.0).committed_version == 1
     assert all(drain(s) == [(EventKind.COMMITTED, 1)] for s in subs.values())
     assert core.begin_version(RUN, manifest(2), SOURCE) == ["e1", "e2"]
@@ -71,7 +71,7 @@ def test_wait_committed_wakes_when_commit_happens_in_another_thread():
     core = BrokerCore()
     core.register_engine(RUN, "e1")
     core.begin_version(RUN, manifest(1), SOURCE)
-    acker = threading.Timer(0.1, core.ack_version, args=(RUN, "e1", 1, True))
+    acker = threading.Timer(0.1, core.ack_version, args=(VersionAck(RUN, "e1", 1, True),))
     acker.start()
     assert core.wait_committed(RUN, 1, 10.0).committed_version == 1
     acker.join()
@@ -84,22 +84,22 @@ def test_failed_ack_is_resent_twice_then_the_engine_is_fenced_and_the_rest_commi
     sub = core.subscribe(RUN, "e1")
     core.begin_version(RUN, manifest(1), SOURCE)
     assert drain(sub) == [(EventKind.PUBLISHED, 1)]
-    core.ack_version(RUN, "e2", 1, True)
+    core.ack_version(VersionAck(RUN, "e2", 1, True))
     for _ in range(2):
-        core.ack_version(RUN, "e1", 1, False, error="checksum mismatch")
+        core.ack_version(VersionAck(RUN, "e1", 1, False, error="checksum mismatch"))
         assert drain(sub) == [(EventKind.PUBLISHED, 1)]  # re-sent
-    core.ack_version(RUN, "e1", 1, False, error="checksum mismatch")
+    core.ack_version(VersionAck(RUN, "e1", 1, False, error="checksum mismatch"))
     assert drain(sub) == [(EventKind.FENCED, 1)] and sub.ended
     status = core.wait_committed(RUN, 1, 1.0)
     assert status.committed_version == 1
     assert status.engine_ids == ("e2",) and status.fenced_engine_ids == ("e1",)
     with pytest.raises(NotFoundError, match="engine e1 is not registered"):
-        core.ack_version(RUN, "e1", 1, True)
+        core.ack_version(VersionAck(RUN, "e1", 1, True))
     # The fenced engine registers again and takes the next version with the others.
     core.register_engine(RUN, "e1")
     assert core.begin_version(RUN, manifest(2), SOURCE) == ["e1", "e2"]
-    core.ack_version(RUN, "e1", 2, True)
-    core.ack_version(RUN, "e2", 2, True)
+    core.ack_version(VersionAck(RUN, "e1", 2, True))
+    core.ack_version(VersionAck(RUN, "e2", 2, True))
     assert core.wait_committed(RUN, 2, 0.0).committed_version == 2
 
 
@@ -107,8 +107,8 @@ def test_when_every_engine_is_fenced_the_version_fails():
     core = BrokerCore(max_ack_attempts=2)
     core.register_engine(RUN, "e1")
     core.begin_version(RUN, manifest(1), SOURCE)
-    core.ack_version(RUN, "e1", 1, False, error="bad layout")
-    core.ack_version(RUN, "e1", 1, False, error="bad layout")
+    core.ack_version(VersionAck(RUN, "e1", 1, False, error="bad layout"))
+    core.ack_version(VersionAck(RUN, "e1", 1, False, error="bad layout"))
     with pytest.raises(
         ConflictError,
         match="every engine was fenced: engine e1 failed version 1 after 2 attempts: bad layout",
@@ -124,14 +124,14 @@ def test_unregister_during_a_version_lets_it_commit():
         core.register_engine(RUN, engine)
     sub2 = core.subscribe(RUN, "e2")
     core.begin_version(RUN, manifest(1), SOURCE)
-    core.ack_version(RUN, "e1", 1, True)
+    core.ack_version(VersionAck(RUN, "e1", 1, True))
     core.unregister_engine(RUN, "e2")
     assert sub2.get(0.0).kind is EventKind.PUBLISHED  # queued events are still delivered
     assert sub2.ended
     status = core.wait_committed(RUN, 1, 0.0)
     assert status.committed_version == 1 and status.engine_ids == ("e1",)
     with pytest.raises(NotFoundError, match="engine e2 is not registered"):
-        core.ack_version(RUN, "e2", 1, True)
+        core.ack_version(VersionAck(RUN, "e2", 1, True))
 
 
 def test_closing_the_watch_removes_the_engine():
@@ -140,7 +140,7 @@ def test_closing_the_watch_removes_the_engine():
     core.register_engine(RUN, "e2")
     sub2 = core.subscribe(RUN, "e2")
     core.begin_version(RUN, manifest(1), SOURCE)
-    core.ack_version(RUN, "e1", 1, True)
+    core.ack_version(VersionAck(RUN, "e1", 1, True))
     sub2.close()
     assert core.get_version(RUN).committed_version == 1
     assert core.get_version(RUN).engine_ids == ("e1",)
@@ -160,7 +160,7 @@ def test_late_registration_gets_the_latest_version_and_must_ack_a_pending_one():
     core = BrokerCore()
     core.register_engine(RUN, "e1")
     core.begin_version(RUN, manifest(1), SOURCE)
-    core.ack_version(RUN, "e1", 1, True)
+    core.ack_version(VersionAck(RUN, "e1", 1, True))
     core.begin_version(RUN, manifest(2), SOURCE)
 
     assert core.register_engine(RUN, "late") == 1
@@ -168,23 +168,23 @@ def test_late_registration_gets_the_latest_version_and_must_ack_a_pending_one():
     event = sub.get(0.0)
     assert (event.kind, event.version) == (EventKind.PUBLISHED, 2)
     assert event.manifest == manifest(2) and event.source == SOURCE
-    core.ack_version(RUN, "e1", 2, True)
+    core.ack_version(VersionAck(RUN, "e1", 2, True))
     assert core.get_version(RUN).pending_engine_ids == ("late",)  # joined while 2 was pending
-    core.ack_version(RUN, "late", 2, True)
+    core.ack_version(VersionAck(RUN, "late", 2, True))
     assert core.get_version(RUN).committed_version == 2
 
     # Joining after a commit: the committed version is sent; acking it is accepted.
     core.register_engine(RUN, "later")
     later = core.subscribe(RUN, "later")
     assert drain(later) == [(EventKind.PUBLISHED, 2)]
-    assert core.ack_version(RUN, "later", 2, True) == 2
+    assert core.ack_version(VersionAck(RUN, "later", 2, True)) == 2
 
 
 def test_a_failed_latest_version_is_not_sent_to_new_watchers():
     core = BrokerCore(max_ack_attempts=1)
     core.register_engine(RUN, "e1")
     core.begin_version(RUN, manifest(1), SOURCE)
-    core.ack_version(RUN, "e1", 1, False, error="boom")
+    core.ack_version(VersionAck(RUN, "e1", 1, False, error="boom"))
     core.register_engine(RUN, "e2")
     assert drain(core.subscribe(RUN, "e2")) == []
 
@@ -193,12 +193,12 @@ def test_stale_and_unknown_acks_and_unknown_runs():
     core = BrokerCore()
     core.register_engine(RUN, "e1")
     core.begin_version(RUN, manifest(1), SOURCE)
-    core.ack_version(RUN, "e1", 1, True)
+    core.ack_version(VersionAck(RUN, "e1", 1, True))
     core.begin_version(RUN, manifest(2), SOURCE)
     with pytest.raises(ConflictError, match="version 1 from engine e1 is stale; latest is version 2"):
-        core.ack_version(RUN, "e1", 1, True)
+        core.ack_version(VersionAck(RUN, "e1", 1, True))
     with pytest.raises(NotFoundError, match="version 3 was never begun"):
-        core.ack_version(RUN, "e1", 3, True)
+        core.ack_version(VersionAck(RUN, "e1", 3, True))
     with pytest.raises(NotFoundError, match="run nope is not known"):
         core.get_version("nope")
     with pytest.raises(NotFoundError, match="engine ghost is not registered"):
@@ -241,9 +241,9 @@ def test_metrics_observer_follows_the_state_machine():
     core = BrokerCore(max_ack_attempts=1, observer=BrokerMetrics(registry))
     core.register_engine(RUN, "e1")
     core.begin_version(RUN, manifest(1), SOURCE)
-    core.ack_version(RUN, "e1", 1, True, transfer_seconds=0.25, transfer_bytes=80, lane="shm")
+    core.ack_version(VersionAck(RUN, "e1", 1, True, transfer_seconds=0.25, transfer_bytes=80, lane="shm"))
     core.begin_version(RUN, manifest(2), SOURCE)
-    core.ack_version(RUN, "e1", 2, False, error="bad")
+    core.ack_version(VersionAck(RUN, "e1", 2, False, error="bad"))
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, labels)

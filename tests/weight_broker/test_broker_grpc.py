@@ -10,7 +10,7 @@ import torch
 from polling import wait_until
 
 from furlong.core.errors import ConflictError, NotFoundError
-from furlong.core.weight_versions import EventKind, VersionEventInfo, WeightSourceInfo
+from furlong.core.weight_versions import EventKind, VersionAck, VersionEventInfo, WeightSourceInfo
 from furlong.core.weights import Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums
 from furlong.rpc import check_health, start_server
 from furlong.transfer.broker_client import GrpcBrokerClient
@@ -89,7 +89,7 @@ def test_errors_arrive_as_domain_exceptions(broker):
     with pytest.raises(ValueError, match="timeout_s -1"):
         client.wait_committed(RUN, 3, -1)
     with pytest.raises(NotFoundError, match="engine e9 is not registered"):
-        client.ack_version(RUN, "e9", 3, True)
+        client.ack_version(VersionAck(RUN, "e9", 3, True))
 
 
 @pytest.mark.integration
@@ -103,7 +103,7 @@ def test_watch_delivers_published_then_committed_with_the_manifest(broker):
     assert published.kind is EventKind.PUBLISHED and published.run_id == RUN
     assert published.manifest == manifest(1) and published.source == SOURCE
 
-    assert client.ack_version(RUN, "e1", 1, True, transfer_seconds=0.5, transfer_bytes=64) == 1
+    assert client.ack_version(VersionAck(RUN, "e1", 1, True, transfer_seconds=0.5, transfer_bytes=64)) == 1
     wait_until(lambda: len(collector.events) == 2)
     assert collector.kinds() == [(EventKind.PUBLISHED, 1), (EventKind.COMMITTED, 1)]
     status = client.wait_committed(RUN, 1, 1.0)
@@ -128,7 +128,7 @@ def test_unregister_and_end_run_end_streams(broker):
     client.unregister_engine(RUN, "e2")
     c2.thread.join(5.0)
     assert not c2.thread.is_alive() and c2.error is None
-    client.ack_version(RUN, "e1", 1, True)
+    client.ack_version(VersionAck(RUN, "e1", 1, True))
     assert client.wait_committed(RUN, 1, 2.0).committed_version == 1
     client.end_run(RUN)
     c1.thread.join(5.0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from furlong.core.errors import ConflictError
-from furlong.core.weight_versions import EventKind, WeightSourceInfo
+from furlong.core.weight_versions import EventKind, RoundAck, VersionAck, WeightSourceInfo
 from furlong.core.weights import Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums
 from furlong.weight_broker.core import BrokerCore, EventSubscription
 
@@ -51,20 +51,20 @@ def test_rounds_are_staged_in_order_once_every_engine_pulled_the_previous_one():
         core.stage_round(RUN, 1, 1)
     assert core.stage_round(RUN, 1, 0) == ["e1", "e2"]
     assert drain(sub) == [(EventKind.PUBLISHED, 1, 0), (EventKind.ROUND_READY, 1, 0)]
-    core.ack_round(RUN, "e1", 1, 0, True)
+    core.ack_round(RoundAck(RUN, "e1", 1, 0, True))
     with pytest.raises(ConflictError, match=r"round 0 is still being pulled by engines \['e2'\]"):
         core.stage_round(RUN, 1, 1)
     with pytest.raises(ConflictError, match="acknowledged round 2 of version 1, staged up to 0"):
-        core.ack_round(RUN, "e2", 1, 2, True)
-    core.ack_round(RUN, "e2", 1, 0, True)
+        core.ack_round(RoundAck(RUN, "e2", 1, 2, True))
+    core.ack_round(RoundAck(RUN, "e2", 1, 0, True))
     assert core.wait_round(RUN, 1, 0, 0.0) == []
     for index in (1, 2):
         core.stage_round(RUN, 1, index)
         for engine in ("e1", "e2"):
-            core.ack_round(RUN, engine, 1, index, True)
+            core.ack_round(RoundAck(RUN, engine, 1, index, True))
     assert drain(sub) == [(EventKind.ROUND_READY, 1, 1), (EventKind.ROUND_READY, 1, 2)]
-    core.ack_version(RUN, "e1", 1, True)
-    core.ack_version(RUN, "e2", 1, True)
+    core.ack_version(VersionAck(RUN, "e1", 1, True))
+    core.ack_version(VersionAck(RUN, "e2", 1, True))
     assert core.wait_committed(RUN, 1, 0.0).committed_version == 1
 
 
@@ -77,7 +77,7 @@ def test_a_late_engine_joins_only_while_it_can_still_take_every_round():
     early = core.subscribe(RUN, "early")
     assert drain(early) == [(EventKind.PUBLISHED, 1, 0), (EventKind.ROUND_READY, 1, 0)]
     for engine in ("e1", "early"):
-        core.ack_round(RUN, engine, 1, 0, True)
+        core.ack_round(RoundAck(RUN, engine, 1, 0, True))
     core.stage_round(RUN, 1, 1)
     core.register_engine(RUN, "late")  # round 0 is gone: it waits for the next version
     late = core.subscribe(RUN, "late")
@@ -86,9 +86,9 @@ def test_a_late_engine_joins_only_while_it_can_still_take_every_round():
         if index == 2:
             core.stage_round(RUN, 1, 2)
         for engine in ("e1", "early"):
-            core.ack_round(RUN, engine, 1, index, True)
-    core.ack_version(RUN, "e1", 1, True)
-    core.ack_version(RUN, "early", 1, True)
+            core.ack_round(RoundAck(RUN, engine, 1, index, True))
+    core.ack_version(VersionAck(RUN, "e1", 1, True))
+    core.ack_version(VersionAck(RUN, "early", 1, True))
     assert core.wait_committed(RUN, 1, 0.0).committed_version == 1  # "late" was not waited for
     assert drain(late) == [(EventKind.COMMITTED, 1, 0)]
 
@@ -110,11 +110,11 @@ def test_a_bad_round_is_resent_then_the_engine_is_fenced_and_the_round_moves_on(
     bad = core.subscribe(RUN, "bad")
     core.begin_version(RUN, manifest(1), SOURCE)
     core.stage_round(RUN, 1, 0)
-    core.ack_round(RUN, "good", 1, 0, True)
+    core.ack_round(RoundAck(RUN, "good", 1, 0, True))
     drain(bad)
-    core.ack_round(RUN, "bad", 1, 0, False, "IntegrityError: checksum mismatch")
+    core.ack_round(RoundAck(RUN, "bad", 1, 0, False, "IntegrityError: checksum mismatch"))
     assert drain(bad) == [(EventKind.ROUND_READY, 1, 0)]  # re-sent: pull it again
-    core.ack_round(RUN, "bad", 1, 0, False, "IntegrityError: checksum mismatch")
+    core.ack_round(RoundAck(RUN, "bad", 1, 0, False, "IntegrityError: checksum mismatch"))
     assert drain(bad) == [(EventKind.FENCED, 1, 0)] and bad.ended
     assert core.wait_round(RUN, 1, 0, 0.0) == ["bad"]
     core.stage_round(RUN, 1, 1)
@@ -128,7 +128,7 @@ def test_an_engine_that_never_answers_is_fenced_after_the_round_timeout():
         core.register_engine(RUN, engine)
     core.begin_version(RUN, manifest(1), SOURCE)
     core.stage_round(RUN, 1, 0)
-    core.ack_round(RUN, "fast", 1, 0, True)
+    core.ack_round(RoundAck(RUN, "fast", 1, 0, True))
     assert core.wait_round(RUN, 1, 0, 0.05) == ["mute"]  # waited 50 ms, then fenced it
     assert core.get_version(RUN).engine_ids == ("fast",)
 
@@ -142,8 +142,8 @@ def test_the_ack_timeout_fences_an_engine_that_does_not_acknowledge_the_version(
     for index in range(3):
         core.stage_round(RUN, 1, index)
         for engine in ("fast", "mute"):
-            core.ack_round(RUN, engine, 1, index, True)
-    core.ack_version(RUN, "fast", 1, True)
+            core.ack_round(RoundAck(RUN, engine, 1, index, True))
+    core.ack_version(VersionAck(RUN, "fast", 1, True))
     assert core.get_version(RUN).committed_version == -1
     clock.now += 29.0
     assert core.get_version(RUN).fenced_engine_ids == ()

@@ -17,7 +17,7 @@ from llama_state import assert_bytes_equal, llama
 from polling import wait_until
 
 from furlong.core.weight_shards import ShardLayout, expected_shards, llama_tensor_parallel, plan_shards
-from furlong.core.weight_versions import EventKind, WeightSourceInfo
+from furlong.core.weight_versions import EventKind, VersionAck, WeightSourceInfo
 from furlong.core.weights import Manifest, WeightLayout, combine_checksums, plan_buckets, round_checksums
 from furlong.rpc import check_health
 from furlong.rpc.ports import free_port
@@ -189,7 +189,7 @@ def test_an_engine_whose_layout_the_version_does_not_cover_waits_for_the_next_on
     assert core.begin_version(RUN, bare, source) == ["plain"]
     assert sub.get(0.05) is None  # not told about a version it cannot verify
     covered = Manifest(2, layout, bare.checksum, bare.plan, destinations=((shards.layout_id, digests),))
-    core.ack_version(RUN, "plain", 1, True)
+    core.ack_version(VersionAck(RUN, "plain", 1, True))
     assert core.begin_version(RUN, covered, source) == ["plain", "sharded"]
     assert sub.get(1.0).kind is EventKind.COMMITTED  # version 1, for everyone
     event = sub.get(1.0)

@@ -33,6 +33,7 @@ import torch
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 METADATA_KEY = "__metadata__"
 _LEN_BYTES = 8
+_READ_CHUNK_BYTES = 1 << 30
 
 # safetensors dtype name -> (bytes per element, torch dtype). F4 packs two elements per byte; its
 # shape counts elements, so its last dimension must be even.
@@ -256,6 +257,35 @@ class SafetensorsReader:
                     raise _fail(self.path, f"tensor {name!r}: file ended inside the tensor")
                 remaining -= got
                 yield out
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Read a tensor's bytes straight into `out`, a contiguous CPU tensor of the same dtype and
+        number of elements (no intermediate copy: what a streaming loader needs)."""
+        entry = self.entry(name)
+        dtype = DTYPES[entry.dtype][1]
+        if out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(
+                f"tensor {name!r} of {self.path} ({entry.dtype}) cannot be read into a "
+                f"{'contiguous' if out.is_contiguous() else 'non-contiguous'} {out.dtype} "
+                f"tensor on {out.device}"
+            )
+        target = out.reshape(-1).view(torch.uint8).numpy() if out.numel() else np.empty(0, np.uint8)
+        if target.nbytes != entry.nbytes:
+            raise ValueError(
+                f"tensor {name!r} of {self.path}: {entry.nbytes} bytes stored, "
+                f"the target holds {target.nbytes}"
+            )
+        if not entry.nbytes:
+            return
+        view = target.data
+        got = 0
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.header.data_start + entry.begin)
+            while got < entry.nbytes:  # one read(2) returns at most ~2 GiB
+                n = f.readinto(view[got : got + _READ_CHUNK_BYTES])
+                if not n:
+                    raise _fail(self.path, f"tensor {name!r}: read {got} of {entry.nbytes} bytes")
+                got += n
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor with its dtype and shape (F4: float4_e2m1fn_x2 with the last dim halved)."""

@@ -1,18 +1,27 @@
 """Domain records of weight versions that the broker hands out and the transfer library reads: where a
-version's bytes are, what happened to a version, and where a run stands. Plain frozen dataclasses,
-the twins of the furlong.v1 messages of the same role (converted in furlong.transfer.wire); they
-know nothing about the wire or the broker's rules.
+version's bytes are, what happened to a version, where a run stands, and an engine's verdict on a
+round or a version it pulled. Plain frozen dataclasses, the twins of the furlong.v1 messages of the
+same role (converted in furlong.transfer.wire); they know nothing about the wire or the broker's
+rules.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from furlong.core.weights import Manifest
 
 MEMORY_KINDS = ("DRAM", "VRAM")
 NO_VERSION = -1
+
+# The transports an engine pulls a version over (furlong.transfer.lanes); declared here because an
+# acknowledgement names the lane that carried its bytes.
+LANE_NIXL = "nixl"
+LANE_SHM = "shm"
+LANE_GRPC = "grpc"
+LANE_NAMES = (LANE_NIXL, LANE_SHM, LANE_GRPC)  # every lane, in the default order of preference
 
 
 @dataclass(frozen=True)
@@ -102,3 +111,88 @@ class VersionStatusInfo:
     engine_ids: tuple[str, ...]
     pending_engine_ids: tuple[str, ...]  # registered engines that have not acknowledged latest
     fenced_engine_ids: tuple[str, ...] = ()  # engines fenced out of latest
+
+
+@dataclass(frozen=True)
+class RoundAck:
+    """An engine's verdict on one round of a version it pulled (AckRoundRequest). ok: the round's
+    bytes verified; error says why not. The transfer figures are informative (the version's
+    acknowledgement carries the totals); lane is "" when nothing was pulled."""
+
+    run_id: str
+    engine_id: str
+    version: int
+    index: int
+    ok: bool
+    error: str = ""
+    transfer_seconds: float = 0.0
+    transfer_bytes: int = 0
+    lane: str = ""
+
+    def __post_init__(self) -> None:
+        _check_ack(
+            "round acknowledgement",
+            self.run_id,
+            self.engine_id,
+            self.version,
+            self.transfer_seconds,
+            self.transfer_bytes,
+            self.lane,
+        )
+        if self.index < 0:
+            raise ValueError(
+                f"round acknowledgement of run {self.run_id!r} from engine "
+                f"{self.engine_id!r}: index {self.index} < 0"
+            )
+
+
+@dataclass(frozen=True)
+class VersionAck:
+    """An engine's verdict on a whole version (AckVersionRequest). ok: every round verified and the
+    version applied; error says why not. The transfer figures are the version's totals over lane
+    ("" when nothing was pulled)."""
+
+    run_id: str
+    engine_id: str
+    version: int
+    ok: bool
+    error: str = ""
+    transfer_seconds: float = 0.0
+    transfer_bytes: int = 0
+    lane: str = ""
+
+    def __post_init__(self) -> None:
+        _check_ack(
+            "version acknowledgement",
+            self.run_id,
+            self.engine_id,
+            self.version,
+            self.transfer_seconds,
+            self.transfer_bytes,
+            self.lane,
+        )
+
+
+def _check_ack(
+    what: str,
+    run_id: str,
+    engine_id: str,
+    version: int,
+    transfer_seconds: float,
+    transfer_bytes: int,
+    lane: str,
+) -> None:
+    """The fields both acknowledgements share; ValueError naming the bad one."""
+    if not run_id:
+        raise ValueError(f"{what} with an empty run_id")
+    if not engine_id:
+        raise ValueError(f"{what} of run {run_id!r} with an empty engine_id")
+    who = f"{what} of run {run_id!r} from engine {engine_id!r}"
+    if version < 0:
+        raise ValueError(f"{who}: version {version} < 0")
+    if not (math.isfinite(transfer_seconds) and transfer_seconds >= 0):
+        raise ValueError(f"{who}: transfer_seconds {transfer_seconds} is not a finite number >= 0")
+    if transfer_bytes < 0:
+        raise ValueError(f"{who}: transfer_bytes {transfer_bytes} < 0")
+    if lane and lane not in LANE_NAMES:
+        raise ValueError(f"{who}: lane {lane!r} is not one of {LANE_NAMES} or empty")

@@ -1,7 +1,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -202,3 +202,31 @@ class CheckpointResponse(_message.Message):
     step: int
     policy_version: int
     def __init__(self, run_id: _Optional[str] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class ExportPolicyRequest(_message.Message):
+    __slots__ = ("run_id", "directory", "max_shard_bytes")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    MAX_SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    directory: str
+    max_shard_bytes: int
+    def __init__(self, run_id: _Optional[str] = ..., directory: _Optional[str] = ..., max_shard_bytes: _Optional[int] = ...) -> None: ...
+
+class ExportPolicyResponse(_message.Message):
+    __slots__ = ("run_id", "path", "step", "policy_version", "num_bytes", "shards", "final")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    path: str
+    step: int
+    policy_version: int
+    num_bytes: int
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    final: bool
+    def __init__(self, run_id: _Optional[str] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_bytes: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., final: _Optional[bool] = ...) -> None: ...

@@ -16,16 +16,24 @@ from typing import Protocol
 import grpc
 
 from furlong.core.weight_shards import ShardLayout
-from furlong.core.weight_versions import VersionEventInfo, VersionStatusInfo, WeightSourceInfo
+from furlong.core.weight_versions import (
+    RoundAck,
+    VersionAck,
+    VersionEventInfo,
+    VersionStatusInfo,
+    WeightSourceInfo,
+)
 from furlong.core.weights import Manifest
 from furlong.rpc import call, channel, error_from_rpc
 from furlong.transfer.wire import (
     event_from_proto,
     manifest_to_proto,
+    round_ack_to_proto,
     shard_layout_from_proto,
     shard_layout_to_proto,
     source_to_proto,
     status_from_proto,
+    version_ack_to_proto,
 )
 from furlong.v1 import weight_broker_pb2 as pb
 from furlong.v1 import weight_broker_pb2_grpc as pb_grpc
@@ -49,30 +57,9 @@ class BrokerClient(Protocol):
     def begin_version(self, run_id: str, manifest: Manifest, source: WeightSourceInfo) -> list[str]: ...
     def stage_round(self, run_id: str, version: int, index: int) -> list[str]: ...
     def wait_round(self, run_id: str, version: int, index: int, timeout_s: float) -> list[str]: ...
-    def ack_round(
-        self,
-        run_id: str,
-        engine_id: str,
-        version: int,
-        index: int,
-        ok: bool,
-        error: str = "",
-        transfer_seconds: float = 0.0,
-        transfer_bytes: int = 0,
-        lane: str = "",
-    ) -> None: ...
+    def ack_round(self, ack: RoundAck) -> None: ...
     def watch_versions(self, run_id: str, engine_id: str) -> VersionWatch: ...
-    def ack_version(
-        self,
-        run_id: str,
-        engine_id: str,
-        version: int,
-        ok: bool,
-        error: str = "",
-        transfer_seconds: float = 0.0,
-        transfer_bytes: int = 0,
-        lane: str = "",
-    ) -> int: ...
+    def ack_version(self, ack: VersionAck) -> int: ...
     def wait_committed(self, run_id: str, version: int, timeout_s: float) -> VersionStatusInfo: ...
     def get_version(self, run_id: str) -> VersionStatusInfo: ...
     def end_run(self, run_id: str) -> None: ...
@@ -169,30 +156,8 @@ class GrpcBrokerClient:
         req = pb.WaitRoundRequest(run_id=run_id, version=version, round=index, timeout_s=timeout_s)
         return list(call(self._stub.WaitRound, req, timeout_s + _WAIT_MARGIN_S).fenced_engine_ids)
 
-    def ack_round(
-        self,
-        run_id: str,
-        engine_id: str,
-        version: int,
-        index: int,
-        ok: bool,
-        error: str = "",
-        transfer_seconds: float = 0.0,
-        transfer_bytes: int = 0,
-        lane: str = "",
-    ) -> None:
-        req = pb.AckRoundRequest(
-            run_id=run_id,
-            engine_id=engine_id,
-            version=version,
-            round=index,
-            ok=ok,
-            error=error,
-            transfer_seconds=transfer_seconds,
-            transfer_bytes=transfer_bytes,
-            lane=lane,
-        )
-        call(self._stub.AckRound, req, self._timeout_s)
+    def ack_round(self, ack: RoundAck) -> None:
+        call(self._stub.AckRound, round_ack_to_proto(ack), self._timeout_s)
 
     def watch_versions(self, run_id: str, engine_id: str) -> VersionWatch:
         rendezvous = self._stub.WatchVersions(pb.WatchVersionsRequest(run_id=run_id, engine_id=engine_id))
@@ -205,28 +170,8 @@ class GrpcBrokerClient:
         with self._lock:
             self._watches.discard(watch)
 
-    def ack_version(
-        self,
-        run_id: str,
-        engine_id: str,
-        version: int,
-        ok: bool,
-        error: str = "",
-        transfer_seconds: float = 0.0,
-        transfer_bytes: int = 0,
-        lane: str = "",
-    ) -> int:
-        req = pb.AckVersionRequest(
-            run_id=run_id,
-            engine_id=engine_id,
-            version=version,
-            ok=ok,
-            error=error,
-            transfer_seconds=transfer_seconds,
-            transfer_bytes=transfer_bytes,
-            lane=lane,
-        )
-        resp: pb.AckVersionResponse = call(self._stub.AckVersion, req, self._timeout_s)
+    def ack_version(self, ack: VersionAck) -> int:
+        resp: pb.AckVersionResponse = call(self._stub.AckVersion, version_ack_to_proto(ack), self._timeout_s)
         return resp.committed_version
 
     def wait_committed(self, run_id: str, version: int, timeout_s: float) -> VersionStatusInfo:

@@ -14,10 +14,9 @@ from collections.abc import Iterator, Sequence
 import grpc
 import torch
 
-from furlong.core.weight_versions import WeightSourceInfo
+from furlong.core.weight_versions import LANE_GRPC, LANE_NAMES, LANE_NIXL, LANE_SHM, WeightSourceInfo
 from furlong.rpc import rpc_errors, start_server
 from furlong.transfer.host_memory import host_buffer
-from furlong.transfer.lanes import LANE_GRPC, LANE_NIXL, LANE_SHM, LANES
 from furlong.transfer.nixl_transport import NixlEndpoint
 from furlong.transfer.shm import SharedBuffer
 from furlong.v1 import weight_broker_pb2 as pb
@@ -73,16 +72,16 @@ class StagingBucket:
         self,
         agent_name: str,
         size_bytes: int,
-        lanes: Sequence[str] = LANES,
+        lanes: Sequence[str] = LANE_NAMES,
         *,
         backends: Sequence[str] = ("UCX",),
         host: str = "127.0.0.1",
         stream_workers: int = 4,
         holds_all_rounds: bool = False,
     ) -> None:
-        unknown = [lane for lane in lanes if lane not in LANES]
+        unknown = [lane for lane in lanes if lane not in LANE_NAMES]
         if unknown or not lanes:
-            raise ValueError(f"lanes {list(lanes)} must be a non-empty subset of {LANES}")
+            raise ValueError(f"lanes {list(lanes)} must be a non-empty subset of {LANE_NAMES}")
         if size_bytes < 1:
             raise ValueError(f"bucket size_bytes {size_bytes} < 1")
         self.size_bytes = size_bytes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LANE_NAMES = ("nixl", "shm", "grpc")  # every lane, in the default order of preference
+from furlong.core.weight_versions import LANE_NAMES
 
 
 def check_lanes(name: str, lanes: tuple[str, ...]) -> None:

@@ -29,7 +29,7 @@ import torch
 from furlong.core.block_checksum import RangeHasher, copy_checksum
 from furlong.core.errors import UnavailableError
 from furlong.core.weight_shards import PieceCopy, copy_rows
-from furlong.core.weight_versions import WeightSourceInfo
+from furlong.core.weight_versions import LANE_GRPC, LANE_NAMES, LANE_NIXL, LANE_SHM, WeightSourceInfo
 from furlong.rpc import channel, error_from_rpc
 from furlong.transfer.nixl_transport import NixlEndpoint
 from furlong.transfer.shm import SharedBuffer
@@ -37,11 +37,6 @@ from furlong.v1 import weight_broker_pb2 as pb
 from furlong.v1 import weight_broker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-LANE_NIXL = "nixl"
-LANE_SHM = "shm"
-LANE_GRPC = "grpc"
-LANES = (LANE_NIXL, LANE_SHM, LANE_GRPC)
 
 
 class Lane(Protocol):
@@ -353,7 +348,7 @@ def connect_lane(
             elif name == LANE_GRPC:
                 lane = GrpcStreamLane(source, chunk_bytes)
             else:
-                raise ValueError(f"unknown lane {name!r}; known: {LANES}")
+                raise ValueError(f"unknown lane {name!r}; known: {LANE_NAMES}")
         except UnavailableError as exc:
             reasons.append(f"{name}: {exc}")
             continue

@@ -30,12 +30,21 @@ import torch
 
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError, UnavailableError
 from furlong.core.weight_shards import ShardLayout
-from furlong.core.weight_versions import NO_VERSION, EventKind, VersionEventInfo, WeightSourceInfo
+from furlong.core.weight_versions import (
+    LANE_NIXL,
+    LANE_SHM,
+    NO_VERSION,
+    EventKind,
+    RoundAck,
+    VersionAck,
+    VersionEventInfo,
+    WeightSourceInfo,
+)
 from furlong.core.weights import BucketRound, Manifest
 from furlong.transfer.broker_client import BrokerClient, VersionWatch
 from furlong.transfer.config import TransferConfig
 from furlong.transfer.destination import BufferDestination, PieceDestination
-from furlong.transfer.lanes import LANE_NIXL, LANE_SHM, Lane, connect_lane
+from furlong.transfer.lanes import Lane, connect_lane
 from furlong.transfer.nixl_transport import NixlEndpoint
 from furlong.transfer.pull_lock import PullLock
 
@@ -208,7 +217,7 @@ class WeightReceiver:
         with self._lock:
             already = manifest.version == self._version and manifest.checksum == self._applied_checksum
         if already:  # re-sent after our acknowledgement was lost
-            self._ack_version(manifest.version, True, "", 0.0, 0, "")
+            self._ack_version(VersionAck(self._run_id, self._engine_id, manifest.version, ok=True))
             return
         try:
             destination = self._destination_for(manifest)
@@ -244,12 +253,31 @@ class WeightReceiver:
                 version,
                 exc,
             )
-            self._ack_round(version, index, False, f"{type(exc).__name__}: {exc}", 0.0, 0, incoming.lane.name)
+            self._ack_round(
+                RoundAck(
+                    self._run_id,
+                    self._engine_id,
+                    version,
+                    index,
+                    ok=False,
+                    error=f"{type(exc).__name__}: {exc}",
+                    lane=incoming.lane.name,
+                )
+            )
             return
         incoming.verified.add(index)
         assert self._destination is not None
         self._ack_round(
-            version, index, True, "", seconds, self._destination.round_bytes(rnd), incoming.lane.name
+            RoundAck(
+                self._run_id,
+                self._engine_id,
+                version,
+                index,
+                ok=True,
+                transfer_seconds=seconds,
+                transfer_bytes=self._destination.round_bytes(rnd),
+                lane=incoming.lane.name,
+            )
         )
         if len(incoming.verified) == len(incoming.manifest.rounds):
             self._finish(incoming)
@@ -323,46 +351,48 @@ class WeightReceiver:
             incoming.seconds,
         )
         self._ack_version(
-            manifest.version, True, "", incoming.seconds, incoming.num_bytes, incoming.lane.name
+            VersionAck(
+                self._run_id,
+                self._engine_id,
+                manifest.version,
+                ok=True,
+                transfer_seconds=incoming.seconds,
+                transfer_bytes=incoming.num_bytes,
+                lane=incoming.lane.name,
+            )
         )
 
     def _refuse(self, version: int, exc: Exception) -> None:
         log.warning(
             "run %s: engine %s could not take version %d: %s", self._run_id, self._engine_id, version, exc
         )
-        self._ack_version(version, False, f"{type(exc).__name__}: {exc}", 0.0, 0, "")
+        self._ack_version(
+            VersionAck(self._run_id, self._engine_id, version, ok=False, error=f"{type(exc).__name__}: {exc}")
+        )
 
-    def _ack_version(
-        self, version: int, ok: bool, error: str, seconds: float, num_bytes: int, lane: str
-    ) -> None:
+    def _ack_version(self, ack: VersionAck) -> None:
         try:
-            self._broker.ack_version(
-                self._run_id, self._engine_id, version, ok, error, seconds, num_bytes, lane
-            )
+            self._broker.ack_version(ack)
         except (ConflictError, NotFoundError) as exc:
             # The broker moved on (version failed, engine dropped): a later event sets things right.
             log.warning(
                 "run %s: engine %s: acknowledgement of version %d refused: %s",
-                self._run_id,
-                self._engine_id,
-                version,
+                ack.run_id,
+                ack.engine_id,
+                ack.version,
                 exc,
             )
 
-    def _ack_round(
-        self, version: int, index: int, ok: bool, error: str, seconds: float, num_bytes: int, lane: str
-    ) -> None:
+    def _ack_round(self, ack: RoundAck) -> None:
         try:
-            self._broker.ack_round(
-                self._run_id, self._engine_id, version, index, ok, error, seconds, num_bytes, lane
-            )
+            self._broker.ack_round(ack)
         except (ConflictError, NotFoundError) as exc:
             log.warning(
                 "run %s: engine %s: acknowledgement of version %d round %d refused: %s",
-                self._run_id,
-                self._engine_id,
-                version,
-                index,
+                ack.run_id,
+                ack.engine_id,
+                ack.version,
+                ack.index,
                 exc,
             )
 

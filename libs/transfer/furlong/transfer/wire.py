@@ -1,14 +1,22 @@
 """The broker's wire: proto <-> domain conversions of furlong.v1 weight messages (manifests, shard
-layouts, weight sources, version events and statuses), written once for the broker's server and its
-gRPC client. Pure functions; a message that names an unknown enum value or checksum algorithm is a
-ValueError naming it. Knows nothing about channels, servers or the broker's rules.
+layouts, weight sources, version events and statuses, round and version acknowledgements), written
+once for the broker's server and its gRPC client. Pure functions; a message that names an unknown
+enum value or checksum algorithm is a ValueError naming it. Knows nothing about channels, servers
+or the broker's rules.
 """
 
 from __future__ import annotations
 
 from furlong.core.block_checksum import CHECKSUM_ALGORITHM
 from furlong.core.weight_shards import ShardLayout, ShardPiece, ShardTensor
-from furlong.core.weight_versions import EventKind, VersionEventInfo, VersionStatusInfo, WeightSourceInfo
+from furlong.core.weight_versions import (
+    EventKind,
+    RoundAck,
+    VersionAck,
+    VersionEventInfo,
+    VersionStatusInfo,
+    WeightSourceInfo,
+)
 from furlong.core.weights import (
     BucketPlan,
     BucketRound,
@@ -213,4 +221,58 @@ def status_from_proto(msg: pb.VersionStatus) -> VersionStatusInfo:
         engine_ids=tuple(msg.engine_ids),
         pending_engine_ids=tuple(msg.pending_engine_ids),
         fenced_engine_ids=tuple(msg.fenced_engine_ids),
+    )
+
+
+def round_ack_to_proto(ack: RoundAck) -> pb.AckRoundRequest:
+    return pb.AckRoundRequest(
+        run_id=ack.run_id,
+        engine_id=ack.engine_id,
+        version=ack.version,
+        round=ack.index,
+        ok=ack.ok,
+        error=ack.error,
+        transfer_seconds=ack.transfer_seconds,
+        transfer_bytes=ack.transfer_bytes,
+        lane=ack.lane,
+    )
+
+
+def round_ack_from_proto(msg: pb.AckRoundRequest) -> RoundAck:
+    return RoundAck(
+        run_id=msg.run_id,
+        engine_id=msg.engine_id,
+        version=msg.version,
+        index=msg.round,
+        ok=msg.ok,
+        error=msg.error,
+        transfer_seconds=msg.transfer_seconds,
+        transfer_bytes=msg.transfer_bytes,
+        lane=msg.lane,
+    )
+
+
+def version_ack_to_proto(ack: VersionAck) -> pb.AckVersionRequest:
+    return pb.AckVersionRequest(
+        run_id=ack.run_id,
+        engine_id=ack.engine_id,
+        version=ack.version,
+        ok=ack.ok,
+        error=ack.error,
+        transfer_seconds=ack.transfer_seconds,
+        transfer_bytes=ack.transfer_bytes,
+        lane=ack.lane,
+    )
+
+
+def version_ack_from_proto(msg: pb.AckVersionRequest) -> VersionAck:
+    return VersionAck(
+        run_id=msg.run_id,
+        engine_id=msg.engine_id,
+        version=msg.version,
+        ok=msg.ok,
+        error=msg.error,
+        transfer_seconds=msg.transfer_seconds,
+        transfer_bytes=msg.transfer_bytes,
+        lane=msg.lane,
     )

@@ -114,6 +114,15 @@ class CheckpointModel(BaseModel):
     created_at: float
 
 
+class PolicyModel(BaseModel):
+    step: int
+    path: str
+    policy_version: int
+    final: bool
+    shards: list[str]
+    created_at: float
+
+
 class RunModel(BaseModel):
     run_id: str
     name: str
@@ -129,6 +138,7 @@ class RunModel(BaseModel):
     stop_requested: bool
     pause_requested: bool
     checkpoint: CheckpointModel | None = None
+    policies: list[PolicyModel] = []
     spec: dict[str, Any]
 
 

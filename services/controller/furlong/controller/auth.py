@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import hmac
 from dataclasses import dataclass
-from pathlib import Path
 
 MIN_TOKEN_CHARS = 16
 
@@ -61,11 +60,3 @@ class ApiTokens:
 
     def __repr__(self) -> str:
         return f"ApiTokens(admin=<{len(self.admin)} redacted>, viewer=<{len(self.viewer)} redacted>)"
-
-
-def read_token_file(flag: str, path: Path) -> str:
-    """The stripped content of a token file; ValueError naming the flag and the file."""
-    try:
-        return check_token(flag, path.read_text().strip())
-    except OSError as exc:
-        raise ValueError(f"cannot read {flag} {path}: {exc.strerror}") from None

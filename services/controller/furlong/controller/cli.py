@@ -42,7 +42,7 @@ from furlong.controller.local_stack import (
     stop_stack,
 )
 from furlong.controller.redis_binary import RedisBinaryError
-from furlong.controller.run_follow import FollowOptions, Interrupts, follow_run, summary_table
+from furlong.controller.run_follow import FollowOptions, Interrupts, follow_run, place_policies, summary_table
 from furlong.controller.run_preflight import preflight
 from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.stack_events import StackEventTail
@@ -238,6 +238,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 130 if result.interrupted else 1
     if run_state == "failed":
         err_console.print(f"[red]run failed:[/] {escape(result.run['reason'])}")
+    try:
+        for policy in place_policies(result.run, out_dir):
+            console.print(f"policy: {policy}", markup=False, highlight=False)
+    except OSError as exc:
+        err_console.print(f"[red]cannot place the run's policies in {escape(str(out_dir))}:[/] {escape(str(exc))}")
+        return 1
     if result.interrupted:
         return 130
     return 0 if run_state == "succeeded" else 1

@@ -3,6 +3,8 @@
     configure: rollout.ConfigureRun -> trainer.ConfigureRun            (starting)
     each step: rollout.Generate -> trainer.TrainStep
                -> trainer.PublishWeights -> broker.WaitCommitted -> record the step   (running)
+               -> trainer.ExportPolicy after the last step and every
+                  `checkpoint.export_every_steps`-th (a Hugging Face directory, recorded in the run)
     teardown:  rollout.EndRun, trainer.EndRun, broker.EndRun          (stopping)
     then succeeded, cancelled (a stop request was seen between phases) or failed (the first error,
     named by its phase, is the run's reason).
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from furlong.controller.config import DriverTimeouts
-from furlong.controller.core.run_state import Run, RunState
+from furlong.controller.core.run_state import PolicyRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
 from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.run_recovery import RecoveryFailed, RecoveryStopped, RunRecovery, recoverable
@@ -296,7 +298,29 @@ class RunDriver:
         )
         self._store.record_step(rid, record)
         self._observe(rid, record)
+        if spec.checkpoint.exports_at(step, spec.steps):
+            self._export(rid, step, spec.checkpoint.export_max_shard_bytes)
         return new_version
+
+    def _export(self, run_id: str, step: int, max_shard_bytes: int) -> None:
+        """Have the trainer write the policy of `step` under its policy directory; record where."""
+        exported = self._call(
+            f"step {step} trainer.ExportPolicy", self._trainer.export_policy, run_id, "", max_shard_bytes
+        )
+        if exported.step != step:
+            raise _PhaseFailed(
+                f"step {step} trainer.ExportPolicy",
+                ConflictError(f"the trainer exported the policy of step {exported.step}, not {step}"),
+            )
+        ref = PolicyRef(
+            step=exported.step,
+            path=exported.path,
+            policy_version=exported.policy_version,
+            final=exported.final,
+            shards=exported.shards,
+            created_at=time.time(),
+        )
+        self._call(f"step {step} record policy", self._store.record_policy, run_id, ref)
 
     def _observe(self, run_id: str, record: StepRecord) -> None:
         m = self._metrics

@@ -10,11 +10,15 @@ process, so it alone imports the services' objects (the import contracts allow i
 
 Weights still travel through the broker's transfer planes (NIXL between the trainer's bucket and the
 engines, inside this process). `torch_threads` sets torch's intra-op threads as the local stack does
-for its trainer and rollout processes, so both give the same numbers.
+for its trainer and rollout processes, so both give the same numbers. Exported policies go under
+`policy_dir` (`<policy_dir>/<run_id>/final`, as the trainer's --policy-dir); without one, under a
+fresh temporary directory (logged, `stack.policy_dir`), which outlives the stack.
 """
 
 from __future__ import annotations
 
+import logging
+import tempfile
 from pathlib import Path
 from types import TracebackType
 
@@ -35,6 +39,8 @@ from furlong.trainer.service import TrainerService
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
 
+log = logging.getLogger(__name__)
+
 
 class InProcessStack:
     """Not thread-safe: one `run` at a time. close() (or leaving the `with` block) ends every run's
@@ -45,6 +51,7 @@ class InProcessStack:
         redis_url: str,
         checkpoint_dir: str | Path | None = None,
         *,
+        policy_dir: str | Path | None = None,
         torch_threads: int = 1,
         timeouts: DriverTimeouts = DriverTimeouts(),
         metrics: ControllerMetrics | None = None,
@@ -56,8 +63,16 @@ class InProcessStack:
         self._core = BrokerCore()
         self._broker = InProcessBrokerClient(self._core)  # the services' own broker client
         self.rollout = RolloutService(redis_records(self._redis), broker_receiver_factory(self._broker))
+        if policy_dir is None:  # every run exports its final policy: it must go somewhere
+            policy_dir = tempfile.mkdtemp(prefix="furlong-policies-")
+            log.info("exported policies go to %s (no policy_dir given)", policy_dir)
+        self.policy_dir = Path(policy_dir)
         self.trainer = TrainerService(
-            self._redis, self._broker, consumer_name="trainer-0", checkpoint_root=checkpoint_dir
+            self._redis,
+            self._broker,
+            consumer_name="trainer-0",
+            checkpoint_root=checkpoint_dir,
+            policy_root=self.policy_dir,
         )
         self.services: Services = in_process(self.trainer, self.rollout, self._core)
         self.store = RunStore.from_url(redis_url)

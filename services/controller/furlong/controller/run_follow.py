@@ -15,12 +15,17 @@ Inside `Interrupts`, a first Ctrl-C (or SIGTERM) only sets a flag, so it cannot 
 submitting a run and following it: the follower then asks the controller to stop the run and keeps
 following until the run ends (bounded by `stop_wait_s`). A second signal raises KeyboardInterrupt,
 which gives up waiting.
+
+`place_policies` puts the run's exported policies (Hugging Face directories the trainer wrote on
+this machine) at `OUT/final/` and `OUT/checkpoints/step-N/`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -342,3 +347,29 @@ def summary_table(result: FollowResult) -> Table:
         table.add_row("wall time", f"{run['finished_at'] - run['started_at']:.1f}s")
     table.add_row("metrics", str(result.metrics_path))
     return table
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)  # no second copy of the weights when both are on one file system
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def place_policies(run: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Put each exported policy of `run` (its `policies`, paths as the trainer saw them: the local
+    stack's) at `out_dir/final` or `out_dir/checkpoints/step-N`, replacing what was there; files are
+    hard-linked when possible, else copied. The directories placed, in the run's order;
+    FileNotFoundError naming a policy directory that is not on this machine."""
+    placed = []
+    for policy in run.get("policies", []):
+        source = Path(policy["path"])
+        if not source.is_dir():
+            raise FileNotFoundError(f"run {run['run_id']}: exported policy {source} is not on this machine")
+        target = out_dir / "final" if policy["final"] else out_dir / "checkpoints" / f"step-{policy['step']}"
+        if target.exists():
+            shutil.rmtree(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(source, target, copy_function=_link_or_copy)
+        placed.append(target)
+    return placed

@@ -61,7 +61,7 @@ class RunSpec:
     model: str = setting(
         min_chars=1,
         max_chars=MAX_PATH_CHARS,
-        doc="absolute checkpoint directory, as the services will read it",
+        doc="absolute Hugging Face model directory, as the services will read it",
     )
     task: str = setting(
         min_chars=1, max_chars=64, choices=tuple(tasks.known_tasks()), doc="a registered task"
@@ -89,6 +89,13 @@ class RunSpec:
                 f"{self.prompts_per_step} prompts (drawn {drawn} with rollout.over_sampling "
                 f"{self.rollout.over_sampling:g}) x samples_per_prompt {self.samples_per_prompt} is "
                 f"{drawn * self.samples_per_prompt} samples per step, more than {MAX_SAMPLES_PER_STEP}",
+            )
+        if self.sampling.greedy:
+            raise SettingError(
+                "sampling.temperature",
+                "0 (greedy decoding) cannot be trained on: the sampling distribution is a point "
+                "mass with log-prob 0 and no gradient; a training run needs a temperature > 0 "
+                "(temperature 0 is for generation and evaluation, e.g. `furlong generate`)",
             )
         if self.rollout.max_refill_rounds and self.samples_per_prompt < 2:
             raise SettingError(

@@ -32,7 +32,7 @@ from typing import Any, cast
 import redis
 from redis.typing import EncodableT, FieldT
 
-from furlong.controller.core.run_state import CheckpointRef, Run, RunState
+from furlong.controller.core.run_state import CheckpointRef, PolicyRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
 from furlong.controller.run_events import (
     EventDecodeError,
@@ -367,6 +367,19 @@ class RunStore:
         the meantime: the checkpoint exists either way); NotFoundError for an unknown run."""
         run = self._update(run_id, lambda run: replace(run, checkpoint=checkpoint, updated_at=self._clock()))
         log.info("run %s: checkpoint of step %d at %s", run_id, checkpoint.step, checkpoint.path)
+        return run
+
+    def record_policy(self, run_id: str, policy: PolicyRef) -> Run:
+        """Remember a policy the trainer exported for the run; one of the same step (an export
+        repeated after a recovery) is replaced. NotFoundError for an unknown run."""
+
+        def change(run: Run) -> Run:
+            kept = tuple(p for p in run.policies if (p.step, p.final) != (policy.step, policy.final))
+            ordered = tuple(sorted((*kept, policy), key=lambda p: (p.step, p.final)))
+            return replace(run, policies=ordered, updated_at=self._clock())
+
+        run = self._update(run_id, change)
+        log.info("run %s: policy of step %d exported to %s", run_id, policy.step, policy.path)
         return run
 
     def record_step(self, run_id: str, record: StepRecord) -> Run:

@@ -244,6 +244,7 @@ class Supervisor:
                 argv.append("--enable-fault-hooks")
         if name == "trainer":
             argv += ["--checkpoint-dir", str(Path(info.state_dir) / "checkpoints")]
+            argv += ["--policy-dir", str(Path(info.state_dir) / "policies")]
         return argv
 
     def _controller_argv(self, port: int, addresses: dict[str, str]) -> list[str]:

@@ -172,7 +172,8 @@ class EngineHttpServer:
         if path == "/health":
             return 200, {}
         if path == "/health_generate":
-            self.engine.generate([[self.tokenizer.bos_id]], SamplingConfig(top_k=1, max_new_tokens=1))
+            probe = self.tokenizer.encode("", add_bos=True) or [self.tokenizer.eos_id]
+            self.engine.generate([probe], SamplingConfig(top_k=1, max_new_tokens=1))
             return 200, {}
         return 404, {"error": {"message": f"no route {path}"}}
 

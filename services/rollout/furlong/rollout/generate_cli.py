@@ -3,7 +3,11 @@ process, and print exactly how every token was drawn.
 
     furlong generate --model DIR --prompt TEXT [--n N] [--max-new-tokens K] [--temperature T]
                      [--top-p P] [--top-k K] [--min-p M] [--seed S] [--stop STR]...
-                     [--max-support-size M] [--truncate-support] [--json]
+                     [--max-support-size M] [--truncate-support] [--device D] [--dtype T] [--json]
+
+`--temperature 0` is greedy decoding: every token is the argmax, its support that one token, its
+log-probs 0. `--device` (cpu, cuda, cuda:N) and `--dtype` (float32, bfloat16) say where and in
+which precision the engine runs (default: the CPU, float32).
 
 With `--json` it prints one JSON object: the prompt's token ids, the sampling parameters and, per
 sample, its token ids, text, finish reason, per token the log-prob under the sampling distribution
@@ -36,7 +40,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--n", type=int, default=1, help="samples to draw (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (argmax)")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1); 0 = off")
@@ -59,23 +63,37 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         action="store_true",
         help="with --max-support-size: cut larger supports (flagged per token) instead of failing",
     )
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default float32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_generate)
 
 
-def generate_record(model_dir: Path, prompt: str, n: int, sampling: Any, bound: Any) -> dict[str, Any]:
-    """Load the checkpoint, draw `n` samples of `prompt` and return the JSON-able record. ValueError
-    for a bad checkpoint, prompt or sampling."""
+def generate_record(
+    model_dir: Path,
+    prompt: str,
+    n: int,
+    sampling: Any,
+    bound: Any,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """Load the checkpoint, draw `n` samples of `prompt` on `device` in `dtype` and return the
+    JSON-able record. ValueError for a bad checkpoint, prompt, sampling, device or dtype."""
     import torch
 
     from furlong.core.checkpoint import load_policy
+    from furlong.rollout.core.devices import parse_device, parse_dtype
     from furlong.rollout.core.engine import Engine
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"--n must be an integer >= 1, got {n!r}")
+    parse_device(device), parse_dtype(dtype)  # refuse a bad name before loading anything
     model, tokenizer = load_policy(Path(model_dir))
     prompt_ids = tokenizer.encode(prompt, add_bos=True)
-    engine = Engine(model, tokenizer, max_batch_size=max(n, 1), support_bound=bound)
+    engine = Engine(
+        model, tokenizer, max_batch_size=max(n, 1), support_bound=bound, device=device, dtype=dtype
+    )
     with torch.inference_mode():
         generations = engine.generate([prompt_ids] * n, sampling)
     return {
@@ -93,6 +111,8 @@ def generate_record(model_dir: Path, prompt: str, n: int, sampling: Any, bound: 
             "max_support_size": bound.max_size,
             "on_overflow": bound.on_overflow,
         },
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
         "vocab_size": engine.vocab_size,
         "policy_version": engine.policy_version,
         "samples": [
@@ -132,7 +152,7 @@ def cmd_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
         bound = SupportBound(
             args.max_support_size, OVERFLOW_TRUNCATE if args.truncate_support else OVERFLOW_ERROR
         )
-        record = generate_record(args.model, args.prompt, args.n, sampling, bound)
+        record = generate_record(args.model, args.prompt, args.n, sampling, bound, args.device, args.dtype)
     except ValueError as exc:
         err.write(f"furlong generate: {exc}\n")
         return 2

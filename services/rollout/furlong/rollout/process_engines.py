@@ -1,8 +1,9 @@
 """A run's engines as separate processes: the `EngineSet` (core.engine_set) over the engine pool.
 
 Weights: the run has one weight receiver (named `<run>-pool` at the broker). Each version it
-receives is written as a checkpoint directory `<work dir>/weights/v<version>` (config and tokenizer
-from the run's checkpoint, the received tensors as `model.safetensors`), and the pool loads it into
+receives is written as a model directory `<work dir>/weights/v<version>` (`export_policy`: config,
+generation config and tokenizer files from the run's model directory, the received tensors as its
+weights), and the pool loads it into
 every engine (`EnginePool.update_weights`, SGLang's `/update_weights_from_disk` route) before the
 receiver acknowledges the version. A restarted engine loads the current directory before it takes
 work. The work directory defaults to a private folder under /dev/shm (memory, not disk) when the
@@ -24,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from furlong.core.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from furlong.core.checkpoint import export_policy
 from furlong.rollout.core.engine import Generation
 from furlong.rollout.core.engine_set import EngineSet, EngineSetFactory, Enough, Row, SeedOf
 from furlong.rollout.core.sampling import SamplingConfig
@@ -41,7 +41,6 @@ from furlong.rollout.pool import EnginePool, PoolConfig
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILE = "tokenizer.json"
 SHM_ROOT = Path("/dev/shm")
 
 
@@ -133,18 +132,9 @@ class ProcessEngines:
         with self._apply_lock:
             weights = self.work_dir / "weights"
             target = weights / f"v{version}"
-            staging = weights / f".v{version}.partial"
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-            for name in (CONFIG_FILE, TOKENIZER_FILE):
-                shutil.copyfile(self._model_dir / name, staging / name)
-            save_file(
-                {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()},
-                str(staging / WEIGHTS_FILE),
-                metadata={"format": "pt"},
-            )
-            shutil.rmtree(target, ignore_errors=True)
-            staging.rename(target)  # engines never see a half-written directory
+            # The run's model directory with the received weights, moved into place when complete:
+            # engines never see a half-written directory.
+            export_policy(tensors, self._model_dir, target)
             self.pool.update_weights(version, str(target))
             for status in self.pool.status():
                 self._observer.version_applied(self._run_id, status.engine_id, status.policy_version)

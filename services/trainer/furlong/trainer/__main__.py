@@ -51,6 +51,12 @@ def command() -> ServiceCommand:
         default="",
         help="write a training checkpoint per step under DIR/<run_id> and resume from it",
     )
+    p.add_argument(
+        "--policy-dir",
+        default="",
+        help="write a run's exported policies (Hugging Face directories) under DIR/<run_id>: "
+        "final/ and checkpoints/step-N/",
+    )
     add_credential_flags(p)
     p.add_argument(
         "--check-weight-update-equal",
@@ -71,6 +77,7 @@ def _config(args: argparse.Namespace, flags: ServiceFlags) -> TrainerServiceConf
         consumer_name=args.consumer_name,
         num_threads=args.num_threads,
         checkpoint_dir=args.checkpoint_dir,
+        policy_dir=args.policy_dir,
         check_weight_update_equal=args.check_weight_update_equal,
         **credential_fields(args),
     )
@@ -94,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         broker,
         config.consumer_name,
         checkpoint_root=config.checkpoint_dir or None,
+        policy_root=config.policy_dir or None,
         check_weight_update_equal=config.check_weight_update_equal,
         metrics=TrainerMetrics(runtime.registry),
     )

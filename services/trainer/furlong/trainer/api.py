@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from furlong.core.settings import AlgorithmSettings, CheckpointSettings
+from furlong.core.settings.checkpoint import DEFAULT_EXPORT_SHARD_BYTES
 from furlong.v1 import trainer_pb2
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name  # also its health name
@@ -19,7 +20,7 @@ class TrainerRunConfig:
     """ConfigureRun: load the policy of a run and get ready to train it."""
 
     run_id: str
-    model_dir: str  # checkpoint directory, as the trainer sees it
+    model_dir: str  # Hugging Face model directory, as the trainer sees it
     algorithm: AlgorithmSettings
     sampling_temperature: float  # the rollout's: log-probs are scored under it
     seed: int
@@ -77,6 +78,19 @@ class CheckpointResult:
     policy_version: int
 
 
+@dataclass(frozen=True)
+class PolicyExport:
+    """A Hugging Face model directory of a run's policy that the trainer wrote."""
+
+    run_id: str
+    path: str  # the directory written, as the trainer sees it
+    step: int  # the last completed step it holds (0 = before the first step)
+    policy_version: int
+    num_bytes: int  # tensor bytes written
+    shards: tuple[str, ...]  # the safetensors file names
+    final: bool  # the step is the run's last
+
+
 class TrainerClient(Protocol):
     """The trainer service. Calls block; implementations are thread-safe (calls for one run are
     serialised by the trainer). Errors are furlong.core.errors domain exceptions (NotFoundError for
@@ -89,6 +103,9 @@ class TrainerClient(Protocol):
     def train_step(self, request: TrainStepRequest) -> TrainStepResult: ...
     def publish_weights(self, run_id: str, version: int) -> Published: ...
     def checkpoint(self, run_id: str, directory: str = "") -> CheckpointResult: ...
+    def export_policy(
+        self, run_id: str, directory: str = "", max_shard_bytes: int = DEFAULT_EXPORT_SHARD_BYTES
+    ) -> PolicyExport: ...
     def offload(self, run_id: str) -> Offloaded: ...
     def restore(self, run_id: str) -> int: ...
     def end_run(self, run_id: str) -> None: ...

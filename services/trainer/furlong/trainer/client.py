@@ -9,12 +9,14 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from furlong.core.settings.checkpoint import DEFAULT_EXPORT_SHARD_BYTES
 from furlong.rpc import call, channel
 from furlong.trainer import convert
 from furlong.trainer.api import (
     SERVICE_NAME,
     CheckpointResult,
     Offloaded,
+    PolicyExport,
     Published,
     TrainerClient,
     TrainerRun,
@@ -34,8 +36,8 @@ __all__ = ["SERVICE_NAME", "GrpcTrainerClient", "InProcessTrainerClient", "Train
 @dataclass(frozen=True)
 class TrainerDeadlines:
     """gRPC deadlines in seconds. `configure_s` covers loading a checkpoint, `checkpoint_s` the wait
-    for a step in progress; a train step's deadline is its own timeout_s plus `wait_margin_s`, so
-    the trainer's own wait answers first."""
+    for a step in progress and writing a checkpoint or an exported policy; a train step's deadline
+    is its own timeout_s plus `wait_margin_s`, so the trainer's own wait answers first."""
 
     call_s: float = 30.0
     configure_s: float = 300.0
@@ -79,6 +81,13 @@ class GrpcTrainerClient:
         response = call(self._stub.Checkpoint, request, self._deadlines.checkpoint_s)
         return convert.checkpoint_from_proto(response)
 
+    def export_policy(
+        self, run_id: str, directory: str = "", max_shard_bytes: int = DEFAULT_EXPORT_SHARD_BYTES
+    ) -> PolicyExport:
+        request = pb.ExportPolicyRequest(run_id=run_id, directory=directory, max_shard_bytes=max_shard_bytes)
+        response = call(self._stub.ExportPolicy, request, self._deadlines.checkpoint_s)
+        return convert.export_from_proto(response)
+
     def offload(self, run_id: str) -> Offloaded:
         response = call(self._stub.Offload, pb.OffloadRequest(run_id=run_id), self._deadlines.call_s)
         return convert.offloaded_from_proto(response)
@@ -111,6 +120,11 @@ class InProcessTrainerClient:
 
     def checkpoint(self, run_id: str, directory: str = "") -> CheckpointResult:
         return self._service.checkpoint(run_id, directory)
+
+    def export_policy(
+        self, run_id: str, directory: str = "", max_shard_bytes: int = DEFAULT_EXPORT_SHARD_BYTES
+    ) -> PolicyExport:
+        return self._service.export_policy(run_id, directory, max_shard_bytes)
 
     def offload(self, run_id: str) -> Offloaded:
         return self._service.offload(run_id)

@@ -18,6 +18,7 @@ class TrainerServiceConfig:
     consumer_name: str = "trainer-0"  # stable across restarts so pending samples are replayed
     num_threads: int = 2
     checkpoint_dir: str = ""  # "" = no training checkpoints; else one directory per run under it
+    policy_dir: str = ""  # "" = exports only to named directories; else DIR/<run_id>/{final,checkpoints}
     auth_token_file: str = ""  # "" = gRPC unauthenticated; else the shared service token's file
     tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
     # Before a run's first version: sync its weights once into garbage-filled copies through the

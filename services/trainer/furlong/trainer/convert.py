@@ -8,6 +8,7 @@ from furlong.rpc.settings import algorithm_from_proto, algorithm_to_proto
 from furlong.trainer.api import (
     CheckpointResult,
     Offloaded,
+    PolicyExport,
     Published,
     TrainerRun,
     TrainerRunConfig,
@@ -117,4 +118,28 @@ def checkpoint_to_proto(c: CheckpointResult) -> pb.CheckpointResponse:
 def checkpoint_from_proto(msg: pb.CheckpointResponse) -> CheckpointResult:
     return CheckpointResult(
         run_id=msg.run_id, path=msg.path, step=msg.step, policy_version=msg.policy_version
+    )
+
+
+def export_to_proto(e: PolicyExport) -> pb.ExportPolicyResponse:
+    return pb.ExportPolicyResponse(
+        run_id=e.run_id,
+        path=e.path,
+        step=e.step,
+        policy_version=e.policy_version,
+        num_bytes=e.num_bytes,
+        shards=list(e.shards),
+        final=e.final,
+    )
+
+
+def export_from_proto(msg: pb.ExportPolicyResponse) -> PolicyExport:
+    return PolicyExport(
+        run_id=msg.run_id,
+        path=msg.path,
+        step=msg.step,
+        policy_version=msg.policy_version,
+        num_bytes=msg.num_bytes,
+        shards=tuple(msg.shards),
+        final=msg.final,
     )

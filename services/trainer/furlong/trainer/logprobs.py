@@ -277,8 +277,8 @@ def log_probs_with_support(
     vocabulary; no mask is built) or a mask whose row `support_rows[i]` (default i) is row i's
     support. Raises `SupportViolation` (a ValueError) naming the row when a target is outside.
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not temperature > 0:  # 0 (greedy) is a point mass: nothing to score or differentiate
+        raise ValueError(f"sampling.temperature must be > 0 to score log-probs, got {temperature}")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if logits.dim() < 2:

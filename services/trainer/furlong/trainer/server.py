@@ -67,6 +67,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> trainer_pb2.CheckpointResponse:
         return convert.checkpoint_to_proto(self._service.checkpoint(request.run_id, request.directory))
 
+    @rpc_errors
+    def ExportPolicy(
+        self, request: trainer_pb2.ExportPolicyRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.ExportPolicyResponse:
+        result = self._service.export_policy(request.run_id, request.directory, request.max_shard_bytes)
+        return convert.export_to_proto(result)
+
 
 def register(service: TrainerService) -> Callable[[grpc.Server], None]:
     """A `furlong.rpc.start_server` registration callback."""

@@ -7,10 +7,15 @@ acknowledged, and `configure_run` resumes a run
 from its checkpoint when one exists (policy, optimizer, RNG, step and version). `checkpoint` writes
 one on request, there or to a given directory.
 
+`export_policy` writes the run's policy after its last completed step as a Hugging Face model
+directory (`furlong.core.checkpoint.export_policy`): to a given directory, or with a `policy_root`
+to `<root>/<run_id>/final` after the run's last step and `<root>/<run_id>/checkpoints/step-<N>`
+before it.
+
 `offload` releases a run's tensors (policy, reference, value model, optimizer state) for a
 colocated rollout engine and `restore` brings them back bit for bit (`offload.Offloader`). While a
-run is offloaded, `train_step`, `publish_weights` and `checkpoint` raise ConflictError, and so do a
-second `offload` and a `restore` of a resident run.
+run is offloaded, `train_step`, `publish_weights`, `checkpoint` and `export_policy` raise
+ConflictError, and so do a second `offload` and a `restore` of a resident run.
 """
 
 from __future__ import annotations
@@ -28,15 +33,18 @@ import redis
 import torch
 from prometheus_client import CollectorRegistry
 
-from furlong.core.checkpoint import load_policy
+from furlong.core.checkpoint import export_policy, load_policy
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
+from furlong.core.models import check_transformers_model
 from furlong.core.samples import TRAINER_GROUP, stream_key
+from furlong.core.settings.checkpoint import DEFAULT_EXPORT_SHARD_BYTES
 from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_STEPS
 from furlong.core.weights import WeightLayout
 from furlong.ledger.group_ledger import GroupLedger
 from furlong.trainer.api import (
     CheckpointResult,
     Offloaded,
+    PolicyExport,
     Published,
     TrainerRun,
     TrainerRunConfig,
@@ -65,6 +73,7 @@ EQUALITY_RUN_INFIX = "~equality-"  # the equality check's run on the broker: <ru
 @dataclass
 class _Run:
     run_id: str
+    model_dir: Path  # the model directory the run started from (its config and tokenizer files)
     learner: Learner
     publisher: WeightPublisher
     reader: SampleReader
@@ -109,6 +118,7 @@ class TrainerService:
         publisher_factory: Callable[..., WeightPublisher] = WeightPublisher,
         checkpoint_root: str | Path | None = None,
         check_weight_update_equal: bool = False,
+        policy_root: str | Path | None = None,
         metrics: TrainerMetrics | None = None,
     ):
         """`metrics`: where the service's Prometheus collectors live (the process's registry in
@@ -117,6 +127,7 @@ class TrainerService:
         self.metrics = metrics if metrics is not None else TrainerMetrics(CollectorRegistry())
         self._check_weight_update_equal = check_weight_update_equal
         self._checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
+        self._policy_root = None if policy_root is None else Path(policy_root)
         self._broker = broker
         self._consumer = consumer_name
         self._agent_prefix = agent_name_prefix
@@ -147,6 +158,18 @@ class TrainerService:
                 raise ConflictError(f"run {run_id} is already configured on this trainer")
         torch.manual_seed(config.seed)
         model, _ = load_policy(path)
+        # The family contract where the model is built: a config that contradicts its family, or
+        # a model whose rotary embedding is not the one its config declares, is never trained.
+        checked = check_transformers_model(model)
+        log.info(
+            "run %s: %s model, %s attention, %s RoPE (theta %g)%s",
+            run_id,
+            checked.family.model_type,
+            checked.attention.value,
+            checked.rope.type.value,
+            checked.rope.theta,
+            f", release {checked.spec.name}" if checked.spec else "",
+        )
         learner = Learner(model, learner_config)
         last_step, cursor = 0, None
         ledger = TrainedGroups(GroupLedger(self._redis, run_id), config.checkpoint.every_steps)
@@ -170,6 +193,7 @@ class TrainerService:
         num_parameters = sum(t.numel() for t in state.values())
         run = _Run(
             run_id=run_id,
+            model_dir=path,
             learner=learner,
             publisher=publisher,
             reader=reader,
@@ -357,6 +381,46 @@ class TrainerService:
                 run.data_cursor = cursor
         return CheckpointResult(
             run_id=run_id, path=str(info.path), step=info.step, policy_version=info.version
+        )
+
+    def export_policy(
+        self, run_id: str, directory: str = "", max_shard_bytes: int = DEFAULT_EXPORT_SHARD_BYTES
+    ) -> PolicyExport:
+        """Write the run's policy after its last completed step as a Hugging Face model directory:
+        to `directory` (absolute), or with "" under the policy root (see the module docstring)."""
+        if (
+            isinstance(max_shard_bytes, bool)
+            or not isinstance(max_shard_bytes, int)
+            or max_shard_bytes < 1024
+        ):
+            raise ValueError(f"max_shard_bytes must be an integer >= 1024, got {max_shard_bytes!r}")
+        run = self._run(run_id)
+        if directory and not Path(directory).is_absolute():
+            raise ValueError(f"export directory must be an absolute path, got {directory!r}")
+        if not directory and self._policy_root is None:
+            raise ConflictError(
+                f"run {run_id}: this trainer has no --policy-dir; name a directory to export the policy to"
+            )
+        with run.lock:
+            _require_resident(run, "export")
+            step, final = run.last_step, run.last_step >= run.total_steps
+            if directory:
+                target = Path(directory)
+            else:
+                assert self._policy_root is not None
+                base = self._policy_root / run_id
+                target = base / "final" if final else base / "checkpoints" / f"step-{step}"
+            written = export_policy(run.learner.state_dict(), run.model_dir, target, max_shard_bytes)
+            version = run.learner.version
+        log.info("run %s: exported the policy of step %d (version %d) to %s", run_id, step, version, target)
+        return PolicyExport(
+            run_id=run_id,
+            path=str(written.path),
+            step=step,
+            policy_version=version,
+            num_bytes=written.num_bytes,
+            shards=written.shards,
+            final=final,
         )
 
     def end_run(self, run_id: str) -> None:

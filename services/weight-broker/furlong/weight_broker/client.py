@@ -9,7 +9,13 @@ from __future__ import annotations
 import threading
 
 from furlong.core.weight_shards import ShardLayout
-from furlong.core.weight_versions import VersionEventInfo, VersionStatusInfo, WeightSourceInfo
+from furlong.core.weight_versions import (
+    RoundAck,
+    VersionAck,
+    VersionEventInfo,
+    VersionStatusInfo,
+    WeightSourceInfo,
+)
 from furlong.core.weights import Manifest
 from furlong.transfer.broker_client import BrokerClient, GrpcBrokerClient, VersionWatch
 from furlong.weight_broker.core import BrokerCore, EventSubscription
@@ -77,21 +83,8 @@ class InProcessBrokerClient:
     def wait_round(self, run_id: str, version: int, index: int, timeout_s: float) -> list[str]:
         return self._core.wait_round(run_id, version, index, timeout_s)
 
-    def ack_round(
-        self,
-        run_id: str,
-        engine_id: str,
-        version: int,
-        index: int,
-        ok: bool,
-        error: str = "",
-        transfer_seconds: float = 0.0,
-        transfer_bytes: int = 0,
-        lane: str = "",
-    ) -> None:
-        self._core.ack_round(
-            run_id, engine_id, version, index, ok, error, transfer_seconds, transfer_bytes, lane
-        )
+    def ack_round(self, ack: RoundAck) -> None:
+        self._core.ack_round(ack)
 
     def watch_versions(self, run_id: str, engine_id: str) -> VersionWatch:
         watch = _SubscriptionWatch(self._core.subscribe(run_id, engine_id))
@@ -99,20 +92,8 @@ class InProcessBrokerClient:
             self._watches = [w for w in self._watches if not w.ended] + [watch]
         return watch
 
-    def ack_version(
-        self,
-        run_id: str,
-        engine_id: str,
-        version: int,
-        ok: bool,
-        error: str = "",
-        transfer_seconds: float = 0.0,
-        transfer_bytes: int = 0,
-        lane: str = "",
-    ) -> int:
-        return self._core.ack_version(
-            run_id, engine_id, version, ok, error, transfer_seconds, transfer_bytes, lane
-        )
+    def ack_version(self, ack: VersionAck) -> int:
+        return self._core.ack_version(ack)
 
     def wait_committed(self, run_id: str, version: int, timeout_s: float) -> VersionStatusInfo:
         return self._core.wait_committed(run_id, version, timeout_s)

@@ -8,11 +8,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from furlong.core.weight_versions import LANE_NAMES
 from furlong.rpc.service_main import add_credential_flags, credential_fields
 from furlong.rpc.tls import TlsFiles
 from furlong.service_main import REQUIRED, ServiceCommand, ServiceFlags
 from furlong.service_main.ports import check_port
-from furlong.transfer.config import LANE_NAMES, check_lanes
+from furlong.transfer.config import check_lanes
 
 
 @dataclass(frozen=True)

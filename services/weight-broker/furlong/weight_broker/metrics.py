@@ -11,6 +11,8 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from furlong.core.weight_versions import LANE_NIXL
+
 TRANSFER_BYTES_TOTAL = "furlong_broker_transfer_bytes_total"
 TRANSFER_SECONDS_TOTAL = "furlong_broker_transfer_seconds_total"
 ACKS_TOTAL = "furlong_broker_acks_total"
@@ -24,9 +26,6 @@ WEIGHT_SYNC_SECONDS = "furlong_broker_weight_sync_seconds"
 TRANSFER_GBPS = "furlong_broker_transfer_gbps"
 ENGINE_VERSION_LAG = "furlong_broker_engine_version_lag"
 
-LANE_NIXL = "nixl"
-LANE_SHM = "shm"
-LANE_GRPC = "grpc"
 LANE_NONE = "none"  # an acknowledgement without a transfer (failure, nothing pulled)
 ACK_OK = "ok"
 ACK_ERROR = "error"

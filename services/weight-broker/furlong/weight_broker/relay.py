@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
-from furlong.core.weight_versions import EventKind, VersionEventInfo
+from furlong.core.weight_versions import EventKind, RoundAck, VersionAck, VersionEventInfo
 from furlong.core.weights import Manifest, WeightLayout, checksum
 from furlong.transfer.broker_client import BrokerClient, VersionWatch
 from furlong.transfer.bucket import StagingBucket
@@ -227,25 +227,27 @@ class WeightRelay:
         except Exception as exc:  # noqa: BLE001 - reported upstream, which re-sends the round
             self._call(
                 self._broker.ack_round,
-                self._upstream,
-                RELAY_ENGINE_ID,
-                version,
-                index,
-                False,
-                f"{type(exc).__name__}: {exc}",
+                RoundAck(
+                    self._upstream,
+                    RELAY_ENGINE_ID,
+                    version,
+                    index,
+                    ok=False,
+                    error=f"{type(exc).__name__}: {exc}",
+                ),
             )
             return
         self._call(
             self._broker.ack_round,
-            self._upstream,
-            RELAY_ENGINE_ID,
-            version,
-            index,
-            True,
-            "",
-            0.0,
-            rnd.size_bytes,
-            current.lane.name,
+            RoundAck(
+                self._upstream,
+                RELAY_ENGINE_ID,
+                version,
+                index,
+                ok=True,
+                transfer_bytes=rnd.size_bytes,
+                lane=current.lane.name,
+            ),
         )
         self._call(self._broker.stage_round, self._run_id, version, index)
         current.verified += 1
@@ -260,14 +262,16 @@ class WeightRelay:
     ) -> None:
         self._call(
             self._broker.ack_version,
-            self._upstream,
-            RELAY_ENGINE_ID,
-            version,
-            ok,
-            error,
-            done.seconds if done else 0.0,
-            done.num_bytes if done else 0,
-            done.lane.name if done else "",
+            VersionAck(
+                self._upstream,
+                RELAY_ENGINE_ID,
+                version,
+                ok,
+                error,
+                transfer_seconds=done.seconds if done else 0.0,
+                transfer_bytes=done.num_bytes if done else 0,
+                lane=done.lane.name if done else "",
+            ),
         )
 
     def _call(self, method: Callable[..., object], *args: object) -> None:

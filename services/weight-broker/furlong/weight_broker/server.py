@@ -14,10 +14,12 @@ from furlong.rpc import rpc_errors
 from furlong.transfer.wire import (
     event_to_proto,
     manifest_from_proto,
+    round_ack_from_proto,
     shard_layout_from_proto,
     shard_layout_to_proto,
     source_from_proto,
     status_to_proto,
+    version_ack_from_proto,
 )
 from furlong.v1 import weight_broker_pb2 as pb
 from furlong.v1 import weight_broker_pb2_grpc as pb_grpc
@@ -80,17 +82,7 @@ class WeightBrokerServicer(pb_grpc.WeightBrokerServicer):
 
     @rpc_errors
     def AckRound(self, request: pb.AckRoundRequest, context: grpc.ServicerContext) -> pb.AckRoundResponse:
-        self._core.ack_round(
-            request.run_id,
-            request.engine_id,
-            request.version,
-            request.round,
-            request.ok,
-            request.error,
-            request.transfer_seconds,
-            request.transfer_bytes,
-            request.lane,
-        )
+        self._core.ack_round(round_ack_from_proto(request))
         return pb.AckRoundResponse(run_id=request.run_id)
 
     @rpc_errors
@@ -121,16 +113,7 @@ class WeightBrokerServicer(pb_grpc.WeightBrokerServicer):
     def AckVersion(
         self, request: pb.AckVersionRequest, context: grpc.ServicerContext
     ) -> pb.AckVersionResponse:
-        committed = self._core.ack_version(
-            request.run_id,
-            request.engine_id,
-            request.version,
-            request.ok,
-            request.error,
-            request.transfer_seconds,
-            request.transfer_bytes,
-            request.lane,
-        )
+        committed = self._core.ack_version(version_ack_from_proto(request))
         return pb.AckVersionResponse(run_id=request.run_id, committed_version=committed)
 
     @rpc_errors

@@ -11,7 +11,7 @@ then goes tensor by tensor. Knows nothing about model families or quantisation f
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from furlong.core.safetensors_io import Header, SafetensorsFormatError, SafetensorsReader, TensorEntry
+from furlong.core.safetensors_io import (
+    Header,
+    SafetensorsFormatError,
+    SafetensorsReader,
+    TensorEntry,
+    write_file,
+)
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -146,6 +152,9 @@ class CheckpointDir:
     def read(self, name: str) -> torch.Tensor:
         return self._readers[self.shard_of(name)].read(name)
 
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        self._readers[self.shard_of(name)].read_into(name, out)
+
     def iter_bytes(self, name: str, chunk_bytes: int = 64 << 20) -> Iterator[np.ndarray]:
         return self._readers[self.shard_of(name)].iter_bytes(name, chunk_bytes)
 
@@ -167,3 +176,56 @@ def write_index(
     metadata["total_size"] = int(total_size)
     doc = {"metadata": metadata, "weight_map": {k: weight_map[k] for k in sorted(weight_map)}}
     (Path(model_dir) / INDEX_FILE).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+def shard_name(index: int, count: int) -> str:
+    """Hugging Face's name of shard `index` (1-based) of `count`."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class WrittenShards:
+    """What `write_shards` wrote: the shard file names, the tensors and their data bytes."""
+
+    shards: tuple[str, ...]
+    num_tensors: int
+    total_bytes: int
+
+
+def write_shards(
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    model_dir: Path,
+    max_shard_bytes: int,
+    metadata: Mapping[str, str] | None = None,
+) -> WrittenShards:
+    """Write (name, tensor) pairs in order into shards of at most `max_shard_bytes` data bytes (a
+    larger tensor gets a shard of its own): `model.safetensors` when everything fits in one, else
+    `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`. Each tensor is written
+    from its own memory, chunk by chunk; nothing is stacked or copied whole."""
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
+    groups: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not groups or (size + nbytes > max_shard_bytes and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append((name, tensor))
+        size += nbytes
+    if not groups:
+        raise ValueError("write_shards: no tensors to write")
+    model_dir = Path(model_dir)
+    names = (
+        [SINGLE_FILE] if len(groups) == 1 else [shard_name(i + 1, len(groups)) for i in range(len(groups))]
+    )
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard, group in zip(names, groups):
+        write_file(model_dir / shard, dict(group), metadata)
+        for name, tensor in group:
+            weight_map[name] = shard
+            total += tensor.numel() * tensor.element_size()
+    if len(groups) > 1:
+        write_index(model_dir, weight_map, total)
+    return WrittenShards(tuple(names), len(weight_map), total)

@@ -82,8 +82,8 @@ def _rotary_dim(config: Mapping[str, Any]) -> Any:
     head_dim = config.get("head_dim")
     if head_dim is None and config.get("num_attention_heads"):
         head_dim = config.get("hidden_size", 0) // config["num_attention_heads"]
-    factor = config.get("partial_rotary_factor", 1.0)
-    return None if head_dim is None else int(head_dim * factor)
+    factor = config.get("partial_rotary_factor")
+    return None if head_dim is None else int(head_dim * (1.0 if factor is None else factor))
 
 
 def stored_expert_dtype(config: Mapping[str, Any]) -> str:
@@ -127,7 +127,7 @@ def _rope_differences(rope: RopeSpec, config: Mapping[str, Any]) -> list[str]:
 
 
 def _expert_differences(spec: ModelSpec, config: Mapping[str, Any]) -> list[str]:
-    num = config.get("n_routed_experts", config.get("num_experts"))
+    num = config.get("n_routed_experts", config.get("num_experts", config.get("num_local_experts")))
     if spec.experts is None:
         return [] if not num else [f"experts: spec is dense, config has {num} routed experts"]
     e = spec.experts
@@ -184,27 +184,39 @@ def _identity(spec: ModelSpec) -> tuple[str, int, int, int, str]:
     return (spec.model_type, spec.hidden_size, spec.num_hidden_layers, spec.vocab_size, stored)
 
 
-def identify(config: Mapping[str, Any]) -> ModelSpec:
-    """The one registered spec whose identity matches the config; ContractError otherwise."""
-    key = (
+def _config_identity(config: Mapping[str, Any]) -> tuple[Any, Any, Any, Any, str]:
+    return (
         config.get("model_type"),
         config.get("hidden_size"),
         config.get("num_hidden_layers"),
         config.get("vocab_size"),
         stored_expert_dtype(config),
     )
+
+
+def registered_spec_of(config: Mapping[str, Any]) -> ModelSpec | None:
+    """The registered spec whose identity matches the config, None when none does (a checkpoint of
+    a supported family but no registered release: a fine-tune of another size, a test model).
+    ContractError when several match and not exactly one of them fully."""
+    key = _config_identity(config)
     matches = [s for s in SPECS.values() if _identity(s) == key]
-    if len(matches) == 1:
-        return matches[0]
-    if matches:
-        # Same identity (e.g. Llama 3 and 3.1): the one whose whole contract holds, if exactly one.
-        passing = [s for s in matches if not _differences(s, config)]
-        if len(passing) == 1:
-            return passing[0]
-        raise ContractError(
-            f"config matches several specs {[s.name for s in matches]} and "
-            f"{len(passing)} of them fully; name one"
-        )
+    if len(matches) <= 1:
+        return matches[0] if matches else None
+    # Same identity (e.g. Llama 3 and 3.1): the one whose whole contract holds, if exactly one.
+    passing = [s for s in matches if not _differences(s, config)]
+    if len(passing) == 1:
+        return passing[0]
+    raise ContractError(
+        f"config matches several specs {[s.name for s in matches]} and {len(passing)} of them fully; name one"
+    )
+
+
+def identify(config: Mapping[str, Any]) -> ModelSpec:
+    """The one registered spec whose identity matches the config; ContractError otherwise."""
+    spec = registered_spec_of(config)
+    if spec is not None:
+        return spec
+    key = _config_identity(config)
     same_type = sorted(s.name for s in SPECS.values() if s.model_type == key[0])
     raise ContractError(
         f"no registered spec for model_type {key[0]!r}, hidden_size {key[1]!r}, "

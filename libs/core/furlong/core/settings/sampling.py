@@ -19,7 +19,11 @@ MAX_TOP_K = 1 << 20
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    temperature: float = setting(1.0, gt=0.0, le=100.0, doc="1.0 samples from the model's distribution")
+    # 0 is greedy decoding: the most probable token, always (a support of size 1, log-prob 0).
+    # Generation and evaluation take it; training runs refuse it (a point mass has no gradient).
+    temperature: float = setting(
+        1.0, ge=0.0, le=100.0, doc="1.0 samples from the model's distribution; 0 = greedy (argmax)"
+    )
     top_k: int = setting(0, ge=0, le=MAX_TOP_K, doc="0 = off")
     top_p: float = setting(1.0, gt=0.0, le=1.0, doc="1.0 = off")
     min_p: float = setting(
@@ -36,6 +40,12 @@ class SamplingSettings:
         check_fields(self)
         object.__setattr__(self, "stop", tuple(dict.fromkeys(self.stop)))
 
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: every token is the argmax of the logits."""
+        return self.temperature == 0.0
+
     def filters_vocab(self, vocab_size: int) -> bool:
-        """True when top-k, top-p or min-p can remove tokens from a vocabulary of this size."""
-        return (0 < self.top_k < vocab_size) or self.top_p < 1.0 or self.min_p > 0.0
+        """True when greedy decoding, top-k, top-p or min-p can remove tokens from a vocabulary of
+        this size."""
+        return self.greedy or (0 < self.top_k < vocab_size) or self.top_p < 1.0 or self.min_p > 0.0

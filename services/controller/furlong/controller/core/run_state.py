@@ -104,6 +104,48 @@ class CheckpointRef:
 
 
 @dataclass(frozen=True)
+class PolicyRef:
+    """A trained policy the trainer exported for a run as a Hugging Face model directory: the step
+    it holds, whether that is the run's last (`final`), the policy version, the directory (as the
+    trainer sees it), its safetensors shards and when it was written."""
+
+    step: int
+    path: str
+    policy_version: int
+    final: bool
+    shards: tuple[str, ...]
+    created_at: float
+
+    def __post_init__(self) -> None:
+        if self.step < 0 or not self.path or not self.shards:
+            raise ValueError(
+                f"policy step {self.step} must be >= 0, path {self.path!r} and shards "
+                f"{self.shards!r} non-empty"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "path": self.path,
+            "policy_version": self.policy_version,
+            "final": self.final,
+            "shards": list(self.shards),
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PolicyRef:
+        return cls(
+            step=int(data["step"]),
+            path=str(data["path"]),
+            policy_version=int(data["policy_version"]),
+            final=bool(data["final"]),
+            shards=tuple(str(s) for s in data["shards"]),
+            created_at=float(data["created_at"]),
+        )
+
+
+@dataclass(frozen=True)
 class Run:
     """What the controller knows about one run. Times are Unix seconds; `current_step` is the last
     completed step (0 before the first) and `policy_version` the last committed version."""
@@ -121,6 +163,7 @@ class Run:
     stop_requested: bool = False
     pause_requested: bool = False
     checkpoint: CheckpointRef | None = None  # the latest checkpoint taken on request
+    policies: tuple[PolicyRef, ...] = ()  # exported policies, by step (the final one last)
 
     def transitioned(self, target: RunState, now: float, reason: str | None = None) -> Run:
         """This run moved to target at time now; raises ConflictError for an illegal move."""
@@ -150,6 +193,7 @@ class Run:
             "stop_requested": self.stop_requested,
             "pause_requested": self.pause_requested,
             "checkpoint": self.checkpoint.to_dict() if self.checkpoint is not None else None,
+            "policies": [p.to_dict() for p in self.policies],
             "spec": self.spec.to_dict(),
         }
 
@@ -169,4 +213,5 @@ class Run:
             stop_requested=bool(data.get("stop_requested", False)),
             pause_requested=bool(data.get("pause_requested", False)),
             checkpoint=CheckpointRef.from_dict(data["checkpoint"]) if data.get("checkpoint") else None,
+            policies=tuple(PolicyRef.from_dict(p) for p in data.get("policies", ())),
         )

@@ -2,7 +2,7 @@
 switches between policy versions.
 
 A `generate` call queues its rows (one per prompt). Up to `max_batch_size` rows run at once, each
-in its own cache slot (see `llama_runner`). After every step, finished rows (EOS, a stop string or
+in its own cache slot (see `model_runner`). After every step, finished rows (EOS, a stop string or
 their max-new-tokens) leave and waiting rows join: as soon as `prefill_min_rows` slots are free (or
 the batch is empty; default 1), the joiners' prompts are prefilled *inside the next decode step*
 (one forward pass over the running rows' new tokens and the joiners' prompt tokens), so running
@@ -15,7 +15,9 @@ finished rows from the forward pass at once.
 Every step samples one token per running or joining row with `sample_step` and records it in a
 `DecodeTrace`. Slot bookkeeping is host-side (`SlotTable`); decode attention reads each slot's
 own cache columns (numba, on the CPU) or a few slot ranges each up to its longest row (SDPA, see
-`llama_runner`).
+`attention`). The model may be of any family in `families/` (its config is checked against its
+family's contract first); it is moved to the engine's device and dtype once, at construction, and
+from then on belongs to the engine: its weights change only through `load_weights`.
 The only per-step device-to-host transfer is the sampled tokens. A lock is held for a whole
 `generate` call and by `load_weights`, so a batch never sees two policy versions.
 
@@ -35,7 +37,8 @@ from typing import Protocol
 import torch
 
 from furlong.core.sampling_mask import RolloutSamplingMask
-from furlong.rollout.core.llama_runner import LlamaRunner, by_name
+from furlong.rollout.core.devices import parse_device, parse_dtype
+from furlong.rollout.core.model_runner import ModelRunner, skeleton
 from furlong.rollout.core.sampler import UNBOUNDED, sample_step
 from furlong.rollout.core.sampling import SamplingConfig, SupportBound
 from furlong.rollout.core.slot_table import SlotTable
@@ -90,12 +93,22 @@ class Engine:
         batching: str = CONTINUOUS,
         prefill_min_rows: int | None = None,
         decode_attention: str = "auto",
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_positions: int | None = None,
     ) -> None:
+        """`device` ("cpu", "cuda", "cuda:N") and `dtype` ("float32", "bfloat16"): where and in
+        which precision to run (None: the model's own); `max_positions`: cache columns per slot,
+        i.e. the longest prompt + response (None: the config's max_position_embeddings)."""
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
-        config = by_name(model).config
+        target_device, target_dtype = parse_device(device), parse_dtype(dtype)
+        if target_device is not None or target_dtype is not None:
+            model.to(device=target_device, dtype=target_dtype)
+        self._runner = ModelRunner(model, max_batch_size, decode_attention, max_positions)
+        config = skeleton(model).config
         self.vocab_size = int(config.vocab_size)
         for special in ("pad_id", "eos_id"):
             value = getattr(tokenizer, special)
@@ -124,14 +137,25 @@ class Engine:
         self.support_bound = support_bound
         self.batching = batching
         self.prefill_min_rows = prefill_min_rows
-        self._runner = LlamaRunner(model, max_batch_size, decode_attention)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
-        self.max_positions = int(config.max_position_embeddings)
+        self.max_positions = self._runner.max_positions
+        declared = int(config.max_position_embeddings)
+        self._limit_name = (
+            "model's max_position_embeddings" if self.max_positions == declared else "engine's max_positions"
+        )
         self._batch_lock = threading.Lock()
         self._version_changed = threading.Condition()
         self._policy_version = policy_version
+
+    @property
+    def device(self) -> torch.device:
+        return self._runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._runner.dtype
 
     @property
     def policy_version(self) -> int:
@@ -236,7 +260,7 @@ class Engine:
             if len(p) + limit > self.max_positions:
                 raise ValueError(
                     f"prompt {i} ({len(p)} tokens) + max_new_tokens {limit} exceeds "
-                    f"the model's max_position_embeddings {self.max_positions}"
+                    f"the {self._limit_name} {self.max_positions}"
                 )
         return prompts, limits
 

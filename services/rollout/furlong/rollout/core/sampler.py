@@ -5,7 +5,11 @@ the distribution it was drawn from (softmax after temperature, renormalised over
 log-prob under the full temperature-scaled distribution, and the kept set itself: exactly the token
 ids the sampler could have drawn.
 
-Order of filters: temperature, then top-k, then top-p over the top-k-renormalised distribution,
+Temperature 0 is greedy decoding: the token is the argmax of the logits (the first one on a tie,
+as `torch.argmax` and transformers' greedy search pick), the support is that one token and both
+log-probs are 0 (the tempered distribution is a point mass on it); the other filters do not apply.
+
+Order of filters otherwise: temperature, then top-k, then top-p over the top-k-renormalised distribution,
 then min-p (keep p >= min_p * p_max; the ratio to the most probable token does not depend on
 renormalisation), then the support bound (see `SupportBound`). Every filter keeps a prefix of the
 tokens sorted by probability, so the kept set is always a prefix. Knows nothing about models,
@@ -55,6 +59,8 @@ def sample_step(
 ) -> StepDraw:
     """Draw one token per row of `logits` (A, V). No Python loop over rows. SupportOverflowError
     when a support exceeds `bound` and the bound says to fail."""
+    if config.greedy:
+        return _greedy(logits)
     scaled = logits.float()
     if config.temperature != 1.0:
         scaled = scaled / config.temperature
@@ -110,6 +116,18 @@ def sample_step(
         kept_counts=counts,
         full_logprobs=full_logprobs,
         truncated=truncated,
+    )
+
+
+def _greedy(logits: torch.Tensor) -> StepDraw:
+    tokens = logits.argmax(dim=-1)
+    zeros = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
+    return StepDraw(
+        tokens=tokens,
+        logprobs=zeros,
+        kept_ids=tokens[:, None],
+        kept_counts=torch.ones_like(tokens),
+        full_logprobs=zeros,
     )
 
 

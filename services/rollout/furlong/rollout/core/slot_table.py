@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 
-from furlong.rollout.core.llama_runner import attention_groups
+from furlong.rollout.core.attention import attention_groups
 
 
 class SlotTable:

@@ -44,8 +44,17 @@ class LearnerConfig:
         if not isinstance(self.algorithm, AlgorithmSettings):
             raise ValueError(f"algorithm must be AlgorithmSettings, got {type(self.algorithm).__name__}")
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"sampling.temperature must be a finite number > 0, got {t!r}")
+        if t == 0:
+            # Greedy decoding draws from a point mass on the argmax: every sampled token has
+            # log-prob 0 whatever the weights, so there is no policy gradient and no importance
+            # ratio to train on. Generation and evaluation take temperature 0; training does not.
+            raise ValueError(
+                "sampling.temperature 0 (greedy decoding) cannot be trained on: its sampling "
+                "distribution is a point mass with log-prob 0 and no gradient; train with "
+                "sampling.temperature > 0 (temperature 0 is for generation and evaluation)"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
 

@@ -36,6 +36,8 @@ from furlong.core.weight_shards import ShardLayout
 from furlong.core.weight_versions import (
     NO_VERSION,
     EventKind,
+    RoundAck,
+    VersionAck,
     VersionEventInfo,
     VersionStatusInfo,
     WeightSourceInfo,
@@ -297,21 +299,10 @@ class BrokerCore:
             self._cond.notify_all()
             return sorted(current.pending_on_round(index))
 
-    def ack_round(
-        self,
-        run_id: str,
-        engine_id: str,
-        version: int,
-        index: int,
-        ok: bool,
-        error: str = "",
-        transfer_seconds: float = 0.0,
-        transfer_bytes: int = 0,
-        lane: str = "",
-    ) -> None:
+    def ack_round(self, ack: RoundAck) -> None:
         """Record an engine's verdict on one round it pulled (ok: bytes verified). The transfer
         figures are informative; the version acknowledgement carries the totals."""
-        _check_figures(transfer_seconds, transfer_bytes)
+        run_id, engine_id, version, index = ack.run_id, ack.engine_id, ack.version, ack.index
         with self._lock:
             run = self._run(run_id)
             current = self._acked_version(run, engine_id, version)
@@ -321,12 +312,12 @@ class BrokerCore:
                     f"version {version}, staged up to {current.staged_round}"
                 )
             # Transfer figures reach the observer once, with the version's acknowledgement.
-            if ok:
+            if ack.ok:
                 current.round_acks.setdefault(index, set()).add(engine_id)
                 self._cond.notify_all()
             else:
                 retry = [round_ready(run_id, version, index)] if index in current.resident_rounds() else []
-                self._failed_attempt(run, current, engine_id, f"round {index}: {error}", retry)
+                self._failed_attempt(run, current, engine_id, f"round {index}: {ack.error}", retry)
 
     def wait_round(self, run_id: str, version: int, index: int, timeout_s: float) -> list[str]:
         """Block until every engine still required pulled round `index` of `version`. Engines that
@@ -358,31 +349,28 @@ class BrokerCore:
                 self._fence_overdue(run)
                 self._cond.wait(min(deadline - now, self._until_overdue(run)))
 
-    def ack_version(
-        self,
-        run_id: str,
-        engine_id: str,
-        version: int,
-        ok: bool,
-        error: str = "",
-        transfer_seconds: float = 0.0,
-        transfer_bytes: int = 0,
-        lane: str = "",
-    ) -> int:
+    def ack_version(self, ack: VersionAck) -> int:
         """Record an engine's verdict on the latest version. Returns the committed version."""
-        _check_figures(transfer_seconds, transfer_bytes)
         with self._lock:
-            run = self._run(run_id)
-            latest = self._acked_version(run, engine_id, version)
+            run = self._run(ack.run_id)
+            latest = self._acked_version(run, ack.engine_id, ack.version)
             if self._observer is not None:
                 self._observer.ack_received(
-                    run_id, engine_id, version, ok, transfer_seconds, transfer_bytes, lane
+                    ack.run_id,
+                    ack.engine_id,
+                    ack.version,
+                    ack.ok,
+                    ack.transfer_seconds,
+                    ack.transfer_bytes,
+                    ack.lane,
                 )
-            if ok:
-                latest.acked.add(engine_id)
+            if ack.ok:
+                latest.acked.add(ack.engine_id)
                 self._settle(run)
             else:
-                self._failed_attempt(run, latest, engine_id, error, latest.events_for_newcomer(run_id))
+                self._failed_attempt(
+                    run, latest, ack.engine_id, ack.error, latest.events_for_newcomer(ack.run_id)
+                )
             return run.committed_version
 
     def _acked_version(self, run: Run, engine_id: str, version: int) -> Version:
@@ -608,11 +596,6 @@ class BrokerCore:
     def _notify_engines(self, run: Run) -> None:
         if self._observer is not None:
             self._observer.engines_changed(run.run_id, len(run.engines))
-
-
-def _check_figures(transfer_seconds: float, transfer_bytes: int) -> None:
-    if transfer_seconds < 0 or transfer_bytes < 0:
-        raise ValueError(f"negative transfer figures: {transfer_seconds} s, {transfer_bytes} bytes")
 
 
 def _check_timeout(timeout_s: float) -> None:
