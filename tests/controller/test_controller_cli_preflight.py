@@ -13,7 +13,7 @@ import yaml
 from furlong.controller import cli
 from furlong.controller.run_preflight import check_model, preflight
 from furlong.controller.run_spec import parse_run_spec
-from furlong.core.tokenizer import CharTokenizer
+from furlong.core.tokenizer import char_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +67,7 @@ def test_unbounded_numbers_exit_2_naming_the_field_before_anything_starts(
 def test_a_missing_model_directory_exits_2_naming_model(tmp_path, capsys, nothing_starts):
     code, err = run_cli(tmp_path, capsys, model="no-such-dir")
     assert code == 2
-    assert f"model: checkpoint directory {tmp_path / 'no-such-dir'} does not exist" in err
+    assert f"model: model directory {tmp_path / 'no-such-dir'} does not exist" in err
 
 
 def test_a_model_path_that_is_a_file_exits_2(tmp_path, capsys, nothing_starts):
@@ -76,36 +76,54 @@ def test_a_model_path_that_is_a_file_exits_2(tmp_path, capsys, nothing_starts):
     assert code == 2 and "model:" in err and "is not a directory" in err
 
 
-@pytest.mark.parametrize("missing", ["config.json", "tokenizer.json", "model.safetensors"])
-def test_a_checkpoint_without_a_loader_file_exits_2_naming_it(
-    tmp_path, capsys, checkpoint, nothing_starts, missing
+@pytest.mark.parametrize(
+    ("removed", "named"),
+    [
+        (["config.json"], "config.json"),
+        (["tokenizer.json", "tokenizer_config.json"], "tokenizer.json or tokenizer_config.json"),
+        (["model.safetensors"], "model.safetensors or model.safetensors.index.json"),
+    ],
+)
+def test_a_model_directory_without_a_loader_file_exits_2_naming_it(
+    tmp_path, capsys, checkpoint, nothing_starts, removed, named
 ):
-    (checkpoint / missing).unlink()
+    for name in removed:
+        (checkpoint / name).unlink()
     code, err = run_cli(tmp_path, capsys)
     assert code == 2
-    assert f"model: checkpoint directory {checkpoint} has no {missing}" in err
+    assert f"model: model directory {checkpoint} has no {named}" in err
+
+
+def test_a_model_directory_without_a_generation_config_exits_2_naming_it(
+    tmp_path, capsys, checkpoint, nothing_starts
+):
+    (checkpoint / "generation_config.json").unlink()
+    code, err = run_cli(tmp_path, capsys)
+    assert code == 2 and "model:" in err and "generation_config.json" in err
 
 
 def test_a_tokenizer_that_does_not_match_the_config_exits_2(tmp_path, capsys, checkpoint, nothing_starts):
-    CharTokenizer("0123456789+=-").save(checkpoint)  # one token more than config.json's vocab_size
+    char_tokenizer("0123456789+=-").save(checkpoint)  # one token more than config.json's vocab_size
     code, err = run_cli(tmp_path, capsys)
-    assert code == 2 and "model:" in err and "vocab_size 15 but its tokenizer has 16 tokens" in err
+    assert code == 2 and "model:" in err
+    assert "the tokenizer knows 16 ids, more than config.json's vocab_size 15" in err
 
 
 def test_a_config_of_another_model_type_exits_2(tmp_path, capsys, checkpoint, nothing_starts):
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     code, err = run_cli(tmp_path, capsys)
-    assert code == 2 and "model:" in err and "model_type 'gpt2', expected 'llama'" in err
+    assert code == 2 and "model:" in err and "model_type 'gpt2' is not a supported family" in err
 
 
 def test_a_task_the_tokenizer_cannot_encode_exits_2_naming_task(tmp_path, capsys, checkpoint, nothing_starts):
     config = json.loads((checkpoint / "config.json").read_text())
-    CharTokenizer("0123456789=x").save(checkpoint)  # no '+': the addition prompts cannot be encoded
+    char_tokenizer("0123456789=x").save(checkpoint)  # no '+': the addition prompts cannot be encoded
     (checkpoint / "config.json").write_text(json.dumps(config))
     code, err = run_cli(tmp_path, capsys)
     assert code == 2
-    assert "task: 'addition' does not fit the model's tokenizer: character '+'" in err
+    assert "task: 'addition' does not fit the model's tokenizer: cannot tokenize" in err
+    assert "(character '+' at position" in err
 
 
 def test_an_unknown_task_exits_2_naming_task(tmp_path, capsys, checkpoint, nothing_starts):
@@ -116,6 +134,11 @@ def test_an_unknown_task_exits_2_naming_task(tmp_path, capsys, checkpoint, nothi
 def test_the_example_checkpoint_passes_the_preflight(checkpoint):
     spec = parse_run_spec({"name": "ok", "model": str(checkpoint), "task": "addition", "steps": 1})
     summary = preflight(spec)
-    assert (summary.path, summary.vocab_size, summary.weights_file) == (checkpoint, 15, "model.safetensors")
+    assert (summary.path, summary.model_type, summary.vocab_size, summary.num_shards) == (
+        checkpoint,
+        "llama",
+        15,
+        1,
+    )
     summary, tokenizer = check_model(str(EXAMPLE_CHECKPOINT))
     assert tokenizer.encode("12+34=")[1:] == [4, 5, 13, 6, 7, 14]

@@ -242,7 +242,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         for policy in place_policies(result.run, out_dir):
             console.print(f"policy: {policy}", markup=False, highlight=False)
     except OSError as exc:
-        err_console.print(f"[red]cannot place the run's policies in {escape(str(out_dir))}:[/] {escape(str(exc))}")
+        err_console.print(
+            f"[red]cannot place the run's policies in {escape(str(out_dir))}:[/] {escape(str(exc))}"
+        )
         return 1
     if result.interrupted:
         return 130

@@ -148,7 +148,9 @@ def _wait_ready(config: StackConfig, proc: subprocess.Popen[bytes], supervisor_l
             if event.kind == StackEventKind.READY:
                 info = load_stack(config.state_dir)
                 if info is None:  # pragma: no cover - the supervisor writes it before READY
-                    raise RuntimeError(f"the supervisor reported ready but wrote no {stack_file(config.state_dir)}")
+                    raise RuntimeError(
+                        f"the supervisor reported ready but wrote no {stack_file(config.state_dir)}"
+                    )
                 return info
             if event.kind == StackEventKind.START_FAILED:
                 proc.wait(config.stop_timeout_s * len(STOP_WAVES) + 10)  # it stops what it started

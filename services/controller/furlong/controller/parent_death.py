@@ -45,7 +45,9 @@ def main(argv: list[str]) -> int:
     parent_pid, sig = int(argv[0]), signal.Signals[argv[1]]
     command = argv[3:]
     if not _set_parent_death_signal(sig):
-        print(f"{__name__}: no prctl on {sys.platform}; {command[0]} will outlive its parent", file=sys.stderr)
+        print(
+            f"{__name__}: no prctl on {sys.platform}; {command[0]} will outlive its parent", file=sys.stderr
+        )
     if os.getppid() != parent_pid:  # the parent died before the prctl: no signal will come
         print(f"{__name__}: parent {parent_pid} is gone; not starting {command[0]}", file=sys.stderr)
         return 1

@@ -202,7 +202,9 @@ def service_event(run: Run, fields: Mapping[str, Any], now: float) -> ServiceEve
     """The event of a local-stack service change (fields: those of ServiceEvent beyond the run's)
     recorded into run's stream at now."""
     if fields.get("action") not in SERVICE_ACTIONS:
-        raise ValueError(f"service event: action must be one of {SERVICE_ACTIONS}, got {fields.get('action')!r}")
+        raise ValueError(
+            f"service event: action must be one of {SERVICE_ACTIONS}, got {fields.get('action')!r}"
+        )
     return ServiceEvent(**{**_snapshot(run), "time": float(now)}, **fields)
 
 

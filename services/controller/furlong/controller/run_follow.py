@@ -277,7 +277,10 @@ def _loop(
                     )
             if interrupts.requested and stop_deadline is None:
                 stop_deadline = _ask_stop(
-                    follower, display, f"stopping run {run_id} (Ctrl-C again to stop waiting)", opts.stop_wait_s
+                    follower,
+                    display,
+                    f"stopping run {run_id} (Ctrl-C again to stop waiting)",
+                    opts.stop_wait_s,
                 )
             try:
                 new = follower.poll()

@@ -279,7 +279,9 @@ class RunStore:
         run = self.get(run_id)
         event = service_event(run, fields, self._clock())
         with self._errors():
-            self._redis.xadd(events_key(run_id), _stream_fields(event), maxlen=EVENTS_MAXLEN, approximate=True)
+            self._redis.xadd(
+                events_key(run_id), _stream_fields(event), maxlen=EVENTS_MAXLEN, approximate=True
+            )
 
     def events(self, run_id: str, after: str = "0-0", count: int = 100) -> EventPage:
         """The events of up to count stream entries recorded after stream id after, oldest first.

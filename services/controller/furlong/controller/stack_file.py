@@ -164,7 +164,9 @@ class StackStatus:
             return f"a stack is running in {d}; its supervisor is restarting {', '.join(names)}"
         supervisor = info.supervisor
         if supervisor is None or not is_running(supervisor):
-            who = f"its supervisor (pid {supervisor.pid}) has exited" if supervisor else "it has no supervisor"
+            who = (
+                f"its supervisor (pid {supervisor.pid}) has exited" if supervisor else "it has no supervisor"
+            )
             if not self.dead:
                 return f"the stack in {d} is broken: {who}, so nothing restarts its services"
             return f"the stack in {d} is broken: {self._dead_words()} not running and {who}"

@@ -367,16 +367,18 @@ class Supervisor:
         words = ended_words(exit_code, sig)
         policy = self.config.restart
         decision = policy.decide(self._restarted_at.get(sp.name, []), now)
-        common = {
-            "time": time.time(),
-            "service": sp.name,
-            "pid": sp.pid,
-            "exit_code": exit_code,
-            "signal": sig,
-            "budget": policy.budget,
-            "log_path": sp.log_path,
-            "log_tail": log_tail(sp.log_path, LOG_TAIL_LINES),
-        }
+        base = StackEvent(
+            StackEventKind.EXITED,
+            time=time.time(),
+            message="",
+            service=sp.name,
+            pid=sp.pid,
+            exit_code=exit_code,
+            signal=sig,
+            budget=policy.budget,
+            log_path=sp.log_path,
+            log_tail=log_tail(sp.log_path, LOG_TAIL_LINES),
+        )
         self._exited_at[sp.name] = now
         if decision is None:
             reason = policy.spent(sp.name, words)
@@ -384,7 +386,7 @@ class Supervisor:
             self._set_restarting(sp.name, False)
             self.info = replace(self.info, given_up={**self.info.given_up, sp.name: reason})
             self._write()
-            self.emit(StackEvent(StackEventKind.GAVE_UP, message=reason, **common), for_runs=True)
+            self.emit(replace(base, kind=StackEventKind.GAVE_UP, message=reason), for_runs=True)
             return
         self._due[sp.name] = (now + decision.delay_s, decision.restart)
         self._set_restarting(sp.name, True)
@@ -393,14 +395,7 @@ class Supervisor:
             f"(restart {decision.restart} of {policy.budget} within {policy.window_s:g}s)"
         )
         self.emit(
-            StackEvent(
-                StackEventKind.EXITED,
-                message=message,
-                restart=decision.restart,
-                delay_s=decision.delay_s,
-                **common,
-            ),
-            for_runs=True,
+            replace(base, message=message, restart=decision.restart, delay_s=decision.delay_s), for_runs=True
         )
 
     def _restart(self, name: str, restart: int) -> None:
@@ -412,7 +407,9 @@ class Supervisor:
         processes[index] = new
         self.info = replace(self.info, processes=tuple(processes))
         self._write()
-        self._unhealthy[name] = (lambda: ping("127.0.0.1", new.port)) if name == "redis" else _health_check(new)
+        self._unhealthy[name] = (
+            (lambda: ping("127.0.0.1", new.port)) if name == "redis" else _health_check(new)
+        )
         self.emit(
             StackEvent(
                 StackEventKind.RESTARTED,
@@ -505,9 +502,7 @@ def run_supervisor(config: StackConfig, info: StackInfo, owner: OwnerWatch | Non
     code = 0
     try:
         supervisor.launch()
-        supervisor.emit(
-            StackEvent(StackEventKind.READY, time.time(), f"the stack in {state_dir} is ready")
-        )
+        supervisor.emit(StackEvent(StackEventKind.READY, time.time(), f"the stack in {state_dir} is ready"))
         supervisor.supervise()
     except StartFailed as exc:
         supervisor.emit(

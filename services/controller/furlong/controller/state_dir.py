@@ -38,7 +38,9 @@ def resolve_state_dir(explicit: Path | None, env: Mapping[str, str], cwd: Path) 
     for directory in (cwd, *cwd.parents):
         candidate = directory / DIR_NAME
         if candidate.is_dir():
-            where = "the working directory" if directory == cwd else f"found above the working directory {cwd}"
+            where = (
+                "the working directory" if directory == cwd else f"found above the working directory {cwd}"
+            )
             return StateDir(candidate.resolve(), f"the nearest {DIR_NAME}: {where}")
     return StateDir(cwd / DIR_NAME, f"no {DIR_NAME} in or above the working directory: a new one here")
 
