@@ -400,24 +400,48 @@ class RunStore:
 
         return self._update(run_id, change, push=(metrics_key(run_id), json.dumps(record.to_dict())))
 
-    def rewind(self, run_id: str, step: int, policy_version: int, reason: str) -> Run:
+    def rewind(
+        self,
+        run_id: str,
+        step: int,
+        policy_version: int,
+        reason: str,
+        restored: StepRecord | None = None,
+    ) -> Run:
         """Recovery: the run goes back to `step` (its last checkpoint) now serving `policy_version`;
-        the records of later steps are dropped and a `recovery` event names the reason. (A
-        checkpoint written just before a crash can be one step past the last recorded one.)"""
+        the records of later steps are dropped and a `recovery` event names the reason. A checkpoint
+        written just before a crash can be one step past the last recorded one (the controller died
+        between the trainer's checkpoint and its own record): `restored`, the record of that step
+        rebuilt from the checkpoint, is then appended in the same transaction, so every step that
+        ran has exactly one record. A `restored` record of another step is a ValueError."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if restored is not None and restored.step != step:
+            raise ValueError(f"restored record is of step {restored.step}, not the checkpoint's {step}")
+        before = self.get(run_id)
+        push = None
+        if restored is not None and before.current_step == step - 1:
+            push = (metrics_key(run_id), json.dumps(restored.to_dict()))
 
         def change(run: Run) -> Run:
             if run.state.terminal:
                 raise ConflictError(f"run {run_id} already finished ({run.state.value})")
+            if run.current_step != before.current_step:
+                raise ConflictError(
+                    f"run {run_id}: step changed from {before.current_step} to {run.current_step} "
+                    "during its rewind"
+                )
             return replace(run, current_step=step, policy_version=policy_version, updated_at=self._clock())
 
         run = self._update(
             run_id,
             change,
+            push=push,
             trim=(metrics_key(run_id), step),
             describe=lambda _before, after: recovery_event(after, reason),
         )
+        if push is not None:
+            log.info("run %s: record of step %d restored from the trainer's checkpoint", run_id, step)
         log.info("run %s rewound to step %d (version %d): %s", run_id, step, policy_version, reason)
         return run
 

@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry
 from furlong.core.checkpoint import export_policy, load_policy
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
 from furlong.core.models import check_transformers_model
-from furlong.core.samples import TRAINER_GROUP, stream_key
+from furlong.core.samples import TRAINER_GROUP, SampleGroup, stream_key
 from furlong.core.settings.checkpoint import DEFAULT_EXPORT_SHARD_BYTES
 from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_STEPS
 from furlong.core.weights import WeightLayout
@@ -51,7 +51,7 @@ from furlong.trainer.api import (
     TrainStepRequest,
     TrainStepResult,
 )
-from furlong.trainer.core.learner import Learner, LearnerConfig
+from furlong.trainer.core.learner import Learner, LearnerConfig, StepStats
 from furlong.trainer.metrics import TrainerMetrics
 from furlong.trainer.offload import Offloader, learner_offloader
 from furlong.trainer.sample_reader import SampleReader
@@ -260,13 +260,14 @@ class TrainerService:
                 run.reader.release(batch.entry_ids)
                 raise
             run.ledger.add(batch)
-            cursor = run.ledger.cursor(step)
+            summary = _step_summary(stats, batch.groups, trainer_version)
+            cursor = run.ledger.cursor(step, summary)
             checkpoint = self._checkpoint_dir(run_id)
             if checkpoint is None:  # nothing becomes more durable than this
                 run.ledger.commit(step, run.learner.version, run.reader, durable=False)
             elif run.ledger.due(step, run.total_steps):  # durable before ledger and acknowledgement
                 save_training_checkpoint(run.learner, checkpoint, step, cursor)
-                run.ledger.commit(step, run.learner.version, run.reader)
+                run.ledger.commit(step, run.learner.version, run.reader, result=summary)
             run.last_step = step
             run.data_cursor = cursor
             seconds = time.perf_counter() - started
@@ -440,6 +441,19 @@ class TrainerService:
                 self.end_run(run_id)
             except NotFoundError:
                 pass
+
+
+def _step_summary(stats: StepStats, groups: list[SampleGroup], trainer_version: int) -> dict[str, Any]:
+    """What a checkpoint keeps of its step for the controller's record of it (`trained_groups`)."""
+    versions = [sample.policy_version for group in groups for sample in group.samples]
+    return {
+        "loss": stats.loss,
+        "num_samples": stats.num_samples,
+        "num_tokens": stats.num_tokens,
+        "train_seconds": stats.step_seconds,
+        "sampled_policy_version": min(versions, default=trainer_version),
+        "metrics": stats.as_metrics(),
+    }
 
 
 def _require_resident(run: _Run, action: str) -> None:
