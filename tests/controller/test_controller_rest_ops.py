@@ -17,6 +17,7 @@ from furlong.controller.auth import ApiTokens
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
+from furlong.core.errors import UnavailableError
 
 pytestmark = pytest.mark.integration
 
@@ -339,3 +340,19 @@ def test_openapi_document_is_served_and_complete(env):
     assert body["properties"]["sampling"]["properties"]["top_p"] == {"type": "number"}
     assert "application/problem+json" in paths["/v1/runs/{run_id}"]["get"]["responses"]["404"]["content"]
     assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+
+
+def test_delete_removes_the_run_s_checkpoints_unless_asked_to_keep_them(env):
+    kept, removed = (env.http.post("/v1/runs", json={**SPEC, "steps": 1}).json()["run_id"] for _ in range(2))
+    for run_id in (kept, removed):
+        wait_for(lambda r=run_id: env.state(r) == "succeeded", what=f"{run_id} to succeed")
+    trainer = env.fakes.trainer
+    assert env.http.delete(f"/v1/runs/{kept}", params={"keep_checkpoints": "true"}).status_code == 204
+    assert trainer.checkpoints_deleted == []
+    env.fakes.faults.raise_in["trainer.delete_checkpoints"] = UnavailableError("trainer unreachable")
+    is_problem(env.http.delete(f"/v1/runs/{removed}"), 503)
+    assert env.state(removed) == "succeeded"  # nothing deleted when the trainer cannot be reached
+    del env.fakes.faults.raise_in["trainer.delete_checkpoints"]
+    assert env.http.delete(f"/v1/runs/{removed}").status_code == 204
+    assert trainer.checkpoints_deleted == [removed]
+    is_problem(env.http.get(f"/v1/runs/{removed}"), 404)

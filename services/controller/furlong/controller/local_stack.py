@@ -165,8 +165,9 @@ def _wait_ready(config: StackConfig, proc: subprocess.Popen[bytes], supervisor_l
                 log_tail(supervisor_log),
             )
         if time.monotonic() > deadline:
+            waited_s = config.ready_timeout_s + _START_MARGIN_S
             raise StackStartError(
-                f"the stack supervisor reported nothing within {config.ready_timeout_s + _START_MARGIN_S:.0f}s",
+                f"the stack supervisor reported nothing within {waited_s:.0f}s",
                 "supervisor",
                 str(supervisor_log),
                 log_tail(supervisor_log),

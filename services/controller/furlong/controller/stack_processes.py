@@ -2,8 +2,9 @@
 
 Every process is started in its own session (so a Ctrl-C in the terminal does not reach it, and it
 can be signalled as a process group) with its output going to its own log file; a service started
-by the stack's supervisor gets SIGTERM from the kernel when the supervisor dies (`parent_death`). A process is identified
-by pid *and* creation time, so a pid the OS has since reused is never signalled.
+by the stack's supervisor gets SIGTERM from the kernel when the supervisor dies (`parent_death`). A
+process is identified by pid *and* creation time, so a pid the OS has since reused is never
+signalled.
 """
 
 from __future__ import annotations
