@@ -114,6 +114,11 @@ def test_cursor_pages_and_state_filter(env):
     rest = env.http.get("/v1/runs", params={"state": "pending", "cursor": pending["next_cursor"]})
     assert [r["run_id"] for r in rest.json()["runs"]] == list(reversed(ids[1:]))[4:]
     assert rest.json()["next_cursor"] is None
+    # a last page that is exactly full has no next cursor (one would only lead to an empty page)
+    last = env.http.get("/v1/runs", params={"limit": 3, "cursor": pending["next_cursor"]}).json()
+    assert len(last["runs"]) == 3 and last["next_cursor"] is None
+    exact = env.http.get("/v1/runs", params={"limit": 7}).json()
+    assert len(exact["runs"]) == 7 and exact["next_cursor"] is None
     assert is_problem(env.http.get("/v1/runs", params={"cursor": "@@nope"}), 422)["field"] == "cursor"
     assert is_problem(env.http.get("/v1/runs", params={"limit": 0}), 422)["field"] == "limit"
     gate.set()

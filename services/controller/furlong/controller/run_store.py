@@ -213,11 +213,13 @@ class RunStore:
         self, state: RunState | None, limit: int, cursor: str | None = None
     ) -> tuple[list[Run], str | None]:
         """Up to limit runs, newest first, after cursor (from the previous page), optionally only
-        those in state; and the cursor of the next page (None on the last page)."""
+        those in state; and the cursor of the next page (None on the last page: a full page is only
+        given a cursor when at least one more run follows it)."""
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         after = decode_cursor(cursor) if cursor else None
         page: list[Run] = []
+        full_at: tuple[float, str] | None = None  # the page's last run, once the page is full
         offset = 0
         with self._errors():
             while True:
@@ -237,10 +239,13 @@ class RunStore:
                     if raw is None:
                         continue
                     run = Run.from_dict(json.loads(raw))
-                    if state is None or run.state == state:
-                        page.append(run)
-                        if len(page) == limit:
-                            return page, encode_cursor(score, run_id)
+                    if state is not None and run.state != state:
+                        continue
+                    if full_at is not None:  # one more run follows the full page
+                        return page, encode_cursor(*full_at)
+                    page.append(run)
+                    if len(page) == limit:
+                        full_at = (score, run_id)
                 if last_batch:
                     return page, None
 
