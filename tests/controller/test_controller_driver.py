@@ -159,7 +159,8 @@ def test_stop_between_phases_cancels(env):
     worker.join(10)
     final = result["run"]
     assert final.state == RunState.CANCELLED
-    assert final.reason == "stopped by request after step 1 rollout.Generate"
+    # the reason names the step in progress and the last completed one, which is current_step
+    assert final.reason == "stopped by request during step 1 (after rollout.Generate; last completed step 0)"
     assert final.current_step == 0 and store.metrics(run.run_id) == []
     assert fakes.rollout.ended == [run.run_id]
     assert sample(metrics, "furlong_controller_runs_total", state="cancelled") == 1

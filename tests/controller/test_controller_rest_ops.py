@@ -361,3 +361,27 @@ def test_delete_removes_the_run_s_checkpoints_unless_asked_to_keep_them(env):
     assert env.http.delete(f"/v1/runs/{removed}").status_code == 204
     assert trainer.checkpoints_deleted == [removed]
     is_problem(env.http.get(f"/v1/runs/{removed}"), 404)
+
+
+def test_a_checkpoint_taken_between_train_step_and_its_record_shows_no_step_behind(env):
+    """The trainer checkpoints step 1 it has trained while the driver has not recorded it yet: the
+    checkpoint is recorded once step 1 is, so the run and its checkpoint event agree."""
+    publish = env.fakes.faults.gates["publish_weights"] = threading.Event()
+    hold = env.fakes.faults.gates["trainer.checkpoint"] = threading.Event()
+    run_id = env.http.post("/v1/runs", json={**SPEC, "steps": 2}).json()["run_id"]
+    assert env.fakes.faults.entered.setdefault("publish_weights", threading.Event()).wait(30)
+    reply = {}
+    worker = threading.Thread(
+        target=lambda: reply.setdefault("r", env.http.post(f"/v1/runs/{run_id}/checkpoint"))
+    )
+    worker.start()
+    assert env.fakes.faults.entered.setdefault("trainer.checkpoint", threading.Event()).wait(30)
+    hold.set()  # the trainer answers: a checkpoint of step 1, which is not recorded yet
+    publish.set()
+    worker.join(30)
+    run = reply["r"].json()
+    assert run["checkpoint"]["step"] == 1 and run["current_step"] >= 1, run
+    wait_for(lambda: env.state(run_id) == "succeeded", what="run to finish")
+    events = [json.loads(e["data"]) for e in read_sse(env.http, f"/v1/runs/{run_id}/events")]
+    (event,) = [e for e in events if e["type"] == "checkpoint"]
+    assert event["current_step"] >= event["checkpoint_step"] == 1, event

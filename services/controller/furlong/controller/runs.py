@@ -23,6 +23,8 @@ from furlong.trainer.api import CheckpointResult
 
 log = logging.getLogger(__name__)
 
+_RECORDED_POLL_S = 0.02
+
 
 class RunSubmitter(Protocol):
     def submit(self, run_id: str) -> None:
@@ -118,7 +120,19 @@ class RunService:
         ref = CheckpointRef(
             step=result.step, path=result.path, policy_version=result.policy_version, created_at=time.time()
         )
+        self._wait_recorded(run_id, result.step)
         return self._store.record_checkpoint(run_id, ref)
+
+    def _wait_recorded(self, run_id: str, step: int) -> None:
+        """Wait (bounded) until the driver recorded `step`: the trainer checkpoints the step it
+        trained last, which the driver records only after publishing it, and the checkpoint's run
+        and event must not show a `current_step` behind the checkpoint's own step."""
+        deadline = time.monotonic() + self._checkpoint_timeout_s
+        while True:
+            run = self._store.get(run_id)
+            if run.current_step >= step or run.state.terminal or time.monotonic() > deadline:
+                return
+            time.sleep(_RECORDED_POLL_S)
 
     def delete_run(self, run_id: str, keep_checkpoints: bool = False) -> None:
         """Remove a finished run, its metrics and events, and (unless `keep_checkpoints`) its
