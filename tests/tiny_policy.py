@@ -51,6 +51,7 @@ def trainer_run(
     seed: int = 0,
     temperature: float = 1.0,
     every_steps: int = 1,
+    keep_last: int = 2,
     **algorithm,
 ):
     """A trainer ConfigureRun request with AlgorithmSettings(**algorithm)."""
@@ -64,7 +65,7 @@ def trainer_run(
         sampling_temperature=temperature,
         seed=seed,
         total_steps=total_steps,
-        checkpoint=CheckpointSettings(every_steps=every_steps),
+        checkpoint=CheckpointSettings(every_steps=every_steps, keep_last=keep_last),
     )
 
 

@@ -102,6 +102,7 @@ class FakeTrainer:
         self.configured: dict[str, TrainerRunConfig] = {}
         self.ended: list[str] = []
         self.exports: list[PolicyExport] = []
+        self.checkpoints_deleted: list[str] = []
         self.policy_root = Path(tempfile.mkdtemp(prefix="fake-policies-"))
 
     def configure_run(self, config: TrainerRunConfig) -> TrainerRun:
@@ -145,6 +146,13 @@ class FakeTrainer:
         self.faults.hit("trainer.end_run")
         self.runs.pop(run_id, None)
         self.ended.append(run_id)
+
+    def delete_checkpoints(self, run_id: str) -> int:
+        self.faults.hit("trainer.delete_checkpoints")
+        if run_id in self.runs:
+            raise ConflictError(f"run {run_id} is configured on this trainer; end it first")
+        self.checkpoints_deleted.append(run_id)
+        return 1
 
     def checkpoint(self, run_id: str, directory: str = "") -> CheckpointResult:
         self.faults.hit("trainer.checkpoint")

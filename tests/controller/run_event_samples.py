@@ -13,6 +13,7 @@ from furlong.controller.run_events import (
     RecoveryEvent,
     RequestEvent,
     RunEvent,
+    ServiceEvent,
     StateEvent,
     StepEvent,
 )
@@ -44,7 +45,24 @@ def sample_events() -> list[RunEvent]:
         RecoveryEvent(
             **{**_COMMON, "state": RunState.RUNNING, "reason": "resumed from step 1", "current_step": 1}
         ),
+        ServiceEvent(
+            **{**_COMMON, "state": RunState.RUNNING, "current_step": 6, "policy_version": 6},
+            **SERVICE_FIELDS,
+        ),
     ]
+
+
+SERVICE_FIELDS = {
+    "service": "trainer",
+    "action": "restarting",
+    "pid": 4242,
+    "new_pid": 0,
+    "exit_code": -1,
+    "signal": "SIGKILL",
+    "restart": 1,
+    "log_tail": "INFO furlong.trainer: step 6 trained",
+    "message": "trainer (pid 4242) killed by SIGKILL; restarting it in 0.5s (restart 1 of 5 within 600s)",
+}
 
 
 def legacy_fields(event: RunEvent) -> dict[str, str]:
@@ -83,6 +101,7 @@ EVERY_EVENT_TYPES = [
     "step",
     "checkpoint",
     "step",
+    "service",
     "recovery",
     "step",
     "request",
@@ -106,6 +125,7 @@ def run_through_every_event(store: RunStore, name: str) -> str:
         run_id, CheckpointRef(step=1, path=f"/checkpoints/{run_id}", policy_version=1, created_at=1.5)
     )
     store.record_step(run_id, step_record(2, 2))
+    store.record_service_event(run_id, SERVICE_FIELDS)
     store.rewind(run_id, 1, 1, "resumed from step 1 after step 2 trainer.TrainStep: trainer went away")
     store.record_step(run_id, step_record(2, 2))
     store.request_stop(run_id)

@@ -5,6 +5,7 @@ checkpoint over REST mid-run, and the trainer's checkpoint directory holds that 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -106,8 +107,8 @@ def test_checkpoint_mid_run_is_written_by_the_trainer(services, tmp_path, redis_
         assert taken.status_code == 200, taken.text
         checkpoint = taken.json()["checkpoint"]
         assert checkpoint["step"] >= 1 and checkpoint["policy_version"] >= 1
-        assert checkpoint["path"] == str(tmp_path / "checkpoints" / run_id)
-        manifest = json.loads((tmp_path / "checkpoints" / run_id / MANIFEST).read_text())
+        assert checkpoint["path"] == str(tmp_path / "checkpoints" / run_id / f"step-{checkpoint['step']}")
+        manifest = json.loads((Path(checkpoint["path"]) / MANIFEST).read_text())
         assert manifest["step"] == checkpoint["step"], manifest
 
         assert http.post(f"/v1/runs/{run_id}/stop").status_code == 200

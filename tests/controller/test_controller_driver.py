@@ -159,7 +159,8 @@ def test_stop_between_phases_cancels(env):
     worker.join(10)
     final = result["run"]
     assert final.state == RunState.CANCELLED
-    assert final.reason == "stopped by request after step 1 rollout.Generate"
+    # the reason names the step in progress and the last completed one, which is current_step
+    assert final.reason == "stopped by request during step 1 (after rollout.Generate; last completed step 0)"
     assert final.current_step == 0 and store.metrics(run.run_id) == []
     assert fakes.rollout.ended == [run.run_id]
     assert sample(metrics, "furlong_controller_runs_total", state="cancelled") == 1
@@ -383,3 +384,49 @@ def test_a_failed_export_fails_the_run_naming_the_phase(env):
     assert final.state == RunState.FAILED
     assert final.reason.startswith("step 2 trainer.ExportPolicy: ValueError: disk full")
     assert final.policies == ()
+
+
+def test_a_step_checkpointed_but_not_recorded_before_a_controller_crash_gets_its_one_record(env):
+    """The controller died between the trainer's checkpoint of step 3 and its own record of it: the
+    resumed run records step 3 from the trainer's summary, so steps 1..5 have one record each."""
+    store, fakes, driver, _ = env
+    run = store.create(make_spec(steps=5))
+    store.transition(run.run_id, RunState.STARTING)
+    store.transition(run.run_id, RunState.RUNNING)
+    for step in (1, 2):
+        store.record_step(run.run_id, _record(step))
+    real_configure = fakes.trainer.configure_run
+
+    def configure_from_checkpoint(config: TrainerRunConfig):
+        out = real_configure(config)  # the real trainer resumes from its checkpoint of step 3
+        fakes.trainer.runs[config.run_id].update(step=3, version=4)
+        ledger = store.ledger(config.run_id)
+        ledger.commit_trained([], 3, 3, reconcile=True)
+        ledger.record_checkpoint_result(
+            3, {"loss": 0.25, "num_samples": 8, "num_tokens": 40, "metrics": {"reward_mean": 0.5}}
+        )
+        return dataclasses.replace(out, policy_version=4)
+
+    fakes.trainer.configure_run = configure_from_checkpoint
+    final = driver.resume(run.run_id)
+    assert final.state == RunState.SUCCEEDED, final.reason
+    records = store.metrics(run.run_id)
+    assert [r.step for r in records] == [1, 2, 3, 4, 5]
+    assert (records[2].loss, records[2].samples, records[2].reward_mean) == (0.25, 8, 0.5)
+    assert [c.step for c in fakes.rollout.generate_calls] == [4, 5]
+
+
+def _record(step: int):
+    from furlong.controller.core.step_record import StepRecord
+
+    return StepRecord(
+        step=step,
+        reward_mean=0.0,
+        loss=1.0,
+        policy_version=step,
+        samples=8,
+        step_seconds=0.1,
+        generate_seconds=0.0,
+        train_seconds=0.1,
+        sync_seconds=0.0,
+    )

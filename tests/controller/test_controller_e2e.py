@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,9 +215,13 @@ def started_by(state_dir: Path, before: set[int]) -> list[int]:
     ]
 
 
-def test_failed_run_exits_nonzero_and_leaves_nothing(tmp_path):
+def test_failed_run_exits_nonzero_and_leaves_nothing(checkpoint, tmp_path):
+    # The CLI checks the checkpoint's files before it starts anything, not the weights themselves:
+    # unreadable weights fail the run on the services, after the stack started.
+    broken = Path(shutil.copytree(checkpoint, tmp_path / "broken"))
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(spec("no-such-checkpoint")))
+    config.write_text(yaml.safe_dump(spec(str(broken))))
     state_dir = tmp_path / "state"
     before = {p.pid for p in psutil.process_iter()}
     result = subprocess.run(
@@ -227,7 +232,7 @@ def test_failed_run_exits_nonzero_and_leaves_nothing(tmp_path):
     )
     assert result.returncode == 1, result.stdout + result.stderr
     unwrapped = "".join((result.stdout + result.stderr).split())  # rich wraps long lines
-    assert "rollout.ConfigureRun" in unwrapped and "no-such-checkpointdoesnotexist" in unwrapped
+    assert "rollout.ConfigureRun" in unwrapped and "cannotberead" in unwrapped, unwrapped
     assert not (state_dir / "stack.json").exists()
     assert all_gone(started_by(state_dir, before))
 

@@ -131,3 +131,17 @@ def test_drain_an_engine_over_rest(stack):
     assert [e.in_flight for e in states.engines] == [0, 0]
     assert states.ledger.done == 6 and states.ledger.pending == states.ledger.in_flight == 0
     admin.close()
+
+
+def test_draining_the_last_serving_engine_is_refused_with_409_naming_why(stack):
+    service, url, checkpoint, _ = stack
+    service.configure_run(rollout_run(RUN, checkpoint, num_engines=2, seed=5))
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30.0)
+    try:
+        first = admin.post(f"/v1/engines/{RUN}-engine-0/drain", params={"run_id": RUN})
+        assert first.status_code == 200 and first.json()["state"] == "drained"
+        refused = problem(admin.post(f"/v1/engines/{RUN}-engine-1/drain", params={"run_id": RUN}), 409)
+        assert f"{RUN}-engine-1 is the last serving engine of run {RUN}" in refused["detail"]
+        assert [e.state.value for e in service.status(RUN).engines] == ["drained", "serving"]
+    finally:
+        admin.close()

@@ -4,6 +4,7 @@ processes; trainer, rollout and broker are the in-process fakes served over real
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,8 +74,14 @@ def stack(fakes, tmp_path_factory):
     assert gone([p.pid for p in info.processes])
 
 
+EXAMPLE_CHECKPOINT = Path(__file__).resolve().parents[2] / "examples" / "addition" / "checkpoint"
+
+
 def write_config(directory: Path, **overrides) -> Path:
+    """A run config next to a copy of the example's checkpoint (`furlong run` checks it exists)."""
     directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / "ckpt" / "tiny").exists():
+        shutil.copytree(EXAMPLE_CHECKPOINT, directory / "ckpt" / "tiny")
     spec = {
         "name": "addition-fake",
         "model": "ckpt/tiny",
@@ -140,6 +147,12 @@ def test_cli_run_against_the_running_stack(stack, fakes, tmp_path, capsys):
     assert trained.sampling_temperature == 0.7 and trained.total_steps == 3
     assert (trained.algorithm.learning_rate, trained.algorithm.micro_batch_size) == (0.01, 3)
     assert "succeeded" in printed and run["run_id"] in printed
+    # output is not a terminal: one plain line per step
+    assert [line.split()[1] for line in printed.splitlines() if line.startswith("step ")] == [
+        "1/3",
+        "2/3",
+        "3/3",
+    ]
     assert running_stack(Path(stack.state_dir)) is not None  # a stack it did not start stays up
     # the final policy the trainer exported is placed in OUT/final (the only one: export_every_steps 0)
     assert [p["final"] for p in run["policies"]] == [True]
@@ -254,3 +267,23 @@ def test_down_stops_a_stack_started_by_the_cli_process(fakes, tmp_path):
     assert cli.main(["down", "--state-dir", str(state_dir)]) == 0
     assert gone(pids) and load_stack(state_dir) is None
     assert cli.main(["down", "--state-dir", str(state_dir)]) == 0  # nothing left: still fine
+
+
+def test_runs_options_after_the_sub_command_json_and_uncut_ids(stack, tmp_path, capsys):
+    token_file = tmp_path / "token"
+    token_file.write_text(stack.token())
+    headers = {"Authorization": f"Bearer {stack.token()}"}
+    body = {
+        "name": "a-run-name-long-enough-to-be-cut-in-an-eighty-column-table",
+        "model": "/m",
+        "task": "addition",
+    }
+    created = httpx.post(f"{stack.rest_url}/v1/runs", json={**body, "steps": 1}, headers=headers).json()
+    run_id = created["run_id"]
+    assert cli.main(["runs", "list", "--url", stack.rest_url, "--token-file", str(token_file), "--json"]) == 0
+    assert run_id in [r["run_id"] for r in json.loads(capsys.readouterr().out)["runs"]]
+    assert cli.main(["runs", "list", "--state-dir", stack.state_dir]) == 0
+    table = capsys.readouterr().out
+    assert run_id in table, table  # whole, on one line, at the console's 80 columns
+    assert cli.main(["runs", "show", run_id, "--state-dir", stack.state_dir, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["run_id"] == run_id

@@ -17,6 +17,7 @@ from furlong.controller.auth import ApiTokens
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
+from furlong.core.errors import UnavailableError
 
 pytestmark = pytest.mark.integration
 
@@ -113,6 +114,11 @@ def test_cursor_pages_and_state_filter(env):
     rest = env.http.get("/v1/runs", params={"state": "pending", "cursor": pending["next_cursor"]})
     assert [r["run_id"] for r in rest.json()["runs"]] == list(reversed(ids[1:]))[4:]
     assert rest.json()["next_cursor"] is None
+    # a last page that is exactly full has no next cursor (one would only lead to an empty page)
+    last = env.http.get("/v1/runs", params={"limit": 3, "cursor": pending["next_cursor"]}).json()
+    assert len(last["runs"]) == 3 and last["next_cursor"] is None
+    exact = env.http.get("/v1/runs", params={"limit": 7}).json()
+    assert len(exact["runs"]) == 7 and exact["next_cursor"] is None
     assert is_problem(env.http.get("/v1/runs", params={"cursor": "@@nope"}), 422)["field"] == "cursor"
     assert is_problem(env.http.get("/v1/runs", params={"limit": 0}), 422)["field"] == "limit"
     gate.set()
@@ -339,3 +345,43 @@ def test_openapi_document_is_served_and_complete(env):
     assert body["properties"]["sampling"]["properties"]["top_p"] == {"type": "number"}
     assert "application/problem+json" in paths["/v1/runs/{run_id}"]["get"]["responses"]["404"]["content"]
     assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+
+
+def test_delete_removes_the_run_s_checkpoints_unless_asked_to_keep_them(env):
+    kept, removed = (env.http.post("/v1/runs", json={**SPEC, "steps": 1}).json()["run_id"] for _ in range(2))
+    for run_id in (kept, removed):
+        wait_for(lambda r=run_id: env.state(r) == "succeeded", what=f"{run_id} to succeed")
+    trainer = env.fakes.trainer
+    assert env.http.delete(f"/v1/runs/{kept}", params={"keep_checkpoints": "true"}).status_code == 204
+    assert trainer.checkpoints_deleted == []
+    env.fakes.faults.raise_in["trainer.delete_checkpoints"] = UnavailableError("trainer unreachable")
+    is_problem(env.http.delete(f"/v1/runs/{removed}"), 503)
+    assert env.state(removed) == "succeeded"  # nothing deleted when the trainer cannot be reached
+    del env.fakes.faults.raise_in["trainer.delete_checkpoints"]
+    assert env.http.delete(f"/v1/runs/{removed}").status_code == 204
+    assert trainer.checkpoints_deleted == [removed]
+    is_problem(env.http.get(f"/v1/runs/{removed}"), 404)
+
+
+def test_a_checkpoint_taken_between_train_step_and_its_record_shows_no_step_behind(env):
+    """The trainer checkpoints step 1 it has trained while the driver has not recorded it yet: the
+    checkpoint is recorded once step 1 is, so the run and its checkpoint event agree."""
+    publish = env.fakes.faults.gates["publish_weights"] = threading.Event()
+    hold = env.fakes.faults.gates["trainer.checkpoint"] = threading.Event()
+    run_id = env.http.post("/v1/runs", json={**SPEC, "steps": 2}).json()["run_id"]
+    assert env.fakes.faults.entered.setdefault("publish_weights", threading.Event()).wait(30)
+    reply = {}
+    worker = threading.Thread(
+        target=lambda: reply.setdefault("r", env.http.post(f"/v1/runs/{run_id}/checkpoint"))
+    )
+    worker.start()
+    assert env.fakes.faults.entered.setdefault("trainer.checkpoint", threading.Event()).wait(30)
+    hold.set()  # the trainer answers: a checkpoint of step 1, which is not recorded yet
+    publish.set()
+    worker.join(30)
+    run = reply["r"].json()
+    assert run["checkpoint"]["step"] == 1 and run["current_step"] >= 1, run
+    wait_for(lambda: env.state(run_id) == "succeeded", what="run to finish")
+    events = [json.loads(e["data"]) for e in read_sse(env.http, f"/v1/runs/{run_id}/events")]
+    (event,) = [e for e in events if e["type"] == "checkpoint"]
+    assert event["current_step"] >= event["checkpoint_step"] == 1, event

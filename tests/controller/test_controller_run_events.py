@@ -117,7 +117,7 @@ def test_a_legacy_entry_as_an_earlier_controller_wrote_it_decodes_with_real_type
         ),
         (
             {**legacy_fields(sample_events()[2]), "current_step": "-1"},
-            "'current_step' must be a whole number",
+            "current_step must be >= 0, got -1",
         ),
         ({**legacy_fields(sample_events()[2]), "pause_requested": "yes"}, "must be '0' or '1'"),
         ({**legacy_fields(sample_events()[2]), "time": "nan"}, "'time' must be a finite number"),

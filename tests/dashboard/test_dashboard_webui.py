@@ -3,6 +3,7 @@ real HTTP (uvicorn on 127.0.0.1) with the in-process run source."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -144,3 +145,32 @@ def test_routes_over_http(served):
 def test_mismatch_prefers_the_direct_logprob_difference():
     steps = [record(1, 1, 0, trainer_metrics={"ratio_mean": 1.5, "logprob_abs_diff": 0.03})]
     assert run_series(steps)["series"]["mismatch"] == [[1, 0.03]]
+
+
+def test_axis_labels_have_three_significant_digits():
+    """The page's own `fmt` (run with node): a throughput axis reads 4100, not 4098.585."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node to run the page's label formatter")
+    import furlong.dashboard
+
+    page = (Path(furlong.dashboard.__file__).parent / "static" / "index.html").read_text()
+    fmt = re.search(r"function fmt\(v\) \{.*?\n\}", page, re.S)
+    assert fmt is not None
+    values = [4098.585, 12.3456, 0.12345, 0.5, 3, 0, 123456.0, 0.0004]
+    script = fmt.group(0) + f"\nconsole.log(JSON.stringify({values}.map(fmt)));"
+    out = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=30, check=True)
+    assert json.loads(out.stdout) == ["4100", "12.3", "0.123", "0.5", "3", "0", "1.2e+5", "4.0e-4"]
+
+
+def test_the_docs_name_what_the_mismatch_chart_plots():
+    from pathlib import Path
+
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "dashboard.md").read_text().split())
+    assert "train–rollout mismatch (mean |logp_train − logp_rollout| per token" in doc
+    assert "mismatch (importance-ratio mean − 1)" not in doc

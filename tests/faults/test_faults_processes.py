@@ -1,5 +1,5 @@
 """Fault injection on a real local stack (every service a process on 127.0.0.1, tiny model, CPU),
-with the stack's restart policy (`StackSupervisor`) respawning whatever dies.
+with the stack's supervisor process (`stack_supervisor`) restarting whatever dies.
 
 Each fault is injected into a run in progress at a seeded random point (the seed is printed; set
 FURLONG_FAULT_SEED to replay one). Afterwards the run must finish, or end failed with a reason
@@ -29,11 +29,11 @@ import redis
 from furlong.controller.local_stack import (
     StackConfig,
     StackInfo,
-    StackSupervisor,
     load_stack,
     start_stack,
     stop_stack,
 )
+from furlong.controller.stack_supervisor import FAULT_ENV_DIR
 from furlong.core.samples import STREAM_FIELD, stream_key
 from furlong.ledger.group_ledger import audit
 from furlong.trainer.sample_reader import rejected_key
@@ -59,9 +59,8 @@ def fault_spec(model: str, name: str, steps: int = STEPS) -> dict:
 
 
 class Stack:
-    def __init__(self, info: StackInfo, supervisor: StackSupervisor, summary_path: Path) -> None:
+    def __init__(self, info: StackInfo, summary_path: Path) -> None:
         self.info = info
-        self.supervisor = supervisor
         self.rng = random.Random(SEED)
         self.redis = redis.Redis.from_url(info.redis_url)
         self.summary_path = summary_path
@@ -120,12 +119,20 @@ class Stack:
 
     def kill9(self, name: str) -> None:
         sp = self.process(name)
-        restarts = self.supervisor.restarts.get(name, 0)
         os.kill(sp.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while self.supervisor.restarts.get(name, 0) == restarts:
+        while self.process(name).restarts == sp.restarts:  # the supervisor records each restart
             assert time.monotonic() < deadline, f"{name} was not restarted"
             time.sleep(0.05)
+
+    def fault_env(self, name: str, env: dict[str, str] | None) -> None:
+        """The extra environment of service name's next start (None: none)."""
+        path = Path(self.info.state_dir) / FAULT_ENV_DIR / f"{name}.json"
+        if env is None:
+            path.unlink(missing_ok=True)
+            return
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(env))
 
     def audit(self, run_id: str, finished_step: int | None = None) -> dict:
         return audit(self.redis, run_id, finished_step).to_dict()
@@ -179,16 +186,15 @@ def stack(tmp_path_factory):
             broker_ack_timeout_s=ACK_TIMEOUT_S,
             broker_fault_hooks=True,  # the dropped-bucket fault needs the broker's hook
             services=("redis", "weight_broker", "trainer", "rollout", "controller"),
+            owned=True,  # nothing outlives this test process
         )
     )
-    supervisor = StackSupervisor(state_dir).start()
-    s = Stack(info, supervisor, state_dir / "fault-summary.json")
+    s = Stack(info, state_dir / "fault-summary.json")
     yield s
     s.write_summary()
     print(f"\nfault summary ({s.summary_path}):\n{s.summary_path.read_text()}")
     s.http.close()
     s.redis.close()
-    supervisor.close()
     stop_stack(state_dir)
 
 
@@ -265,12 +271,14 @@ def test_corrupt_sample_in_redis_is_rejected_by_name_and_nothing_else_dropped(st
     assert ledger["rejected"] == 1 and ledger["trained"] == STEPS * 2
 
 
-def test_dropped_weight_bucket_fails_the_run_clearly_and_no_torn_version(stack, model, monkeypatch):
+def test_dropped_weight_bucket_fails_the_run_clearly_and_no_torn_version(stack, model):
     # the broker restarted with its fault hook (it runs with --enable-fault-hooks): the first round 0
     # of version 2 is dropped
-    monkeypatch.setenv(DROP_BUCKET_ENV, "2:0")
-    stack.kill9("weight_broker")
-    monkeypatch.delenv(DROP_BUCKET_ENV)
+    stack.fault_env("weight_broker", {DROP_BUCKET_ENV: "2:0"})
+    try:
+        stack.kill9("weight_broker")
+    finally:
+        stack.fault_env("weight_broker", None)
     stack.wait_healthy()
     run_id = stack.run(fault_spec(model, "drop-bucket"))
     run = stack.wait(run_id, lambda r: r["state"] in FINAL)

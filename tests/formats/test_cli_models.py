@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,7 +61,9 @@ def test_models_check_prints_what_it_found(tmp_path, capsys):
     }
     (glm / "config.json").write_text(json.dumps(config))
     assert run(["models", "check", str(glm), "--config-only"]) == 1
-    assert "RoPE type: spec 'default', config 'yarn'" in capsys.readouterr().err
+    # the family contract refuses it first (GLM-4.7-Flash's family uses plain RoPE only)
+    err = capsys.readouterr().err
+    assert "yarn" in err and "family glm4_moe_lite takes ['default']" in err
 
 
 @pytest.mark.integration
@@ -92,3 +95,12 @@ def test_lossy_release_fails_closed_unless_bf16(tmp_path, capsys):
     assert run(["convert", "verify", str(src), str(tmp_path / "out")]) == 0
     with pytest.raises(SystemExit):
         run(["convert", "mxfp4-to-fp8", str(src), str(tmp_path / "x"), "--on-lossy", "fp16"])
+
+
+@pytest.mark.integration
+def test_models_check_passes_on_the_example_checkpoint_by_its_family_contract(capsys):
+    example = Path(__file__).resolve().parents[2] / "examples" / "addition" / "checkpoint"
+    assert run(["models", "check", str(example)]) == 0
+    out = capsys.readouterr().out
+    assert "family: llama (no registered release; checked against the family contract)" in out
+    assert "rope: default, theta 10000" in out and out.rstrip().endswith("ok")

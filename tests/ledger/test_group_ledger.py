@@ -124,3 +124,14 @@ def test_published_versions_only_grow(client):
     assert ledger.max_version() == 3
     ledger.delete()
     assert ledger.max_version() == -1
+
+
+def test_the_checkpoint_result_is_the_newest_step_s_only(client):
+    ledger = GroupLedger(client, "run-result")
+    assert ledger.checkpoint_result(3) is None
+    ledger.record_checkpoint_result(3, {"loss": 0.5, "num_samples": 4})
+    assert ledger.checkpoint_result(3) == {"loss": 0.5, "num_samples": 4, "step": 3}
+    ledger.record_checkpoint_result(4, {"loss": 0.25})
+    assert ledger.checkpoint_result(3) is None and ledger.checkpoint_result(4)["loss"] == 0.25
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        ledger.record_checkpoint_result(0, {})

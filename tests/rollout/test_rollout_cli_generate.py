@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -191,3 +192,16 @@ def test_bad_arguments_exit_2_naming_the_value(checkpoint, extra, needle):
 def test_missing_checkpoint_exits_2(tmp_path):
     rc, _, err = run(["generate", "--model", str(tmp_path / "none"), "--prompt", "1+1=", "--json"])
     assert rc == 2 and "does not exist" in err
+
+
+def test_the_default_max_new_tokens_fits_the_example_model_and_says_so():
+    example = Path(__file__).resolve().parents[2] / "examples" / "addition" / "checkpoint"
+    code, out, err = run(["generate", "--model", str(example), "--prompt", "12+34=", "--json"])
+    assert code == 0, err
+    record = json.loads(out)
+    # the example's 32 positions hold the 7-token prompt and 25 new tokens
+    assert record["sampling"]["max_new_tokens"] == 32 - len(record["prompt_token_ids"]) == 25
+    assert "max_new_tokens 25 (what fits the model's positions after the 7-token prompt)" in err
+    # asked for explicitly, a count that does not fit is still an error naming it
+    code, _, err = run(["generate", "--model", str(example), "--prompt", "12+34=", "--max-new-tokens", "32"])
+    assert code == 2 and "max_position_embeddings 32" in err

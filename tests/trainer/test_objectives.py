@@ -13,6 +13,7 @@ from furlong.trainer.core.objectives import (
     gae,
     group_advantages,
     importance_weights,
+    k3,
     kl_estimate,
     policy_loss,
     reinforce_pp_advantages,
@@ -134,3 +135,15 @@ def test_config_defaults_per_algorithm_and_validation():
     ]:
         with pytest.raises(ValueError, match=name):
             AlgorithmSettings(**kwargs)
+
+
+def test_k3_is_never_negative_where_exp_minus_one_minus_x_rounds_below_zero():
+    torch.manual_seed(9)
+    log_ratio = (torch.randn(8) * 1e-4).float()
+    naive = float((torch.exp(log_ratio) - 1.0 - log_ratio).mean())
+    exact = float((torch.expm1(log_ratio.double()) - log_ratio.double()).mean())
+    assert naive < 0 < exact  # the chart's "-4e-9 for a k3 estimate"
+    value = float(k3(log_ratio).mean())
+    assert value >= 0 and value == pytest.approx(exact, rel=1e-3)
+    assert torch.all(k3(torch.linspace(-1e-3, 1e-3, 2001)) >= 0)
+    assert float(kl_estimate(log_ratio, torch.zeros(8), "k3").mean()) >= 0

@@ -227,10 +227,14 @@ def test_checkpoint_rpc_writes_the_resumable_checkpoint(tmp_path, redis_url):
         request = s.configure("run-rs")
         # Before any step: a checkpoint of the initial state at step 0.
         initial = s.stub.Checkpoint(trainer_pb2.CheckpointRequest(run_id="run-rs"), timeout=60)
-        assert (Path(initial.path), initial.step, initial.policy_version) == (root / "run-rs", 0, 0)
+        assert (Path(initial.path), initial.step, initial.policy_version) == (
+            root / "run-rs" / "step-0",
+            0,
+            0,
+        )
         s.train("run-rs", 1)
         info = s.stub.Checkpoint(trainer_pb2.CheckpointRequest(run_id="run-rs"), timeout=60)
-        assert (Path(info.path), info.step, info.policy_version) == (root / "run-rs", 1, 1)
+        assert (Path(info.path), info.step, info.policy_version) == (root / "run-rs" / "step-1", 1, 1)
         trained = {k: v.clone() for k, v in s.service._run("run-rs").learner.model.state_dict().items()}
         s.stub.EndRun(trainer_pb2.EndRunRequest(run_id="run-rs"), timeout=30)
         # ConfigureRun resumes from what Checkpoint wrote; the next step is 2.

@@ -228,7 +228,7 @@ def test_checkpointed_run_resumes_after_a_trainer_restart(tmp_path, redis_url):
         version = first.train_step(train("run-r", 1, 2)).policy_version
         trained = {k: v.clone() for k, v in first._run("run-r").learner.state_dict().items()}
         first.close()
-        assert (root / "run-r" / "manifest.json").is_file()
+        assert (root / "run-r" / "step-1" / "manifest.json").is_file()
         second = TrainerService(client, broker, consumer_name="trainer-0", checkpoint_root=root)
         resumed_version = second.configure_run(
             trainer_run("run-r", model_dir, 3, learning_rate=1e-2)
@@ -238,6 +238,41 @@ def test_checkpointed_run_resumes_after_a_trainer_restart(tmp_path, redis_url):
             assert torch.equal(tensor, trained[name]), name
         with pytest.raises(ConflictError, match="step 1 requested, expected 2"):
             second.train_step(train("run-r", 1, 2, 1.0))
+        second.close()
+    finally:
+        rollout.close()
+        broker.close()
+
+
+def test_only_the_newest_checkpoints_are_kept_leftovers_go_at_start_and_delete_removes_them(
+    tmp_path, redis_url
+):
+    model_dir = write_checkpoint(tmp_path / "ckpt")
+    broker = InProcessBrokerClient(BrokerCore())
+    client = redis.Redis.from_url(redis_url)
+    rollout = RolloutService(redis_records(client), broker_receiver_factory(broker))
+    root = tmp_path / "train-ckpt"
+    try:
+        rollout.configure_run(rollout_run("run-k", model_dir))
+        first = TrainerService(client, broker, consumer_name="trainer-0", checkpoint_root=root)
+        first.configure_run(trainer_run("run-k", model_dir, 3, keep_last=2, learning_rate=1e-2))
+        for step in (1, 2, 3):
+            rollout.generate(_generate("run-k", step, 2))
+            first.train_step(train("run-k", step, 2))
+        assert sorted(p.name for p in (root / "run-k").iterdir()) == ["step-2", "step-3"]
+        with pytest.raises(ConflictError, match="configured on this trainer"):
+            first.delete_checkpoints("run-k")
+        first.close()
+        (root / "run-k" / "step-4.tmp").mkdir()  # a trainer killed while writing step 4
+        (root / "other.tmp").mkdir()
+        second = TrainerService(client, broker, consumer_name="trainer-0", checkpoint_root=root)
+        assert not (root / "run-k" / "step-4.tmp").exists() and not (root / "other.tmp").exists()
+        resumed = second.configure_run(trainer_run("run-k", model_dir, 3, keep_last=2, learning_rate=1e-2))
+        assert resumed.policy_version == 3
+        second.end_run("run-k")
+        assert second.delete_checkpoints("run-k") == 2
+        assert not (root / "run-k").exists()
+        assert second.delete_checkpoints("run-k") == 0
         second.close()
     finally:
         rollout.close()

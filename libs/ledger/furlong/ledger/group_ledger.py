@@ -13,7 +13,8 @@ within a run; one id names the whole group of samples drawn for it). Its states:
 Keys, all under `furlong:ledger:{run_id}:`: `submitted` (hash id -> count), `generated` (hash
 id -> stream entry id), `trained` (set of ids), `versions` (hash: policy versions known committed),
 `sample_versions` (hash version -> samples generated with it), `meta` (hash: checkpoint step and
-version, highest published version, counters).
+version, highest published version, counters, and `checkpoint_result`: the trainer's summary of the
+checkpointed step, JSON, so a controller that died before recording that step can still record it).
 
 Every change is one atomic Redis operation or Lua script, so concurrent writers and crashes cannot
 tear it: marking an id trained when it already is trained is refused (and counted as
@@ -28,6 +29,7 @@ gRPC, the services, or how samples are trained; the caller passes the Redis clie
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -304,7 +306,24 @@ class GroupLedger:
             value = self._redis.hget(self._meta, "max_version")
         return -1 if value is None else int(_text(value))
 
+    def record_checkpoint_result(self, step: int, result: dict[str, Any]) -> None:
+        """Remember the trainer's summary of step (loss, samples, metrics), the step its newest
+        checkpoint holds; a later step's replaces it."""
+        if step < 1:
+            raise ValueError(f"step must be >= 1, got {step}")
+        with self._errors():
+            self._redis.hset(self._meta, "checkpoint_result", json.dumps({**result, "step": int(step)}))
+
     # -- both --------------------------------------------------------------------------------------
+
+    def checkpoint_result(self, step: int) -> dict[str, Any] | None:
+        """The trainer's summary of step if the newest one it recorded is of that step, else None."""
+        with self._errors():
+            raw = self._redis.hget(self._meta, "checkpoint_result")
+        if raw is None:
+            return None
+        result: dict[str, Any] = json.loads(_text(raw))
+        return result if result.get("step") == step else None
 
     def checkpoint(self) -> tuple[int, int] | None:
         """(step, policy version) of the last durable checkpoint, or None before the first."""

@@ -56,7 +56,7 @@ class AlgorithmConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., clip_eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., epochs_per_batch: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., adam_beta1: _Optional[float] = ..., adam_beta2: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., loss_aggregation: _Optional[str] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., kl_mode: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., off_policy: _Optional[str] = ..., is_low: _Optional[float] = ..., is_high: _Optional[float] = ..., gamma: _Optional[float] = ..., gae_lambda: _Optional[float] = ..., value_coef: _Optional[float] = ..., value_clip: _Optional[float] = ...) -> None: ...
 
 class ConfigureRunRequest(_message.Message):
-    __slots__ = ("run_id", "model_dir", "algorithm", "seed", "total_steps", "sampling_temperature", "checkpoint_every_steps", "precision")
+    __slots__ = ("run_id", "model_dir", "algorithm", "seed", "total_steps", "sampling_temperature", "checkpoint_every_steps", "precision", "checkpoint_keep_last")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class ConfigureRunRequest(_message.Message):
     SAMPLING_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     model_dir: str
     algorithm: AlgorithmConfig
@@ -73,7 +74,8 @@ class ConfigureRunRequest(_message.Message):
     sampling_temperature: float
     checkpoint_every_steps: int
     precision: _common_pb2.PrecisionConfig
-    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., algorithm: _Optional[_Union[AlgorithmConfig, _Mapping]] = ..., seed: _Optional[int] = ..., total_steps: _Optional[int] = ..., sampling_temperature: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ...) -> None: ...
+    checkpoint_keep_last: int
+    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., algorithm: _Optional[_Union[AlgorithmConfig, _Mapping]] = ..., seed: _Optional[int] = ..., total_steps: _Optional[int] = ..., sampling_temperature: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ..., checkpoint_keep_last: _Optional[int] = ...) -> None: ...
 
 class ConfigureRunResponse(_message.Message):
     __slots__ = ("run_id", "policy_version", "num_parameters")
@@ -233,3 +235,17 @@ class ExportPolicyResponse(_message.Message):
     shards: _containers.RepeatedScalarFieldContainer[str]
     final: bool
     def __init__(self, run_id: _Optional[str] = ..., path: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_bytes: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., final: _Optional[bool] = ...) -> None: ...
+
+class DeleteCheckpointsRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class DeleteCheckpointsResponse(_message.Message):
+    __slots__ = ("run_id", "num_removed")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    num_removed: int
+    def __init__(self, run_id: _Optional[str] = ..., num_removed: _Optional[int] = ...) -> None: ...

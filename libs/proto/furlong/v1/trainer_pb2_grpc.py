@@ -74,6 +74,11 @@ class TrainerStub:
                 request_serializer=furlong_dot_v1_dot_trainer__pb2.ExportPolicyRequest.SerializeToString,
                 response_deserializer=furlong_dot_v1_dot_trainer__pb2.ExportPolicyResponse.FromString,
                 _registered_method=True)
+        self.DeleteCheckpoints = channel.unary_unary(
+                '/furlong.v1.Trainer/DeleteCheckpoints',
+                request_serializer=furlong_dot_v1_dot_trainer__pb2.DeleteCheckpointsRequest.SerializeToString,
+                response_deserializer=furlong_dot_v1_dot_trainer__pb2.DeleteCheckpointsResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -127,6 +132,12 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteCheckpoints(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.ExportPolicy,
                     request_deserializer=furlong_dot_v1_dot_trainer__pb2.ExportPolicyRequest.FromString,
                     response_serializer=furlong_dot_v1_dot_trainer__pb2.ExportPolicyResponse.SerializeToString,
+            ),
+            'DeleteCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteCheckpoints,
+                    request_deserializer=furlong_dot_v1_dot_trainer__pb2.DeleteCheckpointsRequest.FromString,
+                    response_serializer=furlong_dot_v1_dot_trainer__pb2.DeleteCheckpointsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class Trainer:
             '/furlong.v1.Trainer/ExportPolicy',
             furlong_dot_v1_dot_trainer__pb2.ExportPolicyRequest.SerializeToString,
             furlong_dot_v1_dot_trainer__pb2.ExportPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furlong.v1.Trainer/DeleteCheckpoints',
+            furlong_dot_v1_dot_trainer__pb2.DeleteCheckpointsRequest.SerializeToString,
+            furlong_dot_v1_dot_trainer__pb2.DeleteCheckpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,

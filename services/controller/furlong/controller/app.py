@@ -272,8 +272,11 @@ def _change_routes(router: APIRouter, service: RunService) -> None:
         return service.checkpoint_run(run_id).to_dict()
 
     @router.delete("/runs/{run_id}", status_code=204, response_class=Response, responses=run_responses)
-    def delete_run(run_id: str) -> Response:
-        service.delete_run(run_id)
+    def delete_run(run_id: str, keep_checkpoints: bool = False) -> Response:
+        """Delete a finished run, its metrics and events, and its training checkpoints on the
+        trainer unless `keep_checkpoints=true`. 409 unfinished; 503 trainer unreachable (nothing
+        is deleted then)."""
+        service.delete_run(run_id, keep_checkpoints)
         return Response(status_code=204)
 
 

@@ -17,6 +17,7 @@ import argparse
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from furlong.core.errors import IntegrityError
 from furlong.core.formats.checkpoint_dir import INDEX_FILE, SINGLE_FILE, CheckpointDir, read_config
@@ -24,7 +25,14 @@ from furlong.core.formats.fp4_tensors import find_fp4_tensors
 from furlong.core.formats.mxfp4_convert import ON_LOSSY, ConvertOptions, convert_mxfp4_to_fp8
 from furlong.core.formats.verify import verify_conversion
 from furlong.core.fp8 import DEFAULT_SCALE_SUFFIX
-from furlong.core.models import ModelSpec, load_checked_spec, stored_expert_dtype
+from furlong.core.models import (
+    FAMILY_CONTRACTS,
+    CheckedConfig,
+    ModelSpec,
+    check_model_config,
+    load_checked_spec,
+    stored_expert_dtype,
+)
 from furlong.core.prepare import prepare_checkpoint
 
 
@@ -55,12 +63,28 @@ def describe_spec(spec: ModelSpec) -> list[str]:
     return lines
 
 
+def describe_family(checked: CheckedConfig, config: dict[str, Any]) -> list[str]:
+    """What `models check` says of a checkpoint of no registered release (a fine-tune, a tiny test
+    model): checked against its family's contract only."""
+    rope = checked.rope
+    return [
+        f"family: {checked.family.model_type} (no registered release; checked against the family contract)",
+        f"attention: {checked.attention.value}; rotary_dim {checked.rotary_dim}",
+        f"rope: {rope.type.value}, theta {rope.theta:g}",
+        f"vocab {config.get('vocab_size')}; max positions {config.get('max_position_embeddings')}",
+    ]
+
+
 def _models_check(args: argparse.Namespace) -> int:
     model_dir = Path(args.dir)
     try:
         config = read_config(model_dir)
-        spec = load_checked_spec(config, args.spec)
-        lines = [f"checkpoint {model_dir}"] + ["  " + line for line in describe_spec(spec)]
+        if args.spec or str(config.get("model_type")) not in FAMILY_CONTRACTS:
+            described = describe_spec(load_checked_spec(config, args.spec))
+        else:  # its family's contract, and its release's spec when it has a registered identity
+            checked = check_model_config(config)
+            described = describe_spec(checked.spec) if checked.spec else describe_family(checked, config)
+        lines = [f"checkpoint {model_dir}"] + ["  " + line for line in described]
         has_weights = (model_dir / INDEX_FILE).is_file() or (model_dir / SINGLE_FILE).is_file()
         if args.config_only:
             lines.append("  weights: not checked (--config-only)")

@@ -253,7 +253,8 @@ class RunDriver:
                 ),
             )
         generated = self._clock()
-        self._check_stop(rid, f"after {where} rollout.Generate")
+        # "during step N": step N did not complete, so the reason never names it as done
+        self._check_stop(rid, f"during {where} (after rollout.Generate; last completed step {step - 1})")
         train = self._call(
             f"{where} trainer.TrainStep",
             self._trainer.train_step,
@@ -265,7 +266,7 @@ class RunDriver:
                 ConflictError(f"trainer produced policy version {train.policy_version} after {version}"),
             )
         trained = self._clock()
-        self._check_stop(rid, f"after {where} trainer.TrainStep")
+        self._check_stop(rid, f"during {where} (after trainer.TrainStep; last completed step {step - 1})")
         new_version = train.policy_version
         self._call(f"{where} trainer.PublishWeights", self._trainer.publish_weights, rid, new_version)
         status = self._call(

@@ -45,20 +45,20 @@ class RedisServer:
     # "always" fsyncs every write before replying (nothing acknowledged is lost when the server is
     # killed); "everysec" may lose the last second of writes.
     appendfsync: str = "everysec"
+    binary: str | None = None  # the redis-server to run; None: `find_redis_server()`
     process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
-    def start(self, timeout_s: float = 15.0) -> RedisServer:
+    def command(self, binary: str) -> list[str]:
+        """The redis-server command line of this server (a port is chosen first if none was)."""
         if self.appendfsync not in _FSYNC_POLICIES:
             raise ValueError(f"appendfsync must be one of {_FSYNC_POLICIES}, got {self.appendfsync!r}")
-        self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port:
             self.port = free_port(self.host)
-        binary = find_redis_server()
-        cmd = [
+        return [
             binary,
             "--bind",
             self.host,
@@ -77,6 +77,11 @@ class RedisServer:
             "--logfile",
             str(self.data_dir / "redis.log"),
         ]
+
+    def start(self, timeout_s: float = 15.0) -> RedisServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        binary = self.binary or find_redis_server()
+        cmd = self.command(binary)
         log.info("starting %s on %s:%d", binary, self.host, self.port)
         self.process = subprocess.Popen(
             cmd,
@@ -95,13 +100,8 @@ class RedisServer:
                 raise RuntimeError(
                     f"redis-server exited with {self.process.returncode}; see {self.data_dir / 'redis.log'}"
                 )
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
+            if ping(self.host, self.port):
+                return
             time.sleep(0.05)
         raise TimeoutError(f"redis-server on {self.host}:{self.port} not ready after {timeout_s}s")
 
@@ -114,3 +114,13 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """Whether a Redis server answers PING on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False

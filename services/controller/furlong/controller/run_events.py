@@ -36,6 +36,7 @@ class EventType(str, enum.Enum):
     CHECKPOINT = "checkpoint"
     REQUEST = "request"
     RECOVERY = "recovery"
+    SERVICE = "service"
 
 
 class EventDecodeError(ValueError):
@@ -120,7 +121,33 @@ class RecoveryEvent(_RunEvent):
     )
 
 
-RunEvent = CreatedEvent | StateEvent | StepEvent | CheckpointEvent | RequestEvent | RecoveryEvent
+@dataclass(frozen=True, kw_only=True)
+class ServiceEvent(_RunEvent):
+    TYPE = EventType.SERVICE
+    DOC = (
+        "A service of the local stack exited, was restarted or was given up on (its restart budget "
+        "spent), as the stack's supervisor saw it; the run's fields are as they were."
+    )
+
+    service: str = _doc("redis, weight_broker, trainer, rollout, controller or dashboard")
+    action: str = _doc(
+        "`restarting` (it exited and is started again after a backoff), `restarted`, or "
+        "`gave_up` (its restart budget is spent: it stays down)"
+    )
+    pid: int = _doc("the pid that exited (`restarted`: the pid it replaced)", minimum=0)
+    new_pid: int = _doc("`restarted`: the new process's pid; 0 otherwise", minimum=0)
+    exit_code: int = _doc("its exit status; -1 when a signal ended it (or for `restarted`)")
+    signal: str = _doc('the signal that ended it ("SIGKILL"); "" otherwise')
+    restart: int = _doc("which restart of the service this is (1 = the first); 0 = none", minimum=0)
+    log_tail: str = _doc("the last lines of its log when it exited")
+    message: str = _doc("the same, in one line for people")
+
+
+SERVICE_ACTIONS = ("restarting", "restarted", "gave_up")
+
+RunEvent = (
+    CreatedEvent | StateEvent | StepEvent | CheckpointEvent | RequestEvent | RecoveryEvent | ServiceEvent
+)
 EVENT_CLASSES: tuple[type[RunEvent], ...] = typing.get_args(RunEvent)
 _BY_TYPE: dict[str, type[RunEvent]] = {cls.TYPE.value: cls for cls in EVENT_CLASSES}
 
@@ -169,6 +196,16 @@ def event_for_change(before: Run | None, after: Run) -> RunEvent:
 def recovery_event(after: Run, reason: str) -> RecoveryEvent:
     """The event of a run rewound to its last checkpoint (after: the rewound run) for reason."""
     return RecoveryEvent(**{**_snapshot(after), "reason": reason})
+
+
+def service_event(run: Run, fields: Mapping[str, Any], now: float) -> ServiceEvent:
+    """The event of a local-stack service change (fields: those of ServiceEvent beyond the run's)
+    recorded into run's stream at now."""
+    if fields.get("action") not in SERVICE_ACTIONS:
+        raise ValueError(
+            f"service event: action must be one of {SERVICE_ACTIONS}, got {fields.get('action')!r}"
+        )
+    return ServiceEvent(**{**_snapshot(run), "time": float(now)}, **fields)
 
 
 def _snapshot(run: Run) -> dict[str, Any]:
@@ -242,7 +279,8 @@ def _from_legacy_string(name: str, value: Any, declared: type) -> Any:
             raise EventDecodeError(f"legacy event field {name!r} must be '0' or '1', got {value!r}")
         return value == "1"
     if declared is int:
-        if not value.isascii() or not value.isdigit():
+        digits = value[1:] if value.startswith("-") else value
+        if not digits.isascii() or not digits.isdigit():
             raise EventDecodeError(f"legacy event field {name!r} must be a whole number, got {value!r}")
         return int(value)
     if declared is float:

@@ -12,6 +12,11 @@ retrying the whole sequence below while the errors stay recoverable:
     rollout.ConfigureRun                   (fresh engines; they take the committed version)
     store.rewind                           (the run's step goes back to the checkpoint's)
 
+A checkpoint one step past the run's last record (the controller died after the trainer's checkpoint
+of a step and before recording it) brings that step's record back: the trainer keeps its summary of
+the checkpointed step in the ledger (`checkpoint_result`), and `rewind` appends the record rebuilt
+from it (generation and sync times unknown: 0), so no step that ran is without its one record.
+
 The broker's run is never ended (an ended run id cannot come back); a restarted broker learns the
 run again from the first registration or version. Afterwards the driver repeats the steps after the
 checkpoint: rollout does not generate again the prompts whose group is already in the stream (it
@@ -28,11 +33,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.core.run_state import Run
+from furlong.controller.core.step_record import StepRecord
 from furlong.controller.run_requests import rollout_config, trainer_config
 from furlong.controller.run_store import RunStore
 from furlong.controller.services import Services
@@ -139,6 +146,31 @@ class RunRecovery:
                 raise TimeoutError(f"version {version} not committed after recovery")
         ledger.record_committed(version)
         self._rollout.configure_run(rollout_config(run.run_id, run.spec))
-        self._store.rewind(rid, step, version, f"resumed from step {step} after {cause}")
+        restored = _restored_record(ledger.checkpoint_result(step), step, checkpoint)
+        self._store.rewind(rid, step, version, f"resumed from step {step} after {cause}", restored)
         ledger.count(RECOVERIES)
         return Resumed(step=step, version=version)
+
+
+def _restored_record(
+    result: dict[str, Any] | None, step: int, checkpoint: tuple[int, int] | None
+) -> StepRecord | None:
+    """The record of the checkpointed step rebuilt from the trainer's summary of it (None without one)."""
+    if result is None or checkpoint is None or step < 1:
+        return None
+    metrics = {str(k): float(v) for k, v in dict(result.get("metrics", {})).items()}
+    train_s = float(result.get("train_seconds", 0.0))
+    return StepRecord(
+        step=step,
+        reward_mean=metrics.get("reward_mean", 0.0),
+        loss=float(result["loss"]),
+        policy_version=checkpoint[1],
+        samples=int(result.get("num_samples", 0)),
+        step_seconds=train_s,
+        generate_seconds=0.0,
+        train_seconds=train_s,
+        sync_seconds=0.0,
+        num_tokens=int(result.get("num_tokens", 0)),
+        sampled_policy_version=int(result.get("sampled_policy_version", 0)),
+        trainer_metrics=metrics,
+    )

@@ -5,7 +5,7 @@ Keys (all under `furlong:runs:`):
   furlong:runs:{run_id}:metrics  list of per-step records, JSON, in step order
   furlong:runs:{run_id}:events   stream of the run's events (`run_events`: creation, state changes,
                                  steps, checkpoints, requests, recovery), appended in the same
-                                 transaction as the change
+                                 transaction as the change; and the local stack's `service` events
   furlong:runs:_index            sorted set of run ids scored by creation time
   furlong:runs:_idem:{key}       JSON {fingerprint, run_id} of a POST with an Idempotency-Key (24 h)
   furlong:ledger:{run_id}:*      the run's sample ledger (`furlong.ledger.group_ledger`), deleted with it
@@ -25,7 +25,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, cast
 
@@ -42,6 +42,7 @@ from furlong.controller.run_events import (
     encode_fields,
     event_for_change,
     recovery_event,
+    service_event,
 )
 from furlong.controller.run_spec import RunSpec
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
@@ -107,8 +108,15 @@ class RunStore:
         self._clock = clock
 
     @classmethod
-    def from_url(cls, url: str) -> RunStore:
-        return cls(redis.Redis.from_url(url, decode_responses=True, socket_timeout=10.0))
+    def from_url(cls, url: str, socket_timeout_s: float = 10.0) -> RunStore:
+        return cls(
+            redis.Redis.from_url(
+                url,
+                decode_responses=True,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+            )
+        )
 
     def close(self) -> None:
         self._redis.close()
@@ -205,11 +213,13 @@ class RunStore:
         self, state: RunState | None, limit: int, cursor: str | None = None
     ) -> tuple[list[Run], str | None]:
         """Up to limit runs, newest first, after cursor (from the previous page), optionally only
-        those in state; and the cursor of the next page (None on the last page)."""
+        those in state; and the cursor of the next page (None on the last page: a full page is only
+        given a cursor when at least one more run follows it)."""
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         after = decode_cursor(cursor) if cursor else None
         page: list[Run] = []
+        full_at: tuple[float, str] | None = None  # the page's last run, once the page is full
         offset = 0
         with self._errors():
             while True:
@@ -229,10 +239,13 @@ class RunStore:
                     if raw is None:
                         continue
                     run = Run.from_dict(json.loads(raw))
-                    if state is None or run.state == state:
-                        page.append(run)
-                        if len(page) == limit:
-                            return page, encode_cursor(score, run_id)
+                    if state is not None and run.state != state:
+                        continue
+                    if full_at is not None:  # one more run follows the full page
+                        return page, encode_cursor(*full_at)
+                    page.append(run)
+                    if len(page) == limit:
+                        full_at = (score, run_id)
                 if last_batch:
                     return page, None
 
@@ -260,6 +273,20 @@ class RunStore:
                     return
                 except redis.WatchError:
                     continue
+
+    def active_run_ids(self) -> list[str]:
+        """The runs not in a final state (pending ones included), newest first."""
+        return [r.run_id for r in self.list_runs() if not r.state.terminal]
+
+    def record_service_event(self, run_id: str, fields: Mapping[str, Any]) -> None:
+        """Append a `service` event (a local-stack service exited, was restarted or given up on;
+        fields: ServiceEvent's own) to the run's events; the run itself is not changed."""
+        run = self.get(run_id)
+        event = service_event(run, fields, self._clock())
+        with self._errors():
+            self._redis.xadd(
+                events_key(run_id), _stream_fields(event), maxlen=EVENTS_MAXLEN, approximate=True
+            )
 
     def events(self, run_id: str, after: str = "0-0", count: int = 100) -> EventPage:
         """The events of up to count stream entries recorded after stream id after, oldest first.
@@ -378,24 +405,48 @@ class RunStore:
 
         return self._update(run_id, change, push=(metrics_key(run_id), json.dumps(record.to_dict())))
 
-    def rewind(self, run_id: str, step: int, policy_version: int, reason: str) -> Run:
+    def rewind(
+        self,
+        run_id: str,
+        step: int,
+        policy_version: int,
+        reason: str,
+        restored: StepRecord | None = None,
+    ) -> Run:
         """Recovery: the run goes back to `step` (its last checkpoint) now serving `policy_version`;
-        the records of later steps are dropped and a `recovery` event names the reason. (A
-        checkpoint written just before a crash can be one step past the last recorded one.)"""
+        the records of later steps are dropped and a `recovery` event names the reason. A checkpoint
+        written just before a crash can be one step past the last recorded one (the controller died
+        between the trainer's checkpoint and its own record): `restored`, the record of that step
+        rebuilt from the checkpoint, is then appended in the same transaction, so every step that
+        ran has exactly one record. A `restored` record of another step is a ValueError."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if restored is not None and restored.step != step:
+            raise ValueError(f"restored record is of step {restored.step}, not the checkpoint's {step}")
+        before = self.get(run_id)
+        push = None
+        if restored is not None and before.current_step == step - 1:
+            push = (metrics_key(run_id), json.dumps(restored.to_dict()))
 
         def change(run: Run) -> Run:
             if run.state.terminal:
                 raise ConflictError(f"run {run_id} already finished ({run.state.value})")
+            if run.current_step != before.current_step:
+                raise ConflictError(
+                    f"run {run_id}: step changed from {before.current_step} to {run.current_step} "
+                    "during its rewind"
+                )
             return replace(run, current_step=step, policy_version=policy_version, updated_at=self._clock())
 
         run = self._update(
             run_id,
             change,
+            push=push,
             trim=(metrics_key(run_id), step),
             describe=lambda _before, after: recovery_event(after, reason),
         )
+        if push is not None:
+            log.info("run %s: record of step %d restored from the trainer's checkpoint", run_id, step)
         log.info("run %s rewound to step %d (version %d): %s", run_id, step, policy_version, reason)
         return run
 

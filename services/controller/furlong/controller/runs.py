@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from typing import Any, Protocol
 
@@ -20,6 +21,10 @@ from furlong.controller.run_store import RunStore
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.trainer.api import CheckpointResult
 
+log = logging.getLogger(__name__)
+
+_RECORDED_POLL_S = 0.02
+
 
 class RunSubmitter(Protocol):
     def submit(self, run_id: str) -> None:
@@ -30,6 +35,9 @@ class RunCheckpointer(Protocol):
     def checkpoint(self, run_id: str, directory: str = "") -> CheckpointResult:
         """Have the trainer write the run's training state now (see `TrainerClient.checkpoint`);
         called from request threads, concurrently with the run's driver."""
+
+    def delete_checkpoints(self, run_id: str) -> int:
+        """Have the trainer remove a finished run's training checkpoints; how many there were."""
 
 
 # A checkpoint needs the run's state on the trainer: configured (running) and not torn down yet.
@@ -112,10 +120,32 @@ class RunService:
         ref = CheckpointRef(
             step=result.step, path=result.path, policy_version=result.policy_version, created_at=time.time()
         )
+        self._wait_recorded(run_id, result.step)
         return self._store.record_checkpoint(run_id, ref)
 
-    def delete_run(self, run_id: str) -> None:
-        """Remove a finished run, its metrics and events; ConflictError for an unfinished one."""
+    def _wait_recorded(self, run_id: str, step: int) -> None:
+        """Wait (bounded) until the driver recorded `step`: the trainer checkpoints the step it
+        trained last, which the driver records only after publishing it, and the checkpoint's run
+        and event must not show a `current_step` behind the checkpoint's own step."""
+        deadline = time.monotonic() + self._checkpoint_timeout_s
+        while True:
+            run = self._store.get(run_id)
+            if run.current_step >= step or run.state.terminal or time.monotonic() > deadline:
+                return
+            time.sleep(_RECORDED_POLL_S)
+
+    def delete_run(self, run_id: str, keep_checkpoints: bool = False) -> None:
+        """Remove a finished run, its metrics and events, and (unless `keep_checkpoints`) its
+        training checkpoints on the trainer; ConflictError for an unfinished one. The checkpoints go
+        first: when the trainer cannot be reached (UnavailableError) nothing is deleted."""
+        run = self._store.get(run_id)
+        if not run.state.terminal:
+            raise ConflictError(
+                f"run {run_id} is {run.state.value}; only finished runs can be deleted (stop it first)"
+            )
+        if not keep_checkpoints and self._checkpointer is not None:
+            removed = self._checkpointer.delete_checkpoints(run_id)
+            log.info("run %s: the trainer removed %d checkpoint(s)", run_id, removed)
         self._store.delete(run_id)
 
     def events(self, run_id: str, after: str = "0-0", count: int = 100) -> EventPage:

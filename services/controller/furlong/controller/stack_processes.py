@@ -1,8 +1,10 @@
 """Starting, identifying and stopping the local stack's OS processes.
 
-Every process is started in its own session (so it outlives the `furlong up` that started it and can
-be signalled as a process group) with its output going to its own log file. A process is identified
-by pid *and* creation time, so a pid the OS has since reused is never signalled.
+Every process is started in its own session (so a Ctrl-C in the terminal does not reach it, and it
+can be signalled as a process group) with its output going to its own log file; a service started
+by the stack's supervisor gets SIGTERM from the kernel when the supervisor dies (`parent_death`). A
+process is identified by pid *and* creation time, so a pid the OS has since reused is never
+signalled.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+from furlong.controller.parent_death import command_line as parent_death_command
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,7 @@ class ServiceProcess:
     log_path: str
     argv: tuple[str, ...] = ()
     metrics_port: int | None = None
+    restarts: int = 0  # how often the supervisor started it again
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -45,6 +50,7 @@ class ServiceProcess:
             "metrics_port": self.metrics_port,
             "log_path": self.log_path,
             "argv": list(self.argv),
+            "restarts": self.restarts,
         }
 
     @classmethod
@@ -57,17 +63,19 @@ class ServiceProcess:
             metrics_port=data.get("metrics_port"),
             log_path=data["log_path"],
             argv=tuple(data.get("argv", ())),
+            restarts=int(data.get("restarts", 0)),
         )
 
 
-def spawn(
-    name: str, argv: Sequence[str], log_path: Path, port: int, metrics_port: int | None = None
-) -> ServiceProcess:
-    """Start argv in a new session, stdout and stderr appended to log_path."""
+def start_process(
+    argv: Sequence[str], log_path: Path, env_extra: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start argv in a new session (its own process group), stdout and stderr appended to
+    log_path, stdin closed."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             list(argv),
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -75,8 +83,26 @@ def spawn(
             start_new_session=True,
             env=env,
         )
+
+
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    log_path: Path,
+    port: int,
+    metrics_port: int | None = None,
+    *,
+    env_extra: Mapping[str, str] | None = None,
+    parent_death: bool = True,
+    restarts: int = 0,
+) -> tuple[ServiceProcess, subprocess.Popen[bytes]]:
+    """Start a service (see start_process); with parent_death it gets SIGTERM when this process
+    dies (`parent_death`). The record keeps argv itself, unwrapped."""
+    command = parent_death_command(os.getpid(), list(argv)) if parent_death else list(argv)
+    proc = start_process(command, log_path, env_extra)
     log.info("started %s (pid %d): %s", name, proc.pid, " ".join(argv))
-    return adopt(name, proc.pid, port, log_path, argv, metrics_port)
+    sp = adopt(name, proc.pid, port, log_path, argv, metrics_port)
+    return replace(sp, restarts=restarts), proc
 
 
 def adopt(

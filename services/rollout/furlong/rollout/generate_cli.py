@@ -32,6 +32,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+DEFAULT_MAX_NEW_TOKENS = 32
+
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `generate` to a `furlong` sub-command set; its handler is `args.func(args) -> int`."""
@@ -39,7 +41,13 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--n", type=int, default=1, help="samples to draw (default 1)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"default: {DEFAULT_MAX_NEW_TOKENS}, or fewer when the prompt and that many tokens do not "
+        "fit the model's max_position_embeddings (the number chosen is printed)",
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (argmax)")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -77,9 +85,14 @@ def generate_record(
     bound: Any,
     device: str = "cpu",
     dtype: str = "float32",
+    fit_max_new_tokens: bool = False,
 ) -> dict[str, Any]:
     """Load the checkpoint, draw `n` samples of `prompt` on `device` in `dtype` and return the
-    JSON-able record. ValueError for a bad checkpoint, prompt, sampling, device or dtype."""
+    JSON-able record. With `fit_max_new_tokens`, sampling's max_new_tokens is lowered to what fits
+    the model's positions after the prompt (the record's `max_new_tokens` says what was used).
+    ValueError for a bad checkpoint, prompt, sampling, device or dtype."""
+    import dataclasses
+
     import torch
 
     from furlong.core.checkpoint import load_policy
@@ -91,6 +104,15 @@ def generate_record(
     parse_device(device), parse_dtype(dtype)  # refuse a bad name before loading anything
     model, tokenizer = load_policy(Path(model_dir))
     prompt_ids = tokenizer.encode(prompt, add_bos=True)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if fit_max_new_tokens and isinstance(positions, int):
+        room = positions - len(prompt_ids)
+        if room < 1:
+            raise ValueError(
+                f"the prompt ({len(prompt_ids)} tokens) leaves no room in the model's "
+                f"max_position_embeddings {positions}"
+            )
+        sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
     engine = Engine(
         model, tokenizer, max_batch_size=max(n, 1), support_bound=bound, device=device, dtype=dtype
     )
@@ -144,7 +166,7 @@ def cmd_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens,
+            max_new_tokens=DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
             seed=args.seed,
             min_p=args.min_p,
             stop=tuple(args.stop),
@@ -152,10 +174,24 @@ def cmd_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
         bound = SupportBound(
             args.max_support_size, OVERFLOW_TRUNCATE if args.truncate_support else OVERFLOW_ERROR
         )
-        record = generate_record(args.model, args.prompt, args.n, sampling, bound, args.device, args.dtype)
+        record = generate_record(
+            args.model,
+            args.prompt,
+            args.n,
+            sampling,
+            bound,
+            args.device,
+            args.dtype,
+            fit_max_new_tokens=args.max_new_tokens is None,
+        )
     except ValueError as exc:
         err.write(f"furlong generate: {exc}\n")
         return 2
+    if args.max_new_tokens is None and record["sampling"]["max_new_tokens"] < DEFAULT_MAX_NEW_TOKENS:
+        err.write(
+            f"furlong generate: max_new_tokens {record['sampling']['max_new_tokens']} (what fits the model's "
+            f"positions after the {len(record['prompt_token_ids'])}-token prompt)\n"
+        )
     if args.json:
         out.write(json.dumps(record, separators=(",", ":")) + "\n")
         return 0

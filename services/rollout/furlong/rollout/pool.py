@@ -39,10 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from furlong.core.errors import NotFoundError, UnavailableError
+from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.rollout.core.engine import Generation
 from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
-from furlong.rollout.core.types import EngineState, EngineStatus, SampleLedger
+from furlong.rollout.core.types import EngineState, EngineStatus, SampleLedger, last_engine_message
 from furlong.rollout.sglang import SGLangEngine
 from furlong.service_main.ports import free_port
 
@@ -422,6 +422,9 @@ class EnginePool:
         with self._cond:
             for e in self._engines:
                 if e.engine_id == engine_id:
+                    serving = [x.engine_id for x in self._engines if not x.draining]
+                    if serving == [engine_id]:
+                        raise ConflictError(last_engine_message("this pool", engine_id))
                     if not e.draining:
                         e.draining = True
                         log.info("%s drained (%d chunk(s) in flight)", engine_id, e.in_flight)

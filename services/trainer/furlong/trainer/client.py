@@ -99,6 +99,10 @@ class GrpcTrainerClient:
     def end_run(self, run_id: str) -> None:
         call(self._stub.EndRun, pb.EndRunRequest(run_id=run_id), self._deadlines.call_s)
 
+    def delete_checkpoints(self, run_id: str) -> int:
+        request = pb.DeleteCheckpointsRequest(run_id=run_id)
+        return int(call(self._stub.DeleteCheckpoints, request, self._deadlines.call_s).num_removed)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -134,6 +138,9 @@ class InProcessTrainerClient:
 
     def end_run(self, run_id: str) -> None:
         self._service.end_run(run_id)
+
+    def delete_checkpoints(self, run_id: str) -> int:
+        return self._service.delete_checkpoints(run_id)
 
     def close(self) -> None:
         pass

@@ -32,6 +32,7 @@ def config_to_proto(config: TrainerRunConfig) -> pb.ConfigureRunRequest:
         total_steps=config.total_steps,
         sampling_temperature=config.sampling_temperature,
         checkpoint_every_steps=config.checkpoint.every_steps,
+        checkpoint_keep_last=config.checkpoint.keep_last,
         precision=precision_to_proto(config.precision),
     )
 
@@ -45,7 +46,9 @@ def config_from_proto(msg: pb.ConfigureRunRequest) -> TrainerRunConfig:
         sampling_temperature=msg.sampling_temperature,
         seed=msg.seed,
         total_steps=msg.total_steps,
-        checkpoint=CheckpointSettings(every_steps=msg.checkpoint_every_steps),
+        checkpoint=CheckpointSettings(
+            every_steps=msg.checkpoint_every_steps, keep_last=msg.checkpoint_keep_last
+        ),
         precision=precision_from_proto(msg.precision),
     )
 

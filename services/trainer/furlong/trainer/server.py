@@ -49,6 +49,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.EndRunResponse(run_id=request.run_id)
 
     @rpc_errors
+    def DeleteCheckpoints(
+        self, request: trainer_pb2.DeleteCheckpointsRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.DeleteCheckpointsResponse:
+        removed = self._service.delete_checkpoints(request.run_id)
+        return trainer_pb2.DeleteCheckpointsResponse(run_id=request.run_id, num_removed=removed)
+
+    @rpc_errors
     def Offload(
         self, request: trainer_pb2.OffloadRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.OffloadResponse:

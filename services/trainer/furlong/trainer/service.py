@@ -2,10 +2,12 @@
 fed from the run's Redis stream. No gRPC here; `server.py` is the transport.
 
 With a `checkpoint_root`, every `checkpoint.every_steps`-th step (and the last) is written as a
-training checkpoint (`train_checkpoint`) to `<root>/<run_id>` before its stream entries are
-acknowledged, and `configure_run` resumes a run
-from its checkpoint when one exists (policy, optimizer, RNG, step and version). `checkpoint` writes
-one on request, there or to a given directory.
+training checkpoint (`train_checkpoint`) to `<root>/<run_id>/step-<N>` before its stream entries are
+acknowledged, keeping the newest `checkpoint.keep_last` (`run_checkpoints`), and `configure_run`
+resumes a run from its newest checkpoint when one exists (policy, optimizer, RNG, step and
+version). `checkpoint` writes one on request, there or to a given directory. When the service
+starts, the `.tmp` directories a killed trainer left under the root are removed;
+`delete_checkpoints` removes a run's checkpoints (a run deleted through the REST API).
 
 `export_policy` writes the run's policy after its last completed step as a Hugging Face model
 directory (`furlong.core.checkpoint.export_policy`): to a given directory, or with a `policy_root`
@@ -40,7 +42,7 @@ from furlong.core.checkpoint import export_policy, load_policy
 from furlong.core.devices import parse_device
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
 from furlong.core.models import check_transformers_model
-from furlong.core.samples import TRAINER_GROUP, stream_key
+from furlong.core.samples import TRAINER_GROUP, SampleGroup, stream_key
 from furlong.core.settings.checkpoint import DEFAULT_EXPORT_SHARD_BYTES
 from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_STEPS
 from furlong.core.weights import WeightLayout
@@ -55,12 +57,12 @@ from furlong.trainer.api import (
     TrainStepRequest,
     TrainStepResult,
 )
-from furlong.trainer.core.learner import Learner, LearnerConfig
+from furlong.trainer.core.learner import Learner, LearnerConfig, StepStats
 from furlong.trainer.metrics import TrainerMetrics
 from furlong.trainer.offload import Offloader, learner_offloader
+from furlong.trainer.run_checkpoints import RunCheckpoints, clean_leftovers
 from furlong.trainer.sample_reader import SampleReader
 from furlong.trainer.train_checkpoint import (
-    MANIFEST,
     load_training_checkpoint,
     save_training_checkpoint,
 )
@@ -85,6 +87,7 @@ class _Run:
     num_parameters: int
     lock: threading.Lock
     ledger: TrainedGroups  # what of the run is durable (see step_ledger)
+    checkpoints: RunCheckpoints | None  # None: the trainer has no checkpoint root
     last_step: int = 0
     published_version: int = 0
     data_cursor: Any = None  # what the last step consumed (a checkpoint's data cursor)
@@ -136,6 +139,8 @@ class TrainerService:
         self.metrics = metrics if metrics is not None else TrainerMetrics(CollectorRegistry())
         self._check_weight_update_equal = check_weight_update_equal
         self._checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
+        if self._checkpoint_root is not None:
+            clean_leftovers(self._checkpoint_root)
         self._policy_root = None if policy_root is None else Path(policy_root)
         self._broker = broker
         self._consumer = consumer_name
@@ -190,8 +195,9 @@ class TrainerService:
         reader = SampleReader(
             self._redis, run_id, self._consumer, validate=learner.check_group, ledger=ledger.ledger
         )
-        resume = self._checkpoint_dir(run_id)
-        if resume is not None and (resume / MANIFEST).is_file():
+        checkpoints = self._checkpoints(run_id, config.checkpoint.keep_last)
+        resume = None if checkpoints is None else checkpoints.latest()
+        if resume is not None:
             info = load_training_checkpoint(learner, resume)
             last_step, cursor = info.step, info.data_cursor
             ledger.reconcile(cursor, info.step, info.version, reader)
@@ -217,6 +223,7 @@ class TrainerService:
             last_step=last_step,
             data_cursor=cursor,
             ledger=ledger,
+            checkpoints=checkpoints,
         )
         with self._lock:
             if run_id in self._runs:
@@ -232,8 +239,21 @@ class TrainerService:
         )
         return TrainerRun(run_id=run_id, policy_version=learner.version, num_parameters=num_parameters)
 
-    def _checkpoint_dir(self, run_id: str) -> Path | None:
-        return None if self._checkpoint_root is None else self._checkpoint_root / run_id
+    def _checkpoints(self, run_id: str, keep_last: int) -> RunCheckpoints | None:
+        return (
+            None
+            if self._checkpoint_root is None
+            else RunCheckpoints(self._checkpoint_root, run_id, keep_last)
+        )
+
+    def delete_checkpoints(self, run_id: str) -> int:
+        """Remove every training checkpoint of a run that is not configured here; how many there
+        were (0 without a checkpoint root). ConflictError while the run is configured."""
+        with self._lock:
+            if run_id in self._runs:
+                raise ConflictError(f"run {run_id} is configured on this trainer; end it first")
+        checkpoints = self._checkpoints(run_id, 1)
+        return 0 if checkpoints is None else checkpoints.remove_all()
 
     def _run(self, run_id: str) -> _Run:
         with self._lock:
@@ -274,13 +294,14 @@ class TrainerService:
                 run.reader.release(batch.entry_ids)
                 raise
             run.ledger.add(batch)
-            cursor = run.ledger.cursor(step)
-            checkpoint = self._checkpoint_dir(run_id)
-            if checkpoint is None:  # nothing becomes more durable than this
+            summary = _step_summary(stats, batch.groups, trainer_version)
+            cursor = run.ledger.cursor(step, summary)
+            if run.checkpoints is None:  # nothing becomes more durable than this
                 run.ledger.commit(step, run.learner.version, run.reader, durable=False)
             elif run.ledger.due(step, run.total_steps):  # durable before ledger and acknowledgement
-                save_training_checkpoint(run.learner, checkpoint, step, cursor)
-                run.ledger.commit(step, run.learner.version, run.reader)
+                save_training_checkpoint(run.learner, run.checkpoints.path_for(step), step, cursor)
+                run.ledger.commit(step, run.learner.version, run.reader, result=summary)
+                run.checkpoints.prune()
             run.last_step = step
             run.data_cursor = cursor
             seconds = time.perf_counter() - started
@@ -369,30 +390,31 @@ class TrainerService:
 
     def checkpoint(self, run_id: str, directory: str = "") -> CheckpointResult:
         """Write the run's training state after its last completed step to `directory` (absolute),
-        or with "" to the checkpoint root's `<root>/<run_id>` (the one `configure_run` resumes from)."""
+        or with "" to the checkpoint root's `<root>/<run_id>/step-<N>` (what `configure_run` resumes
+        from)."""
         run = self._run(run_id)
         if directory:
             target = Path(directory)
             if not target.is_absolute():
                 raise ValueError(f"checkpoint directory must be an absolute path, got {directory!r}")
-        else:
-            root_target = self._checkpoint_dir(run_id)
-            if root_target is None:
-                raise ConflictError(
-                    f"run {run_id}: this trainer has no --checkpoint-dir; name a "
-                    "directory to write the checkpoint to"
-                )
-            target = root_target
+        elif run.checkpoints is None:
+            raise ConflictError(
+                f"run {run_id}: this trainer has no --checkpoint-dir; "
+                "name a directory to write the checkpoint to"
+            )
         with run.lock:
             _require_resident(run, "checkpoint")
-            if target != self._checkpoint_dir(run_id):  # a snapshot: the resume point is unchanged
-                info = save_training_checkpoint(run.learner, target, run.last_step, run.data_cursor)
+            if directory:  # a snapshot: the resume point is unchanged
+                info = save_training_checkpoint(run.learner, Path(directory), run.last_step, run.data_cursor)
             else:
+                assert run.checkpoints is not None
                 # The resume point: what it holds becomes durable, as after a step's own checkpoint.
                 cursor = run.ledger.cursor(run.last_step)
+                target = run.checkpoints.path_for(run.last_step)
                 info = save_training_checkpoint(run.learner, target, run.last_step, cursor)
                 run.ledger.commit(run.last_step, run.learner.version, run.reader)
                 run.data_cursor = cursor
+                run.checkpoints.prune()
         return CheckpointResult(
             run_id=run_id, path=str(info.path), step=info.step, policy_version=info.version
         )
@@ -454,6 +476,19 @@ class TrainerService:
                 self.end_run(run_id)
             except NotFoundError:
                 pass
+
+
+def _step_summary(stats: StepStats, groups: list[SampleGroup], trainer_version: int) -> dict[str, Any]:
+    """What a checkpoint keeps of its step for the controller's record of it (`trained_groups`)."""
+    versions = [sample.policy_version for group in groups for sample in group.samples]
+    return {
+        "loss": stats.loss,
+        "num_samples": stats.num_samples,
+        "num_tokens": stats.num_tokens,
+        "train_seconds": stats.step_seconds,
+        "sampled_policy_version": min(versions, default=trainer_version),
+        "metrics": stats.as_metrics(),
+    }
 
 
 def _require_resident(run: _Run, action: str) -> None:

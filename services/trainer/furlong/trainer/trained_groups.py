@@ -6,7 +6,9 @@ Only then are they marked trained in the run ledger (one atomic script, refusing
 trained) and their stream entries acknowledged; until then they stay pending in the stream, so a
 crash replays them into the restored checkpoint instead of losing them. The checkpoint's data
 cursor lists the entries and ledger ids it made durable, so a checkpoint written just before a
-crash (ledger not yet updated) is re-recorded on resume instead of being trained on again.
+crash (ledger not yet updated) is re-recorded on resume instead of being trained on again. It also
+holds the step's summary (loss, samples, metrics: `result`), recorded in the ledger with the
+checkpoint, so a controller that died before recording that step can record it after all.
 
 The cadence (`every_steps`) is the run's checkpoint setting, sent with ConfigureRun; the last step of
 a run is always checkpointed. Knows nothing about models or gRPC.
@@ -38,14 +40,30 @@ class TrainedGroups:
     def due(self, step: int, total_steps: int) -> bool:
         return step % self.every_steps == 0 or step >= total_steps
 
-    def cursor(self, step: int) -> dict[str, Any]:
-        """The data cursor of a checkpoint after step: what it makes durable."""
-        return {"step": step, "entry_ids": [e.decode() for e in self.entry_ids], "ledger_ids": list(self.ids)}
+    def cursor(self, step: int, result: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The data cursor of a checkpoint after step: what it makes durable, and the step's summary."""
+        cursor = {
+            "step": step,
+            "entry_ids": [e.decode() for e in self.entry_ids],
+            "ledger_ids": list(self.ids),
+        }
+        if result is not None:
+            cursor["result"] = result
+        return cursor
 
-    def commit(self, step: int, version: int, reader: SampleReader, durable: bool = True) -> None:
+    def commit(
+        self,
+        step: int,
+        version: int,
+        reader: SampleReader,
+        durable: bool = True,
+        result: dict[str, Any] | None = None,
+    ) -> None:
         """The checkpoint of step is written (or, not `durable`, there are no checkpoints): mark its
         groups trained, then acknowledge them. Only a durable step is recorded as the checkpoint a
-        recovery resumes from."""
+        recovery resumes from (with its summary `result`)."""
+        if durable and result is not None:
+            self.ledger.record_checkpoint_result(step, result)
         refused = self.ledger.commit_trained(self.ids, step if durable else -1, version)
         if refused:  # the reader refuses trained groups, so this would be a bug worth seeing
             log.error("run %s: step %d trained groups already trained: %s", self.ledger.run_id, step, refused)
@@ -54,6 +72,8 @@ class TrainedGroups:
 
     def reconcile(self, cursor: Any, step: int, version: int, reader: SampleReader) -> None:
         """On resume from a checkpoint: record what it made durable (idempotent)."""
+        if isinstance(cursor, dict) and isinstance(cursor.get("result"), dict) and step >= 1:
+            self.ledger.record_checkpoint_result(step, cursor["result"])
         if not isinstance(cursor, dict) or "ledger_ids" not in cursor:
             log.warning(
                 "run %s: checkpoint of step %d has no ledger ids in its data cursor; recording the step only",

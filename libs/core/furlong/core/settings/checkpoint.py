@@ -1,7 +1,8 @@
 """When the trainer makes a run's progress durable, as the REST run spec (`checkpoint`) declares it:
-training checkpoints (the trainer applies `every_steps`, sent with ConfigureRun) and the trained
-policy as a Hugging Face directory (the controller asks the trainer for one after the last step and
-every `export_every_steps`-th step, each in shards of at most `export_max_shard_bytes`)."""
+training checkpoints (the trainer applies `every_steps` and keeps the newest `keep_last`, sent with
+ConfigureRun) and the trained policy as a Hugging Face directory (the controller asks the trainer
+for one after the last step and every `export_every_steps`-th step, each in shards of at most
+`export_max_shard_bytes`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ DEFAULT_EXPORT_SHARD_BYTES = 5_000_000_000  # Hugging Face's customary 5 GB shar
 class CheckpointSettings:
     every_steps: int = setting(
         1, ge=1, le=MAX_STEPS, doc="a training checkpoint after every N-th step (and the last)"
+    )
+    keep_last: int = setting(
+        2,
+        ge=1,
+        le=1000,
+        doc="how many of the run's newest training checkpoints the trainer keeps (older ones are removed)",
     )
     export_every_steps: int = setting(
         0,

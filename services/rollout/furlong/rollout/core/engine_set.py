@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from furlong.core.errors import NotFoundError, UnavailableError
+from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.rollout.core.checks import split_evenly
 from furlong.rollout.core.engine import Engine, Generation
 from furlong.rollout.core.sampling import SamplingConfig, SupportBound
@@ -33,6 +33,7 @@ from furlong.rollout.core.types import (
     RolloutObserver,
     SampleLedger,
     WeightReceiverLike,
+    last_engine_message,
 )
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ class EngineSet(Protocol):
     def status(self) -> list[EngineStatus]: ...
 
     def drain(self, engine_id: str) -> EngineStatus:
-        """The engine takes no new work; idempotent. NotFoundError for an unknown engine."""
+        """The engine takes no new work; idempotent. NotFoundError for an unknown engine;
+        ConflictError (`last_engine_message`) when it is the last engine that takes work."""
 
     def close(self) -> None: ...
 
@@ -223,6 +225,9 @@ class InProcessEngines:
         with self._lock:
             for slot in self._slots:
                 if slot.engine_id == engine_id:
+                    serving = [s.engine_id for s in self._slots if not s.draining]
+                    if serving == [engine_id]:
+                        raise ConflictError(last_engine_message(f"run {self._run_id}", engine_id))
                     slot.draining = True
                     log.info("%s drained", engine_id)
                     return self._status(slot)

@@ -91,6 +91,14 @@ class EngineState(enum.Enum):
     DRAINED = "drained"  # drained, nothing in flight
 
 
+def last_engine_message(owner: str, engine_id: str) -> str:
+    """Why draining engine_id is refused: it is the last engine of owner (a run, a pool) that takes work."""
+    return (
+        f"{engine_id} is the last serving engine of {owner}; draining it would leave nothing to "
+        "generate with (the next Generate would fail). Add an engine or end the run instead"
+    )
+
+
 @dataclass(frozen=True)
 class EngineStatus:
     engine_id: str

@@ -83,6 +83,12 @@ def gae(
 # --- KL, off-policy weights, aggregation ----------------------------------------------------------
 
 
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """The k3 term exp(x) - 1 - x of each log-ratio x, as expm1(x) - x: never negative (exp(x) - 1
+    - x loses the small value to rounding and comes out slightly below 0 near x = 0)."""
+    return torch.expm1(log_ratio) - log_ratio
+
+
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from tokens sampled by the policy.
     k1 = log p - log q, k2 = (log p - log q)^2 / 2, k3 = q/p - 1 - log(q/p)."""
@@ -92,7 +98,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
     if estimator == "k2":
         return 0.5 * log_ratio.pow(2)
     if estimator == "k3":
-        return torch.exp(log_ratio) - 1.0 - log_ratio
+        return k3(log_ratio)
     raise ValueError(f"kl estimator must be one of {list(KL_ESTIMATORS)}, got {estimator!r}")
 
 

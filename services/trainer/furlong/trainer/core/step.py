@@ -24,6 +24,7 @@ from furlong.trainer.core.objectives import (
     gae,
     group_advantages,
     importance_weights,
+    k3,
     kl_estimate,
     policy_loss,
     reinforce_pp_advantages,
@@ -154,12 +155,11 @@ class StepMath:
             value_loss = obj.value_coef * (v * w).sum()
         with torch.no_grad():
             delta = logp - rollout
-            r = torch.exp(delta)
             stats = {
                 "clip_fraction": float(out.clipped.float().mean()),
                 "ratio_mean": float(out.ratio.mean()),
                 "ratio_std": float(out.ratio.std(unbiased=False)),
-                "approx_kl": float((r - 1.0 - delta).mean()),
+                "approx_kl": float(k3(delta).mean()),
                 "logprob_abs_diff": float(delta.abs().mean()),
                 "entropy": float(entropy.mean()),
                 "kl_ref": 0.0 if kl_ref is None else float(kl_ref.mean()),
