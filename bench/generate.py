@@ -207,11 +207,12 @@ def family_dirs(sizes: Sizes, root: Path) -> tuple[dict[str, Path], dict[str, in
     tokenizer and its training text."""
     text = corpus(sizes.corpus_words, lexicon=2 * sizes.vocab)
     tokenizer = bpe_tokenizer(sizes.vocab, text)
+    vocab = len(tokenizer)  # the model knows every id the tokenizer can decode, and no more
     positions = PROMPT_TOKENS + max(sizes.family_new_tokens, 32)
     configs = {
-        "qwen3": qwen3_config(sizes.vocab, *sizes.qwen3, max_positions=positions),
-        "qwen3_moe": qwen3_moe_config(sizes.vocab, *sizes.qwen3_moe, max_positions=positions),
-        "mla": mla_config(sizes.vocab, max_positions=positions),
+        "qwen3": qwen3_config(vocab, *sizes.qwen3, max_positions=positions),
+        "qwen3_moe": qwen3_moe_config(vocab, *sizes.qwen3_moe, max_positions=positions),
+        "mla": mla_config(vocab, max_positions=positions),
     }
     dirs = {
         name: write_model_dir(root / name, config, tokenizer, sizes.shard_size)

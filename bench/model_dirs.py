@@ -163,7 +163,6 @@ def write_model_dir(
     """Save a random-weight model of `config` (transformers' own initialisation, float32) with
     `save_pretrained` in shards of at most `max_shard_size`, the tokenizer and a generation config."""
     from transformers import AutoModelForCausalLM, GenerationConfig
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
