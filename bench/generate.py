@@ -26,17 +26,18 @@ The full run also reports `engine_vs_hf_generate_2m6_params` on a 2.6 M-paramete
 256, 4 layers), where matrix work dominates per-step overheads on both sides.
 
 Hugging Face model directories as users bring them (`model_dirs`: transformers' config classes,
-random weights saved with `save_pretrained` in 3+ shards, a byte-level BPE tokenizer of 16,384 ids
+random weights saved with `save_pretrained` in 3+ shards, a byte-level BPE tokenizer of 32,768 ids
 trained with `tokenizers`, generation config), written to a temporary directory; the engine loads
 each with `furlong.core.checkpoint.load_policy` as the rollout service does, transformers with
 `from_pretrained`; both float32 on the CPU, the same prompts (16 tokens of BPE-encoded text), the
-same sampling as above:
+same sampling as above (transformers' top-p sorts the whole vocabulary every step, the engine's
+the top-k it keeps):
 
-- `engine_vs_hf_generate_qwen3`: a Qwen3 of 27 M parameters (hidden 512, 6 layers, 8 query / 4
-  key-value heads of 64, query/key norms, tied embeddings), batch 32, 128 new tokens (16 x 32
-  with --quick);
-- `engine_vs_hf_generate_qwen3_moe`: a Qwen3-MoE of 27 M parameters (hidden 384, 4 layers, 16
-  experts of width 256, top-2), same batch and lengths;
+- `engine_vs_hf_generate_qwen3`: a Qwen3 of 26.7 M parameters (hidden 384, 8 layers, 6 query / 3
+  key-value heads of 64, query/key norms, tied embeddings as Qwen3's small models), batch 32, 128
+  new tokens (16 x 32 with --quick);
+- `engine_vs_hf_generate_qwen3_moe`: a Qwen3-MoE of 33.3 M parameters (hidden 384, 4 layers, 16
+  experts of width 256, top-2, in every layer), same batch and lengths;
 - `mla_cache_bytes_vs_expanded` (lower is better): KV-cache bytes per token the engine allocates
   for a DeepSeek-V3-shaped model (multi-latent attention, 3 layers), measured from its cache
   buffers after a generate call (`Engine.allocated_cache_bytes` / slots / positions), over what
@@ -107,8 +108,8 @@ class Sizes:
 
 
 SIZES = {
-    "full": Sizes(32, 128, 16, 256, 3, 128, 16384, 400_000, 32, 128, (512, 6), (384, 4), "40MB"),
-    "quick": Sizes(32, 64, 8, 128, 2, 128, 16384, 400_000, 16, 32, (512, 6), (384, 4), "40MB"),
+    "full": Sizes(32, 128, 16, 256, 3, 128, 32768, 800_000, 32, 128, (384, 8), (384, 4), "40MB"),
+    "quick": Sizes(32, 64, 8, 128, 2, 128, 32768, 800_000, 16, 32, (384, 8), (384, 4), "40MB"),
     "smoke": Sizes(4, 8, 2, 24, 1, 32, 384, 3_000, 4, 8, (64, 2), (48, 2), "100KB"),
 }
 PROMPT_TOKENS = 16
