@@ -158,6 +158,17 @@ class Engine:
         return self._runner.dtype
 
     @property
+    def num_cache_slots(self) -> int:
+        """Sequences the slot KV cache holds (`max_batch_size`), each of `max_positions` tokens."""
+        return self._runner.num_slots
+
+    @property
+    def allocated_cache_bytes(self) -> int:
+        """Bytes of the KV cache buffers allocated now (0 before the first generate call), measured
+        from the buffers; per token of one sequence: / (num_cache_slots * max_positions)."""
+        return self._runner.allocated_cache_bytes
+
+    @property
     def policy_version(self) -> int:
         return self._policy_version
 
