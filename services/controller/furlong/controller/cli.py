@@ -41,7 +41,7 @@ from furlong.controller.local_stack import (
 from furlong.controller.run_follow import Interrupts, follow_run, place_policies, summary_table
 from furlong.controller.run_spec import parse_run_spec
 from furlong.core.errors import FurlongError
-from furlong.rollout import generate_cli
+from furlong.rollout import generate_cli, serve_cli
 
 DEFAULT_STATE_DIR = Path(".furlong")
 console = Console()
@@ -269,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     runs.set_defaults(func=cmd_runs)
     cli_models.add_commands(sub)
     generate_cli.add_commands(sub)
+    serve_cli.add_commands(sub)
     return parser
 
 

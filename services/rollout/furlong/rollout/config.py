@@ -45,12 +45,17 @@ class RolloutServerConfig:
     chunk_rows: int = 8  # process mode: rows per chunk routed to one engine
     engine_work_dir: str = ""  # process mode: weights and engine logs; "" = under /dev/shm
     tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
+    gateway_port: int | None = None  # the OpenAI-compatible gateway's HTTP port; None = off, 0 = free
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must not be empty")
         check_port("port", self.port)
         check_port("metrics_port", self.metrics_port)
+        if self.gateway_port is not None:
+            check_port("gateway_port", self.gateway_port)
+            if self.gateway_port != 0 and self.gateway_port in (self.port, self.metrics_port):
+                raise ValueError(f"gateway_port {self.gateway_port} must differ from port and metrics_port")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
                 f"redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}"
@@ -115,6 +120,13 @@ class RolloutServerConfig:
         )
         parser.add_argument("--reward-timeout-s", type=float, default=cls.reward_timeout_s)
         parser.add_argument("--reward-workers", type=int, default=cls.reward_workers)
+        parser.add_argument(
+            "--gateway-port",
+            type=int,
+            default=None,
+            help="also serve the OpenAI-compatible gateway over the runs' engines on this HTTP port "
+            "(0 = any free port; default: no gateway)",
+        )
         add_credential_flags(parser)
         parser.add_argument(
             "--engines",
@@ -153,6 +165,7 @@ class RolloutServerConfig:
             engine_max_batch_size=args.engine_max_batch_size,
             chunk_rows=args.chunk_rows,
             engine_work_dir=args.engine_work_dir,
+            gateway_port=args.gateway_port,
             **credential_fields(args),
         )
 
