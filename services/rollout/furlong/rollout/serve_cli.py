@@ -75,7 +75,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
 
         from furlong.core.checkpoint import load_policy
         from furlong.rollout.core.engine import Engine
-        from furlong.rollout.core.served_models import EngineModel, SingleModel
+        from furlong.rollout.core.served_models import EngineModel, StaticModels
 
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
@@ -106,7 +106,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
-            server = HttpServer(create_app(Gateway(SingleModel(served))), args.host, args.port, "warning")
+            server = HttpServer(create_app(Gateway(StaticModels([served]))), args.host, args.port, "warning")
         except OSError as exc:
             err.write(f"furlong serve: cannot listen on {args.host}:{args.port}: {exc.strerror}\n")
             return 1

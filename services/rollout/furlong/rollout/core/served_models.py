@@ -89,19 +89,24 @@ class EngineModel:
         return self.engine.generate(prompt_ids, sampling, num_top_logprobs=num_top_logprobs)
 
 
-class SingleModel:
-    """A catalog of one model (`furlong serve`)."""
+class StaticModels:
+    """A fixed catalog (`furlong serve`: one model)."""
 
-    def __init__(self, model: ServedModel) -> None:
-        self.model = model
+    def __init__(self, models: Sequence[ServedModel]) -> None:
+        names = [m.name for m in models]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"a catalog needs models with distinct names, got {names}")
+        self._models = {m.name: m for m in models}
 
     def names(self) -> list[str]:
-        return [self.model.name]
+        return list(self._models)
 
     def get(self, name: str) -> ServedModel:
-        if name != self.model.name:
-            raise NotFoundError(f"the model {name!r} does not exist; this server serves {self.model.name!r}")
-        return self.model
+        model = self._models.get(name)
+        if model is None:
+            served = ", ".join(map(repr, self._models))
+            raise NotFoundError(f"the model {name!r} does not exist; this server serves {served}")
+        return model
 
 
 def render_chat(
