@@ -67,7 +67,7 @@ def write_forced_dir(directory: Path) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
-        max_position_embeddings=256,
+        max_position_embeddings=1024,
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)

@@ -46,7 +46,7 @@ def _sampling_config(model: ServedModel, sampling: Sampling, prompts: list[list[
     room = model.max_positions - longest
     if room < 1:
         raise RequestError(
-            f"the {what} has {longest} tokens; the model's context is {model.max_positions} tokens, "
+            f"the prompt ({what}) has {longest} tokens; the model's context is {model.max_positions} tokens, "
             "which leaves no room for a completion",
             what,
             "context_length_exceeded",
@@ -56,7 +56,7 @@ def _sampling_config(model: ServedModel, sampling: Sampling, prompts: list[list[
         max_tokens = room
     elif max_tokens > room:
         raise RequestError(
-            f"max_tokens={max_tokens} with a {what} of {longest} tokens exceeds the model's context of "
+            f"max_tokens={max_tokens} with a prompt ({what}) of {longest} tokens exceeds the model's context of "
             f"{model.max_positions} tokens (at most {room} here)",
             "max_tokens",
             "context_length_exceeded",

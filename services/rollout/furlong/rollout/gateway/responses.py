@@ -200,9 +200,18 @@ def _text_logprobs(tokenizer: ChatTokenizer, choice: Choice, pieces: Sequence[st
     return {
         "tokens": [token_text(tokenizer, ids[i]) for i in range(len(scores))],
         "token_logprobs": [s.logprob for s in scores],
-        "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in s.top} for s in scores],
+        "top_logprobs": [_top_dict(tokenizer, s) for s in scores],
         "text_offset": offsets,
     }
+
+
+def _top_dict(tokenizer: ChatTokenizer, score: TokenScore) -> dict[str, float]:
+    """The legacy format keys alternatives by their text: where two ids share a text (e.g. two
+    halves of UTF-8 sequences), the more probable one is kept."""
+    top: dict[str, float] = {}
+    for token_id, logprob in score.top:
+        top.setdefault(token_text(tokenizer, token_id), logprob)
+    return top
 
 
 def _text_pieces(tokenizer: ChatTokenizer, choice: Choice) -> list[str]:
