@@ -25,11 +25,11 @@ IM_END_ID = 2  # bpe_tokenizer's special tokens: <|endoftext|> 0, <|im_start|> 1
 TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n# Tools\n<tools>"
     "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n' }}</tools>\n"
-    "Answer a call as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}"
+    'Answer a call as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\n{% endif %}'
     "{% for message in messages %}"
     "{% if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
     "{% if message.content %}{{ message.content }}{% endif %}"
-    "{% for tc in message.tool_calls %}<tool_call>{\"name\": \"{{ tc.function.name }}\", "
+    '{% for tc in message.tool_calls %}<tool_call>{"name": "{{ tc.function.name }}", '
     "\"arguments\": {{ tc.function.arguments }}}</tool_call>{% endfor %}<|im_end|>{{ '\n' }}"
     "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
     "</tool_response><|im_end|>{{ '\n' }}"
@@ -55,7 +55,9 @@ def write_forced_dir(directory: Path) -> Path:
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
     hf = tools_tokenizer()
-    rendered = hf.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    rendered = hf.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     last_prompt_id = hf.encode(rendered, add_special_tokens=False)[-1]  # every chat's last prompt token
     chain = [last_prompt_id] + [hf.convert_tokens_to_ids(t) for t in (TOOL_OPEN, CALL_TEXT, TOOL_CLOSE)]
     chain.append(IM_END_ID)

@@ -32,7 +32,8 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_serve_prints_its_url_serves_and_stops_on_a_signal(model_dir, signum):
     proc = subprocess.Popen(
-        SERVE + ["--model", str(model_dir), "--port", "0", "--served-model-name", "tiny", "--num-threads", "1"],
+        SERVE
+        + ["--model", str(model_dir), "--port", "0", "--served-model-name", "tiny", "--num-threads", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -72,5 +73,7 @@ def test_serve_refuses_a_bad_model_directory(tmp_path):
     done = subprocess.run(SERVE + ["--model", str(missing)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert str(missing) in done.stderr and done.stderr.startswith("furlong serve:")
-    bad_port = subprocess.run(SERVE + ["--model", str(missing), "--port", "70000"], capture_output=True, text=True, timeout=120)
+    bad_port = subprocess.run(
+        SERVE + ["--model", str(missing), "--port", "70000"], capture_output=True, text=True, timeout=120
+    )
     assert bad_port.returncode == 2 and "--port" in bad_port.stderr

@@ -35,7 +35,11 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": "the weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
         },
     }
 ]
@@ -157,7 +161,13 @@ def test_chat_logprobs_equal_transformers_log_softmax(server, reference):
     model, tokenizer = reference[RANDOM]
     with session_client(server, "logprobs") as c:
         reply = c.chat.completions.create(
-            model=RANDOM, messages=MESSAGES, temperature=0.8, seed=11, max_tokens=8, logprobs=True, top_logprobs=4
+            model=RANDOM,
+            messages=MESSAGES,
+            temperature=0.8,
+            seed=11,
+            max_tokens=8,
+            logprobs=True,
+            top_logprobs=4,
         )
     [call] = session_calls(server, "logprobs")
     prompt, completion = call["prompt_token_ids"], call["choices"][0]["completion_token_ids"]
@@ -181,7 +191,9 @@ def test_chat_logprobs_equal_transformers_log_softmax(server, reference):
 
 def test_text_completion_logprobs(client, reference):
     model, tokenizer = reference[RANDOM]
-    reply = client.completions.create(model=RANDOM, prompt="a policy", temperature=0, max_tokens=6, logprobs=2)
+    reply = client.completions.create(
+        model=RANDOM, prompt="a policy", temperature=0, max_tokens=6, logprobs=2
+    )
     lp = reply.choices[0].logprobs
     prompt_ids = tokenizer.encode("a policy", add_special_tokens=True)
     completion = hf_greedy(model, prompt_ids, 6)
@@ -203,7 +215,9 @@ def _chat_stream(client, **kw):
         assert chunk.object == "chat.completion.chunk" and chunk.system_fingerprint == "furlong-policy-0"
         assert chunk.model_extra["furlong"]["policy_version"] == 0
         for choice in chunk.choices:
-            entry = by_index.setdefault(choice.index, {"content": "", "logprobs": [], "finish": None, "calls": []})
+            entry = by_index.setdefault(
+                choice.index, {"content": "", "logprobs": [], "finish": None, "calls": []}
+            )
             entry["content"] += choice.delta.content or ""
             if choice.logprobs is not None:
                 entry["logprobs"] += [(t.token, t.logprob) for t in choice.logprobs.content]
@@ -230,7 +244,12 @@ def test_streamed_chat_equals_the_non_streamed_reply(client, sampling):
 
 def test_streamed_usage_chunk(client):
     stream = client.chat.completions.create(
-        model=RANDOM, messages=MESSAGES, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=RANDOM,
+        messages=MESSAGES,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
@@ -239,7 +258,9 @@ def test_streamed_usage_chunk(client):
 
 
 def test_streamed_text_completion_equals_the_non_streamed_one(client):
-    kw = dict(model=RANDOM, prompt=["the quick", "12+34="], max_tokens=8, temperature=0.9, seed=3, n=2, logprobs=1)
+    kw = dict(
+        model=RANDOM, prompt=["the quick", "12+34="], max_tokens=8, temperature=0.9, seed=3, n=2, logprobs=1
+    )
     reply = client.completions.create(**kw)
     assert [c.index for c in reply.choices] == [0, 1, 2, 3]
     texts: dict[int, str] = {}
@@ -277,7 +298,9 @@ def test_stop_string_cuts_the_text(client):
     if len(text) < 3:
         pytest.skip(f"the greedy completion {text!r} is too short to cut")
     stop = text[2:4] if len(text) >= 4 else text[2:]
-    cut = client.completions.create(model=RANDOM, prompt="the lazy", max_tokens=12, temperature=0, stop=[stop])
+    cut = client.completions.create(
+        model=RANDOM, prompt="the lazy", max_tokens=12, temperature=0, stop=[stop]
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)]
 
@@ -312,7 +335,11 @@ def test_tool_calls_are_parsed_from_the_models_output(server, reference):
 
 def test_tool_choice_none_returns_the_text(client):
     reply = client.chat.completions.create(
-        model=FORCED, messages=[{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice="none", temperature=0
+        model=FORCED,
+        messages=[{"role": "user", "content": "hi"}],
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
     )
     assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
     assert json.dumps(CALL) in reply.choices[0].message.content
@@ -360,7 +387,9 @@ def test_malformed_bodies_get_openai_errors_never_5xx(server):
         ("GET", "/sessions/never-used", b""),
     ]
     for method, path, body in cases:
-        response = httpx.request(method, f"{server}{path}", content=body, headers={"content-type": "application/json"})
+        response = httpx.request(
+            method, f"{server}{path}", content=body, headers={"content-type": "application/json"}
+        )
         assert 400 <= response.status_code < 500, (path, response.status_code, response.text)
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -387,7 +416,10 @@ def test_async_client_works_too(server):
     async def go() -> str:
         async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as c:
             replies = await asyncio.gather(
-                *[c.chat.completions.create(model=RANDOM, messages=MESSAGES, max_tokens=4, temperature=0) for _ in range(3)]
+                *[
+                    c.chat.completions.create(model=RANDOM, messages=MESSAGES, max_tokens=4, temperature=0)
+                    for _ in range(3)
+                ]
             )
         assert len({r.choices[0].message.content for r in replies}) == 1
         return replies[0].choices[0].message.content or ""

@@ -18,8 +18,17 @@ def test_chat_defaults_and_values():
     assert request.sampling.max_tokens is None and request.sampling.stop == () and not request.sampling.stream
     assert 0 <= request.sampling.seed and not request.logprobs and request.tools is None
     given = parse_chat(
-        {**CHAT, "temperature": 0, "seed": 7, "stop": "\n", "max_completion_tokens": 5, "logprobs": True,
-         "top_logprobs": 3, "n": 2, "user": "someone"}
+        {
+            **CHAT,
+            "temperature": 0,
+            "seed": 7,
+            "stop": "\n",
+            "max_completion_tokens": 5,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "n": 2,
+            "user": "someone",
+        }
     )
     assert (given.sampling.temperature, given.sampling.seed, given.sampling.stop) == (0.0, 7, ("\n",))
     assert (given.sampling.max_tokens, given.top_logprobs, given.sampling.n) == (5, 3, 2)

@@ -56,7 +56,9 @@ def test_runs_are_served_with_their_policy_version(redis_url, tmp_path):
                 )
             )
             assert [m.id for m in c.models.list().data] == ["run-g"]
-            kw = dict(model="run-g", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+            kw = dict(
+                model="run-g", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+            )
             first = c.chat.completions.create(**kw)
             assert first.model_extra["furlong"]["policy_version"] == 0
             assert first.system_fingerprint == "furlong-policy-0"

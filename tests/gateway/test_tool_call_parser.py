@@ -23,7 +23,7 @@ def test_one_call_without_content():
 
 def test_content_before_two_calls_and_string_arguments():
     text = (
-        "Let me check.\n<tool_call>{\"name\": \"add\", \"arguments\": \"{\\\"a\\\": 1, \\\"b\\\": 2}\"}</tool_call>\n"
+        'Let me check.\n<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>\n'
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>\n'
     )
     parsed = parse_tool_calls(text, TOOLS)

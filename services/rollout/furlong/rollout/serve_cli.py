@@ -41,9 +41,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default float32)")
     p.add_argument("--served-model-name", default=None, help="the model's name in requests (default: DIR)")
     p.add_argument("--max-batch-size", type=int, default=8, help="sequences sampled at once (default 8)")
-    p.add_argument(
-        "--max-model-len", type=int, default=None, help="prompt + completion tokens per sequence"
-    )
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens per sequence")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.set_defaults(func=cmd_serve)
 

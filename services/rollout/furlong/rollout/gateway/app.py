@@ -11,7 +11,8 @@ them (and returns them).
 
 Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}`, mapped here in one
 place: a bad request 400 (`invalid_request_error`, naming the parameter), an unknown model or
-session 404, a wrong method 405, a run whose engines are all drained 503, anything else 500 (`server_error`, logged; never for bad input).
+session 404, a wrong method 405, a run whose engines are all drained 503, anything else 500
+(`server_error`, logged; never for bad input).
 A streamed reply is generated first, then sent as `data: {chunk}` events and `data: [DONE]`.
 """
 
@@ -40,7 +41,9 @@ NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 
 
-def _error(status: int, message: str, error_type: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, error_type, param, code), status_code=status)
 
 
@@ -96,7 +99,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, server_error)
 
-    async def call(fn: Callable[[object, str | None], Reply], request: Request, session_id: str | None) -> Response:
+    async def call(
+        fn: Callable[[object, str | None], Reply], request: Request, session_id: str | None
+    ) -> Response:
         if session_id is not None:
             try:
                 check_id("session_id", session_id)
@@ -152,4 +157,3 @@ def create_app(gateway: Gateway) -> FastAPI:
         return JSONResponse(record)
 
     return app
-

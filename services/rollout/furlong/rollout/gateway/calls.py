@@ -41,7 +41,9 @@ class Reply:
     chunks: Iterator[dict[str, Any]] | None = None
 
 
-def _sampling_config(model: ServedModel, sampling: Sampling, prompts: list[list[int]], what: str) -> SamplingConfig:
+def _sampling_config(
+    model: ServedModel, sampling: Sampling, prompts: list[list[int]], what: str
+) -> SamplingConfig:
     longest = max(len(p) for p in prompts)
     room = model.max_positions - longest
     if room < 1:
@@ -56,8 +58,8 @@ def _sampling_config(model: ServedModel, sampling: Sampling, prompts: list[list[
         max_tokens = room
     elif max_tokens > room:
         raise RequestError(
-            f"max_tokens={max_tokens} with a prompt ({what}) of {longest} tokens exceeds the model's context of "
-            f"{model.max_positions} tokens (at most {room} here)",
+            f"max_tokens={max_tokens} with a prompt ({what}) of {longest} tokens exceeds the model's "
+            f"context of {model.max_positions} tokens (at most {room} here)",
             "max_tokens",
             "context_length_exceeded",
         )
@@ -145,7 +147,12 @@ class Gateway:
         )
         response_id, choices = self._run(model, spec, CHAT_KIND, session_id)
         head = responses.envelope(
-            response_id, CHAT_KIND, int(time.time()), model.name, choices[0].generation.policy_version, session_id
+            response_id,
+            CHAT_KIND,
+            int(time.time()),
+            model.name,
+            choices[0].generation.policy_version,
+            session_id,
         )
         call_ids = [[f"call_{uuid.uuid4().hex[:24]}" for _ in c.tool_calls] for c in choices]
         if request.sampling.stream:
@@ -190,7 +197,12 @@ class Gateway:
         spec = self._spec(model, request.sampling, prompts, "prompt", num_top_logprobs=request.logprobs)
         response_id, choices = self._run(model, spec, TEXT_KIND, session_id)
         head = responses.envelope(
-            response_id, TEXT_KIND, int(time.time()), model.name, choices[0].generation.policy_version, session_id
+            response_id,
+            TEXT_KIND,
+            int(time.time()),
+            model.name,
+            choices[0].generation.policy_version,
+            session_id,
         )
         prompt_tokens = sum(len(p) for p in prompts)
         logprobs = request.logprobs is not None

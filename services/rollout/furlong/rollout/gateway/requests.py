@@ -124,7 +124,9 @@ def _int(body: Mapping[str, Any], name: str, default: int | None, low: int, high
     return value
 
 
-def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float, open_low: bool) -> float:
+def _number(
+    body: Mapping[str, Any], name: str, default: float, low: float, high: float, open_low: bool
+) -> float:
     value = body.get(name, default)
     if value is None:
         return default
@@ -177,7 +179,9 @@ def _sampling(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> Sampl
         if not stream:
             raise RequestError("stream_options is only allowed with stream=true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise RequestError(f"stream_options must be {{'include_usage': bool}}, got {options!r}", "stream_options")
+            raise RequestError(
+                f"stream_options must be {{'include_usage': bool}}, got {options!r}", "stream_options"
+            )
         include_usage = _bool(options, "include_usage", False)
     n = _int(body, "n", 1, 1, MAX_N)
     assert n is not None
@@ -216,7 +220,11 @@ def _content(i: int, role: str, content: object) -> str | None:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise RequestError(
                     f"{where}[{j}] must be a text part {{'type': 'text', 'text': ...}}; "
@@ -225,7 +233,9 @@ def _content(i: int, role: str, content: object) -> str | None:
                 )
             texts.append(part["text"])
         return "".join(texts)
-    raise RequestError(f"{where} must be a string or a list of text parts, got {type(content).__name__}", where)
+    raise RequestError(
+        f"{where} must be a string or a list of text parts, got {type(content).__name__}", where
+    )
 
 
 def _messages(value: object) -> tuple[dict[str, Any], ...]:
@@ -238,7 +248,8 @@ def _messages(value: object) -> tuple[dict[str, Any], ...]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise RequestError(
-                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"messages[{i}].role"
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                f"messages[{i}].role",
             )
         checked = dict(message)
         checked["content"] = _content(i, role, message.get("content"))
@@ -246,7 +257,8 @@ def _messages(value: object) -> tuple[dict[str, Any], ...]:
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list):
                 raise RequestError(
-                    f"messages[{i}].tool_calls must be a list on an assistant message", f"messages[{i}].tool_calls"
+                    f"messages[{i}].tool_calls must be a list on an assistant message",
+                    f"messages[{i}].tool_calls",
                 )
             for j, call in enumerate(calls):
                 function = call.get("function") if isinstance(call, dict) else None
@@ -257,7 +269,9 @@ def _messages(value: object) -> tuple[dict[str, Any], ...]:
                         f"messages[{i}].tool_calls[{j}]",
                     )
         if role == "assistant" and checked["content"] is None and not calls:
-            raise RequestError(f"messages[{i}] (assistant) needs content or tool_calls", f"messages[{i}].content")
+            raise RequestError(
+                f"messages[{i}] (assistant) needs content or tool_calls", f"messages[{i}].content"
+            )
         out.append(checked)
     return tuple(out)
 
@@ -271,7 +285,12 @@ def _tools(value: object) -> tuple[dict[str, Any], ...] | None:
     for i, tool in enumerate(value):
         function = tool.get("function") if isinstance(tool, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(name, str) or not name:
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(name, str)
+            or not name
+        ):
             raise RequestError(
                 f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}, "
                 f"got {tool!r}",
@@ -321,7 +340,9 @@ def parse_chat(body: object) -> ChatRequest:
 
 def _prompts(value: object) -> tuple[str | tuple[int, ...], ...]:
     def ids(v: object) -> bool:
-        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+        return (
+            isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+        )
 
     if isinstance(value, str):
         return (value,)
@@ -344,7 +365,9 @@ def parse_text(body: object) -> TextRequest:
     sampling = _sampling(checked, ("max_tokens",))
     best_of = checked.get("best_of")
     if best_of is not None and best_of != sampling.n:
-        raise RequestError(f"best_of={best_of!r} is not supported (only best_of = n = {sampling.n})", "best_of")
+        raise RequestError(
+            f"best_of={best_of!r} is not supported (only best_of = n = {sampling.n})", "best_of"
+        )
     return TextRequest(
         model=_model(checked),
         prompts=_prompts(checked.get("prompt")),

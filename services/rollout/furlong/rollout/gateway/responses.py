@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from furlong.rollout.core.engine import FINISH_EOS
-from furlong.rollout.core.served_models import Choice, ChatTokenizer
+from furlong.rollout.core.served_models import ChatTokenizer, Choice
 from furlong.rollout.core.token_scores import TokenScore
 
 FINGERPRINT_PREFIX = "furlong-policy-"
@@ -40,7 +40,9 @@ def envelope(
     }
 
 
-def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
@@ -113,7 +115,11 @@ def _message(choice: Choice, call_ids: Sequence[str]) -> dict[str, Any]:
 
 def usage(prompt_tokens: int, choices: Sequence[Choice]) -> dict[str, int]:
     completion = sum(len(c.generation.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
 
 
 def chat_body(
@@ -259,7 +265,10 @@ def text_chunks(
         for i, piece in enumerate(pieces):
             lp = None
             if full is not None:
-                lp = {key: full[key][i : i + 1] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+                lp = {
+                    key: full[key][i : i + 1]
+                    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+                }
             yield chunk(c.index, piece, lp=lp)
         yield chunk(c.index, "", finish=c.finish_reason)
     if include_usage:
