@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from furlong.core.errors import UnavailableError
 from furlong.rollout.core.gateway_session import SessionLog
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.served_models import (
@@ -85,18 +86,15 @@ class Gateway:
         created = int(time.time())
         data = []
         for name in self.catalog.names():
-            model = self.catalog.get(name)
-            version = model.policy_version()
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "furlong",
-                    "max_model_len": model.max_positions,
-                    "furlong": responses.furlong_fields(version, None),
-                }
-            )
+            entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "furlong"}
+            try:
+                model = self.catalog.get(name)
+            except (ValueError, UnavailableError) as exc:  # listed, with the reason it cannot serve
+                entry["furlong"] = {"policy_version": None, "unavailable": str(exc)}
+            else:
+                entry["max_model_len"] = model.max_positions
+                entry["furlong"] = responses.furlong_fields(model.policy_version(), None)
+            data.append(entry)
         return {"object": "list", "data": data}
 
     def model(self, name: str) -> dict[str, Any]:
