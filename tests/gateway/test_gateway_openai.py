@@ -228,7 +228,14 @@ def _chat_stream(client, **kw):
     return by_index, chunks
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5, "top_p": 0.9}])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0},
+        {"temperature": 1.0, "seed": 5, "top_p": 0.9},
+        {"temperature": 1.0, "seed": 6, "stop": [" "]},
+    ],
+)
 def test_streamed_chat_equals_the_non_streamed_reply(client, sampling):
     kw = dict(model=RANDOM, messages=MESSAGES, max_tokens=10, n=2, logprobs=True, top_logprobs=2, **sampling)
     reply = client.chat.completions.create(**kw)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,6 +56,10 @@ CONTINUOUS = "continuous"
 STATIC = "static"
 STATIC_EARLY_EXIT = "static_early_exit"
 BATCHING_MODES = (CONTINUOUS, STATIC, STATIC_EARLY_EXIT)
+
+
+# on_token(row, token_id, score): a row's newly drawn token, as the decode goes (see `generate`).
+TokenCallback = Callable[[int, int, TokenScore | None], None]
 
 
 class TokenizerLike(Protocol):
@@ -205,12 +209,16 @@ class Engine:
         max_new_tokens: Sequence[int] | None = None,
         ignore_eos: bool = False,
         num_top_logprobs: int | None = None,
+        on_token: TokenCallback | None = None,
     ) -> list[Generation]:
         """Sample one response per prompt. `max_new_tokens` optionally gives each row its own limit
         (default: config.max_new_tokens for all); `ignore_eos` runs every row to its limit (for
         measurements); `num_top_logprobs` (0-20) also scores every drawn token under the raw model
-        distribution with that many alternatives (`Generation.scores`; None: no scoring). Same
-        prompts, config (seed included), limits and weights give the same tokens."""
+        distribution with that many alternatives (`Generation.scores`; None: no scoring);
+        `on_token(row, token_id, score)` is called after every step for each row's new token (score
+        None without scoring), on this thread: an exception it raises ends the whole call (e.g. a
+        client that went away). Same prompts, config (seed included), limits and weights give the
+        same tokens."""
         prompts, limits = self._validate_prompts(prompt_ids, config, max_new_tokens)
         if not prompts:
             return []
@@ -230,6 +238,7 @@ class Engine:
                 None if ignore_eos else self.tokenizer.eos_id,
                 stops,
                 scores,
+                on_token,
             )
             return [
                 self._to_generation(
@@ -289,6 +298,7 @@ class Engine:
         eos: int | None,
         stops: StopMatcher | None,
         scores: TokenScores | None = None,
+        on_token: TokenCallback | None = None,
     ) -> dict[int, str]:
         """The scheduler: admit, step, retire until every row has finished; the stop string each
         row stopped at (rows that stopped otherwise are absent). Slot state lives on the host
@@ -333,6 +343,8 @@ class Engine:
                     if table.position[s] >= last_position:  # no room left to decode padding
                         finished.append(s)
                     continue
+                if on_token is not None:
+                    on_token(row, tok, None if scores is None else scores.row(row)[-1])
                 hit = stops.push(row, tok) if stops is not None else None
                 if hit is not None:
                     stopped[row] = hit

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from furlong.core.errors import NotFoundError
-from furlong.rollout.core.engine import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Engine, Generation
+from furlong.rollout.core.engine import (
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Engine,
+    Generation,
+    TokenCallback,
+)
 from furlong.rollout.core.gateway_session import CallRecord, ChoiceRecord
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.tool_calls import ToolCall, parse_tool_calls
@@ -54,9 +61,14 @@ class ServedModel(Protocol):
     def policy_version(self) -> int: ...
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingConfig, num_top_logprobs: int | None
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        num_top_logprobs: int | None,
+        on_token: TokenCallback | None = None,
     ) -> list[Generation]:
-        """One generation per prompt (ValueError for a prompt the engine cannot take)."""
+        """One generation per prompt (ValueError for a prompt the engine cannot take);
+        `on_token` sees every drawn token as it is drawn (`Engine.generate`)."""
 
 
 class ModelCatalog(Protocol):
@@ -84,9 +96,15 @@ class EngineModel:
         return self.engine.policy_version
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingConfig, num_top_logprobs: int | None
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        num_top_logprobs: int | None,
+        on_token: TokenCallback | None = None,
     ) -> list[Generation]:
-        return self.engine.generate(prompt_ids, sampling, num_top_logprobs=num_top_logprobs)
+        return self.engine.generate(
+            prompt_ids, sampling, num_top_logprobs=num_top_logprobs, on_token=on_token
+        )
 
 
 class StaticModels:
@@ -158,16 +176,17 @@ class Choice:
     generation: Generation
 
 
-def run_call(model: ServedModel, spec: CallSpec) -> list[Choice]:
-    """Sample `spec`: choice i*n + j is prompt i's j-th sample. ValueError for what the engine
-    refuses (a prompt longer than the model's context with max_tokens, n above the model's rows)."""
+def run_call(model: ServedModel, spec: CallSpec, on_token: TokenCallback | None = None) -> list[Choice]:
+    """Sample `spec`: choice i*n + j is prompt i's j-th sample (`on_token`'s row). ValueError for
+    what the engine refuses (a prompt longer than the model's context with max_tokens, n above the
+    model's rows)."""
     rows = [list(p) for p in spec.prompts for _ in range(spec.n)]
     if len(rows) > model.max_rows:
         raise ValueError(
             f"{len(spec.prompts)} prompt(s) x n={spec.n} = {len(rows)} sequences exceed the "
             f"{model.max_rows} this model serves at once"
         )
-    generations = model.generate(rows, spec.sampling, spec.num_top_logprobs)
+    generations = model.generate(rows, spec.sampling, spec.num_top_logprobs, on_token)
     choices = []
     for i, g in enumerate(generations):
         content: str | None = g.text

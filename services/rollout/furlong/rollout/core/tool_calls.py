@@ -6,8 +6,8 @@
     ...
     </tool_call>
 
-`parse_tool_calls(text, tool_names)` returns the text before the first `<tool_call>` (stripped of
-surrounding whitespace; None when empty) and the calls in order. It is all or nothing: when any
+`parse_tool_calls(text, tool_names)` returns the text before the first `<tool_call>` (without its
+trailing whitespace; None when nothing else is left) and the calls in order. It is all or nothing: when any
 block is unterminated, is not a JSON object with a string `name` and an object (or JSON-string)
 `arguments`, names a tool that was not offered, or text other than whitespace follows a block, the
 output is not a tool call and the whole text is returned as content with no calls (a model's
@@ -55,8 +55,8 @@ def parse_tool_calls(text: str, tool_names: Collection[str]) -> ParsedOutput:
             return ParsedOutput(text, ())
         calls.append(call)
         rest = rest[end + len(TOOL_CALL_CLOSE) :].lstrip()
-    content = text[:start].strip()
-    return ParsedOutput(content or None, tuple(calls))
+    content = text[:start].rstrip()
+    return ParsedOutput(content if content.strip() else None, tuple(calls))
 
 
 def _one_call(body: str, tool_names: Collection[str]) -> ToolCall | None:

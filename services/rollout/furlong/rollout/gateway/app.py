@@ -13,7 +13,7 @@ Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}`, mapp
 place: a bad request 400 (`invalid_request_error`, naming the parameter), an unknown model or
 session 404, a wrong method 405, a run whose engines are all drained 503, anything else 500
 (`server_error`, logged; never for bad input).
-A streamed reply is generated first, then sent as `data: {chunk}` events and `data: [DONE]`.
+A streamed reply is sent as it is generated: `data: {chunk}` events, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from furlong.core.errors import NotFoundError, UnavailableError
 from furlong.rollout.core.checks import check_id
-from furlong.rollout.gateway.calls import Gateway, Reply
+from furlong.rollout.gateway.calls import Call, Gateway
 from furlong.rollout.gateway.requests import RequestError
 from furlong.rollout.gateway.responses import error_body
 
@@ -55,16 +56,54 @@ async def _json_body(request: Request) -> object:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
 
 
-def _sse(chunks: Iterator[dict[str, Any]]) -> Iterator[bytes]:
-    for chunk in chunks:
-        yield b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-    yield b"data: [DONE]\n\n"
+class _ClientGone(Exception):
+    """The client of a stream went away: the call ends at its next token."""
 
 
-def _reply(reply: Reply) -> Response:
-    if reply.chunks is not None:
-        return StreamingResponse(_sse(reply.chunks), media_type="text/event-stream")
-    return JSONResponse(reply.body)
+def _event(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _events(gateway: Gateway, call: Call) -> AsyncIterator[bytes]:
+    """The call's chunks as server-sent events, sent as the engine draws the tokens (the engine runs
+    on a thread of its own), then `data: [DONE]`. A failure after the first chunk is sent as an
+    error event (OpenAI's error body; the `openai` package raises it). When the client goes away
+    the call ends at its next token."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+    gone = threading.Event()
+
+    def put(item: bytes | None) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            gone.set()
+
+    def send(chunk: dict[str, Any]) -> None:
+        if gone.is_set():
+            raise _ClientGone()
+        put(_event(chunk))
+
+    def work() -> None:
+        try:
+            gateway.stream(call, send)
+        except _ClientGone:
+            log.info("%s: the client went away; sampling stopped", call.response_id)
+        except ValueError as exc:
+            put(_event(error_body(str(exc), INVALID_REQUEST)))
+        except Exception as exc:
+            log.error("%s: streaming failed", call.response_id, exc_info=exc)
+            put(_event(error_body(f"internal error: {type(exc).__name__}", SERVER_ERROR)))
+        finally:
+            put(None)
+
+    threading.Thread(target=work, name=f"furlong-gateway-{call.response_id}", daemon=True).start()
+    try:
+        while (item := await queue.get()) is not None:
+            yield item
+        yield b"data: [DONE]\n\n"
+    finally:
+        gone.set()
 
 
 def create_app(gateway: Gateway) -> FastAPI:
@@ -100,7 +139,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.add_exception_handler(Exception, server_error)
 
     async def call(
-        fn: Callable[[object, str | None], Reply], request: Request, session_id: str | None
+        prepare: Callable[[object, str | None], Call], request: Request, session_id: str | None
     ) -> Response:
         if session_id is not None:
             try:
@@ -108,7 +147,10 @@ def create_app(gateway: Gateway) -> FastAPI:
             except ValueError as exc:
                 raise RequestError(str(exc), "session_id") from None
         body = await _json_body(request)
-        return _reply(await asyncio.to_thread(fn, body, session_id))
+        checked = await asyncio.to_thread(prepare, body, session_id)
+        if checked.stream:
+            return StreamingResponse(_events(gateway, checked), media_type="text/event-stream")
+        return JSONResponse(await asyncio.to_thread(gateway.reply, checked))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -124,11 +166,11 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await call(gateway.chat, request, None)
+        return await call(gateway.prepare_chat, request, None)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await call(gateway.complete, request, None)
+        return await call(gateway.prepare_text, request, None)
 
     @app.get("/sessions/{session_id}/v1/models")
     async def session_models(session_id: str) -> dict[str, Any]:
@@ -136,11 +178,11 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def session_chat(session_id: str, request: Request) -> Response:
-        return await call(gateway.chat, request, session_id)
+        return await call(gateway.prepare_chat, request, session_id)
 
     @app.post("/sessions/{session_id}/v1/completions")
     async def session_completions(session_id: str, request: Request) -> Response:
-        return await call(gateway.complete, request, session_id)
+        return await call(gateway.prepare_text, request, session_id)
 
     @app.get("/sessions/{session_id}")
     async def session(session_id: str) -> Response:

@@ -2,20 +2,24 @@
 fit the length to the model's context, sample, parse tool calls, record the call in its session
 and build the body (or the stream's chunks).
 
-Blocking (the engine runs in the calling thread): the HTTP layer runs `chat` and `complete` off its
-event loop. Errors: `RequestError` (400, naming the parameter), `NotFoundError` (404, an unknown
-model), ValueError from the engine (400). Knows nothing about HTTP itself.
+`prepare_chat` / `prepare_text` check a body and return a `Call` (nothing sampled yet, so every bad
+request fails before a reply starts); `reply` samples it and returns the body, `stream` samples it
+and hands each chunk over as its token is drawn. All block (the engine runs in the calling thread):
+the HTTP layer runs them off its event loop. Errors: `RequestError` (400, naming the parameter),
+`NotFoundError` (404, an unknown model), ValueError from the engine (400). Knows nothing about HTTP
+itself.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from furlong.core.errors import UnavailableError
+from furlong.rollout.core.engine import TokenCallback
 from furlong.rollout.core.gateway_session import SessionLog
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.served_models import (
@@ -27,7 +31,8 @@ from furlong.rollout.core.served_models import (
     render_chat,
     run_call,
 )
-from furlong.rollout.gateway import responses
+from furlong.rollout.core.token_scores import TokenScore
+from furlong.rollout.gateway import responses, streams
 from furlong.rollout.gateway.requests import RequestError, Sampling, parse_chat, parse_text
 
 CHAT_KIND = "chat.completion"
@@ -35,11 +40,19 @@ TEXT_KIND = "text_completion"
 
 
 @dataclass(frozen=True)
-class Reply:
-    """A call's reply: `body` (not streamed) or `chunks` (streamed as SSE)."""
+class Call:
+    """A checked call, ready to sample: `Gateway.reply` or `Gateway.stream` runs it."""
 
-    body: dict[str, Any] | None = None
-    chunks: Iterator[dict[str, Any]] | None = None
+    kind: str  # CHAT_KIND or TEXT_KIND
+    response_id: str
+    created: int
+    model: ServedModel
+    spec: CallSpec
+    session_id: str | None
+    prompt_tokens: int
+    logprobs: bool
+    stream: bool
+    include_usage: bool
 
 
 def _sampling_config(
@@ -120,18 +133,8 @@ class Gateway:
             **kw,
         )
 
-    def _run(
-        self, model: ServedModel, spec: CallSpec, kind: str, session_id: str | None
-    ) -> tuple[str, list[Choice]]:
-        if session_id is not None:
-            self.sessions.check_room(session_id)
-        response_id = f"{'chatcmpl' if kind == CHAT_KIND else 'cmpl'}-{uuid.uuid4().hex}"
-        choices = run_call(model, spec)
-        if session_id is not None:
-            self.sessions.append(session_id, call_record(response_id, kind, model.name, spec, choices))
-        return response_id, choices
-
-    def chat(self, body: object, session_id: str | None = None) -> Reply:
+    def prepare_chat(self, body: object, session_id: str | None = None) -> Call:
+        """The checked call of a chat body (RequestError, NotFoundError, ValueError)."""
         request = parse_chat(body)
         model = self.catalog.get(request.model)
         prompt = render_chat(model.tokenizer, request.messages, request.tools)
@@ -143,33 +146,10 @@ class Gateway:
             num_top_logprobs=request.top_logprobs if request.logprobs else None,
             tool_names=request.tool_names if request.parse_tools else None,
         )
-        response_id, choices = self._run(model, spec, CHAT_KIND, session_id)
-        head = responses.envelope(
-            response_id,
-            CHAT_KIND,
-            int(time.time()),
-            model.name,
-            choices[0].generation.policy_version,
-            session_id,
-        )
-        call_ids = [[f"call_{uuid.uuid4().hex[:24]}" for _ in c.tool_calls] for c in choices]
-        if request.sampling.stream:
-            return Reply(
-                chunks=responses.chat_chunks(
-                    head,
-                    model.tokenizer,
-                    choices,
-                    call_ids,
-                    request.logprobs,
-                    len(prompt),
-                    request.sampling.include_usage,
-                )
-            )
-        return Reply(
-            body=responses.chat_body(head, model.tokenizer, choices, call_ids, request.logprobs, len(prompt))
-        )
+        return self._call(CHAT_KIND, model, spec, session_id, len(prompt), request.logprobs, request.sampling)
 
-    def complete(self, body: object, session_id: str | None = None) -> Reply:
+    def prepare_text(self, body: object, session_id: str | None = None) -> Call:
+        """The checked call of a text-completion body (RequestError, NotFoundError, ValueError)."""
         request = parse_text(body)
         model = self.catalog.get(request.model)
         if session_id is not None and len(request.prompts) != 1:
@@ -193,24 +173,93 @@ class Gateway:
                 raise RequestError(f"prompt {i} is empty (no tokens)", "prompt")
             prompts.append(ids)
         spec = self._spec(model, request.sampling, prompts, "prompt", num_top_logprobs=request.logprobs)
-        response_id, choices = self._run(model, spec, TEXT_KIND, session_id)
-        head = responses.envelope(
-            response_id,
-            TEXT_KIND,
-            int(time.time()),
-            model.name,
-            choices[0].generation.policy_version,
-            session_id,
-        )
         prompt_tokens = sum(len(p) for p in prompts)
-        logprobs = request.logprobs is not None
-        if request.sampling.stream:
-            return Reply(
-                chunks=responses.text_chunks(
-                    head, model.tokenizer, choices, logprobs, prompt_tokens, request.sampling.include_usage
-                )
+        return self._call(
+            TEXT_KIND, model, spec, session_id, prompt_tokens, request.logprobs is not None, request.sampling
+        )
+
+    def _call(
+        self,
+        kind: str,
+        model: ServedModel,
+        spec: CallSpec,
+        session_id: str | None,
+        prompt_tokens: int,
+        logprobs: bool,
+        sampling: Sampling,
+    ) -> Call:
+        if session_id is not None:
+            self.sessions.check_room(session_id)  # before sampling: a refused call costs nothing
+        return Call(
+            kind=kind,
+            response_id=f"{'chatcmpl' if kind == CHAT_KIND else 'cmpl'}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=model,
+            spec=spec,
+            session_id=session_id,
+            prompt_tokens=prompt_tokens,
+            logprobs=logprobs,
+            stream=sampling.stream,
+            include_usage=sampling.include_usage,
+        )
+
+    def _run(self, call: Call, on_token: TokenCallback | None = None) -> tuple[list[Choice], list[list[str]]]:
+        choices = run_call(call.model, call.spec, on_token)
+        if call.session_id is not None:
+            self.sessions.append(
+                call.session_id, call_record(call.response_id, call.kind, call.model.name, call.spec, choices)
             )
-        return Reply(body=responses.text_body(head, model.tokenizer, choices, logprobs, prompt_tokens))
+        call_ids = [[f"call_{uuid.uuid4().hex[:24]}" for _ in c.tool_calls] for c in choices]
+        return choices, call_ids
+
+    def _head(self, call: Call, policy_version: int) -> dict[str, Any]:
+        return responses.envelope(
+            call.response_id, call.kind, call.created, call.model.name, policy_version, call.session_id
+        )
+
+    def reply(self, call: Call) -> dict[str, Any]:
+        """Sample the call and return its body (blocking)."""
+        choices, call_ids = self._run(call)
+        head = self._head(call, choices[0].generation.policy_version)
+        tokenizer = call.model.tokenizer
+        if call.kind == CHAT_KIND:
+            return responses.chat_body(head, tokenizer, choices, call_ids, call.logprobs, call.prompt_tokens)
+        stops = call.spec.sampling.stop
+        pieces = [streams.pieces(tokenizer, c, stops, False) for c in choices] if call.logprobs else None
+        return responses.text_body(head, tokenizer, choices, call.prompt_tokens, pieces)
+
+    def stream(self, call: Call, send: Callable[[dict[str, Any]], None]) -> None:
+        """Sample the call, passing each chunk to `send` as soon as its token is drawn (blocking;
+        `send` runs on this thread, and an exception it raises ends the call)."""
+        model = call.model
+        writer: streams.ChatStream | streams.TextStream | None = None
+        version: int | None = None
+
+        def on_token(row: int, token_id: int, score: TokenScore | None) -> None:
+            nonlocal writer, version
+            if writer is None:
+                # The engine holds its version for the whole call: read it while the call runs.
+                version = model.policy_version()
+                writer = self._writer(call, self._head(call, version))
+                for chunk in writer.opening():
+                    send(chunk)
+            for chunk in writer.token(row, token_id, score):
+                send(chunk)
+
+        choices, call_ids = self._run(call, on_token)
+        assert writer is not None and version == choices[0].generation.policy_version, "version changed"
+        usage = responses.usage(call.prompt_tokens, choices) if call.include_usage else None
+        for chunk in writer.closing(choices, call_ids, usage):
+            send(chunk)
+
+    @staticmethod
+    def _writer(call: Call, head: dict[str, Any]) -> streams.ChatStream | streams.TextStream:
+        num = len(call.spec.prompts) * call.spec.n
+        stops = call.spec.sampling.stop
+        if call.kind == CHAT_KIND:
+            tools = call.spec.tool_names is not None
+            return streams.ChatStream(head, call.model.tokenizer, num, call.logprobs, stops, tools)
+        return streams.TextStream(head, call.model.tokenizer, num, call.logprobs, stops)
 
     def session(self, session_id: str) -> dict[str, Any] | None:
         calls = self.sessions.calls(session_id)
