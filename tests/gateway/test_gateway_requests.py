@@ -105,3 +105,17 @@ def test_bad_text_values_name_the_parameter(change, param):
 def test_body_must_be_an_object():
     with pytest.raises(RequestError, match="JSON object"):
         parse_chat([1, 2])
+
+
+def test_the_rollout_service_flag_for_the_gateway():
+    from furlong.rollout.config import RolloutServerConfig
+
+    base = ["--port", "5001", "--metrics-port", "5002", "--redis-url", "redis://127.0.0.1:6379/0"]
+    base += ["--broker", "127.0.0.1:5003"]
+    assert RolloutServerConfig.from_args(base).gateway_port is None
+    assert RolloutServerConfig.from_args(base + ["--gateway-port", "0"]).gateway_port == 0
+    assert RolloutServerConfig.from_args(base + ["--gateway-port", "5004"]).gateway_port == 5004
+    for bad in ("70000", "5001"):
+        with pytest.raises(SystemExit) as caught:
+            RolloutServerConfig.from_args(base + ["--gateway-port", bad])
+        assert caught.value.code == 2

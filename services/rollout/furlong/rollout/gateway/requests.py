@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from furlong.core.settings.sampling import MAX_NEW_TOKENS
 from furlong.rollout.core.sampling import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from furlong.rollout.core.token_scores import MAX_TOP_LOGPROBS
 
@@ -166,7 +167,7 @@ def _stop(value: object) -> tuple[str, ...]:
 def _sampling(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> Sampling:
     max_tokens = None
     for name in max_tokens_names:
-        given = _int(body, name, None, 1, 1 << 20)
+        given = _int(body, name, None, 1, MAX_NEW_TOKENS)
         if given is not None:
             if max_tokens is not None and given != max_tokens:
                 raise RequestError(f"{name}={given} contradicts {max_tokens_names[0]}={max_tokens}", name)
