@@ -130,8 +130,8 @@ def test_invalid_requests_get_invalid_argument(stack):
     )
     cases = [
         (
-            dict(sampling=common_pb2.SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=4)),
-            "sampling.temperature: must be in (0, 100], got 0",
+            dict(sampling=common_pb2.SamplingParams(temperature=-1.0, top_p=1.0, max_new_tokens=4)),
+            "sampling.temperature: must be in [0, 100], got -1",
         ),
         (
             dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=0.0, max_new_tokens=4)),
