@@ -102,3 +102,14 @@ def test_pieces_hold_back_stop_strings_and_tool_calls(models):
     for t in tokenizer.encode("the dog <tool", add_bos=False):
         cutter.push(t)
     assert cutter.sent == "the dog" and cutter.rest("the dog <tool") == " <tool"
+
+
+def test_pieces_of_a_long_text_add_up_across_decode_anchors(models):
+    tokenizer = models["random"].tokenizer
+    text = " ".join(["the quick brown fox jumps over the lazy dog, 12+34=46 ünïcødé ✓"] * 12)
+    ids = tokenizer.encode(text, add_bos=False)
+    assert len(ids) > 3 * 64  # the anchor moves several times
+    cutter = PieceCutter(tokenizer, (), False)
+    pieces = [cutter.push(t) for t in ids]
+    assert "".join(pieces) + cutter.rest(tokenizer.decode(ids)) == tokenizer.decode(ids)
+    assert sum(1 for p in pieces if p) > len(ids) // 4  # sent as it goes, not all at the end
