@@ -47,6 +47,7 @@ class RolloutServerConfig:
     engine_work_dir: str = ""  # process mode: weights and engine logs; "" = under /dev/shm
     tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
     device: str = "cpu"  # where runs' engines run: "cpu", "cuda" or "cuda:N"
+    gateway_port: int | None = None  # the OpenAI-compatible gateway's HTTP port; None = off, 0 = free
 
     def __post_init__(self) -> None:
         try:
@@ -57,6 +58,10 @@ class RolloutServerConfig:
             raise ValueError("host must not be empty")
         check_port("port", self.port)
         check_port("metrics_port", self.metrics_port)
+        if self.gateway_port is not None:
+            check_port("gateway_port", self.gateway_port)
+            if self.gateway_port != 0 and self.gateway_port in (self.port, self.metrics_port):
+                raise ValueError(f"gateway_port {self.gateway_port} must differ from port and metrics_port")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
                 f"redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}"
@@ -121,6 +126,13 @@ class RolloutServerConfig:
         )
         parser.add_argument("--reward-timeout-s", type=float, default=cls.reward_timeout_s)
         parser.add_argument("--reward-workers", type=int, default=cls.reward_workers)
+        parser.add_argument(
+            "--gateway-port",
+            type=int,
+            default=None,
+            help="also serve the OpenAI-compatible gateway over the runs' engines on this HTTP port "
+            "(0 = any free port; default: no gateway)",
+        )
         add_credential_flags(parser)
         parser.add_argument(
             "--engines",
@@ -166,6 +178,7 @@ class RolloutServerConfig:
             chunk_rows=args.chunk_rows,
             engine_work_dir=args.engine_work_dir,
             device=args.device,
+            gateway_port=args.gateway_port,
             **credential_fields(args),
         )
 

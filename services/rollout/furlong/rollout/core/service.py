@@ -23,14 +23,16 @@ from typing import Any
 
 from furlong.core import tasks
 from furlong.core.devices import DTYPES, parse_device
-from furlong.core.errors import ConflictError, NotFoundError
+from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.core.settings import PrecisionSettings, RolloutSettings
 from furlong.core.settings.run_shape import MAX_RUN_SEED
 from furlong.rollout.core.checks import check_id, check_int, check_timeout
-from furlong.rollout.core.engine_set import EngineSetFactory, in_process_factory
+from furlong.rollout.core.engine import Engine
+from furlong.rollout.core.engine_set import EngineSetFactory, InProcessEngines, in_process_factory
 from furlong.rollout.core.sampling import OVERFLOW_ERROR, SupportBound
 from furlong.rollout.core.step_generation import ActiveRun, StepGeneration
 from furlong.rollout.core.types import (
+    EngineState,
     EngineStatus,
     GenerateRequest,
     GenerateResult,
@@ -198,6 +200,22 @@ class RolloutService:
         if not isinstance(request, GenerateRequest):
             raise ValueError(f"expected a GenerateRequest, got {type(request).__name__}")
         return self._steps.generate(self._get(request.run_id), request)
+
+    def served_engine(self, run_id: str) -> tuple[Engine, Any]:
+        """A serving in-process engine of the run and the run's tokenizer, for the OpenAI-compatible
+        gateway (whose calls are no step's samples: they bypass the sample ledger). NotFoundError
+        for an unknown run; UnavailableError when every engine is drained; ValueError when the run's
+        engines are processes (`--engines process`), which the gateway does not reach."""
+        run = self._get(run_id)
+        engines = run.engines
+        if not isinstance(engines, InProcessEngines):
+            raise ValueError(
+                f"run {run_id}'s engines run as processes; the gateway serves in-process engines only"
+            )
+        serving = [s.engine_id for s in engines.status() if s.state == EngineState.SERVING]
+        if not serving:
+            raise UnavailableError(f"run {run_id}: every engine is drained")
+        return engines.engine(serving[0]), run.tokenizer
 
     def status(self, run_id: str) -> RunStatus:
         """The run's engines and its sample-ledger counts."""
