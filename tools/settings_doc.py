@@ -29,6 +29,8 @@ def _type_name(tp: Any) -> str:
         return "number"
     if tp is str:
         return "string"
+    if tp is bool:
+        return "boolean"
     return "list of strings"
 
 
@@ -56,6 +58,8 @@ def _accepts(tp: Any, f: dataclasses.Field[Any]) -> str:
             else ""
         )
         return f"{low}, {high}"
+    if tp is bool:
+        return "`true`, `false`"
     parts = []
     if b.max_items is not None:
         parts.append(f"at most {b.max_items}")
@@ -72,6 +76,8 @@ def _default(f: dataclasses.Field[Any]) -> str:
     value = f.default
     if isinstance(value, tuple):
         return f"`{list(value)}`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
     return f'`"{value}"`' if isinstance(value, str) else f"`{value}`"
 
 

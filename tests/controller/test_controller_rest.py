@@ -112,6 +112,8 @@ def test_malformed_spec_is_422_naming_the_field_and_creates_nothing(env, redis_u
         ({**SPEC, "sampling": {"temperature": 0}}, "sampling.temperature"),
         ({**SPEC, "prompts_per_step": 100000000}, "prompts_per_step"),
         ({**SPEC, "steps": 99999999999999999999999}, "steps"),
+        ({**SPEC, "precision": {"dtype": "float16"}}, "precision.dtype"),
+        ({**SPEC, "precision": {"gradient_checkpointing": 1}}, "precision.gradient_checkpointing"),
     ]:
         resp = env.post("/v1/runs", json=body)
         assert (resp.status_code, resp.json()["field"]) == (422, field)

@@ -49,6 +49,7 @@ FULL = {
         "export_every_steps": 0,
         "export_max_shard_bytes": 5_000_000_000,
     },
+    "precision": {"dtype": "float32", "gradient_checkpointing": False},
     "recovery": {"max_attempts": 3, "timeout_s": 120.0},
 }
 

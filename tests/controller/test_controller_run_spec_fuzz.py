@@ -13,6 +13,7 @@ from furlong.controller.run_spec import RecoverySpec, RunSpec, parse_run_spec
 from furlong.core.settings import (
     AlgorithmSettings,
     CheckpointSettings,
+    PrecisionSettings,
     RolloutSettings,
     SamplingSettings,
     SettingError,
@@ -27,6 +28,7 @@ KNOWN_PATHS = {f.name for f in dataclasses.fields(RunSpec)} | {
         ("algorithm", AlgorithmSettings),
         ("rollout", RolloutSettings),
         ("checkpoint", CheckpointSettings),
+        ("precision", PrecisionSettings),
         ("recovery", RecoverySpec),
     )
     for f in dataclasses.fields(cls)

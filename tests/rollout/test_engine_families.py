@@ -86,3 +86,24 @@ def test_engine_equals_transformers(family):
         )
     print(f"{family}: max |log-prob - transformers| = {worst:.2e}")
     assert worst <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_allocated_cache_bytes_measured_from_the_buffers(family):
+    """Grouped-query attention caches per-head keys and values; multi-latent attention one
+    (latent + rotary key) row per token (its values are a view of the same buffer)."""
+    model = family_model(family, seed=1)
+    config = model.config
+    engine = Engine(model, NoTextTokenizer(), max_batch_size=3, max_positions=64)
+    assert engine.allocated_cache_bytes == 0
+    engine.generate([[1, 5, 7]], SamplingConfig(temperature=0.0, max_new_tokens=2))
+    tokens = engine.num_cache_slots * engine.max_positions
+    assert engine.num_cache_slots == 3
+    layers = config.num_hidden_layers
+    if family == "qwen3":
+        per_token = 2 * config.num_key_value_heads * config.head_dim * layers * 4
+    else:
+        per_token = (config.kv_lora_rank + config.qk_rope_head_dim) * layers * 4
+    assert engine.allocated_cache_bytes == per_token * tokens
+    engine._runner.release()
+    assert engine.allocated_cache_bytes == 0

@@ -130,8 +130,8 @@ def test_invalid_requests_get_invalid_argument(stack):
     )
     cases = [
         (
-            dict(sampling=common_pb2.SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=4)),
-            "sampling.temperature: must be in (0, 100], got 0",
+            dict(sampling=common_pb2.SamplingParams(temperature=-1.0, top_p=1.0, max_new_tokens=4)),
+            "sampling.temperature: must be in [0, 100], got -1",
         ),
         (
             dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=0.0, max_new_tokens=4)),
@@ -154,6 +154,7 @@ def test_invalid_requests_get_invalid_argument(stack):
                     model_dir=stack["checkpoint"],
                     reward="nope",
                     rollout=pb.RolloutConfig(num_engines=1, over_sampling=1.0),
+                    precision=common_pb2.PrecisionConfig(dtype="float32"),
                 ),
                 timeout=30,
             )
@@ -168,6 +169,18 @@ def test_invalid_requests_get_invalid_argument(stack):
             )
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "rollout.num_engines: must be an integer in [1, 64], got 0" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:  # nor the precision
+            stub.ConfigureRun(
+                pb.ConfigureRolloutRequest(
+                    run_id="run-j",
+                    model_dir=stack["checkpoint"],
+                    reward="addition_exact_match",
+                    rollout=pb.RolloutConfig(num_engines=1, over_sampling=1.0),
+                ),
+                timeout=30,
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "precision.dtype: must be one of ['float32', 'bfloat16'], got ''" in info.value.details()
         with pytest.raises(grpc.RpcError) as info:
             stub.EndRun(pb.EndRolloutRequest(run_id="never"), timeout=30)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND

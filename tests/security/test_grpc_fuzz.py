@@ -139,6 +139,7 @@ def test_broker_serves_after_the_fuzz(broker):
 
 
 ROLLOUT_CONFIG = rollout_pb2.RolloutConfig(num_engines=1, max_refill_rounds=0, over_sampling=1.0)
+PRECISION = common_pb2.PrecisionConfig(dtype="float32", gradient_checkpointing=False)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,12 @@ def services(tmp_path_factory, redis_server_url):
         "trainer": trainer_pb2_grpc.TrainerStub(channels["trainer"]),
     }
     configure_rollout = rollout_pb2.ConfigureRolloutRequest(
-        run_id=RUN, model_dir=model, reward="addition_exact_match", rollout=ROLLOUT_CONFIG, seed=1
+        run_id=RUN,
+        model_dir=model,
+        reward="addition_exact_match",
+        rollout=ROLLOUT_CONFIG,
+        seed=1,
+        precision=PRECISION,
     )
     stubs["rollout"].ConfigureRun(configure_rollout, timeout=120)
     configure_trainer = trainer_pb2.ConfigureRunRequest(
@@ -175,6 +181,7 @@ def services(tmp_path_factory, redis_server_url):
         sampling_temperature=1.0,
         algorithm=algorithm_to_proto(AlgorithmSettings(learning_rate=1e-3, micro_batch_size=8)),
         checkpoint_every_steps=1,
+        precision=PRECISION,
     )
     stubs["trainer"].ConfigureRun(configure_trainer, timeout=120)
     yield {
@@ -232,6 +239,7 @@ def test_rollout_refuses_hostile_requests_with_client_errors(services, data):
                 reward="addition_exact_match",
                 rollout=ROLLOUT_CONFIG,
                 seed=1,
+                precision=PRECISION,
             ),
             CLIENT_ERRORS,
         ),

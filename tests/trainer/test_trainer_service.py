@@ -1,6 +1,7 @@
 """The RL loop in one process: rollout service -> Redis stream -> trainer service -> NIXL publish ->
 engines switch versions, through the in-process broker twin. Real Redis, real NIXL."""
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from tiny_policy import write_tiny_checkpoint as write_checkpoint
 
 from furlong.core.errors import ConflictError, NotFoundError
 from furlong.core.models import ContractError
+from furlong.core.settings import PrecisionSettings
 from furlong.core.tasks import AdditionTask
 from furlong.core.tokenizer import char_tokenizer
 from furlong.rollout.core.sampling import SamplingConfig
@@ -18,6 +20,7 @@ from furlong.rollout.core.service import RolloutService
 from furlong.rollout.core.types import GenerateRequest
 from furlong.rollout.receivers import broker_receiver_factory
 from furlong.rollout.run_records import redis_records
+from furlong.trainer.__main__ import parse_args
 from furlong.trainer.service import TrainerService
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
@@ -97,6 +100,53 @@ def test_engine_weights_equal_trainer_weights_after_publish(loop):
     served = engine_model.state_dict()
     for name, tensor in trained.items():
         assert torch.equal(served[name], tensor), name
+
+
+def test_a_bfloat16_run_trains_float32_weights_and_engines_serve_them_rounded(tmp_path, redis_url):
+    """precision bfloat16 with activation checkpointing: the trainer keeps float32 weights (the
+    weight-equality check passes on them), the engines serve exactly those rounded to bfloat16."""
+    model_dir = write_checkpoint(tmp_path / "ckpt")
+    broker = InProcessBrokerClient(BrokerCore())
+    client = redis.Redis.from_url(redis_url)
+    rollout = RolloutService(redis_records(client), broker_receiver_factory(broker))
+    trainer = TrainerService(client, broker, consumer_name="trainer-0", check_weight_update_equal=True)
+    precision = PrecisionSettings(dtype="bfloat16", gradient_checkpointing=True)
+    try:
+        rollout.configure_run(dataclasses.replace(rollout_run("run-h", model_dir), precision=precision))
+        # the entropy bonus trains every sample, whatever the (untrained) policy's rewards
+        run = trainer_run("run-h", model_dir, 1, learning_rate=1e-2, entropy_coef=0.01)
+        config = dataclasses.replace(run, precision=precision)
+        trainer.configure_run(config)
+        rollout.generate(_generate("run-h", 1, 2))
+        result = trainer.train_step(train("run-h", 1, 2))
+        assert 0.0 < result.metrics["logprob_abs_diff"] < 0.5
+        trainer.publish_weights("run-h", result.policy_version)
+        broker.wait_committed("run-h", result.policy_version, 30)
+        trained = trainer._run("run-h").learner.state_dict()
+        served = rollout._get("run-h").engines.engine("run-h-engine-0").model.state_dict()
+        for name, tensor in trained.items():
+            assert tensor.dtype == torch.float32 and served[name].dtype == torch.bfloat16, name
+            assert torch.equal(served[name], tensor.to(torch.bfloat16)), name
+    finally:
+        trainer.close()
+        rollout.close()
+        broker.close()
+        client.close()
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:one", "CPU"])
+def test_a_bad_device_flag_exits_2_naming_it(device, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--redis-url", "redis://127.0.0.1:1/0", "--broker", "127.0.0.1:2", "--device", device])
+    assert exc.value.code == 2 and "--device" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--redis-url", "redis://127.0.0.1:1/0", "--broker", "127.0.0.1:2", "--device", "cuda:0"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--device 'cuda:0'" in err and "CUDA is not available" in err
 
 
 def test_out_of_order_step_and_stale_version_are_conflicts(loop):

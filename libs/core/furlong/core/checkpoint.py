@@ -42,6 +42,7 @@ from furlong.core.formats.checkpoint_dir import (
     read_json_object,
     write_shards,
 )
+from furlong.core.models.family import FAMILY_CONTRACTS
 from furlong.core.safetensors_io import DTYPES
 from furlong.core.settings.checkpoint import DEFAULT_EXPORT_SHARD_BYTES
 from furlong.core.tokenizer import TOKENIZER_SIDE_FILES, Tokenizer, load_tokenizer
@@ -53,8 +54,8 @@ log = logging.getLogger(__name__)
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = SINGLE_FILE
-# The families whose stored layout this module knows (transformers' class for each is built).
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe_lite")
+# The families with a contract (furlong.core.models.family): transformers' class for each is built.
+MODEL_TYPES = tuple(FAMILY_CONTRACTS)
 DEFAULT_MAX_SHARD_BYTES = DEFAULT_EXPORT_SHARD_BYTES
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 

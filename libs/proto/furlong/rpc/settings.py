@@ -7,6 +7,7 @@ field under the message's place in the request (`algorithm.clip_eps`).
     algorithm_to_proto / algorithm_from_proto   AlgorithmSettings <-> furlong.v1.AlgorithmConfig
     sampling_to_proto / sampling_from_proto     SamplingSettings + seed <-> furlong.v1.SamplingParams
     rollout_to_proto / rollout_from_proto       RolloutSettings <-> furlong.v1.RolloutConfig
+    precision_to_proto / precision_from_proto   PrecisionSettings <-> furlong.v1.PrecisionConfig
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
-from furlong.core.settings import AlgorithmSettings, RolloutSettings, SamplingSettings, SettingError
+from furlong.core.settings import (
+    AlgorithmSettings,
+    PrecisionSettings,
+    RolloutSettings,
+    SamplingSettings,
+    SettingError,
+)
 from furlong.core.settings.fields import settings_fields
 from furlong.v1 import common_pb2, rollout_pb2, trainer_pb2
 
@@ -83,3 +90,11 @@ def rollout_to_proto(settings: RolloutSettings) -> rollout_pb2.RolloutConfig:
 
 def rollout_from_proto(message: rollout_pb2.RolloutConfig) -> RolloutSettings:
     return from_proto(RolloutSettings, message, "rollout")
+
+
+def precision_to_proto(settings: PrecisionSettings) -> common_pb2.PrecisionConfig:
+    return to_proto(settings, common_pb2.PrecisionConfig())
+
+
+def precision_from_proto(message: common_pb2.PrecisionConfig) -> PrecisionSettings:
+    return from_proto(PrecisionSettings, message, "precision")

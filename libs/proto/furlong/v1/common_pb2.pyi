@@ -24,6 +24,14 @@ class SamplingParams(_message.Message):
     min_p: float
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., min_p: _Optional[float] = ...) -> None: ...
 
+class PrecisionConfig(_message.Message):
+    __slots__ = ("dtype", "gradient_checkpointing")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_CHECKPOINTING_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    gradient_checkpointing: bool
+    def __init__(self, dtype: _Optional[str] = ..., gradient_checkpointing: _Optional[bool] = ...) -> None: ...
+
 class TensorEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset_bytes", "size_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -30,20 +30,22 @@ class RolloutConfig(_message.Message):
     def __init__(self, num_engines: _Optional[int] = ..., max_refill_rounds: _Optional[int] = ..., over_sampling: _Optional[float] = ...) -> None: ...
 
 class ConfigureRolloutRequest(_message.Message):
-    __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward")
+    __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward", "precision")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     model_dir: str
     task: str
     seed: int
     rollout: RolloutConfig
     reward: str
-    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., task: _Optional[str] = ..., seed: _Optional[int] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., reward: _Optional[str] = ...) -> None: ...
+    precision: _common_pb2.PrecisionConfig
+    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., task: _Optional[str] = ..., seed: _Optional[int] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., reward: _Optional[str] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ...) -> None: ...
 
 class ConfigureRolloutResponse(_message.Message):
     __slots__ = ("run_id", "policy_version", "engine_ids")

@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from furlong.v1 import common_pb2 as furlong_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66urlong/v1/trainer.proto\x12\nfurlong.v1\"\xd0\x03\n\x0f\x41lgorithmConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x10\n\x08\x63lip_eps\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x05 \x01(\x01\x12\x18\n\x10\x65pochs_per_batch\x18\x06 \x01(\x05\x12\x18\n\x10micro_batch_size\x18\x07 \x01(\x05\x12\x12\n\nadam_beta1\x18\x08 \x01(\x01\x12\x12\n\nadam_beta2\x18\t \x01(\x01\x12\x15\n\rclip_eps_high\x18\n \x01(\x01\x12\x18\n\x10loss_aggregation\x18\x0b \x01(\t\x12\x0f\n\x07kl_coef\x18\x0c \x01(\x01\x12\x14\n\x0ckl_estimator\x18\r \x01(\t\x12\x0f\n\x07kl_mode\x18\x0e \x01(\t\x12\x14\n\x0c\x65ntropy_coef\x18\x0f \x01(\x01\x12\x12\n\noff_policy\x18\x10 \x01(\t\x12\x0e\n\x06is_low\x18\x11 \x01(\x01\x12\x0f\n\x07is_high\x18\x12 \x01(\x01\x12\r\n\x05gamma\x18\x13 \x01(\x01\x12\x12\n\ngae_lambda\x18\x14 \x01(\x01\x12\x12\n\nvalue_coef\x18\x15 \x01(\x01\x12\x12\n\nvalue_clip\x18\x16 \x01(\x01\"\xe7\x01\n\x13\x43onfigureRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12.\n\talgorithm\x18\x03 \x01(\x0b\x32\x1b.furlong.v1.AlgorithmConfig\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x05\x12\x1c\n\x14sampling_temperature\x18\x06 \x01(\x01\x12\x1e\n\x16\x63heckpoint_every_steps\x18\x07 \x01(\x05\x12\x1c\n\x14\x63heckpoint_keep_last\x18\x08 \x01(\x05\"V\n\x14\x43onfigureRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x03 \x01(\x04\"W\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\x83\x02\n\x11TrainStepResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x05\x12\x12\n\nnum_groups\x18\x06 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x07 \x01(\x01\x12;\n\x07metrics\x18\x08 \x03(\x0b\x32*.furlong.v1.TrainStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"8\n\x15PublishWeightsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"c\n\x16PublishWeightsResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x15\n\rstage_seconds\x18\x04 \x01(\x01\"\x1f\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\" \n\x0e\x45ndRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\" \n\x0eOffloadRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"N\n\x0fOffloadResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0ereleased_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\x04\" \n\x0eRestoreRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"9\n\x0fRestoreResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"6\n\x11\x43heckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tdirectory\x18\x02 \x01(\t\"X\n\x12\x43heckpointResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\"Q\n\x13\x45xportPolicyRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x17\n\x0fmax_shard_bytes\x18\x03 \x01(\x04\"\x8c\x01\n\x14\x45xportPolicyResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06shards\x18\x06 \x03(\t\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\"*\n\x18\x44\x65leteCheckpointsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"@\n\x19\x44\x65leteCheckpointsResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_removed\x18\x02 \x01(\x05\x32\xca\x05\n\x07Trainer\x12Q\n\x0c\x43onfigureRun\x12\x1f.furlong.v1.ConfigureRunRequest\x1a .furlong.v1.ConfigureRunResponse\x12H\n\tTrainStep\x12\x1c.furlong.v1.TrainStepRequest\x1a\x1d.furlong.v1.TrainStepResponse\x12W\n\x0ePublishWeights\x12!.furlong.v1.PublishWeightsRequest\x1a\".furlong.v1.PublishWeightsResponse\x12?\n\x06\x45ndRun\x12\x19.furlong.v1.EndRunRequest\x1a\x1a.furlong.v1.EndRunResponse\x12\x42\n\x07Offload\x12\x1a.furlong.v1.OffloadRequest\x1a\x1b.furlong.v1.OffloadResponse\x12\x42\n\x07Restore\x12\x1a.furlong.v1.RestoreRequest\x1a\x1b.furlong.v1.RestoreResponse\x12K\n\nCheckpoint\x12\x1d.furlong.v1.CheckpointRequest\x1a\x1e.furlong.v1.CheckpointResponse\x12Q\n\x0c\x45xportPolicy\x12\x1f.furlong.v1.ExportPolicyRequest\x1a .furlong.v1.ExportPolicyResponse\x12`\n\x11\x44\x65leteCheckpoints\x12$.furlong.v1.DeleteCheckpointsRequest\x1a%.furlong.v1.DeleteCheckpointsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66urlong/v1/trainer.proto\x12\nfurlong.v1\x1a\x17\x66urlong/v1/common.proto\"\xd0\x03\n\x0f\x41lgorithmConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x10\n\x08\x63lip_eps\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x05 \x01(\x01\x12\x18\n\x10\x65pochs_per_batch\x18\x06 \x01(\x05\x12\x18\n\x10micro_batch_size\x18\x07 \x01(\x05\x12\x12\n\nadam_beta1\x18\x08 \x01(\x01\x12\x12\n\nadam_beta2\x18\t \x01(\x01\x12\x15\n\rclip_eps_high\x18\n \x01(\x01\x12\x18\n\x10loss_aggregation\x18\x0b \x01(\t\x12\x0f\n\x07kl_coef\x18\x0c \x01(\x01\x12\x14\n\x0ckl_estimator\x18\r \x01(\t\x12\x0f\n\x07kl_mode\x18\x0e \x01(\t\x12\x14\n\x0c\x65ntropy_coef\x18\x0f \x01(\x01\x12\x12\n\noff_policy\x18\x10 \x01(\t\x12\x0e\n\x06is_low\x18\x11 \x01(\x01\x12\x0f\n\x07is_high\x18\x12 \x01(\x01\x12\r\n\x05gamma\x18\x13 \x01(\x01\x12\x12\n\ngae_lambda\x18\x14 \x01(\x01\x12\x12\n\nvalue_coef\x18\x15 \x01(\x01\x12\x12\n\nvalue_clip\x18\x16 \x01(\x01\"\x97\x02\n\x13\x43onfigureRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12.\n\talgorithm\x18\x03 \x01(\x0b\x32\x1b.furlong.v1.AlgorithmConfig\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x05\x12\x1c\n\x14sampling_temperature\x18\x06 \x01(\x01\x12\x1e\n\x16\x63heckpoint_every_steps\x18\x07 \x01(\x05\x12.\n\tprecision\x18\x08 \x01(\x0b\x32\x1b.furlong.v1.PrecisionConfig\x12\x1c\n\x14\x63heckpoint_keep_last\x18\t \x01(\x05\"V\n\x14\x43onfigureRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x03 \x01(\x04\"W\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\x83\x02\n\x11TrainStepResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x05\x12\x12\n\nnum_groups\x18\x06 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x07 \x01(\x01\x12;\n\x07metrics\x18\x08 \x03(\x0b\x32*.furlong.v1.TrainStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"8\n\x15PublishWeightsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"c\n\x16PublishWeightsResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x15\n\rstage_seconds\x18\x04 \x01(\x01\"\x1f\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\" \n\x0e\x45ndRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\" \n\x0eOffloadRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"N\n\x0fOffloadResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0ereleased_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\x04\" \n\x0eRestoreRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"9\n\x0fRestoreResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"6\n\x11\x43heckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tdirectory\x18\x02 \x01(\t\"X\n\x12\x43heckpointResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\"Q\n\x13\x45xportPolicyRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x17\n\x0fmax_shard_bytes\x18\x03 \x01(\x04\"\x8c\x01\n\x14\x45xportPolicyResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06shards\x18\x06 \x03(\t\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\"*\n\x18\x44\x65leteCheckpointsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"@\n\x19\x44\x65leteCheckpointsResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_removed\x18\x02 \x01(\x05\x32\xca\x05\n\x07Trainer\x12Q\n\x0c\x43onfigureRun\x12\x1f.furlong.v1.ConfigureRunRequest\x1a .furlong.v1.ConfigureRunResponse\x12H\n\tTrainStep\x12\x1c.furlong.v1.TrainStepRequest\x1a\x1d.furlong.v1.TrainStepResponse\x12W\n\x0ePublishWeights\x12!.furlong.v1.PublishWeightsRequest\x1a\".furlong.v1.PublishWeightsResponse\x12?\n\x06\x45ndRun\x12\x19.furlong.v1.EndRunRequest\x1a\x1a.furlong.v1.EndRunResponse\x12\x42\n\x07Offload\x12\x1a.furlong.v1.OffloadRequest\x1a\x1b.furlong.v1.OffloadResponse\x12\x42\n\x07Restore\x12\x1a.furlong.v1.RestoreRequest\x1a\x1b.furlong.v1.RestoreResponse\x12K\n\nCheckpoint\x12\x1d.furlong.v1.CheckpointRequest\x1a\x1e.furlong.v1.CheckpointResponse\x12Q\n\x0c\x45xportPolicy\x12\x1f.furlong.v1.ExportPolicyRequest\x1a .furlong.v1.ExportPolicyResponse\x12`\n\x11\x44\x65leteCheckpoints\x12$.furlong.v1.DeleteCheckpointsRequest\x1a%.furlong.v1.DeleteCheckpointsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,46 +34,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_ALGORITHMCONFIG']._serialized_start=41
-  _globals['_ALGORITHMCONFIG']._serialized_end=505
-  _globals['_CONFIGURERUNREQUEST']._serialized_start=508
-  _globals['_CONFIGURERUNREQUEST']._serialized_end=739
-  _globals['_CONFIGURERUNRESPONSE']._serialized_start=741
-  _globals['_CONFIGURERUNRESPONSE']._serialized_end=827
-  _globals['_TRAINSTEPREQUEST']._serialized_start=829
-  _globals['_TRAINSTEPREQUEST']._serialized_end=916
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=919
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=1178
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=1132
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=1178
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1180
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=1236
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1238
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=1337
-  _globals['_ENDRUNREQUEST']._serialized_start=1339
-  _globals['_ENDRUNREQUEST']._serialized_end=1370
-  _globals['_ENDRUNRESPONSE']._serialized_start=1372
-  _globals['_ENDRUNRESPONSE']._serialized_end=1404
-  _globals['_OFFLOADREQUEST']._serialized_start=1406
-  _globals['_OFFLOADREQUEST']._serialized_end=1438
-  _globals['_OFFLOADRESPONSE']._serialized_start=1440
-  _globals['_OFFLOADRESPONSE']._serialized_end=1518
-  _globals['_RESTOREREQUEST']._serialized_start=1520
-  _globals['_RESTOREREQUEST']._serialized_end=1552
-  _globals['_RESTORERESPONSE']._serialized_start=1554
-  _globals['_RESTORERESPONSE']._serialized_end=1611
-  _globals['_CHECKPOINTREQUEST']._serialized_start=1613
-  _globals['_CHECKPOINTREQUEST']._serialized_end=1667
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=1669
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=1757
-  _globals['_EXPORTPOLICYREQUEST']._serialized_start=1759
-  _globals['_EXPORTPOLICYREQUEST']._serialized_end=1840
-  _globals['_EXPORTPOLICYRESPONSE']._serialized_start=1843
-  _globals['_EXPORTPOLICYRESPONSE']._serialized_end=1983
-  _globals['_DELETECHECKPOINTSREQUEST']._serialized_start=1985
-  _globals['_DELETECHECKPOINTSREQUEST']._serialized_end=2027
-  _globals['_DELETECHECKPOINTSRESPONSE']._serialized_start=2029
-  _globals['_DELETECHECKPOINTSRESPONSE']._serialized_end=2093
-  _globals['_TRAINER']._serialized_start=2096
-  _globals['_TRAINER']._serialized_end=2810
+  _globals['_ALGORITHMCONFIG']._serialized_start=66
+  _globals['_ALGORITHMCONFIG']._serialized_end=530
+  _globals['_CONFIGURERUNREQUEST']._serialized_start=533
+  _globals['_CONFIGURERUNREQUEST']._serialized_end=812
+  _globals['_CONFIGURERUNRESPONSE']._serialized_start=814
+  _globals['_CONFIGURERUNRESPONSE']._serialized_end=900
+  _globals['_TRAINSTEPREQUEST']._serialized_start=902
+  _globals['_TRAINSTEPREQUEST']._serialized_end=989
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=992
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=1251
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=1205
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=1251
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1253
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=1309
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1311
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=1410
+  _globals['_ENDRUNREQUEST']._serialized_start=1412
+  _globals['_ENDRUNREQUEST']._serialized_end=1443
+  _globals['_ENDRUNRESPONSE']._serialized_start=1445
+  _globals['_ENDRUNRESPONSE']._serialized_end=1477
+  _globals['_OFFLOADREQUEST']._serialized_start=1479
+  _globals['_OFFLOADREQUEST']._serialized_end=1511
+  _globals['_OFFLOADRESPONSE']._serialized_start=1513
+  _globals['_OFFLOADRESPONSE']._serialized_end=1591
+  _globals['_RESTOREREQUEST']._serialized_start=1593
+  _globals['_RESTOREREQUEST']._serialized_end=1625
+  _globals['_RESTORERESPONSE']._serialized_start=1627
+  _globals['_RESTORERESPONSE']._serialized_end=1684
+  _globals['_CHECKPOINTREQUEST']._serialized_start=1686
+  _globals['_CHECKPOINTREQUEST']._serialized_end=1740
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=1742
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=1830
+  _globals['_EXPORTPOLICYREQUEST']._serialized_start=1832
+  _globals['_EXPORTPOLICYREQUEST']._serialized_end=1913
+  _globals['_EXPORTPOLICYRESPONSE']._serialized_start=1916
+  _globals['_EXPORTPOLICYRESPONSE']._serialized_end=2056
+  _globals['_DELETECHECKPOINTSREQUEST']._serialized_start=2058
+  _globals['_DELETECHECKPOINTSREQUEST']._serialized_end=2100
+  _globals['_DELETECHECKPOINTSRESPONSE']._serialized_start=2102
+  _globals['_DELETECHECKPOINTSRESPONSE']._serialized_end=2166
+  _globals['_TRAINER']._serialized_start=2169
+  _globals['_TRAINER']._serialized_end=2883
 # @@protoc_insertion_point(module_scope)

@@ -49,7 +49,7 @@ from furlong.controller.stack_events import StackEventTail
 from furlong.controller.stack_file import StackState, stack_status
 from furlong.controller.state_dir import StateDir, resolve_state_dir
 from furlong.core.errors import FurlongError, UnavailableError
-from furlong.rollout import generate_cli
+from furlong.rollout import generate_cli, serve_cli
 
 # soft_wrap: long lines (paths, commands to copy) are not broken at the console's width
 console = Console(soft_wrap=True)
@@ -412,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     runs.set_defaults(func=cmd_runs, url=None, token=None, token_file=None)
     cli_models.add_commands(sub)
     generate_cli.add_commands(sub)
+    serve_cli.add_commands(sub)
     return parser
 
 

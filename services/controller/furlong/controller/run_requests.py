@@ -20,12 +20,18 @@ def trainer_config(run_id: str, spec: RunSpec) -> TrainerRunConfig:
         seed=spec.seed,
         total_steps=spec.steps,
         checkpoint=spec.checkpoint,
+        precision=spec.precision,
     )
 
 
 def rollout_config(run_id: str, spec: RunSpec) -> RolloutRunConfig:
     return RolloutRunConfig(
-        run_id=run_id, model_dir=spec.model, seed=spec.seed, task=spec.task, rollout=spec.rollout
+        run_id=run_id,
+        model_dir=spec.model,
+        seed=spec.seed,
+        task=spec.task,
+        rollout=spec.rollout,
+        precision=spec.precision,
     )
 
 

@@ -1,7 +1,7 @@
 """The run spec: what a user asks the controller to run, parsed once from a dict (YAML or JSON).
 
 Its sections are the run settings the services apply, declared once in `furlong.core.settings`
-(`sampling`, `algorithm`, `rollout`, `checkpoint`), plus `recovery`, which only the controller
+(`sampling`, `algorithm`, `rollout`, `checkpoint`, `precision`), plus `recovery`, which only the controller
 applies. The top-level fields are bounded by the limits the services enforce too
 (`furlong.core.settings.run_shape`), so a spec this module accepts is accepted by every service.
 `parse_run_spec` rejects unknown fields, missing required fields, wrong types and out-of-range values
@@ -21,6 +21,7 @@ from furlong.core import tasks
 from furlong.core.settings import (
     AlgorithmSettings,
     CheckpointSettings,
+    PrecisionSettings,
     RolloutSettings,
     SamplingSettings,
     SettingError,
@@ -74,6 +75,7 @@ class RunSpec:
     algorithm: AlgorithmSettings = setting(default_factory=AlgorithmSettings)
     rollout: RolloutSettings = setting(default_factory=RolloutSettings)
     checkpoint: CheckpointSettings = setting(default_factory=CheckpointSettings)
+    precision: PrecisionSettings = setting(default_factory=PrecisionSettings)
     recovery: RecoverySpec = setting(default_factory=RecoverySpec)
 
     def __post_init__(self) -> None:

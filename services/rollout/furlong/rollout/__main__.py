@@ -4,12 +4,14 @@
         --broker HOST:PORT [--num-threads 2] [--max-batch-size 256] [--max-support-size 0]
         [--user-reward NAME=MODULE:FN ...] [--reward-timeout-s 60] [--reward-workers 4]
         [--engines inprocess|process] [--engine-threads 1] [--engine-max-batch-size 64]
-        [--chunk-rows 8] [--engine-work-dir DIR]
+        [--chunk-rows 8] [--engine-work-dir DIR] [--gateway-port P]
         [--log-level INFO] [--shutdown-grace-s 10] [--auth-token-file F]
         [--tls-ca-file F --tls-cert-file F --tls-key-file F [--tls-server-name NAME]]
 
 Serves furlong.v1.Rollout and grpc.health.v1 on host:port and Prometheus metrics on
-host:metrics-port. On SIGTERM or SIGINT it reports NOT_SERVING and refuses new calls, lets the
+host:metrics-port; with --gateway-port, also the OpenAI-compatible gateway over the configured runs'
+engines (`furlong.rollout.gateway`, model = run id), logging `rollout gateway on URL` with its base
+URL. On SIGTERM or SIGINT it reports NOT_SERVING and refuses new calls, lets the
 Generate calls in flight finish within --shutdown-grace-s, then ends every run (closing its weight
 receivers and engine processes) and exits (`furlong.service_main`).
 """
@@ -35,6 +37,7 @@ from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import start_server
 from furlong.rpc.service_main import drain_on_shutdown, install_credentials
 from furlong.service_main import ServiceCommand, start
+from furlong.service_main.http_server import HttpServer
 from furlong.transfer.broker_client import GrpcBrokerClient
 
 log = logging.getLogger("furlong.rollout")
@@ -43,6 +46,15 @@ log = logging.getLogger("furlong.rollout")
 def command() -> ServiceCommand:
     """The service's command line (`RolloutServerConfig.command`)."""
     return RolloutServerConfig.command()
+
+
+def start_gateway(service: RolloutService, host: str, port: int) -> HttpServer:
+    """The OpenAI-compatible gateway over the service's runs, serving on host:port."""
+    from furlong.rollout.gateway.app import create_app
+    from furlong.rollout.gateway.calls import Gateway
+    from furlong.rollout.gateway.run_models import RunModels
+
+    return HttpServer(create_app(Gateway(RunModels(service))), host, port).start()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rewards=rewards,
         reward_timeout_s=config.reward_timeout_s,
         reward_workers=config.reward_workers,
+        device=config.device,
     )
     metrics.watch_engines(service.status)
     metrics_endpoint = runtime.serve_metrics()
@@ -104,6 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     drain_on_shutdown(runtime.shutdown, server)
+    if config.gateway_port is not None:
+        gateway = start_gateway(service, config.host, config.gateway_port)
+        log.info("rollout gateway on %s/v1", gateway.url)
+        runtime.shutdown.add("OpenAI-compatible gateway", gateway.stop)
     runtime.shutdown.add_close("runs and engines", service)
     runtime.shutdown.add_close("broker client", broker)
     runtime.shutdown.add_close("Redis client", redis_client)

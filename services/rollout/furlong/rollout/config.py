@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from furlong.core.devices import parse_device
 from furlong.rpc.service_main import add_credential_flags, credential_fields
 from furlong.rpc.tls import TlsFiles
 from furlong.service_main import REQUIRED, ServiceCommand, ServiceFlags
@@ -45,12 +46,22 @@ class RolloutServerConfig:
     chunk_rows: int = 8  # process mode: rows per chunk routed to one engine
     engine_work_dir: str = ""  # process mode: weights and engine logs; "" = under /dev/shm
     tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
+    device: str = "cpu"  # where runs' engines run: "cpu", "cuda" or "cuda:N"
+    gateway_port: int | None = None  # the OpenAI-compatible gateway's HTTP port; None = off, 0 = free
 
     def __post_init__(self) -> None:
+        try:
+            parse_device(self.device)
+        except ValueError as exc:
+            raise ValueError(f"--device {self.device!r}: {exc}") from None
         if not self.host:
             raise ValueError("host must not be empty")
         check_port("port", self.port)
         check_port("metrics_port", self.metrics_port)
+        if self.gateway_port is not None:
+            check_port("gateway_port", self.gateway_port)
+            if self.gateway_port != 0 and self.gateway_port in (self.port, self.metrics_port):
+                raise ValueError(f"gateway_port {self.gateway_port} must differ from port and metrics_port")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
                 f"redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}"
@@ -115,6 +126,13 @@ class RolloutServerConfig:
         )
         parser.add_argument("--reward-timeout-s", type=float, default=cls.reward_timeout_s)
         parser.add_argument("--reward-workers", type=int, default=cls.reward_workers)
+        parser.add_argument(
+            "--gateway-port",
+            type=int,
+            default=None,
+            help="also serve the OpenAI-compatible gateway over the runs' engines on this HTTP port "
+            "(0 = any free port; default: no gateway)",
+        )
         add_credential_flags(parser)
         parser.add_argument(
             "--engines",
@@ -122,6 +140,12 @@ class RolloutServerConfig:
             choices=ENGINE_MODES,
             help="run engines inside this process (inprocess) or as one process "
             "per engine behind a pool that restarts them (process)",
+        )
+        parser.add_argument(
+            "--device",
+            default=cls.device,
+            help="where runs' engines run: cpu, cuda or cuda:N (default cpu); a run's precision "
+            "(run spec) sets their dtype",
         )
         parser.add_argument("--engine-threads", type=int, default=cls.engine_threads)
         parser.add_argument("--engine-max-batch-size", type=int, default=cls.engine_max_batch_size)
@@ -153,6 +177,8 @@ class RolloutServerConfig:
             engine_max_batch_size=args.engine_max_batch_size,
             chunk_rows=args.chunk_rows,
             engine_work_dir=args.engine_work_dir,
+            device=args.device,
+            gateway_port=args.gateway_port,
             **credential_fields(args),
         )
 

@@ -16,7 +16,13 @@ from furlong.rollout.core.types import (
     RunInfo,
     RunStatus,
 )
-from furlong.rpc.settings import from_proto, rollout_from_proto, rollout_to_proto
+from furlong.rpc.settings import (
+    from_proto,
+    precision_from_proto,
+    precision_to_proto,
+    rollout_from_proto,
+    rollout_to_proto,
+)
 from furlong.rpc.settings import sampling_to_proto as sampling_settings_to_proto
 from furlong.v1 import common_pb2
 from furlong.v1 import rollout_pb2 as pb
@@ -39,6 +45,7 @@ def run_config_to_proto(config: RolloutRunConfig) -> pb.ConfigureRolloutRequest:
         seed=config.seed,
         rollout=rollout_to_proto(config.rollout),
         reward=config.reward,
+        precision=precision_to_proto(config.precision),
     )
 
 
@@ -50,6 +57,7 @@ def run_config_from_proto(msg: pb.ConfigureRolloutRequest) -> RolloutRunConfig:
         task=msg.task,
         reward=msg.reward,
         rollout=rollout_from_proto(msg.rollout),
+        precision=precision_from_proto(msg.precision),
     )
 
 

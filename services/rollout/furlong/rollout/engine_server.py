@@ -47,11 +47,13 @@ class EngineHttpServer:
         port: int = 0,
         max_batch_size: int = 64,
         group_timeout_s: float = 300.0,
+        device: str = "cpu",
+        dtype: str = "float32",
     ) -> None:
         if not group_timeout_s > 0:
             raise ValueError(f"group_timeout_s must be > 0, got {group_timeout_s!r}")
         model, self.tokenizer = load_policy(model_dir)
-        self.engine = Engine(model, self.tokenizer, max_batch_size=max_batch_size)
+        self.engine = Engine(model, self.tokenizer, max_batch_size=max_batch_size, device=device, dtype=dtype)
         self.weight_version = "0"
         # engine policy version -> the label /update_weight_version gave it; each generated row
         # reports the label of the version that drew it, so a load racing a request cannot mislabel
@@ -222,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--group-timeout-s", type=float, default=300.0)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     parser.add_argument("--log-level", default="INFO", type=str.upper)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -230,7 +234,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda received, frame: stop.set())
     server = EngineHttpServer(
-        args.model_dir, args.host, args.port, args.max_batch_size, args.group_timeout_s
+        args.model_dir,
+        args.host,
+        args.port,
+        args.max_batch_size,
+        args.group_timeout_s,
+        device=args.device,
+        dtype=args.dtype,
     ).start()
     log.info("engine serving %s on %s", args.model_dir, server.url)
     while not stop.wait(0.5):

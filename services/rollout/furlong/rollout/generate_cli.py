@@ -96,7 +96,7 @@ def generate_record(
     import torch
 
     from furlong.core.checkpoint import load_policy
-    from furlong.rollout.core.devices import parse_device, parse_dtype
+    from furlong.core.devices import parse_device, parse_dtype
     from furlong.rollout.core.engine import Engine
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:

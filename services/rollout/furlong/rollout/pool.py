@@ -59,6 +59,8 @@ class PoolConfig:
     startup_timeout_s: float = 120.0
     health_interval_s: float = 0.5
     request_timeout_s: float = 300.0  # one HTTP call to an engine
+    device: str = "cpu"  # where each engine process runs its model
+    dtype: str = "float32"  # the engines' compute dtype (furlong.core.devices.DTYPES)
 
     def __post_init__(self) -> None:
         for name in ("num_engines", "max_batch_size", "num_threads", "chunk_rows", "max_attempts"):
@@ -175,6 +177,10 @@ class EnginePool:
             str(self.config.max_batch_size),
             "--num-threads",
             str(self.config.num_threads),
+            "--device",
+            self.config.device,
+            "--dtype",
+            self.config.dtype,
         ]
         with open(e.log_path, "ab") as out:
             e.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -62,8 +62,10 @@ class ProcessEnginesConfig:
     request_timeout_s: float = 300.0
     work_root: str = ""  # "" = default_work_root()
 
-    def pool(self, num_engines: int) -> PoolConfig:
+    def pool(self, num_engines: int, device: str = "cpu", dtype: str = "float32") -> PoolConfig:
         return PoolConfig(
+            device=device,
+            dtype=dtype,
             num_engines=num_engines,
             max_batch_size=self.max_batch_size,
             num_threads=self.num_threads,
@@ -101,7 +103,8 @@ class ProcessEngines:
             model_dir,
             tokenizer,
             int(model.config.vocab_size),
-            config.pool(num_engines),
+            # The engines run where and in which dtype the service placed the run's model.
+            config.pool(num_engines, *_placement(model)),
             log_dir=self.work_dir / "logs",
             ledger=ledger,
             name=run_id,
@@ -173,6 +176,12 @@ class ProcessEngines:
             self._receiver = None
         self.pool.close()
         shutil.rmtree(self.work_dir / "weights", ignore_errors=True)
+
+
+def _placement(model: Any) -> tuple[str, str]:
+    """(device, dtype name) of a model's parameters."""
+    param = next(model.parameters())
+    return str(param.device), str(param.dtype).removeprefix("torch.")
 
 
 def process_factory(

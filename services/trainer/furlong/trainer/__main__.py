@@ -57,6 +57,12 @@ def command() -> ServiceCommand:
         help="write a run's exported policies (Hugging Face directories) under DIR/<run_id>: "
         "final/ and checkpoints/step-N/",
     )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where runs' models train: cpu, cuda or cuda:N (default cpu); a run's precision "
+        "(run spec) sets the compute dtype",
+    )
     add_credential_flags(p)
     p.add_argument(
         "--check-weight-update-equal",
@@ -79,6 +85,7 @@ def _config(args: argparse.Namespace, flags: ServiceFlags) -> TrainerServiceConf
         checkpoint_dir=args.checkpoint_dir,
         policy_dir=args.policy_dir,
         check_weight_update_equal=args.check_weight_update_equal,
+        device=args.device,
         **credential_fields(args),
     )
 
@@ -104,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         policy_root=config.policy_dir or None,
         check_weight_update_equal=config.check_weight_update_equal,
         metrics=TrainerMetrics(runtime.registry),
+        device=config.device,
     )
     server = start_server([register(service)], [SERVICE_NAME], host=config.host, port=config.port)
     metrics = runtime.serve_metrics()

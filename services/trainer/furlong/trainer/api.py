@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from furlong.core.settings import AlgorithmSettings, CheckpointSettings
+from furlong.core.settings import AlgorithmSettings, CheckpointSettings, PrecisionSettings
 from furlong.core.settings.checkpoint import DEFAULT_EXPORT_SHARD_BYTES
 from furlong.v1 import trainer_pb2
 
@@ -26,6 +26,7 @@ class TrainerRunConfig:
     seed: int
     total_steps: int
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    precision: PrecisionSettings = field(default_factory=PrecisionSettings)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from furlong.core.devices import parse_device
 from furlong.rpc.tls import TlsFiles
 from furlong.service_main.ports import check_port
 
@@ -25,8 +26,13 @@ class TrainerServiceConfig:
     # broker, as a private run of its own, and compare bit-exactly (furlong.transfer.equality); a
     # mismatch fails it.
     check_weight_update_equal: bool = False
+    device: str = "cpu"  # where runs' models train: "cpu", "cuda" or "cuda:N"
 
     def __post_init__(self) -> None:
+        try:
+            parse_device(self.device)
+        except ValueError as exc:
+            raise ValueError(f"--device {self.device!r}: {exc}") from None
         check_port("port", self.port)
         check_port("metrics_port", self.metrics_port)
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):

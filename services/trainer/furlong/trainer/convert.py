@@ -4,7 +4,12 @@ the server and the gRPC client, each written once. Free of torch."""
 from __future__ import annotations
 
 from furlong.core.settings import CheckpointSettings
-from furlong.rpc.settings import algorithm_from_proto, algorithm_to_proto
+from furlong.rpc.settings import (
+    algorithm_from_proto,
+    algorithm_to_proto,
+    precision_from_proto,
+    precision_to_proto,
+)
 from furlong.trainer.api import (
     CheckpointResult,
     Offloaded,
@@ -28,6 +33,7 @@ def config_to_proto(config: TrainerRunConfig) -> pb.ConfigureRunRequest:
         sampling_temperature=config.sampling_temperature,
         checkpoint_every_steps=config.checkpoint.every_steps,
         checkpoint_keep_last=config.checkpoint.keep_last,
+        precision=precision_to_proto(config.precision),
     )
 
 
@@ -45,6 +51,7 @@ def config_from_proto(msg: pb.ConfigureRunRequest) -> TrainerRunConfig:
             # 0: a client that does not send it (an older one) gets the default
             keep_last=msg.checkpoint_keep_last or CheckpointSettings().keep_last,
         ),
+        precision=precision_from_proto(msg.precision),
     )
 
 

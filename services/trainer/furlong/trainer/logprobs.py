@@ -100,6 +100,7 @@ class _Plan:
     local_vocab: int
     support_rows: np.ndarray | None = None  # global response index of each row (context parallel)
     unique_positions: bool = True
+    device: torch.device = torch.device("cpu")  # the logits' (every work tensor is made there)
 
     def chunks(self) -> Iterator[tuple[int, int]]:
         for a in range(0, self.n, self.chunk_rows):
@@ -124,13 +125,13 @@ class _Plan:
         if partial.size < lengths.size:
             sub = sub.select(partial)
             lengths = lengths[partial]
-        ids = torch.from_numpy(sub.token_ids.astype(np.int64))
-        rows = torch.from_numpy(np.repeat(np.arange(partial.size, dtype=np.int64), lengths))
+        ids = torch.from_numpy(sub.token_ids.astype(np.int64)).to(self.device)
+        rows = torch.from_numpy(np.repeat(np.arange(partial.size, dtype=np.int64), lengths)).to(self.device)
         if self.shard is not None:
             ids = ids - self.shard.start
             own = (ids >= 0) & (ids < self.local_vocab)
             ids, rows = ids[own], rows[own]
-        return torch.from_numpy(partial), rows, ids
+        return torch.from_numpy(partial).to(self.device), rows, ids
 
     def allreduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
         if self.shard is not None:
@@ -150,10 +151,12 @@ class _Plan:
         """Log-sum-exp over its support of each partial row of x, from the support entries (O(nnz))."""
         partial, rows, ids = coords
         vals = x[partial[rows], ids]
-        top = torch.full((partial.numel(),), float("-inf"), dtype=x.dtype)
+        top = torch.full((partial.numel(),), float("-inf"), dtype=x.dtype, device=x.device)
         top.scatter_reduce_(0, rows, vals, reduce="amax", include_self=True)
         top = self.allreduce(top, dist.ReduceOp.MAX)
-        total = torch.zeros(partial.numel(), dtype=x.dtype).index_add_(0, rows, torch.exp(vals - top[rows]))
+        total = torch.zeros(partial.numel(), dtype=x.dtype, device=x.device).index_add_(
+            0, rows, torch.exp(vals - top[rows])
+        )
         return self.allreduce(total, dist.ReduceOp.SUM).log() + top
 
     def local_targets(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +176,7 @@ def _pick(x: torch.Tensor, local: torch.Tensor, own: torch.Tensor) -> torch.Tens
 def _in_support(coords: _Coords, local: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     """Per partial row: does this rank's part of its support contain the (owned) target?"""
     partial, rows, ids = coords
-    hit = torch.zeros(partial.numel(), dtype=torch.float64).index_add_(
+    hit = torch.zeros(partial.numel(), dtype=torch.float64, device=ids.device).index_add_(
         0, rows, (ids == local[partial][rows]).double()
     )
     return (hit > 0) & own[partial]
@@ -184,10 +187,10 @@ class _SupportLogProbs(torch.autograd.Function):
     def forward(
         ctx: Any, logits2d: torch.Tensor, targets: torch.Tensor, plan: _Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = torch.empty(plan.n, dtype=plan.dtype)
-        entropy = torch.empty(plan.n, dtype=plan.dtype)
-        lse_full = torch.empty(plan.n, dtype=plan.dtype)
-        lse_support = torch.empty(plan.n, dtype=plan.dtype)
+        logp = torch.empty(plan.n, dtype=plan.dtype, device=plan.device)
+        entropy = torch.empty(plan.n, dtype=plan.dtype, device=plan.device)
+        lse_full = torch.empty(plan.n, dtype=plan.dtype, device=plan.device)
+        lse_support = torch.empty(plan.n, dtype=plan.dtype, device=plan.device)
         for a, b in plan.chunks():
             x = plan.scaled(logits2d, a, b)
             lz, entropy[a:b] = plan.full_stats(x)
@@ -321,6 +324,7 @@ def log_probs_with_support(
         local_vocab=logits2d.shape[-1],
         support_rows=rows_idx,
         unique_positions=positions is None or int(torch.unique(positions).numel()) == n,
+        device=logits2d.device,
     )
     if n == 0:
         empty = logits2d.new_zeros(0, dtype=dtype)

@@ -14,6 +14,9 @@ directory (`furlong.core.checkpoint.export_policy`): to a given directory, or wi
 to `<root>/<run_id>/final` after the run's last step and `<root>/<run_id>/checkpoints/step-<N>`
 before it.
 
+Every run's models live on the service's `device` (float32 master weights) and compute in the
+dtype of the run's `precision` (see `core.learner`).
+
 `offload` releases a run's tensors (policy, reference, value model, optimizer state) for a
 colocated rollout engine and `restore` brings them back bit for bit (`offload.Offloader`). While a
 run is offloaded, `train_step`, `publish_weights`, `checkpoint` and `export_policy` raise
@@ -36,6 +39,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from furlong.core.checkpoint import export_policy, load_policy
+from furlong.core.devices import parse_device
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
 from furlong.core.models import check_transformers_model
 from furlong.core.samples import TRAINER_GROUP, SampleGroup, stream_key
@@ -123,9 +127,14 @@ class TrainerService:
         check_weight_update_equal: bool = False,
         policy_root: str | Path | None = None,
         metrics: TrainerMetrics | None = None,
+        device: str | torch.device = "cpu",
     ):
         """`metrics`: where the service's Prometheus collectors live (the process's registry in
-        the service; default: a private registry of its own, as in tests)."""
+        the service; default: a private registry of its own, as in tests). `device`: where runs'
+        models are trained ("cpu", "cuda", "cuda:N"; ValueError for another or a missing one)."""
+        checked = parse_device(device)
+        assert checked is not None  # a value was given
+        self.device = checked
         self._redis = redis_client
         self.metrics = metrics if metrics is not None else TrainerMetrics(CollectorRegistry())
         self._check_weight_update_equal = check_weight_update_equal
@@ -153,7 +162,10 @@ class TrainerService:
         ):
             raise ValueError(f"total_steps must be an integer in [1, {MAX_STEPS}], got {total_steps!r}")
         learner_config = LearnerConfig(
-            algorithm=config.algorithm, temperature=config.sampling_temperature, seed=config.seed
+            algorithm=config.algorithm,
+            temperature=config.sampling_temperature,
+            seed=config.seed,
+            precision=config.precision,
         )
         path = Path(model_dir)
         if not path.is_dir():
@@ -162,7 +174,9 @@ class TrainerService:
             if run_id in self._runs:
                 raise ConflictError(f"run {run_id} is already configured on this trainer")
         torch.manual_seed(config.seed)
-        model, _ = load_policy(path)
+        model, _ = load_policy(path)  # float32: the master weights, whatever the compute dtype
+        module: torch.nn.Module = model  # nn.Module's `to` (transformers narrows its signature)
+        module.to(self.device)
         # The family contract where the model is built: a config that contradicts its family, or
         # a model whose rotary embedding is not the one its config declares, is never trained.
         checked = check_transformers_model(model)

@@ -30,19 +30,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from furlong.core.devices import parse_device, parse_dtype
 from furlong.core.sampling_mask import RolloutSamplingMask
-from furlong.rollout.core.devices import parse_device, parse_dtype
 from furlong.rollout.core.model_runner import ModelRunner, skeleton
 from furlong.rollout.core.sampler import UNBOUNDED, sample_step
 from furlong.rollout.core.sampling import SamplingConfig, SupportBound
 from furlong.rollout.core.slot_table import SlotTable
 from furlong.rollout.core.stop_strings import StopMatcher, cut_at_stop
+from furlong.rollout.core.token_scores import TokenScore, TokenScores
 from furlong.rollout.core.trace import DecodeTrace, RowTrace
 from furlong.rollout.core.weights import match_state
 
@@ -55,6 +56,10 @@ CONTINUOUS = "continuous"
 STATIC = "static"
 STATIC_EARLY_EXIT = "static_early_exit"
 BATCHING_MODES = (CONTINUOUS, STATIC, STATIC_EARLY_EXIT)
+
+
+# on_token(row, token_id, score): a row's newly drawn token, as the decode goes (see `generate`).
+TokenCallback = Callable[[int, int, TokenScore | None], None]
 
 
 class TokenizerLike(Protocol):
@@ -77,6 +82,9 @@ class Generation:
     full_logprobs: list[float] = field(default_factory=list)  # under the full tempered softmax
     truncated_positions: list[int] = field(default_factory=list)  # supports the bound cut
     stop_string: str | None = None  # the stop string that ended the response ("stop")
+    # Only when `generate(..., num_top_logprobs=k)` asked: per token, the model's raw log-prob and
+    # its k most probable alternatives (see `token_scores`).
+    scores: list[TokenScore] | None = None
 
 
 class Engine:
@@ -158,6 +166,17 @@ class Engine:
         return self._runner.dtype
 
     @property
+    def num_cache_slots(self) -> int:
+        """Sequences the slot KV cache holds (`max_batch_size`), each of `max_positions` tokens."""
+        return self._runner.num_slots
+
+    @property
+    def allocated_cache_bytes(self) -> int:
+        """Bytes of the KV cache buffers allocated now (0 before the first generate call), measured
+        from the buffers; per token of one sequence: / (num_cache_slots * max_positions)."""
+        return self._runner.allocated_cache_bytes
+
+    @property
     def policy_version(self) -> int:
         return self._policy_version
 
@@ -200,11 +219,17 @@ class Engine:
         config: SamplingConfig,
         max_new_tokens: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        num_top_logprobs: int | None = None,
+        on_token: TokenCallback | None = None,
     ) -> list[Generation]:
         """Sample one response per prompt. `max_new_tokens` optionally gives each row its own limit
         (default: config.max_new_tokens for all); `ignore_eos` runs every row to its limit (for
-        measurements). Same prompts, config (seed included), limits and weights give the same
-        tokens."""
+        measurements); `num_top_logprobs` (0-20) also scores every drawn token under the raw model
+        distribution with that many alternatives (`Generation.scores`; None: no scoring);
+        `on_token(row, token_id, score)` is called after every step for each row's new token (score
+        None without scoring), on this thread: an exception it raises ends the whole call (e.g. a
+        client that went away). Same prompts, config (seed included), limits and weights give the
+        same tokens."""
         prompts, limits = self._validate_prompts(prompt_ids, config, max_new_tokens)
         if not prompts:
             return []
@@ -214,6 +239,7 @@ class Engine:
             # Static batching's padding draws go to one extra row that the trace drops.
             trace = DecodeTrace(len(prompts), self.vocab_size, discard_row=len(prompts))
             stops = StopMatcher(config.stop, self._decode) if config.stop else None
+            scores = None if num_top_logprobs is None else TokenScores(len(prompts), num_top_logprobs)
             stopped = self._run_rows(
                 prompts,
                 limits,
@@ -222,9 +248,18 @@ class Engine:
                 trace,
                 None if ignore_eos else self.tokenizer.eos_id,
                 stops,
+                scores,
+                on_token,
             )
             return [
-                self._to_generation(row, version, ignore_eos, config.stop, stopped.get(i))
+                self._to_generation(
+                    row,
+                    version,
+                    ignore_eos,
+                    config.stop,
+                    stopped.get(i),
+                    None if scores is None else scores.row(i),
+                )
                 for i, row in enumerate(trace.rows())
             ]
 
@@ -273,6 +308,8 @@ class Engine:
         trace: DecodeTrace,
         eos: int | None,
         stops: StopMatcher | None,
+        scores: TokenScores | None = None,
+        on_token: TokenCallback | None = None,
     ) -> dict[int, str]:
         """The scheduler: admit, step, retire until every row has finished; the stop string each
         row stopped at (rows that stopped otherwise are absent). Slot state lives on the host
@@ -304,7 +341,10 @@ class Engine:
                 [prompts[r] for r in join_rows],
             )
             draw = sample_step(logits, config, generator, self.support_bound)
-            trace.add(torch.tensor([table.row[s] for s in table.busy] + join_rows), draw)
+            step_rows = [table.row[s] for s in table.busy] + join_rows
+            trace.add(torch.tensor(step_rows), draw)
+            if scores is not None:
+                scores.add(step_rows, logits, draw.tokens)
             stepped = table.stepped(join_slots, join_rows, [len(prompts[r]) for r in join_rows])
             tokens[torch.tensor(stepped, device=device)] = draw.tokens
             finished = []
@@ -314,6 +354,8 @@ class Engine:
                     if table.position[s] >= last_position:  # no room left to decode padding
                         finished.append(s)
                     continue
+                if on_token is not None:
+                    on_token(row, tok, None if scores is None else scores.row(row)[-1])
                 hit = stops.push(row, tok) if stops is not None else None
                 if hit is not None:
                     stopped[row] = hit
@@ -330,7 +372,13 @@ class Engine:
         return stopped
 
     def _to_generation(
-        self, row: RowTrace, version: int, ignore_eos: bool, stops: tuple[str, ...], stop_string: str | None
+        self,
+        row: RowTrace,
+        version: int,
+        ignore_eos: bool,
+        stops: tuple[str, ...],
+        stop_string: str | None,
+        scores: list[TokenScore] | None = None,
     ) -> Generation:
         text = self._decode(row.token_ids)
         if stop_string is not None:
@@ -350,4 +398,5 @@ class Engine:
             full_logprobs=row.full_logprobs,
             truncated_positions=row.truncated_positions,
             stop_string=stop_string,
+            scores=scores,
         )

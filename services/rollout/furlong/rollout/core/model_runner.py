@@ -120,6 +120,17 @@ class ModelRunner:
             return 0
         return self.cache_bytes_per_token * self.num_slots * self.max_positions
 
+    @property
+    def allocated_cache_bytes(self) -> int:
+        """Bytes of the cache buffers the layers hold now, summed over distinct storages (what
+        `cache_bytes` computes, measured from the tensors themselves)."""
+        storages: dict[int, int] = {}
+        for layer in self.layers:
+            for tensor in layer.attention.cache_tensors():
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
     def _ensure_cache(self) -> None:
         if not self._allocated:
             for layer in self.layers:

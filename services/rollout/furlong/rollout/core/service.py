@@ -22,14 +22,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from furlong.core import tasks
-from furlong.core.errors import ConflictError, NotFoundError
-from furlong.core.settings import RolloutSettings
+from furlong.core.devices import DTYPES, parse_device
+from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
+from furlong.core.settings import PrecisionSettings, RolloutSettings
 from furlong.core.settings.run_shape import MAX_RUN_SEED
 from furlong.rollout.core.checks import check_id, check_int, check_timeout
-from furlong.rollout.core.engine_set import EngineSetFactory, in_process_factory
+from furlong.rollout.core.engine import Engine
+from furlong.rollout.core.engine_set import EngineSetFactory, InProcessEngines, in_process_factory
 from furlong.rollout.core.sampling import OVERFLOW_ERROR, SupportBound
 from furlong.rollout.core.step_generation import ActiveRun, StepGeneration
 from furlong.rollout.core.types import (
+    EngineState,
     EngineStatus,
     GenerateRequest,
     GenerateResult,
@@ -65,6 +68,8 @@ def _check_config(config: RolloutRunConfig) -> None:
     check_int("seed", config.seed, 0, MAX_RUN_SEED)
     if not isinstance(config.rollout, RolloutSettings):
         raise ValueError(f"rollout must be RolloutSettings, got {type(config.rollout).__name__}")
+    if not isinstance(config.precision, PrecisionSettings):
+        raise ValueError(f"precision must be PrecisionSettings, got {type(config.precision).__name__}")
     if not config.task and not config.reward:
         raise ValueError("a run needs a task or a reward (a run without a task scores with its reward)")
 
@@ -77,7 +82,8 @@ class RolloutService:
     the built-in reward registry (signatures checked here); rewards of a request run on up to
     `reward_workers` threads and must all finish within `reward_timeout_s`. `support_bound` caps
     every recorded sampling support; it must fail (on_overflow="error"), since the stream's Sample
-    format has no truncated flag and a cut support must never pass silently."""
+    format has no truncated flag and a cut support must never pass silently. Every run's engines
+    run on `device` ("cpu", "cuda", "cuda:N"), in the dtype of the run's `precision`."""
 
     def __init__(
         self,
@@ -92,8 +98,12 @@ class RolloutService:
         reward_timeout_s: float = 60.0,
         reward_workers: int = 4,
         engines: EngineSetFactory | None = None,
+        device: str = "cpu",
     ) -> None:
         check_int("max_batch_size", max_batch_size, 1)
+        checked = parse_device(device)  # ValueError naming a bad or missing device
+        assert checked is not None  # a value was given
+        self._device = checked
         if not isinstance(support_bound, SupportBound) or support_bound.on_overflow != OVERFLOW_ERROR:
             raise ValueError(
                 f"support_bound must be a SupportBound with on_overflow={OVERFLOW_ERROR!r} (samples "
@@ -134,6 +144,9 @@ class RolloutService:
                     raise ConflictError(f"run {run_id} is already configured with {existing[0]}")
                 return self._info(existing[1])
             model, tokenizer = self._loader(config.model_dir)
+            # The engines run where this service runs them, in the run's dtype: float32 weights
+            # the trainer publishes are cast on each copy into them (as tensor.to(dtype) rounds).
+            model.to(device=self._device, dtype=DTYPES[config.precision.dtype])
             records = self._records(run_id)
             try:
                 engines = self._engines(
@@ -187,6 +200,22 @@ class RolloutService:
         if not isinstance(request, GenerateRequest):
             raise ValueError(f"expected a GenerateRequest, got {type(request).__name__}")
         return self._steps.generate(self._get(request.run_id), request)
+
+    def served_engine(self, run_id: str) -> tuple[Engine, Any]:
+        """A serving in-process engine of the run and the run's tokenizer, for the OpenAI-compatible
+        gateway (whose calls are no step's samples: they bypass the sample ledger). NotFoundError
+        for an unknown run; UnavailableError when every engine is drained; ValueError when the run's
+        engines are processes (`--engines process`), which the gateway does not reach."""
+        run = self._get(run_id)
+        engines = run.engines
+        if not isinstance(engines, InProcessEngines):
+            raise ValueError(
+                f"run {run_id}'s engines run as processes; the gateway serves in-process engines only"
+            )
+        serving = [s.engine_id for s in engines.status() if s.state == EngineState.SERVING]
+        if not serving:
+            raise UnavailableError(f"run {run_id}: every engine is drained")
+        return engines.engine(serving[0]), run.tokenizer
 
     def status(self, run_id: str) -> RunStatus:
         """The run's engines and its sample-ledger counts."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from furlong.core.samples import SampleGroup
-from furlong.core.settings import RolloutSettings
+from furlong.core.settings import PrecisionSettings, RolloutSettings
 from furlong.rollout.core.sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ class RolloutRunConfig:
     task: str = ""
     reward: str = ""
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    precision: PrecisionSettings = field(default_factory=PrecisionSettings)  # the engines' dtype
 
 
 @dataclass(frozen=True)

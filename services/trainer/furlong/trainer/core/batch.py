@@ -4,7 +4,9 @@ the flat per-token index the log-prob, loss and value code works on.
 A row of prompt p and response r tokens is fed as its first p + r - 1 tokens; the logits at
 position p - 1 + j predict response token j. Only response positions are scored: `positions(keep)`
 maps each response token to its row in the (batch * keep, vocab) view of logits whose last `keep`
-positions were computed. Knows nothing about objectives or optimizers.
+positions were computed. A micro-batch's tensors live on the device it was built for (the
+model's); rows keep theirs wherever they were made and `per_token` brings them over. Knows nothing
+about objectives or optimizers.
 """
 
 from __future__ import annotations
@@ -64,12 +66,17 @@ class MicroBatch:
             raise ValueError(f"logits keep {keep} positions, {self.width - self.first} are needed")
         return self.seq * keep + (self._starts - offset)
 
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
     def per_token(self, name: str) -> torch.Tensor:
-        """Concatenate a per-token Row attribute over the rows."""
-        return torch.cat([getattr(r, name) for r in self.rows])
+        """Concatenate a per-token Row attribute over the rows, on the micro-batch's device."""
+        return torch.cat([getattr(r, name).to(self.device) for r in self.rows])
 
 
-def build_micro_batch(rows: list[Row]) -> MicroBatch:
+def build_micro_batch(rows: list[Row], device: torch.device | str = "cpu") -> MicroBatch:
+    """The padded inputs of `rows`, every tensor on `device` (the model's)."""
     if not rows:
         raise ValueError("a micro-batch needs at least one row")
     lengths = [len(r.token_ids) - 1 for r in rows]
@@ -85,18 +92,19 @@ def build_micro_batch(rows: list[Row]) -> MicroBatch:
         seq.append(torch.full((row.num_response,), i, dtype=torch.long))
     supports = [r.sample.sampling_support for r in rows]
     support = None if all(s.is_full() for s in supports) else RolloutSamplingMask.concatenate(supports)
+    targets = torch.tensor([t for r in rows for t in r.sample.response_token_ids], dtype=torch.long)
+    rollout = torch.tensor([x for r in rows for x in r.sample.response_logprobs], dtype=torch.float32)
+    # Built on the host, then moved in one go: one transfer per tensor, not one per row.
     return MicroBatch(
         rows=rows,
-        input_ids=input_ids,
-        attention_mask=attention,
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
         first=min(len(r.sample.prompt_token_ids) for r in rows) - 1,
-        targets=torch.tensor([t for r in rows for t in r.sample.response_token_ids], dtype=torch.long),
-        seq=torch.cat(seq),
-        rollout_logprobs=torch.tensor(
-            [x for r in rows for x in r.sample.response_logprobs], dtype=torch.float32
-        ),
+        targets=targets.to(device),
+        seq=torch.cat(seq).to(device),
+        rollout_logprobs=rollout.to(device),
         support=support,
-        _starts=torch.cat(starts),
+        _starts=torch.cat(starts).to(device),
     )
 
 

@@ -62,6 +62,7 @@ class DataParallel:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.forward_module: torch.nn.Module = model
+        self.device = next(model.parameters()).device  # where collectives' own tensors are made
         if mode == "ddp":
             ddp = torch.nn.parallel.DistributedDataParallel(
                 model, process_group=group, broadcast_buffers=False
@@ -138,7 +139,7 @@ class DataParallel:
             offset += p.numel()
 
     def sum_floats(self, values: list[float]) -> list[float]:
-        totals = torch.tensor(values, dtype=torch.float64)
+        totals = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, group=self.group)
         return totals.tolist()
 

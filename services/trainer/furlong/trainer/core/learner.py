@@ -8,6 +8,11 @@ before training; with an off-policy correction (TIS/MIS) the trainer's own pre-s
 taken from the first epoch's forward pass. Samples whose advantage is exactly zero add nothing to
 the gradient of an advantage-only objective and are then not forwarded at all (they still count in
 the aggregation denominators). Log-probs are taken over each token's sampling support.
+
+Precision (`PrecisionSettings`): the model's weights and AdamW's state are float32 whatever the
+run's dtype (master weights); with "bfloat16" every forward runs under torch.autocast(bfloat16) on
+the model's device. With `gradient_checkpointing` the decoder layers recompute their activations
+in the backward pass. Every tensor of a step is made on the model's device.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from furlong.core.devices import DTYPES
 from furlong.core.samples import SampleGroup
-from furlong.core.settings import AlgorithmSettings
+from furlong.core.settings import AlgorithmSettings, PrecisionSettings
+from furlong.trainer.core._compat import enable_activation_checkpointing
 from furlong.trainer.core.batch import MicroBatch, build_micro_batch, split_per_row
 from furlong.trainer.core.data_parallel import DataParallel, full_tensor
 from furlong.trainer.core.scoring import Scorer
@@ -34,11 +41,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LearnerConfig:
     """The run's algorithm settings plus what the learner takes from the rest of the run: the
-    sampler's temperature (log-probs are taken under it) and the run's seed."""
+    sampler's temperature (log-probs are taken under it), the run's seed and its precision."""
 
     algorithm: AlgorithmSettings = field(default_factory=AlgorithmSettings)
     temperature: float = 1.0
     seed: int = 0
+    precision: PrecisionSettings = field(default_factory=PrecisionSettings)
 
     def __post_init__(self) -> None:
         if not isinstance(self.algorithm, AlgorithmSettings):
@@ -57,6 +65,8 @@ class LearnerConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.precision, PrecisionSettings):
+            raise ValueError(f"precision must be PrecisionSettings, got {type(self.precision).__name__}")
 
 
 @dataclass(frozen=True)
@@ -171,7 +181,21 @@ class Learner:
         self.version = version
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters")
-        self.scorer = Scorer(model, config.temperature, self.objective)  # copies before any sharding
+        low = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+        if low:
+            raise ValueError(
+                f"the policy's parameters must be float32 (master weights; precision.dtype "
+                f"{config.precision.dtype!r} sets the compute dtype), got {low}"
+            )
+        self.device = next(model.parameters()).device
+        compute = DTYPES[config.precision.dtype]
+        autocast = None if compute == torch.float32 else compute
+        # The policy only: the reference runs without gradients, the value model is not checkpointed.
+        num_checkpointed = (
+            enable_activation_checkpointing(model) if config.precision.gradient_checkpointing else 0
+        )
+        # The scorer copies the reference and value models before any sharding.
+        self.scorer = Scorer(model, config.temperature, self.objective, autocast)
         self._dp: DataParallel | None = None
         if data_parallel_group is not None:
             if data_parallel == "fsdp2" and self.scorer.critic is not None:
@@ -192,6 +216,14 @@ class Learner:
         self.vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
         self._math = StepMath(self.objective)
         model.eval()
+        if num_checkpointed:  # eval() cleared the checkpointed layers' flags: set them again
+            enable_activation_checkpointing(model)
+        log.info(
+            "learner on %s, compute %s over float32 weights%s",
+            self.device,
+            config.precision.dtype,
+            f", {num_checkpointed} layers checkpointed" if num_checkpointed else "",
+        )
 
     @property
     def reference(self) -> torch.nn.Module | None:
@@ -225,7 +257,7 @@ class Learner:
             if self._dp is not None
             else [(rows[i : i + size], False) for i in range(0, len(rows), size)]
         )
-        micro_batches = [(build_micro_batch(chunk), padding) for chunk, padding in plan]
+        micro_batches = [(build_micro_batch(chunk, self.device), padding) for chunk, padding in plan]
         totals = dict.fromkeys(("loss", "grad_norm", "value_loss") + _WEIGHTED, 0.0)
         if num_rows:
             for epoch in range(self.objective.epochs_per_batch):

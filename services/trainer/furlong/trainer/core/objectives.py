@@ -71,7 +71,7 @@ def gae(
             f"must be the same 1-D shape"
         )
     adv = torch.zeros_like(values)
-    running = torch.zeros((), dtype=values.dtype)
+    running = torch.zeros((), dtype=values.dtype, device=values.device)
     for t in range(values.numel() - 1, -1, -1):
         next_value = values[t + 1] if t + 1 < values.numel() else 0.0
         delta = token_rewards[t] + gamma * next_value - values[t]
@@ -132,11 +132,13 @@ def token_weights(
     token_mean: 1 / tokens in the batch; seq_mean_token_mean: 1 / (len(seq) * sequences);
     seq_sum_norm: 1 / (sequences * longest response) — Dr.GRPO's length-unbiased constant."""
     if mode == "token_mean":
-        return torch.full(seq.shape, 1.0 / batch_tokens, dtype=torch.float64)
+        return torch.full(seq.shape, 1.0 / batch_tokens, dtype=torch.float64, device=seq.device)
     if mode == "seq_mean_token_mean":
         return 1.0 / (seq_lengths[seq].double() * batch_sequences)
     if mode == "seq_sum_norm":
-        return torch.full(seq.shape, 1.0 / (batch_sequences * max_length), dtype=torch.float64)
+        return torch.full(
+            seq.shape, 1.0 / (batch_sequences * max_length), dtype=torch.float64, device=seq.device
+        )
     raise ValueError(f"loss_aggregation must be one of {list(AGGREGATIONS)}, got {mode!r}")
 
 
@@ -178,8 +180,9 @@ class SequenceRatioLoss:
     ) -> PolicyLossOutput:
         num_seq = int(seq.max()) + 1
         delta = logp - old_logp
-        sums = torch.zeros(num_seq, dtype=delta.dtype).index_add(0, seq, delta.detach())
-        counts = torch.zeros(num_seq, dtype=delta.dtype).index_add(0, seq, torch.ones_like(delta))
+        zeros = torch.zeros(num_seq, dtype=delta.dtype, device=delta.device)
+        sums = zeros.index_add(0, seq, delta.detach())
+        counts = zeros.index_add(0, seq, torch.ones_like(delta))
         seq_ratio = torch.exp(sums / counts)[seq]
         # Value s_i, gradient s_i * dlogp_t: averaged over the sequence's tokens (seq_mean_token_mean)
         # this is exactly GSPO's d s_i = s_i * mean_t dlogp_t.

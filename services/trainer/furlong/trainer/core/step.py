@@ -60,9 +60,9 @@ def _filled(t: torch.Tensor | None) -> torch.Tensor:
     return t
 
 
-def _chunks(rows: list[Row], size: int) -> Iterator[MicroBatch]:
+def _chunks(rows: list[Row], size: int, device: torch.device) -> Iterator[MicroBatch]:
     for i in range(0, len(rows), size):
-        mb = build_micro_batch(rows[i : i + size])
+        mb = build_micro_batch(rows[i : i + size], device)
         yield mb
 
 
@@ -72,7 +72,7 @@ def plan_rows(
     samples = [s for g in groups for s in g.samples]
     rows = [Row(s, torch.zeros(len(s.response_token_ids))) for s in samples]
     if objective.uses_reference:
-        for mb in _chunks(rows, micro_batch_size):
+        for mb in _chunks(rows, micro_batch_size, scorer.device):
             for row, ref in zip(mb.rows, split_per_row(scorer.reference_logprobs(mb), mb)):
                 row.ref_logprobs = ref
     penalties = [torch.zeros(r.num_response) for r in rows]
@@ -80,13 +80,15 @@ def plan_rows(
         penalties = [
             objective.kl_coef
             * kl_estimate(
-                torch.tensor(r.sample.response_logprobs), _filled(r.ref_logprobs), objective.kl_estimator
+                torch.tensor(r.sample.response_logprobs, device=scorer.device),
+                _filled(r.ref_logprobs),
+                objective.kl_estimator,
             )
             for r in rows
         ]
     if objective.name == "ppo":
         with torch.no_grad():
-            for mb in _chunks(rows, micro_batch_size):
+            for mb in _chunks(rows, micro_batch_size, scorer.device):
                 for row, values in zip(mb.rows, split_per_row(scorer.values(mb), mb)):
                     row.old_values = values
         for row, penalty in zip(rows, penalties):
@@ -140,12 +142,12 @@ class StepMath:
                 per_token = per_token + obj.kl_coef * kl_ref
         if obj.entropy_coef > 0:
             per_token = per_token - obj.entropy_coef * entropy
-        lengths = torch.tensor([r.num_response for r in mb.rows])
+        lengths = torch.tensor([r.num_response for r in mb.rows], device=mb.device)
         w = token_weights(
             obj.loss_aggregation, mb.seq, lengths, den.batch_tokens, den.batch_sequences, den.max_length
         ).to(per_token.dtype)
         loss = (per_token * w).sum()
-        value_loss = torch.zeros(())
+        value_loss = torch.zeros((), device=mb.device)
         if values is not None:
             v = clipped_value_loss(
                 values, mb.per_token("old_values"), mb.per_token("returns"), obj.value_clip

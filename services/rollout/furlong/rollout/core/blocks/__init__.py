@@ -27,6 +27,10 @@ class AttentionBlock(Protocol):
     def release(self) -> None:
         """Drop the cache buffers."""
 
+    def cache_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The allocated cache buffers (empty before `allocate` and after `release`); views of
+        one buffer may appear more than once."""
+
     @property
     def cache_bytes_per_token(self) -> int:
         """Bytes one cached token costs in this layer."""

@@ -93,6 +93,9 @@ class GqaAttention:
     def release(self) -> None:
         self._keys = self._values = None
 
+    def cache_tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self._keys, self._values) if t is not None)
+
     @property
     def cache_bytes_per_token(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim * self.q.weight.element_size()

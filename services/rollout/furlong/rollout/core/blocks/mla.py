@@ -113,6 +113,9 @@ class MlaAttention:
     def release(self) -> None:
         self._cache = None
 
+    def cache_tensors(self) -> tuple[torch.Tensor, ...]:
+        return () if self._cache is None else (self._cache,)
+
     @property
     def cache_bytes_per_token(self) -> int:
         return (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_a.weight.element_size()

@@ -1,5 +1,6 @@
-"""Where and in which precision an engine runs: a device ("cpu", "cuda", "cuda:N") and a dtype
-("float32", "bfloat16"), each checked once, with the bad value named. Free of models."""
+"""Where and in which precision a model runs (the trainer's and the rollout engines'): a device
+("cpu", "cuda", "cuda:N") and a dtype ("float32", "bfloat16"), each checked once, with the bad value
+named. Free of models."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import re
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # PrecisionSettings.dtype's choices
 _DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
 
 
