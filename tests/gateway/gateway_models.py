@@ -20,6 +20,7 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 CALL_TEXT = json.dumps(CALL)
 IM_END_ID = 2  # bpe_tokenizer's special tokens: <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2
+ENDOFTEXT_ID = 0
 
 # A Qwen-style (Hermes) template: tools in a system block, assistant tool calls as <tool_call> JSON.
 TOOLS_TEMPLATE = (
@@ -51,7 +52,10 @@ def write_random_dir(directory: Path, seed: int = 3) -> Path:
     return write_user_dir(directory, "qwen3", seed=seed, eos_ids=(IM_END_ID,), tokenizer=tools_tokenizer())
 
 
-def write_forced_dir(directory: Path) -> Path:
+def write_forced_dir(
+    directory: Path, end_id: int = IM_END_ID, eos_ids: tuple[int, ...] = (IM_END_ID,)
+) -> Path:
+    """The forced model; it ends its answer with `end_id`, its generation config declares `eos_ids`."""
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
     hf = tools_tokenizer()
@@ -60,7 +64,7 @@ def write_forced_dir(directory: Path) -> Path:
     )
     last_prompt_id = hf.encode(rendered, add_special_tokens=False)[-1]  # every chat's last prompt token
     chain = [last_prompt_id] + [hf.convert_tokens_to_ids(t) for t in (TOOL_OPEN, CALL_TEXT, TOOL_CLOSE)]
-    chain.append(IM_END_ID)
+    chain.append(end_id)
     config = Qwen3Config(
         vocab_size=len(hf),
         hidden_size=32,
@@ -87,5 +91,6 @@ def write_forced_dir(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory))
     hf.save_pretrained(str(directory))
-    GenerationConfig(eos_token_id=IM_END_ID, pad_token_id=hf.pad_token_id).save_pretrained(str(directory))
+    eos = list(eos_ids) if len(eos_ids) > 1 else eos_ids[0]
+    GenerationConfig(eos_token_id=eos, pad_token_id=hf.pad_token_id).save_pretrained(str(directory))
     return directory

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
-from gateway_models import CALL, IM_END_ID, write_forced_dir, write_random_dir
+from gateway_models import CALL, ENDOFTEXT_ID, IM_END_ID, write_forced_dir, write_random_dir
 
 from furlong.core.checkpoint import load_policy
 from furlong.rollout.core.engine import Engine
@@ -24,7 +24,7 @@ from furlong.service_main.http_server import HttpServer
 
 pytestmark = pytest.mark.integration
 
-RANDOM, FORCED = "tiny-qwen3", "forced-qwen3"
+RANDOM, FORCED, SECOND_EOS = "tiny-qwen3", "forced-qwen3", "forced-second-eos"
 MESSAGES = [
     {"role": "system", "content": "you add numbers"},
     {"role": "user", "content": "what is 12+34?"},
@@ -48,7 +48,12 @@ TOOLS = [
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway")
-    return {RANDOM: write_random_dir(root / "random"), FORCED: write_forced_dir(root / "forced")}
+    return {
+        RANDOM: write_random_dir(root / "random"),
+        FORCED: write_forced_dir(root / "forced"),
+        # ends its answer with the second of two EOS ids its generation config declares
+        SECOND_EOS: write_forced_dir(root / "second", end_id=ENDOFTEXT_ID, eos_ids=(IM_END_ID, ENDOFTEXT_ID)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +122,7 @@ def session_calls(server: str, session_id: str) -> list[dict]:
 
 def test_models_list_names_every_model_with_its_policy_version(client):
     models = client.models.list()
-    assert sorted(m.id for m in models.data) == sorted([RANDOM, FORCED])
+    assert sorted(m.id for m in models.data) == sorted([RANDOM, FORCED, SECOND_EOS])
     assert all(m.object == "model" and m.owned_by == "furlong" for m in models.data)
     assert all(m.model_extra["furlong"] == {"policy_version": 0} for m in models.data)
     assert client.models.retrieve(RANDOM).id == RANDOM
@@ -432,3 +437,26 @@ def test_async_client_works_too(server):
         return replies[0].choices[0].message.content or ""
 
     asyncio.run(go())
+
+
+def test_every_eos_id_of_the_generation_config_ends_a_reply(server, reference):
+    model, tokenizer = reference[SECOND_EOS]
+    messages = [{"role": "user", "content": "hi"}]
+    with session_client(server, "second-eos") as c:
+        reply = c.chat.completions.create(model=SECOND_EOS, messages=messages, max_tokens=20, temperature=0)
+        streamed, _ = _chat_stream(c, model=SECOND_EOS, messages=messages, max_tokens=20, temperature=0)
+    plain, stream = session_calls(server, "second-eos")
+    drawn = plain["choices"][0]["completion_token_ids"]
+    assert stream["choices"][0]["completion_token_ids"] == drawn
+    prompt = chat_prompt_ids(tokenizer, messages)
+    with torch.no_grad():
+        expected = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=20, pad_token_id=ENDOFTEXT_ID
+        )[0, len(prompt) :].tolist()  # transformers stops at any id of the generation config
+    assert drawn == expected and drawn[-1] == ENDOFTEXT_ID and len(drawn) == 4
+    assert reply.choices[0].finish_reason == "stop" and streamed[0]["finish"] == "stop"
+    assert (
+        reply.choices[0].message.content
+        == streamed[0]["content"]
+        == json.dumps(CALL).join(["<tool_call>", "</tool_call>"])
+    )

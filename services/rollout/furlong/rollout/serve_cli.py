@@ -47,7 +47,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _check(args: argparse.Namespace) -> None:
-    from furlong.rollout.core.devices import parse_device, parse_dtype
+    from furlong.core.devices import parse_device, parse_dtype
     from furlong.service_main.ports import check_port
 
     check_port("--port", args.port)

@@ -221,16 +221,27 @@ class Engine:
         ignore_eos: bool = False,
         num_top_logprobs: int | None = None,
         on_token: TokenCallback | None = None,
+        end_ids: Sequence[int] = (),
     ) -> list[Generation]:
         """Sample one response per prompt. `max_new_tokens` optionally gives each row its own limit
         (default: config.max_new_tokens for all); `ignore_eos` runs every row to its limit (for
-        measurements); `num_top_logprobs` (0-20) also scores every drawn token under the raw model
-        distribution with that many alternatives (`Generation.scores`; None: no scoring);
+        measurements); `end_ids` are more ids that end a row like the tokenizer's `eos_id` (finish
+        reason "eos"; for a model whose generation config declares several EOS ids);
+        `num_top_logprobs` (0-20) also scores every drawn token under the raw model distribution
+        with that many alternatives (`Generation.scores`; None: no scoring);
         `on_token(row, token_id, score)` is called after every step for each row's new token (score
         None without scoring), on this thread: an exception it raises ends the whole call (e.g. a
         client that went away). Same prompts, config (seed included), limits and weights give the
         same tokens."""
         prompts, limits = self._validate_prompts(prompt_ids, config, max_new_tokens)
+        bad = [
+            i
+            for i in end_ids
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size
+        ]
+        if bad:
+            raise ValueError(f"end_ids must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
+        ends: frozenset[int] = frozenset() if ignore_eos else frozenset((self.tokenizer.eos_id, *end_ids))
         if not prompts:
             return []
         with self._batch_lock, torch.inference_mode():
@@ -246,7 +257,7 @@ class Engine:
                 config,
                 generator,
                 trace,
-                None if ignore_eos else self.tokenizer.eos_id,
+                ends,
                 stops,
                 scores,
                 on_token,
@@ -255,7 +266,7 @@ class Engine:
                 self._to_generation(
                     row,
                     version,
-                    ignore_eos,
+                    ends,
                     config.stop,
                     stopped.get(i),
                     None if scores is None else scores.row(i),
@@ -306,7 +317,7 @@ class Engine:
         config: SamplingConfig,
         generator: torch.Generator,
         trace: DecodeTrace,
-        eos: int | None,
+        ends: frozenset[int],
         stops: StopMatcher | None,
         scores: TokenScores | None = None,
         on_token: TokenCallback | None = None,
@@ -359,7 +370,7 @@ class Engine:
                 hit = stops.push(row, tok) if stops is not None else None
                 if hit is not None:
                     stopped[row] = hit
-                if hit is not None or table.count[s] >= limits[row] or tok == eos:
+                if hit is not None or table.count[s] >= limits[row] or tok in ends:
                     finished.append(s)
             if self.batching == STATIC and finished:
                 for s in finished:
@@ -375,7 +386,7 @@ class Engine:
         self,
         row: RowTrace,
         version: int,
-        ignore_eos: bool,
+        ends: frozenset[int],
         stops: tuple[str, ...],
         stop_string: str | None,
         scores: list[TokenScore] | None = None,
@@ -384,7 +395,7 @@ class Engine:
         if stop_string is not None:
             finish = FINISH_STOP
             text = cut_at_stop(text, stops)
-        elif not ignore_eos and row.token_ids[-1] == self.tokenizer.eos_id:
+        elif row.token_ids[-1] in ends:
             finish = FINISH_EOS
         else:
             finish = FINISH_LENGTH

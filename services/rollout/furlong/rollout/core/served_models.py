@@ -44,6 +44,7 @@ class ChatTokenizer(Protocol):
     hf: Any  # transformers' tokenizer: its apply_chat_template renders chats
     vocab_size: int
     eos_id: int
+    eos_ids: tuple[int, ...]  # the generation config's: every one ends a response
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
 
@@ -103,7 +104,11 @@ class EngineModel:
         on_token: TokenCallback | None = None,
     ) -> list[Generation]:
         return self.engine.generate(
-            prompt_ids, sampling, num_top_logprobs=num_top_logprobs, on_token=on_token
+            prompt_ids,
+            sampling,
+            num_top_logprobs=num_top_logprobs,
+            on_token=on_token,
+            end_ids=self.tokenizer.eos_ids,  # as transformers and vLLM stop: at any of them
         )
 
 

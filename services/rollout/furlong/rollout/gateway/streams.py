@@ -143,7 +143,7 @@ class ChatStream:
         return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self._cutters))]
 
     def token(self, index: int, token_id: int, score: TokenScore | None) -> list[dict[str, Any]]:
-        if token_id == self._tokenizer.eos_id:  # the engine's last token of this choice; not shown
+        if token_id in self._tokenizer.eos_ids:  # the engine's last token of this choice; not shown
             return []
         piece = self._cutters[index].push(token_id)
         lp = None
@@ -194,7 +194,7 @@ class TextStream:
         return []
 
     def token(self, index: int, token_id: int, score: TokenScore | None) -> list[dict[str, Any]]:
-        if token_id == self._tokenizer.eos_id:
+        if token_id in self._tokenizer.eos_ids:
             return []
         cutter = self._cutters[index]
         offset = len(cutter.sent)
