@@ -216,10 +216,16 @@ def started_by(state_dir: Path, before: set[int]) -> list[int]:
 
 
 def test_failed_run_exits_nonzero_and_leaves_nothing(checkpoint, tmp_path):
-    # The CLI checks the checkpoint's files before it starts anything, not the weights themselves:
-    # unreadable weights fail the run on the services, after the stack started.
+    # The CLI checks the model directory's files (the weights' headers included) before it starts
+    # anything, not the weights against the model: a tensor of the wrong shape fails the run on the
+    # services, after the stack started.
+    from safetensors.torch import load_file, save_file
+
     broken = Path(shutil.copytree(checkpoint, tmp_path / "broken"))
-    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    tensors = load_file(broken / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("embed_tokens.weight"))
+    tensors[name] = tensors[name][:-1].contiguous()
+    save_file(tensors, broken / "model.safetensors")
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(spec(str(broken))))
     state_dir = tmp_path / "state"
@@ -232,7 +238,7 @@ def test_failed_run_exits_nonzero_and_leaves_nothing(checkpoint, tmp_path):
     )
     assert result.returncode == 1, result.stdout + result.stderr
     unwrapped = "".join((result.stdout + result.stderr).split())  # rich wraps long lines
-    assert "rollout.ConfigureRun" in unwrapped and "cannotberead" in unwrapped, unwrapped
+    assert "rollout.ConfigureRun" in unwrapped and "donotfitthemodel" in unwrapped, unwrapped
     assert not (state_dir / "stack.json").exists()
     assert all_gone(started_by(state_dir, before))
 

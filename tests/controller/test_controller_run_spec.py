@@ -43,7 +43,12 @@ FULL = {
         "value_clip": 0.2,
     },
     "rollout": {"num_engines": 1, "max_refill_rounds": 0, "over_sampling": 1.0},
-    "checkpoint": {"every_steps": 1, "export_every_steps": 0, "export_max_shard_bytes": 5_000_000_000},
+    "checkpoint": {
+        "every_steps": 1,
+        "keep_last": 2,
+        "export_every_steps": 0,
+        "export_max_shard_bytes": 5_000_000_000,
+    },
     "precision": {"dtype": "float32", "gradient_checkpointing": False},
     "recovery": {"max_attempts": 3, "timeout_s": 120.0},
 }

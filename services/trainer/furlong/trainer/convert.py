@@ -47,7 +47,9 @@ def config_from_proto(msg: pb.ConfigureRunRequest) -> TrainerRunConfig:
         seed=msg.seed,
         total_steps=msg.total_steps,
         checkpoint=CheckpointSettings(
-            every_steps=msg.checkpoint_every_steps, keep_last=msg.checkpoint_keep_last
+            every_steps=msg.checkpoint_every_steps,
+            # 0: a client that does not send it (an older one) gets the default
+            keep_last=msg.checkpoint_keep_last or CheckpointSettings().keep_last,
         ),
         precision=precision_from_proto(msg.precision),
     )
