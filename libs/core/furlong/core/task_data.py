@@ -69,13 +69,18 @@ class DataFile:
     path: str
     rows: tuple[DataRow, ...]
     columns: tuple[str, ...]
+    lines: tuple[int, ...] = ()  # JSONL: each row's 1-based line number
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    def where(self, index: int) -> str:
+        """How errors name row `index`: "line N" (JSONL) or "row N" (1-based)."""
+        return f"line {self.lines[index]}" if self.lines else f"row {index + 1}"
+
 
 def file_kind(path: Path) -> str:
-    """"jsonl", "parquet" or "disk"; DataFileError naming the path otherwise."""
+    """ "jsonl", "parquet" or "disk"; DataFileError naming the path otherwise."""
     if path.is_dir():
         return "disk"
     if not path.exists():
@@ -133,7 +138,9 @@ def _load(path: Path, kind: str) -> Any:
             raise
         except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many kinds; name the file
             cause = exc.__cause__ or exc
-            raise DataFileError(f"{path}: cannot be read as {kind}: {type(cause).__name__}: {cause}") from None
+            raise DataFileError(
+                f"{path}: cannot be read as {kind}: {type(cause).__name__}: {cause}"
+            ) from None
 
 
 def read_data_file(path: str, settings: DataSettings) -> DataFile:
@@ -144,14 +151,14 @@ def read_data_file(path: str, settings: DataSettings) -> DataFile:
     lines = _scan_jsonl(where) if kind == "jsonl" else None
     ds = _load(where, kind)
     columns = tuple(ds.column_names)
-    label = (lambda i: f"line {lines[i]}") if lines is not None else (lambda i: f"row {i + 1}")
     rows = []
     for index, raw in enumerate(ds):
-        rows.append(check_row(raw, settings, index, str(where), label(index)))
+        label = f"line {lines[index]}" if lines is not None else f"row {index + 1}"
+        rows.append(check_row(raw, settings, index, str(where), label))
     if not rows:
         raise DataFileError(f"{path}: has no rows")
     log.info("read %d rows from %s (%s; columns %s)", len(rows), path, kind, list(columns))
-    return DataFile(path=str(where), rows=tuple(rows), columns=columns)
+    return DataFile(path=str(where), rows=tuple(rows), columns=columns, lines=tuple(lines or ()))
 
 
 def read_run_data(settings: DataSettings) -> tuple[DataFile, DataFile | None]:
@@ -170,9 +177,14 @@ def check_row(raw: Mapping[str, Any], settings: DataSettings, index: int, path: 
     prompt = raw.get(settings.prompt_key)
     messages = raw.get(settings.messages_key)
     if prompt is None and messages is None:
-        raise bad(settings.prompt_key, f"missing: a row needs {settings.prompt_key!r} or {settings.messages_key!r}")
+        raise bad(
+            settings.prompt_key, f"missing: a row needs {settings.prompt_key!r} or {settings.messages_key!r}"
+        )
     if prompt is not None and messages is not None:
-        raise bad(settings.messages_key, f"a row has either {settings.prompt_key!r} or {settings.messages_key!r}, not both")
+        raise bad(
+            settings.messages_key,
+            f"a row has either {settings.prompt_key!r} or {settings.messages_key!r}, not both",
+        )
     if prompt is not None and (not isinstance(prompt, str) or not prompt):
         raise bad(settings.prompt_key, f"must be a non-empty string, got {_show(prompt)}")
     chat = None if messages is None else _check_messages(messages, settings.messages_key, bad)
@@ -180,7 +192,7 @@ def check_row(raw: Mapping[str, Any], settings: DataSettings, index: int, path: 
     if answer is None:
         raise bad(settings.answer_key, "missing (the reference answer; an empty string if there is none)")
     if not isinstance(answer, str):
-        raise bad(settings.answer_key, f"must be a string, got {_show(answer)} (write 4 as \"4\")")
+        raise bad(settings.answer_key, f'must be a string, got {_show(answer)} (write 4 as "4")')
     tools = _check_tools(raw.get(settings.tools_key), settings.tools_key, bad)
     metadata = raw.get(settings.metadata_key)
     if metadata is not None and not isinstance(metadata, Mapping):
@@ -223,7 +235,11 @@ def _check_tools(value: Any, key: str, bad: Any) -> tuple[dict[str, Any], ...]:
         raise bad(key, f"must be a list of tool schemas, got {_show(value)}")
     for i, tool in enumerate(value):
         function = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(function, Mapping):
+        if (
+            not isinstance(tool, Mapping)
+            or tool.get("type") != "function"
+            or not isinstance(function, Mapping)
+        ):
             raise bad(key, f"tool {i} must be {{'type': 'function', 'function': {{...}}}}, got {_show(tool)}")
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise bad(key, f"tool {i}: function.name must be a non-empty string")

@@ -38,6 +38,7 @@ from furlong.controller.local_stack import (
     start_stack,
     stop_stack,
 )
+from furlong.controller.run_data import check_run_data
 from furlong.controller.run_follow import Interrupts, follow_run, place_policies, summary_table
 from furlong.controller.run_spec import parse_run_spec
 from furlong.core.errors import FurlongError
@@ -69,8 +70,14 @@ def load_run_config(path: Path) -> dict[str, Any]:
     model = data.get("model")
     if isinstance(model, str) and model and not Path(model).is_absolute():
         data["model"] = str((path.parent / model).resolve())
+    files = data.get("data")
+    if isinstance(files, dict):  # dataset files, like the model, relative to the config
+        for key in ("train", "eval"):
+            value = files.get(key)
+            if isinstance(value, str) and value and not Path(value).is_absolute():
+                files[key] = str((path.parent / value).resolve())
     try:
-        parse_run_spec(data)
+        check_run_data(parse_run_spec(data))
     except ValueError as exc:
         raise UsageError(f"{path}: {exc}") from None
     return data
@@ -145,7 +152,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         client = HttpControllerClient(stack.rest_url, stack.token())
         with Interrupts() as interrupts:  # from here a Ctrl-C stops the run, then the stack
             run = client.create_run(spec)
-            console.print(f"submitted run [bold]{run['run_id']}[/] ({spec['task']}, {spec['steps']} steps)")
+            source = spec.get("task") or spec.get("data", {}).get("train", "")
+            console.print(f"submitted run [bold]{run['run_id']}[/] ({source}, {spec['steps']} steps)")
             result = follow_run(client, run, out_dir, console, interrupts, poll_s=args.poll_s)
         client.close()
     finally:

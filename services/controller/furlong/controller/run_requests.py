@@ -25,7 +25,13 @@ def trainer_config(run_id: str, spec: RunSpec) -> TrainerRunConfig:
 
 def rollout_config(run_id: str, spec: RunSpec) -> RolloutRunConfig:
     return RolloutRunConfig(
-        run_id=run_id, model_dir=spec.model, seed=spec.seed, task=spec.task, rollout=spec.rollout
+        run_id=run_id,
+        model_dir=spec.model,
+        seed=spec.seed,
+        task=spec.task,
+        rollout=spec.rollout,
+        data=spec.data,
+        reward_config=spec.reward,
     )
 
 

@@ -1,8 +1,8 @@
 """The run spec: what a user asks the controller to run, parsed once from a dict (YAML or JSON).
 
 Its sections are the run settings the services apply, declared once in `furlong.core.settings`
-(`sampling`, `algorithm`, `rollout`, `checkpoint`, `data`, `reward`), plus `recovery`, which only the controller
-applies. The top-level fields are bounded by the limits the services enforce too
+(`sampling`, `algorithm`, `rollout`, `checkpoint`, `data`, `reward`), plus `recovery`, which only
+the controller applies. The top-level fields are bounded by the limits the services enforce too
 (`furlong.core.settings.run_shape`), so a spec this module accepts is accepted by every service.
 `parse_run_spec` rejects unknown fields, missing required fields, wrong types and out-of-range values
 with a `SettingError` whose `field` is the dotted path of the bad value (`sampling.top_p`). Optional

@@ -4,6 +4,7 @@ by the server and the gRPC client. Free of torch so that clients stay light.
 
 from __future__ import annotations
 
+from furlong.core.settings import DataSettings, RewardSettings
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.types import (
     EngineState,
@@ -16,7 +17,7 @@ from furlong.rollout.core.types import (
     RunInfo,
     RunStatus,
 )
-from furlong.rpc.settings import from_proto, rollout_from_proto, rollout_to_proto
+from furlong.rpc.settings import from_proto, rollout_from_proto, rollout_to_proto, to_proto
 from furlong.rpc.settings import sampling_to_proto as sampling_settings_to_proto
 from furlong.v1 import common_pb2
 from furlong.v1 import rollout_pb2 as pb
@@ -39,6 +40,8 @@ def run_config_to_proto(config: RolloutRunConfig) -> pb.ConfigureRolloutRequest:
         seed=config.seed,
         rollout=rollout_to_proto(config.rollout),
         reward=config.reward,
+        data=to_proto(config.data, pb.DataConfig()),
+        reward_config=to_proto(config.reward_config, pb.RewardConfig()),
     )
 
 
@@ -50,6 +53,8 @@ def run_config_from_proto(msg: pb.ConfigureRolloutRequest) -> RolloutRunConfig:
         task=msg.task,
         reward=msg.reward,
         rollout=rollout_from_proto(msg.rollout),
+        data=from_proto(DataSettings, msg.data, "data"),
+        reward_config=from_proto(RewardSettings, msg.reward_config, "reward"),
     )
 
 
@@ -114,6 +119,7 @@ def result_to_proto(result: GenerateResult) -> pb.GenerateResponse:
         num_groups_surplus=result.num_groups_surplus,
         request_id=result.request_id,
         num_groups_resumed=result.num_groups_resumed,
+        num_reward_failures=result.num_reward_failures,
     )
 
 
@@ -132,6 +138,7 @@ def result_from_proto(msg: pb.GenerateResponse) -> GenerateResult:
         num_groups_surplus=msg.num_groups_surplus,
         request_id=msg.request_id,
         num_groups_resumed=msg.num_groups_resumed,
+        num_reward_failures=msg.num_reward_failures,
     )
 
 

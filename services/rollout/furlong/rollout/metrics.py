@@ -24,6 +24,7 @@ GROUPS_DROPPED_TOTAL = "furlong_rollout_groups_dropped_total"
 GROUPS_REFILLED_TOTAL = "furlong_rollout_groups_refilled_total"
 GROUPS_SURPLUS_TOTAL = "furlong_rollout_groups_surplus_total"
 REWARD_FAILURES_TOTAL = "furlong_rollout_reward_failures_total"
+REWARD_FAILURE_KINDS = ("error", "timeout")  # core.group_scoring's failure kinds
 LEDGER_SAMPLES = "furlong_rollout_ledger_samples"
 LEDGER_DUPLICATES_REFUSED = "furlong_rollout_ledger_duplicates_refused_total"
 ENGINE_RESTARTS = "furlong_rollout_engine_restarts_total"
@@ -92,7 +93,7 @@ class RolloutMetrics:
         self.reward_mean.labels(run_id=run_id).set(reward_mean)
         for counter in (self.groups_dropped, self.groups_refilled, self.surplus_groups):
             counter.labels(run_id=run_id)  # the series exists (at 0) before the filters act
-        for kind in ("error", "timeout"):
+        for kind in REWARD_FAILURE_KINDS:
             self.reward_failures.labels(run_id=run_id, kind=kind)
 
     def groups_filtered(self, run_id: str, dropped: int, refilled: int) -> None:
@@ -134,9 +135,11 @@ class RolloutMetrics:
                 metric.remove(run_id)
             except KeyError:
                 pass  # the run never produced this series
-        for labels in list(self.reward_failures._metrics):  # noqa: SLF001 - the run's series, any kind
-            if labels[0] == run_id:
-                self.reward_failures.remove(*labels)
+        for kind in REWARD_FAILURE_KINDS:
+            try:
+                self.reward_failures.remove(run_id, kind)
+            except KeyError:
+                pass
         for engine_id in engine_ids:
             try:
                 self.policy_version.remove(engine_id)

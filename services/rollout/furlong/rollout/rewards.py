@@ -78,6 +78,12 @@ def builtin_rewards() -> dict[str, RewardFn]:
 def resolve_user_reward(reference: str) -> RewardFn:
     """Import `module:function` (e.g. "my_pkg.rewards:strict_match") and check its signature.
     ValueError naming the reference when the module, the attribute or the signature is wrong."""
+    return check_signature(reference, resolve_reference(reference))
+
+
+def resolve_reference(reference: str) -> object:
+    """The object at `module:attribute` (dotted attributes allowed); ValueError naming the
+    reference when the module or the attribute is missing."""
     module_name, sep, attr = reference.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"user reward {reference!r} must look like 'package.module:function'")
@@ -90,7 +96,7 @@ def resolve_user_reward(reference: str) -> RewardFn:
         if not hasattr(fn, part):
             raise ValueError(f"user reward {reference!r}: {module_name!r} has no attribute {attr!r}")
         fn = getattr(fn, part)
-    return check_signature(reference, fn)
+    return fn
 
 
 def reward_registry(
