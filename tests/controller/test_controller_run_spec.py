@@ -8,6 +8,7 @@ import pytest
 
 from furlong.controller.run_spec import RunSpec, parse_run_spec
 from furlong.core.settings import AlgorithmSettings, SamplingSettings, SettingError
+from furlong.core.settings import DataSettings, RewardSettings, to_mapping
 
 FULL = {
     "name": "addition-grpo",
@@ -45,6 +46,8 @@ FULL = {
     "rollout": {"num_engines": 1, "max_refill_rounds": 0, "over_sampling": 1.0},
     "checkpoint": {"every_steps": 1, "export_every_steps": 0, "export_max_shard_bytes": 5_000_000_000},
     "recovery": {"max_attempts": 3, "timeout_s": 120.0},
+    "data": to_mapping(DataSettings()),
+    "reward": to_mapping(RewardSettings()),
 }
 
 
@@ -133,7 +136,7 @@ def test_integers_are_accepted_for_float_fields_and_stored_as_floats():
             "prompts_per_step",
             "samples per step",
         ),
-        (with_value("task", "sorting"), "task", "one of ['addition']"),
+        (with_value("task", "sorting"), "task", "one of ['', 'addition']"),
         (with_value("seed", -1), "seed", "[0, "),
         (with_value("prompts_per_step", 0), "prompts_per_step", "[1, "),
         (with_value("samples_per_prompt", 0), "samples_per_prompt", "[1, "),

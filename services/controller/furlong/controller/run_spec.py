@@ -65,13 +65,13 @@ class RunSpec:
         max_chars=MAX_PATH_CHARS,
         doc="absolute Hugging Face model directory, as the services will read it",
     )
+    steps: int = setting(ge=1, le=MAX_STEPS)
     task: str = setting(
         "",
         max_chars=64,
         choices=("", *tasks.known_tasks()),
         doc="a registered task; empty when the run trains on `data`",
     )
-    steps: int = setting(ge=1, le=MAX_STEPS)
     seed: int = setting(0, ge=0, le=MAX_RUN_SEED)
     prompts_per_step: int = setting(16, ge=1, le=MAX_PROMPTS_PER_STEP, doc="groups trained per step")
     samples_per_prompt: int = setting(8, ge=1, le=MAX_SAMPLES_PER_PROMPT, doc="the group size")
