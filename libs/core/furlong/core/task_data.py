@@ -9,7 +9,8 @@ malformed row raises `RowError` naming the file, the row (JSONL: its 1-based lin
 and directories: its 1-based row number) and the field. The first bad row is reported; nothing of
 a file with one is used.
 
-JSONL is scanned line by line first (so a syntax error or an empty line is named by its line), then
+JSONL is scanned and checked line by line first (so a syntax error, an empty line or a bad value is
+named by its line, before Arrow unifies column types), then
 read with `datasets`. Arrow unifies a column's type over the file: a metadata key that only some rows
 have is null (None) in the others. Reading never touches the network. Knows nothing about models,
 tokenizers or rewards.
@@ -95,8 +96,10 @@ def file_kind(path: Path) -> str:
     )
 
 
-def _scan_jsonl(path: Path) -> list[int]:
-    """The 1-based line number of every row; RowError for an unparsable or empty line."""
+def _scan_jsonl(path: Path, settings: DataSettings) -> list[int]:
+    """The 1-based line number of every row; RowError for an unparsable or empty line or a
+    malformed row. The rows are checked here, as JSON has them, because Arrow unifies a column's
+    type over the file (a number among strings would be converted before the check could see it)."""
     lines: list[int] = []
     with path.open("rb") as fh:
         raw_lines = fh.read().split(b"\n")
@@ -112,6 +115,7 @@ def _scan_jsonl(path: Path) -> list[int]:
             raise RowError(str(path), where, "", f"not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise RowError(str(path), where, "", f"must be a JSON object, got {type(value).__name__}")
+        check_row(value, settings, len(lines), str(path), where)
         lines.append(number)
     return lines
 
@@ -148,7 +152,7 @@ def read_data_file(path: str, settings: DataSettings) -> DataFile:
     the file cannot be read."""
     where = Path(path)
     kind = file_kind(where)
-    lines = _scan_jsonl(where) if kind == "jsonl" else None
+    lines = _scan_jsonl(where, settings) if kind == "jsonl" else None
     ds = _load(where, kind)
     columns = tuple(ds.column_names)
     rows = []

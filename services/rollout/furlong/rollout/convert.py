@@ -53,8 +53,13 @@ def run_config_from_proto(msg: pb.ConfigureRolloutRequest) -> RolloutRunConfig:
         task=msg.task,
         reward=msg.reward,
         rollout=rollout_from_proto(msg.rollout),
-        data=from_proto(DataSettings, msg.data, "data"),
-        reward_config=from_proto(RewardSettings, msg.reward_config, "reward"),
+        # absent: no dataset / no weighted reward; present: every field is sent, none defaulted
+        data=from_proto(DataSettings, msg.data, "data") if msg.HasField("data") else DataSettings(),
+        reward_config=(
+            from_proto(RewardSettings, msg.reward_config, "reward")
+            if msg.HasField("reward_config")
+            else RewardSettings()
+        ),
     )
 
 
