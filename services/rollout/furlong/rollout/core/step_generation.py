@@ -204,9 +204,7 @@ class StepGeneration:
             check_int("num_groups", request.num_groups, 0, len(prompts))
             return _Choice(prompts=prompts, keep=request.num_groups, resumed=0, from_task=False)
         if run.task is None and run.data is None:
-            raise ValueError(
-                f"run {run.run_id} has no task or data: a Generate request must carry its prompts"
-            )
+            raise ValueError(f"run {run.run_id} has no task: a Generate request must carry its prompts")
         assert run.task is not None or run.data is not None
         need = check_int("num_groups", request.num_groups, 1, MAX_PROMPTS_PER_STEP)
         count = run.rollout.prompts_to_draw(need)
