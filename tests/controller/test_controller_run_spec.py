@@ -7,8 +7,14 @@ import copy
 import pytest
 
 from furlong.controller.run_spec import RunSpec, parse_run_spec
-from furlong.core.settings import AlgorithmSettings, SamplingSettings, SettingError
-from furlong.core.settings import DataSettings, RewardSettings, to_mapping
+from furlong.core.settings import (
+    AlgorithmSettings,
+    DataSettings,
+    RewardSettings,
+    SamplingSettings,
+    SettingError,
+    to_mapping,
+)
 
 FULL = {
     "name": "addition-grpo",

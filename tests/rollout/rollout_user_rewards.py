@@ -23,3 +23,25 @@ async def async_length(response_text, answer):
 
     await asyncio.sleep(0)
     return float(len(response_text)) / 10.0
+
+
+import threading  # noqa: E402 - the rewards below share state with the tests that use them
+
+RELEASE = threading.Event()  # set by a test to let the hung rewards finish
+CALLS: dict[str, int] = {}
+
+
+def hangs_on_flagged(response_text, answer, metadata=None):
+    """Hangs (until RELEASE) for rows whose metadata has hang=1; else 1.0."""
+    if (metadata or {}).get("hang"):
+        RELEASE.wait(120)
+    return 1.0
+
+
+def fails_first_time(response_text, answer, metadata=None):
+    """Raises the first time each row's answer is scored; 0.5 after."""
+    key = f"{answer}:{(metadata or {}).get('index')}"
+    CALLS[key] = CALLS.get(key, 0) + 1
+    if (metadata or {}).get("flaky") and CALLS[key] <= 1:
+        raise ConnectionError(f"judge unavailable for {key}")
+    return 0.5

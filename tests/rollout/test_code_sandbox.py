@@ -45,9 +45,7 @@ def listener():
 
 def connect_program(port: int) -> str:
     return (
-        "import socket\n"
-        f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-        "print('connected')\n"
+        f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')\n"
     )
 
 
@@ -67,7 +65,9 @@ def test_the_sandbox_refuses_a_network_connection(listener, mechanism):
     probe.close()
     result = CodeSandbox(LIMITS, mechanism).run(connect_program(port))
     assert not result.passed and "connected" not in result.stdout
-    assert any(word in result.stderr for word in ("Connection refused", "unreachable", "not permitted")), result.stderr
+    assert any(word in result.stderr for word in ("Connection refused", "unreachable", "not permitted")), (
+        result.stderr
+    )
     assert len(accepted) == 1  # only the probe got through
 
 

@@ -19,7 +19,13 @@ from furlong.core.settings.reward import (
     PythonReward,
     RegexReward,
 )
-from furlong.rollout.answer_rewards import final_answer, format_reward, math_reward, numbers_equal, regex_reward
+from furlong.rollout.answer_rewards import (
+    final_answer,
+    format_reward,
+    math_reward,
+    numbers_equal,
+    regex_reward,
+)
 from furlong.rollout.core.types import Prompt
 from furlong.rollout.run_reward import HttpRewardError, build_run_reward
 
@@ -101,7 +107,9 @@ def test_python_rewards_sync_with_metadata_and_async():
     )
     assert asynchronous("12345", prompt("")) == pytest.approx(1.0)  # 2 x len/10
     results = []  # async rewards from several reward threads at once
-    threads = [threading.Thread(target=lambda: results.append(asynchronous("1234", prompt("")))) for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: results.append(asynchronous("1234", prompt("")))) for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -123,7 +131,7 @@ class Judge(BaseHTTPRequestHandler):
     status = 200
     seen: list[dict] = []
 
-    def do_POST(self):  # noqa: N802 - the http.server interface
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         Judge.seen.append(body)
         if Judge.failures_left > 0:
@@ -162,10 +170,17 @@ def judge():
 
 
 def test_http_judge_json_in_and_out_with_retries(judge):
-    reward = build_run_reward(RewardSettings(http=HttpReward(weight=1.0, url=judge, timeout_s=5.0, retries=2)))
+    reward = build_run_reward(
+        RewardSettings(http=HttpReward(weight=1.0, url=judge, timeout_s=5.0, retries=2))
+    )
     try:
         assert reward("it is 42", prompt("42", topic="t")) == 1.0
-        assert Judge.seen[-1] == {"response": "it is 42", "answer": "42", "metadata": {"topic": "t"}, "prompt_id": "e0-r1"}
+        assert Judge.seen[-1] == {
+            "response": "it is 42",
+            "answer": "42",
+            "metadata": {"topic": "t"},
+            "prompt_id": "e0-r1",
+        }
         Judge.failures_left = 2  # two 503s, then an answer: retried
         assert reward("it is 41", prompt("42")) == 0.0
         assert len(Judge.seen) == 4
