@@ -74,9 +74,11 @@ def test_jsonl_parquet_and_save_to_disk_each_train(tmp_path, redis_url, model):
 
 
 MALFORMED = "".join(
-    '{"prompt": "01+02=", "answer": "3"}\n',
-    '{"prompt": "01+03=", "answer": "4"}\n',
-    '{"prompt": "", "answer": "5"}\n',
+    [
+        '{"prompt": "01+02=", "answer": "3"}\n',
+        '{"prompt": "01+03=", "answer": "4"}\n',
+        '{"prompt": "", "answer": "5"}\n',
+    ]
 )
 
 
