@@ -1,11 +1,14 @@
 """One Generate request of a run: which prompts are generated, which groups are written and which
 are cut. Rollout is the one owner of these decisions.
 
-Without explicit prompts the step's prompts come from the run's task: `RolloutSettings.prompts_to_draw`
-of them (over-sampling), less those whose group an earlier attempt at the step already wrote (so a
-step repeated after a crash generates only what was lost). Every sample gets a deterministic id
-(`<prompt id>/<index>`); the engines generate, the run's reward scores every response
-(concurrently, under a deadline), zero-variance groups are drawn again (dynamic sampling) and only
+Without explicit prompts the step's prompts come from the run's task or its dataset rows (the rows
+the step number assigns, core.data_source): `RolloutSettings.prompts_to_draw` of them
+(over-sampling), less those whose group an earlier attempt at the step already wrote (so a step
+repeated after a crash generates only what was lost). Every sample gets a deterministic id
+(`<prompt id>/<index>`); the engines generate, the run's reward scores each group as soon as it is
+complete, while the others are still generated (core.group_scoring, under a deadline per response);
+a group whose reward fails is left out, or drawn again (`ActiveRun.reward_resamples`), and counted;
+zero-variance groups are drawn again (dynamic sampling) and only
 the groups the step needs are kept, the first to complete (over-sampling, see core.groups). The
 kept groups are appended to the run's sample stream and recorded generated in one atomic call
 (`GroupBook.append_groups`); the drawn prompts that were not kept are recorded cut in the group
