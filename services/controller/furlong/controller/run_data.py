@@ -25,7 +25,11 @@ def check_run_data(spec: RunSpec) -> None:
         path = getattr(spec.data, name)
         if not path:
             continue
-        if not Path(path).exists():
+        try:
+            visible = Path(path).exists()
+        except (OSError, ValueError) as exc:  # an embedded NUL, a name too long
+            raise SettingError(f"data.{name}", f"{path!r} is not a usable path: {exc}") from None
+        if not visible:
             log.info("data.%s %s is not visible to the controller; rollout checks it", name, path)
             continue
         try:

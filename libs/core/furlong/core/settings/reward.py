@@ -22,6 +22,7 @@ drawn again, up to `max_resamples` times (`resample`). With no weight > 0 the ru
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 from furlong.core.settings.fields import SettingError, check_fields, setting
@@ -71,6 +72,10 @@ class RegexReward:
         check_fields(self)
         if self.weight > 0 and not self.pattern:
             raise SettingError("pattern", "a regex reward with a weight needs a pattern")
+        try:
+            re.compile(self.pattern)
+        except re.error as exc:
+            raise SettingError("pattern", f"{self.pattern!r} is not a regular expression: {exc}") from None
 
 
 @dataclass(frozen=True)
