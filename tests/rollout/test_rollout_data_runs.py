@@ -207,3 +207,84 @@ def test_when_every_group_fails_the_request_fails_and_writes_nothing(red, checkp
     finally:
         rollout_user_rewards.RELEASE.set()
         service.close()
+
+
+class GatedEngines:
+    """An EngineSet double whose second half of the rows is generated only once a reward has been
+    computed for the first half: if scoring waited for the whole generation, it would deadlock."""
+
+    engine_ids = ["gated-0"]
+    max_positions = None
+
+    def __init__(self, scored) -> None:
+        self.scored = scored
+
+    def policy_version(self) -> int:
+        return 0
+
+    def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
+        return True
+
+    def generate(self, request_id, rows, sampling, seed_of, enough=None):
+        from furlong.core.sampling_mask import RolloutSamplingMask
+        from furlong.rollout.core.engine import Generation
+
+        def gen(sid):
+            return Generation(
+                token_ids=[3],
+                logprobs=[-0.5],
+                support=RolloutSamplingMask.full(1, 15),
+                finish_reason="length",
+                text="1",
+                policy_version=0,
+            )
+
+        half = len(rows) // 2
+        out = {sid: gen(sid) for sid, _ in rows[:half]}
+        assert enough is not None
+        enough(out)  # results so far, as an engine reports them
+        assert self.scored.wait(20), "the first groups were not scored while generation went on"
+        out.update({sid: gen(sid) for sid, _ in rows[half:]})
+        return out
+
+    def status(self):
+        return []
+
+    def drain(self, engine_id):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def test_groups_are_scored_while_the_others_are_still_generated(red, tmp_path):
+    import threading
+
+    from rollout_models import tokenizer
+
+    scored = threading.Event()
+
+    class Marking:
+        name = "marking"
+
+        def __call__(self, response_text, prompt):
+            scored.set()
+            return 1.0
+
+        def close(self):
+            pass
+
+    path = write_jsonl(tmp_path / "rows.jsonl", addition_rows(4))
+    service = RolloutService(
+        redis_records(red),
+        None,
+        policy_loader=lambda model_dir: (None, tokenizer()),
+        engines=lambda *args: GatedEngines(scored),
+        run_rewards=lambda settings: Marking(),
+    )
+    try:
+        service.configure_run(config("data-gated", "/unused/model", path, EXACT))
+        result = service.generate(step("data-gated", 1, groups=4))
+        assert result.num_groups == 4 and scored.is_set()
+    finally:
+        service.close()
