@@ -85,6 +85,20 @@ class _Draw:
     num_tokens: int
 
 
+@dataclass
+class _Rounds:
+    """A request's groups after the redraw rounds: rewarded groups by prompt index, the prompts
+    whose latest draw's reward failed, completion order, every failure seen, groups redrawn for
+    equal rewards, tokens generated."""
+
+    groups: dict[int, list[Sample]]
+    failed: dict[int, RewardFailure]
+    order: list[int]
+    failures: list[RewardFailure]
+    refills: int
+    num_tokens: int
+
+
 @dataclass(frozen=True)
 class _Choice:
     """The prompts a request generates, how many groups it keeps (0 = all) and how many groups an
@@ -136,33 +150,10 @@ class StepGeneration:
         draw = self._draw(
             run, request_id, prompts, prompt_ids, everything, n, sampling, 0, choice.keep if early else 0
         )
-        by_prompt, failed, num_tokens = draw.groups, dict(draw.failed), draw.num_tokens
-        failures = list(draw.failed.values())
-        order = list(by_prompt)  # completion order; redrawn groups go last
         rounds = max(dynamic.max_refill_rounds, run.reward_resamples)
-        refills = 0
-        for round_ in range(1, rounds + 1):
-            constant = (
-                [p for p in order if zero_variance([s.reward for s in by_prompt[p]])]
-                if dynamic.enabled and round_ <= dynamic.max_refill_rounds
-                else []
-            )
-            retry = sorted(failed) if round_ <= run.reward_resamples else []
-            if not constant and not retry:
-                break
-            refills += len(constant)
-            redrawn = self._draw(
-                run, f"{request_id}/r{round_}", prompts, prompt_ids, constant + retry, n, sampling, round_, 0
-            )
-            num_tokens += redrawn.num_tokens
-            failures += redrawn.failed.values()
-            for p in redrawn.groups:
-                failed.pop(p, None)
-            for p, failure in redrawn.failed.items():
-                failed[p] = failure
-                by_prompt.pop(p, None)
-            by_prompt.update(redrawn.groups)
-            order = [p for p in order if p in by_prompt and p not in redrawn.groups] + list(redrawn.groups)
+        redrawn = self._redraw(run, request_id, prompts, prompt_ids, n, sampling, dynamic, rounds, draw)
+        by_prompt, failed, order, failures = redrawn.groups, redrawn.failed, redrawn.order, redrawn.failures
+        refills, num_tokens = redrawn.refills, redrawn.num_tokens
         pending = (
             [p for p in order if zero_variance([s.reward for s in by_prompt[p]])] if dynamic.enabled else []
         )
@@ -200,6 +191,56 @@ class StepGeneration:
             self._observer.groups_surplus(run.run_id, len(surplus))
         result = self._result(run, request, firsts, num_tokens, started, choice, outcome, surplus, request_id)
         return dataclasses.replace(result, num_reward_failures=len(failures))
+
+    def _redraw(
+        self,
+        run: ActiveRun,
+        request_id: str,
+        prompts: list[Prompt],
+        prompt_ids: list[list[int]],
+        samples_per_prompt: int,
+        sampling: SamplingConfig,
+        dynamic: DynamicSampling,
+        rounds: int,
+        draw: _Draw,
+    ) -> _Rounds:
+        """Draw again, round after round, the groups with equal rewards (dynamic sampling, up to
+        its rounds) and those whose reward failed (up to `run.reward_resamples` rounds)."""
+        by_prompt, failed, num_tokens = dict(draw.groups), dict(draw.failed), draw.num_tokens
+        failures = list(draw.failed.values())
+        order = list(by_prompt)  # completion order; redrawn groups go last
+        refills = 0
+        for round_ in range(1, rounds + 1):
+            constant = (
+                [p for p in order if zero_variance([s.reward for s in by_prompt[p]])]
+                if dynamic.enabled and round_ <= dynamic.max_refill_rounds
+                else []
+            )
+            retry = sorted(failed) if round_ <= run.reward_resamples else []
+            if not constant and not retry:
+                break
+            refills += len(constant)
+            again = self._draw(
+                run,
+                f"{request_id}/r{round_}",
+                prompts,
+                prompt_ids,
+                constant + retry,
+                samples_per_prompt,
+                sampling,
+                round_,
+                0,
+            )
+            num_tokens += again.num_tokens
+            failures += again.failed.values()
+            for p in again.groups:
+                failed.pop(p, None)
+            for p, failure in again.failed.items():
+                failed[p] = failure
+                by_prompt.pop(p, None)
+            by_prompt.update(again.groups)
+            order = [p for p in order if p in by_prompt and p not in again.groups] + list(again.groups)
+        return _Rounds(by_prompt, failed, order, failures, refills, num_tokens)
 
     def _choose(self, run: ActiveRun, request: GenerateRequest) -> _Choice:
         if request.prompts:
