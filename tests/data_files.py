@@ -4,6 +4,7 @@ directory, on the addition alphabet (so the tiny checkpoint's tokenizer encodes 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 
@@ -36,3 +37,14 @@ def write_dataset(directory: Path, kind: str, rows: list[dict]) -> Path:
     path = directory / "rows"
     ds.save_to_disk(str(path))
     return path
+
+
+RELEASE = threading.Event()  # set by a test to let hung rewards finish
+
+
+def hangs_on_flagged(response_text, answer, metadata=None):
+    """A user reward (`data_files:hangs_on_flagged`) that hangs, until RELEASE, on rows whose
+    metadata has hang=1, and scores the others by exact match."""
+    if (metadata or {}).get("hang"):
+        RELEASE.wait(120)
+    return float(response_text.strip() == answer)

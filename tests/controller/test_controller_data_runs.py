@@ -19,7 +19,7 @@ from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.run_store import RunStore
 from furlong.controller.runs import RunService
-from furlong.core.data_order import parse_prompt_id
+from furlong.core.data_order import DataOrder, parse_prompt_id
 from furlong.core.settings import SettingError
 from furlong.ledger.group_ledger import ledger_keys
 
@@ -70,7 +70,42 @@ def test_jsonl_parquet_and_save_to_disk_each_train(tmp_path, redis_url, model):
             # 6 reads of 5 rows: epoch 0 has every row once, epoch 1 starts again
             assert sorted(r.row for r in refs if r.epoch == 0) == [0, 1, 2, 3, 4]
             assert len([r for r in refs if r.epoch == 1]) == 1
+        # A file the controller did not check (the in-process stack stores the run directly): the
+        # rollout service reads every row at ConfigureRun, so the run fails before step 1.
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(MALFORMED)
+        run = stack.run(parse_run_spec(data_spec(model, str(bad), name="data-bad")))
+        assert run.state == RunState.FAILED
+        assert "rollout.ConfigureRun" in run.reason and f"{bad} line 3: field 'prompt'" in run.reason
+        assert stack.store.metrics(run.run_id) == []  # nothing was trained
     red.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_reward_timeout_is_left_out_and_counted_in_the_step_records(tmp_path, redis_url, model):
+    import data_files
+
+    rows = addition_rows(5)
+    rows[2]["metadata"] = {"index": 2, "hang": 1}
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    body = data_spec(model, str(path), name="data-hang")
+    body["reward"] = {"python": {"weight": 1.0, "function": "data_files:hangs_on_flagged"}, "timeout_s": 1.0}
+    hung_reads = {
+        step: sum(ref.row == 2 for ref in DataOrder(5, seed=1).step_rows(step, 2))
+        for step in range(1, STEPS + 1)
+    }
+    assert sum(hung_reads.values()) >= 1
+    data_files.RELEASE.clear()
+    try:
+        with InProcessStack(redis_url, tmp_path / "checkpoints", torch_threads=1) as stack:
+            run = stack.run(parse_run_spec(body))
+            assert run.state == RunState.SUCCEEDED, run.reason
+            records = stack.store.metrics(run.run_id)
+            assert {r.step: r.reward_failures for r in records} == hung_reads
+            assert {r.step: r.samples for r in records} == {s: 2 * (2 - hung_reads[s]) for s in hung_reads}
+    finally:
+        data_files.RELEASE.set()
 
 
 MALFORMED = "".join(
