@@ -4,12 +4,8 @@ file, line/row and field; and the read order, a pure function of (seed, step).""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_files import addition_rows, write_dataset, write_jsonl
 
 from furlong.core.data_order import DataOrder, RowRef, parse_prompt_id

@@ -6,17 +6,12 @@ resampled, never a 0."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import redis
 import rollout_user_rewards
+from data_files import addition_rows, write_jsonl
 from prometheus_client import CollectorRegistry
 from rollout_models import write_checkpoint
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data_files import addition_rows, write_jsonl
 
 from furlong.core.data_order import DataOrder
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
