@@ -7,7 +7,14 @@ import copy
 import pytest
 
 from furlong.controller.run_spec import RunSpec, parse_run_spec
-from furlong.core.settings import AlgorithmSettings, SamplingSettings, SettingError
+from furlong.core.settings import (
+    AlgorithmSettings,
+    DataSettings,
+    RewardSettings,
+    SamplingSettings,
+    SettingError,
+    to_mapping,
+)
 
 FULL = {
     "name": "addition-grpo",
@@ -51,6 +58,8 @@ FULL = {
     },
     "precision": {"dtype": "float32", "gradient_checkpointing": False},
     "recovery": {"max_attempts": 3, "timeout_s": 120.0},
+    "data": to_mapping(DataSettings()),
+    "reward": to_mapping(RewardSettings()),
 }
 
 
@@ -139,7 +148,7 @@ def test_integers_are_accepted_for_float_fields_and_stored_as_floats():
             "prompts_per_step",
             "samples per step",
         ),
-        (with_value("task", "sorting"), "task", "one of ['addition']"),
+        (with_value("task", "sorting"), "task", "one of ['', 'addition']"),
         (with_value("seed", -1), "seed", "[0, "),
         (with_value("prompts_per_step", 0), "prompts_per_step", "[1, "),
         (with_value("samples_per_prompt", 0), "samples_per_prompt", "[1, "),

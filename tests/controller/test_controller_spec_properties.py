@@ -26,6 +26,7 @@ from furlong.rollout import convert as rollout_convert
 from furlong.rollout.client import GrpcRolloutClient
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.run_records import redis_records
+from furlong.rollout.run_reward import build_run_reward
 from furlong.rollout.server import RolloutServicer
 from furlong.trainer.client import GrpcTrainerClient
 from furlong.trainer.server import register as register_trainer
@@ -68,10 +69,23 @@ def strategy(cls: type) -> st.SearchStrategy[dict]:
     return st.fixed_dictionaries(required, optional=optional)
 
 
+# Settings that name things outside the spec (a dataset file, a user module, a judge's URL, a
+# sandbox the host may lack) are checked where those things are: they keep their defaults here.
+EXTERNAL_REWARDS = ("code", "python", "http")
+
+
+def _internal(d: dict) -> dict:
+    d = {k: v for k, v in d.items() if k != "data"}
+    if "reward" in d:
+        d["reward"] = {k: v for k, v in d["reward"].items() if k not in EXTERNAL_REWARDS}
+    return d
+
+
 def spec_dicts(model: str) -> st.SearchStrategy[dict]:
     name = st.from_regex(re.compile(NAME_PATTERN.replace(r"{0,62}", r"{0,20}")), fullmatch=True)
     return (
         strategy(RunSpec)
+        .map(_internal)
         .map(lambda d: d | {"model": model})
         .flatmap(lambda d: name.map(lambda n: d | {"name": n}))
     )
@@ -84,7 +98,7 @@ def services(tmp_path_factory, redis_server_url):
     core = BrokerCore()
     broker = InProcessBrokerClient(core)
     trainer = TrainerService(client, broker, consumer_name="trainer-0")
-    rollout = RolloutService(redis_records(client), None)
+    rollout = RolloutService(redis_records(client), None, run_rewards=build_run_reward)
     servers = [
         rpc.start_server([register_trainer(trainer)], [TRAINER_SERVICE]),
         rpc.start_server([RolloutServicer(rollout).add_to_server], [ROLLOUT_SERVICE]),

@@ -25,41 +25,59 @@ _sym_db = _symbol_database.Default()
 from furlong.v1 import common_pb2 as furlong_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66urlong/v1/rollout.proto\x12\nfurlong.v1\x1a\x17\x66urlong/v1/common.proto\"V\n\rRolloutConfig\x12\x13\n\x0bnum_engines\x18\x01 \x01(\x05\x12\x19\n\x11max_refill_rounds\x18\x02 \x01(\x05\x12\x15\n\rover_sampling\x18\x03 \x01(\x01\"\xca\x01\n\x17\x43onfigureRolloutRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12*\n\x07rollout\x18\x06 \x01(\x0b\x32\x19.furlong.v1.RolloutConfig\x12\x0e\n\x06reward\x18\x07 \x01(\t\x12.\n\tprecision\x18\x08 \x01(\x0b\x32\x1b.furlong.v1.PrecisionConfigJ\x04\x08\x04\x10\x05\"V\n\x18\x43onfigureRolloutResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x12\n\nengine_ids\x18\x03 \x03(\t\"9\n\x06Prompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x03 \x01(\t\"\xf3\x01\n\x0fGenerateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12#\n\x07prompts\x18\x03 \x03(\x0b\x32\x12.furlong.v1.Prompt\x12\x1a\n\x12samples_per_prompt\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.furlong.v1.SamplingParams\x12\x1a\n\x12min_policy_version\x18\x06 \x01(\x03\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x12\n\nnum_groups\x18\x0b \x01(\x05J\x04\x08\x08\x10\tJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0b\"\xb9\x02\n\x10GenerateResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x05\x12\x13\n\x0breward_mean\x18\x05 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x12\n\nnum_tokens\x18\x07 \x01(\x04\x12\x18\n\x10generate_seconds\x18\x08 \x01(\x01\x12\x1a\n\x12num_groups_dropped\x18\t \x01(\x05\x12\x1b\n\x13num_groups_refilled\x18\n \x01(\x05\x12\x1a\n\x12num_groups_surplus\x18\x0b \x01(\x05\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x1a\n\x12num_groups_resumed\x18\r \x01(\x05\"#\n\x11\x45ndRolloutRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"$\n\x12\x45ndRolloutResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\")\n\x17GetRolloutStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa4\x01\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12&\n\x05state\x18\x04 \x01(\x0e\x32\x17.furlong.v1.EngineState\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x10\n\x08restarts\x18\x06 \x01(\x05\x12\x11\n\tin_flight\x18\x07 \x01(\x05\"m\n\x0cLedgerCounts\x12\x0f\n\x07pending\x18\x01 \x01(\x03\x12\x11\n\tin_flight\x18\x02 \x01(\x03\x12\x0c\n\x04\x64one\x18\x03 \x01(\x03\x12\x0f\n\x07surplus\x18\x04 \x01(\x03\x12\x1a\n\x12\x64uplicates_refused\x18\x05 \x01(\x03\"t\n\rRolloutStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12)\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x18.furlong.v1.EngineStatus\x12(\n\x06ledger\x18\x03 \x01(\x0b\x32\x18.furlong.v1.LedgerCounts\"7\n\x12\x44rainEngineRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t*z\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45NGINE_STATE_SERVING\x10\x01\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x02\x12\x18\n\x14\x45NGINE_STATE_DRAINED\x10\x03\x32\x8a\x03\n\x07Rollout\x12Y\n\x0c\x43onfigureRun\x12#.furlong.v1.ConfigureRolloutRequest\x1a$.furlong.v1.ConfigureRolloutResponse\x12\x45\n\x08Generate\x12\x1b.furlong.v1.GenerateRequest\x1a\x1c.furlong.v1.GenerateResponse\x12K\n\tGetStatus\x12#.furlong.v1.GetRolloutStatusRequest\x1a\x19.furlong.v1.RolloutStatus\x12G\n\x06\x45ndRun\x12\x1d.furlong.v1.EndRolloutRequest\x1a\x1e.furlong.v1.EndRolloutResponse\x12G\n\x0b\x44rainEngine\x12\x1e.furlong.v1.DrainEngineRequest\x1a\x18.furlong.v1.EngineStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66urlong/v1/rollout.proto\x12\nfurlong.v1\x1a\x17\x66urlong/v1/common.proto\"V\n\rRolloutConfig\x12\x13\n\x0bnum_engines\x18\x01 \x01(\x05\x12\x19\n\x11max_refill_rounds\x18\x02 \x01(\x05\x12\x15\n\rover_sampling\x18\x03 \x01(\x01\"\xf1\x01\n\x17\x43onfigureRolloutRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12*\n\x07rollout\x18\x06 \x01(\x0b\x32\x19.furlong.v1.RolloutConfig\x12\x0e\n\x06reward\x18\x07 \x01(\t\x12$\n\x04\x64\x61ta\x18\x08 \x01(\x0b\x32\x16.furlong.v1.DataConfig\x12/\n\rreward_config\x18\t \x01(\x0b\x32\x18.furlong.v1.RewardConfigJ\x04\x08\x04\x10\x05\"\xa1\x01\n\nDataConfig\x12\r\n\x05train\x18\x01 \x01(\t\x12\x0c\n\x04\x65val\x18\x02 \x01(\t\x12\x12\n\nprompt_key\x18\x03 \x01(\t\x12\x14\n\x0cmessages_key\x18\x04 \x01(\t\x12\x12\n\nanswer_key\x18\x05 \x01(\t\x12\x11\n\ttools_key\x18\x06 \x01(\t\x12\x14\n\x0cmetadata_key\x18\x07 \x01(\t\x12\x0f\n\x07shuffle\x18\x08 \x01(\x08\"\x8b\x06\n\x0cRewardConfig\x12\x38\n\x0b\x65xact_match\x18\x01 \x01(\x0b\x32#.furlong.v1.RewardConfig.ExactMatch\x12+\n\x04math\x18\x02 \x01(\x0b\x32\x1d.furlong.v1.RewardConfig.Math\x12-\n\x05regex\x18\x03 \x01(\x0b\x32\x1e.furlong.v1.RewardConfig.Regex\x12/\n\x06\x66ormat\x18\x04 \x01(\x0b\x32\x1f.furlong.v1.RewardConfig.Format\x12+\n\x04\x63ode\x18\x05 \x01(\x0b\x32\x1d.furlong.v1.RewardConfig.Code\x12/\n\x06python\x18\x06 \x01(\x0b\x32\x1f.furlong.v1.RewardConfig.Python\x12+\n\x04http\x18\x07 \x01(\x0b\x32\x1d.furlong.v1.RewardConfig.Http\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x12\n\non_failure\x18\t \x01(\t\x12\x15\n\rmax_resamples\x18\n \x01(\x05\x1a\x1c\n\nExactMatch\x12\x0e\n\x06weight\x18\x01 \x01(\x01\x1a\x16\n\x04Math\x12\x0e\n\x06weight\x18\x01 \x01(\x01\x1a\x36\n\x05Regex\x12\x0e\n\x06weight\x18\x01 \x01(\x01\x12\x0f\n\x07pattern\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\x1a\'\n\x06\x46ormat\x12\x0e\n\x06weight\x18\x01 \x01(\x01\x12\r\n\x05\x63heck\x18\x02 \x01(\t\x1a_\n\x04\x43ode\x12\x0e\n\x06weight\x18\x01 \x01(\x01\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\r\n\x05\x63pu_s\x18\x03 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07sandbox\x18\x05 \x01(\t\x1a*\n\x06Python\x12\x0e\n\x06weight\x18\x01 \x01(\x01\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\x1aG\n\x04Http\x12\x0e\n\x06weight\x18\x01 \x01(\x01\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x0f\n\x07retries\x18\x04 \x01(\x05\"V\n\x18\x43onfigureRolloutResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x12\n\nengine_ids\x18\x03 \x03(\t\"9\n\x06Prompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x03 \x01(\t\"\xf3\x01\n\x0fGenerateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12#\n\x07prompts\x18\x03 \x03(\x0b\x32\x12.furlong.v1.Prompt\x12\x1a\n\x12samples_per_prompt\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.furlong.v1.SamplingParams\x12\x1a\n\x12min_policy_version\x18\x06 \x01(\x03\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x12\n\nnum_groups\x18\x0b \x01(\x05J\x04\x08\x08\x10\tJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0b\"\xd6\x02\n\x10GenerateResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x05\x12\x13\n\x0breward_mean\x18\x05 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x12\n\nnum_tokens\x18\x07 \x01(\x04\x12\x18\n\x10generate_seconds\x18\x08 \x01(\x01\x12\x1a\n\x12num_groups_dropped\x18\t \x01(\x05\x12\x1b\n\x13num_groups_refilled\x18\n \x01(\x05\x12\x1a\n\x12num_groups_surplus\x18\x0b \x01(\x05\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x1a\n\x12num_groups_resumed\x18\r \x01(\x05\x12\x1b\n\x13num_reward_failures\x18\x0e \x01(\x05\"#\n\x11\x45ndRolloutRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"$\n\x12\x45ndRolloutResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\")\n\x17GetRolloutStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa4\x01\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12&\n\x05state\x18\x04 \x01(\x0e\x32\x17.furlong.v1.EngineState\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x10\n\x08restarts\x18\x06 \x01(\x05\x12\x11\n\tin_flight\x18\x07 \x01(\x05\"m\n\x0cLedgerCounts\x12\x0f\n\x07pending\x18\x01 \x01(\x03\x12\x11\n\tin_flight\x18\x02 \x01(\x03\x12\x0c\n\x04\x64one\x18\x03 \x01(\x03\x12\x0f\n\x07surplus\x18\x04 \x01(\x03\x12\x1a\n\x12\x64uplicates_refused\x18\x05 \x01(\x03\"t\n\rRolloutStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12)\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x18.furlong.v1.EngineStatus\x12(\n\x06ledger\x18\x03 \x01(\x0b\x32\x18.furlong.v1.LedgerCounts\"7\n\x12\x44rainEngineRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t*z\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45NGINE_STATE_SERVING\x10\x01\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x02\x12\x18\n\x14\x45NGINE_STATE_DRAINED\x10\x03\x32\x8a\x03\n\x07Rollout\x12Y\n\x0c\x43onfigureRun\x12#.furlong.v1.ConfigureRolloutRequest\x1a$.furlong.v1.ConfigureRolloutResponse\x12\x45\n\x08Generate\x12\x1b.furlong.v1.GenerateRequest\x1a\x1c.furlong.v1.GenerateResponse\x12K\n\tGetStatus\x12#.furlong.v1.GetRolloutStatusRequest\x1a\x19.furlong.v1.RolloutStatus\x12G\n\x06\x45ndRun\x12\x1d.furlong.v1.EndRolloutRequest\x1a\x1e.furlong.v1.EndRolloutResponse\x12G\n\x0b\x44rainEngine\x12\x1e.furlong.v1.DrainEngineRequest\x1a\x18.furlong.v1.EngineStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'furlong.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINESTATE']._serialized_start=1638
-  _globals['_ENGINESTATE']._serialized_end=1760
+  _globals['_ENGINESTATE']._serialized_start=2652
+  _globals['_ENGINESTATE']._serialized_end=2774
   _globals['_ROLLOUTCONFIG']._serialized_start=65
   _globals['_ROLLOUTCONFIG']._serialized_end=151
   _globals['_CONFIGUREROLLOUTREQUEST']._serialized_start=154
-  _globals['_CONFIGUREROLLOUTREQUEST']._serialized_end=356
-  _globals['_CONFIGUREROLLOUTRESPONSE']._serialized_start=358
-  _globals['_CONFIGUREROLLOUTRESPONSE']._serialized_end=444
-  _globals['_PROMPT']._serialized_start=446
-  _globals['_PROMPT']._serialized_end=503
-  _globals['_GENERATEREQUEST']._serialized_start=506
-  _globals['_GENERATEREQUEST']._serialized_end=749
-  _globals['_GENERATERESPONSE']._serialized_start=752
-  _globals['_GENERATERESPONSE']._serialized_end=1065
-  _globals['_ENDROLLOUTREQUEST']._serialized_start=1067
-  _globals['_ENDROLLOUTREQUEST']._serialized_end=1102
-  _globals['_ENDROLLOUTRESPONSE']._serialized_start=1104
-  _globals['_ENDROLLOUTRESPONSE']._serialized_end=1140
-  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=1142
-  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=1183
-  _globals['_ENGINESTATUS']._serialized_start=1186
-  _globals['_ENGINESTATUS']._serialized_end=1350
-  _globals['_LEDGERCOUNTS']._serialized_start=1352
-  _globals['_LEDGERCOUNTS']._serialized_end=1461
-  _globals['_ROLLOUTSTATUS']._serialized_start=1463
-  _globals['_ROLLOUTSTATUS']._serialized_end=1579
-  _globals['_DRAINENGINEREQUEST']._serialized_start=1581
-  _globals['_DRAINENGINEREQUEST']._serialized_end=1636
-  _globals['_ROLLOUT']._serialized_start=1763
-  _globals['_ROLLOUT']._serialized_end=2157
+  _globals['_CONFIGUREROLLOUTREQUEST']._serialized_end=395
+  _globals['_DATACONFIG']._serialized_start=398
+  _globals['_DATACONFIG']._serialized_end=559
+  _globals['_REWARDCONFIG']._serialized_start=562
+  _globals['_REWARDCONFIG']._serialized_end=1341
+  _globals['_REWARDCONFIG_EXACTMATCH']._serialized_start=978
+  _globals['_REWARDCONFIG_EXACTMATCH']._serialized_end=1006
+  _globals['_REWARDCONFIG_MATH']._serialized_start=1008
+  _globals['_REWARDCONFIG_MATH']._serialized_end=1030
+  _globals['_REWARDCONFIG_REGEX']._serialized_start=1032
+  _globals['_REWARDCONFIG_REGEX']._serialized_end=1086
+  _globals['_REWARDCONFIG_FORMAT']._serialized_start=1088
+  _globals['_REWARDCONFIG_FORMAT']._serialized_end=1127
+  _globals['_REWARDCONFIG_CODE']._serialized_start=1129
+  _globals['_REWARDCONFIG_CODE']._serialized_end=1224
+  _globals['_REWARDCONFIG_PYTHON']._serialized_start=1226
+  _globals['_REWARDCONFIG_PYTHON']._serialized_end=1268
+  _globals['_REWARDCONFIG_HTTP']._serialized_start=1270
+  _globals['_REWARDCONFIG_HTTP']._serialized_end=1341
+  _globals['_CONFIGUREROLLOUTRESPONSE']._serialized_start=1343
+  _globals['_CONFIGUREROLLOUTRESPONSE']._serialized_end=1429
+  _globals['_PROMPT']._serialized_start=1431
+  _globals['_PROMPT']._serialized_end=1488
+  _globals['_GENERATEREQUEST']._serialized_start=1491
+  _globals['_GENERATEREQUEST']._serialized_end=1734
+  _globals['_GENERATERESPONSE']._serialized_start=1737
+  _globals['_GENERATERESPONSE']._serialized_end=2079
+  _globals['_ENDROLLOUTREQUEST']._serialized_start=2081
+  _globals['_ENDROLLOUTREQUEST']._serialized_end=2116
+  _globals['_ENDROLLOUTRESPONSE']._serialized_start=2118
+  _globals['_ENDROLLOUTRESPONSE']._serialized_end=2154
+  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=2156
+  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=2197
+  _globals['_ENGINESTATUS']._serialized_start=2200
+  _globals['_ENGINESTATUS']._serialized_end=2364
+  _globals['_LEDGERCOUNTS']._serialized_start=2366
+  _globals['_LEDGERCOUNTS']._serialized_end=2475
+  _globals['_ROLLOUTSTATUS']._serialized_start=2477
+  _globals['_ROLLOUTSTATUS']._serialized_end=2593
+  _globals['_DRAINENGINEREQUEST']._serialized_start=2595
+  _globals['_DRAINENGINEREQUEST']._serialized_end=2650
+  _globals['_ROLLOUT']._serialized_start=2777
+  _globals['_ROLLOUT']._serialized_end=3171
 # @@protoc_insertion_point(module_scope)

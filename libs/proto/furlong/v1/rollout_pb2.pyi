@@ -30,22 +30,125 @@ class RolloutConfig(_message.Message):
     def __init__(self, num_engines: _Optional[int] = ..., max_refill_rounds: _Optional[int] = ..., over_sampling: _Optional[float] = ...) -> None: ...
 
 class ConfigureRolloutRequest(_message.Message):
-    __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward", "precision")
+    __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward", "data", "reward_config")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
-    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    REWARD_CONFIG_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     model_dir: str
     task: str
     seed: int
     rollout: RolloutConfig
     reward: str
-    precision: _common_pb2.PrecisionConfig
-    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., task: _Optional[str] = ..., seed: _Optional[int] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., reward: _Optional[str] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ...) -> None: ...
+    data: DataConfig
+    reward_config: RewardConfig
+    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., task: _Optional[str] = ..., seed: _Optional[int] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., reward: _Optional[str] = ..., data: _Optional[_Union[DataConfig, _Mapping]] = ..., reward_config: _Optional[_Union[RewardConfig, _Mapping]] = ...) -> None: ...
+
+class DataConfig(_message.Message):
+    __slots__ = ("train", "eval", "prompt_key", "messages_key", "answer_key", "tools_key", "metadata_key", "shuffle")
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_KEY_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_KEY_FIELD_NUMBER: _ClassVar[int]
+    METADATA_KEY_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    train: str
+    eval: str
+    prompt_key: str
+    messages_key: str
+    answer_key: str
+    tools_key: str
+    metadata_key: str
+    shuffle: bool
+    def __init__(self, train: _Optional[str] = ..., eval: _Optional[str] = ..., prompt_key: _Optional[str] = ..., messages_key: _Optional[str] = ..., answer_key: _Optional[str] = ..., tools_key: _Optional[str] = ..., metadata_key: _Optional[str] = ..., shuffle: _Optional[bool] = ...) -> None: ...
+
+class RewardConfig(_message.Message):
+    __slots__ = ("exact_match", "math", "regex", "format", "code", "python", "http", "timeout_s", "on_failure", "max_resamples")
+    class ExactMatch(_message.Message):
+        __slots__ = ("weight",)
+        WEIGHT_FIELD_NUMBER: _ClassVar[int]
+        weight: float
+        def __init__(self, weight: _Optional[float] = ...) -> None: ...
+    class Math(_message.Message):
+        __slots__ = ("weight",)
+        WEIGHT_FIELD_NUMBER: _ClassVar[int]
+        weight: float
+        def __init__(self, weight: _Optional[float] = ...) -> None: ...
+    class Regex(_message.Message):
+        __slots__ = ("weight", "pattern", "mode")
+        WEIGHT_FIELD_NUMBER: _ClassVar[int]
+        PATTERN_FIELD_NUMBER: _ClassVar[int]
+        MODE_FIELD_NUMBER: _ClassVar[int]
+        weight: float
+        pattern: str
+        mode: str
+        def __init__(self, weight: _Optional[float] = ..., pattern: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
+    class Format(_message.Message):
+        __slots__ = ("weight", "check")
+        WEIGHT_FIELD_NUMBER: _ClassVar[int]
+        CHECK_FIELD_NUMBER: _ClassVar[int]
+        weight: float
+        check: str
+        def __init__(self, weight: _Optional[float] = ..., check: _Optional[str] = ...) -> None: ...
+    class Code(_message.Message):
+        __slots__ = ("weight", "timeout_s", "cpu_s", "memory_bytes", "sandbox")
+        WEIGHT_FIELD_NUMBER: _ClassVar[int]
+        TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+        CPU_S_FIELD_NUMBER: _ClassVar[int]
+        MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+        SANDBOX_FIELD_NUMBER: _ClassVar[int]
+        weight: float
+        timeout_s: float
+        cpu_s: int
+        memory_bytes: int
+        sandbox: str
+        def __init__(self, weight: _Optional[float] = ..., timeout_s: _Optional[float] = ..., cpu_s: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., sandbox: _Optional[str] = ...) -> None: ...
+    class Python(_message.Message):
+        __slots__ = ("weight", "function")
+        WEIGHT_FIELD_NUMBER: _ClassVar[int]
+        FUNCTION_FIELD_NUMBER: _ClassVar[int]
+        weight: float
+        function: str
+        def __init__(self, weight: _Optional[float] = ..., function: _Optional[str] = ...) -> None: ...
+    class Http(_message.Message):
+        __slots__ = ("weight", "url", "timeout_s", "retries")
+        WEIGHT_FIELD_NUMBER: _ClassVar[int]
+        URL_FIELD_NUMBER: _ClassVar[int]
+        TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+        RETRIES_FIELD_NUMBER: _ClassVar[int]
+        weight: float
+        url: str
+        timeout_s: float
+        retries: int
+        def __init__(self, weight: _Optional[float] = ..., url: _Optional[str] = ..., timeout_s: _Optional[float] = ..., retries: _Optional[int] = ...) -> None: ...
+    EXACT_MATCH_FIELD_NUMBER: _ClassVar[int]
+    MATH_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_FIELD_NUMBER: _ClassVar[int]
+    HTTP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ON_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESAMPLES_FIELD_NUMBER: _ClassVar[int]
+    exact_match: RewardConfig.ExactMatch
+    math: RewardConfig.Math
+    regex: RewardConfig.Regex
+    format: RewardConfig.Format
+    code: RewardConfig.Code
+    python: RewardConfig.Python
+    http: RewardConfig.Http
+    timeout_s: float
+    on_failure: str
+    max_resamples: int
+    def __init__(self, exact_match: _Optional[_Union[RewardConfig.ExactMatch, _Mapping]] = ..., math: _Optional[_Union[RewardConfig.Math, _Mapping]] = ..., regex: _Optional[_Union[RewardConfig.Regex, _Mapping]] = ..., format: _Optional[_Union[RewardConfig.Format, _Mapping]] = ..., code: _Optional[_Union[RewardConfig.Code, _Mapping]] = ..., python: _Optional[_Union[RewardConfig.Python, _Mapping]] = ..., http: _Optional[_Union[RewardConfig.Http, _Mapping]] = ..., timeout_s: _Optional[float] = ..., on_failure: _Optional[str] = ..., max_resamples: _Optional[int] = ...) -> None: ...
 
 class ConfigureRolloutResponse(_message.Message):
     __slots__ = ("run_id", "policy_version", "engine_ids")
@@ -88,7 +191,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., num_groups: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("run_id", "step", "num_groups", "num_samples", "reward_mean", "policy_version", "num_tokens", "generate_seconds", "num_groups_dropped", "num_groups_refilled", "num_groups_surplus", "request_id", "num_groups_resumed")
+    __slots__ = ("run_id", "step", "num_groups", "num_samples", "reward_mean", "policy_version", "num_tokens", "generate_seconds", "num_groups_dropped", "num_groups_refilled", "num_groups_surplus", "request_id", "num_groups_resumed", "num_reward_failures")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +205,7 @@ class GenerateResponse(_message.Message):
     NUM_GROUPS_SURPLUS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_RESUMED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REWARD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     num_groups: int
@@ -115,7 +219,8 @@ class GenerateResponse(_message.Message):
     num_groups_surplus: int
     request_id: str
     num_groups_resumed: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_samples: _Optional[int] = ..., reward_mean: _Optional[float] = ..., policy_version: _Optional[int] = ..., num_tokens: _Optional[int] = ..., generate_seconds: _Optional[float] = ..., num_groups_dropped: _Optional[int] = ..., num_groups_refilled: _Optional[int] = ..., num_groups_surplus: _Optional[int] = ..., request_id: _Optional[str] = ..., num_groups_resumed: _Optional[int] = ...) -> None: ...
+    num_reward_failures: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_samples: _Optional[int] = ..., reward_mean: _Optional[float] = ..., policy_version: _Optional[int] = ..., num_tokens: _Optional[int] = ..., generate_seconds: _Optional[float] = ..., num_groups_dropped: _Optional[int] = ..., num_groups_refilled: _Optional[int] = ..., num_groups_surplus: _Optional[int] = ..., request_id: _Optional[str] = ..., num_groups_resumed: _Optional[int] = ..., num_reward_failures: _Optional[int] = ...) -> None: ...
 
 class EndRolloutRequest(_message.Message):
     __slots__ = ("run_id",)

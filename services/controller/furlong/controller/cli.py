@@ -44,6 +44,7 @@ from furlong.controller.local_stack import (
 from furlong.controller.redis_binary import RedisBinaryError
 from furlong.controller.run_follow import FollowOptions, Interrupts, follow_run, place_policies, summary_table
 from furlong.controller.run_preflight import preflight
+from furlong.controller.run_data import check_run_data
 from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.stack_events import StackEventTail
 from furlong.controller.stack_file import StackState, stack_status
@@ -79,8 +80,16 @@ def load_run_config(path: Path) -> dict[str, Any]:
     model = data.get("model")
     if isinstance(model, str) and model and not Path(model).is_absolute():
         data["model"] = str((path.parent / model).resolve())
+    files = data.get("data")
+    if isinstance(files, dict):  # dataset files, like the model, relative to the config
+        for key in ("train", "eval"):
+            value = files.get(key)
+            if isinstance(value, str) and value and not Path(value).is_absolute():
+                files[key] = str((path.parent / value).resolve())
     try:
-        preflight(parse_run_spec(data))
+        spec = parse_run_spec(data)
+        preflight(spec)
+        check_run_data(spec)
     except ValueError as exc:
         raise UsageError(f"{path}: {exc}") from None
     return data
@@ -213,8 +222,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         client = HttpControllerClient(stack.rest_url, stack.token(), timeout_s=10.0)
         with Interrupts() as interrupts:  # from here a Ctrl-C stops the run, then the stack
             run = client.create_run(spec)
+            source = spec.get("task") or spec.get("data", {}).get("train", "")
             console.print(
-                f"submitted run {run['run_id']} ({spec['task']}, {spec['steps']} steps)",
+                f"submitted run {run['run_id']} ({source}, {spec['steps']} steps)",
                 markup=False,
                 highlight=False,
             )

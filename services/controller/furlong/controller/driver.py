@@ -250,6 +250,11 @@ class RunDriver:
                 ConflictError(
                     f"no group left to train: dynamic sampling dropped all {gen.num_groups_dropped} groups "
                     f"(equal rewards after {spec.rollout.max_refill_rounds} refill rounds)"
+                    + (
+                        f"; {gen.num_reward_failures} groups' rewards failed"
+                        if gen.num_reward_failures
+                        else ""
+                    )
                 ),
             )
         generated = self._clock()
@@ -296,6 +301,7 @@ class RunDriver:
             num_tokens=gen.num_tokens,
             sampled_policy_version=gen.policy_version if fresh else version,
             trainer_metrics=dict(train.metrics),
+            reward_failures=gen.num_reward_failures,
         )
         self._store.record_step(rid, record)
         self._observe(rid, record)

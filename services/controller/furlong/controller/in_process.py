@@ -35,6 +35,7 @@ from furlong.controller.services import Services, in_process
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.receivers import broker_receiver_factory
 from furlong.rollout.run_records import redis_records
+from furlong.rollout.run_reward import build_run_reward
 from furlong.trainer.service import TrainerService
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
@@ -62,7 +63,9 @@ class InProcessStack:
         self._redis = redis.Redis.from_url(redis_url)
         self._core = BrokerCore()
         self._broker = InProcessBrokerClient(self._core)  # the services' own broker client
-        self.rollout = RolloutService(redis_records(self._redis), broker_receiver_factory(self._broker))
+        self.rollout = RolloutService(
+            redis_records(self._redis), broker_receiver_factory(self._broker), run_rewards=build_run_reward
+        )
         if policy_dir is None:  # every run exports its final policy: it must go somewhere
             policy_dir = tempfile.mkdtemp(prefix="furlong-policies-")
             log.info("exported policies go to %s (no policy_dir given)", policy_dir)

@@ -32,6 +32,8 @@ def rollout_config(run_id: str, spec: RunSpec) -> RolloutRunConfig:
         task=spec.task,
         rollout=spec.rollout,
         precision=spec.precision,
+        data=spec.data,
+        reward_config=spec.reward,
     )
 
 

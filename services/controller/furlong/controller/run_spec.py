@@ -1,8 +1,8 @@
 """The run spec: what a user asks the controller to run, parsed once from a dict (YAML or JSON).
 
 Its sections are the run settings the services apply, declared once in `furlong.core.settings`
-(`sampling`, `algorithm`, `rollout`, `checkpoint`, `precision`), plus `recovery`, which only the controller
-applies. The top-level fields are bounded by the limits the services enforce too
+(`sampling`, `algorithm`, `rollout`, `checkpoint`, `precision`, `data`, `reward`), plus `recovery`,
+which only the controller applies. The top-level fields are bounded by the limits the services enforce too
 (`furlong.core.settings.run_shape`), so a spec this module accepts is accepted by every service.
 `parse_run_spec` rejects unknown fields, missing required fields, wrong types and out-of-range values
 with a `SettingError` whose `field` is the dotted path of the bad value (`sampling.top_p`). Optional
@@ -22,6 +22,8 @@ from furlong.core.settings import (
     AlgorithmSettings,
     CheckpointSettings,
     PrecisionSettings,
+    DataSettings,
+    RewardSettings,
     RolloutSettings,
     SamplingSettings,
     SettingError,
@@ -64,10 +66,13 @@ class RunSpec:
         max_chars=MAX_PATH_CHARS,
         doc="absolute Hugging Face model directory, as the services will read it",
     )
-    task: str = setting(
-        min_chars=1, max_chars=64, choices=tuple(tasks.known_tasks()), doc="a registered task"
-    )
     steps: int = setting(ge=1, le=MAX_STEPS)
+    task: str = setting(
+        "",
+        max_chars=64,
+        choices=("", *tasks.known_tasks()),
+        doc="a registered task; empty when the run trains on `data`",
+    )
     seed: int = setting(0, ge=0, le=MAX_RUN_SEED)
     prompts_per_step: int = setting(16, ge=1, le=MAX_PROMPTS_PER_STEP, doc="groups trained per step")
     samples_per_prompt: int = setting(8, ge=1, le=MAX_SAMPLES_PER_PROMPT, doc="the group size")
@@ -77,9 +82,22 @@ class RunSpec:
     checkpoint: CheckpointSettings = setting(default_factory=CheckpointSettings)
     precision: PrecisionSettings = setting(default_factory=PrecisionSettings)
     recovery: RecoverySpec = setting(default_factory=RecoverySpec)
+    data: DataSettings = setting(default_factory=DataSettings)
+    reward: RewardSettings = setting(default_factory=RewardSettings)
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if bool(self.task) == self.data.enabled:
+            raise SettingError(
+                "task",
+                "a run has either a task or data (data.train), not both"
+                if self.task
+                else "a run needs a task or data (data.train)",
+            )
+        if self.data.enabled and not self.reward.enabled:
+            raise SettingError(
+                "reward", "a run on data needs a reward: give at least one reward section a weight > 0"
+            )
         if not re.match(NAME_PATTERN, self.name):
             raise SettingError("name", f"must match {NAME_PATTERN}, got {self.name!r}")
         if not self.model.startswith("/"):

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from furlong.controller.core.run_state import CheckpointRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
 from furlong.controller.metrics import ControllerMetrics
+from furlong.controller.run_data import check_run_data
 from furlong.controller.run_events import EventPage
 from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.run_store import RunStore
@@ -68,6 +69,7 @@ class RunService:
         """create_run; with an idempotency key, the same key and body again return the run it
         created (and True: replayed), the same key with another body is a ConflictError."""
         spec = parse_run_spec(data)
+        check_run_data(spec)  # every row of a dataset file the controller can read
         fingerprint = hashlib.sha256(
             json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         ).hexdigest()

@@ -33,6 +33,7 @@ from furlong.rollout.process_engines import ProcessEnginesConfig, process_factor
 from furlong.rollout.receivers import broker_receiver_factory
 from furlong.rollout.rewards import resolve_user_reward, reward_registry
 from furlong.rollout.run_records import redis_records
+from furlong.rollout.run_reward import build_run_reward
 from furlong.rollout.server import SERVICE_NAME, RolloutServicer
 from furlong.rpc import start_server
 from furlong.rpc.service_main import drain_on_shutdown, install_credentials
@@ -95,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reward_timeout_s=config.reward_timeout_s,
         reward_workers=config.reward_workers,
         device=config.device,
+        run_rewards=build_run_reward,
     )
     metrics.watch_engines(service.status)
     metrics_endpoint = runtime.serve_metrics()

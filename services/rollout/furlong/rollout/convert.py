@@ -4,6 +4,7 @@ by the server and the gRPC client. Free of torch so that clients stay light.
 
 from __future__ import annotations
 
+from furlong.core.settings import DataSettings, RewardSettings
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.types import (
     EngineState,
@@ -22,6 +23,7 @@ from furlong.rpc.settings import (
     precision_to_proto,
     rollout_from_proto,
     rollout_to_proto,
+    to_proto,
 )
 from furlong.rpc.settings import sampling_to_proto as sampling_settings_to_proto
 from furlong.v1 import common_pb2
@@ -46,6 +48,8 @@ def run_config_to_proto(config: RolloutRunConfig) -> pb.ConfigureRolloutRequest:
         rollout=rollout_to_proto(config.rollout),
         reward=config.reward,
         precision=precision_to_proto(config.precision),
+        data=to_proto(config.data, pb.DataConfig()),
+        reward_config=to_proto(config.reward_config, pb.RewardConfig()),
     )
 
 
@@ -58,6 +62,13 @@ def run_config_from_proto(msg: pb.ConfigureRolloutRequest) -> RolloutRunConfig:
         reward=msg.reward,
         rollout=rollout_from_proto(msg.rollout),
         precision=precision_from_proto(msg.precision),
+        # absent: no dataset / no weighted reward; present: every field is sent, none defaulted
+        data=from_proto(DataSettings, msg.data, "data") if msg.HasField("data") else DataSettings(),
+        reward_config=(
+            from_proto(RewardSettings, msg.reward_config, "reward")
+            if msg.HasField("reward_config")
+            else RewardSettings()
+        ),
     )
 
 
@@ -122,6 +133,7 @@ def result_to_proto(result: GenerateResult) -> pb.GenerateResponse:
         num_groups_surplus=result.num_groups_surplus,
         request_id=result.request_id,
         num_groups_resumed=result.num_groups_resumed,
+        num_reward_failures=result.num_reward_failures,
     )
 
 
@@ -140,6 +152,7 @@ def result_from_proto(msg: pb.GenerateResponse) -> GenerateResult:
         num_groups_surplus=msg.num_groups_surplus,
         request_id=msg.request_id,
         num_groups_resumed=msg.num_groups_resumed,
+        num_reward_failures=msg.num_reward_failures,
     )
 
 

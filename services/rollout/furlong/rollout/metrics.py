@@ -23,6 +23,8 @@ ENGINE_HEALTHY = "furlong_rollout_engine_healthy"
 GROUPS_DROPPED_TOTAL = "furlong_rollout_groups_dropped_total"
 GROUPS_REFILLED_TOTAL = "furlong_rollout_groups_refilled_total"
 GROUPS_SURPLUS_TOTAL = "furlong_rollout_groups_surplus_total"
+REWARD_FAILURES_TOTAL = "furlong_rollout_reward_failures_total"
+REWARD_FAILURE_KINDS = ("error", "timeout")  # core.group_scoring's failure kinds
 LEDGER_SAMPLES = "furlong_rollout_ledger_samples"
 LEDGER_DUPLICATES_REFUSED = "furlong_rollout_ledger_duplicates_refused_total"
 ENGINE_RESTARTS = "furlong_rollout_engine_restarts_total"
@@ -74,6 +76,14 @@ class RolloutMetrics:
             registry=registry,
         )
 
+        self.reward_failures = Counter(
+            REWARD_FAILURES_TOTAL,
+            "Groups whose reward failed (raised, timed out, not a finite number): infrastructure "
+            "failures, left out of the step or resampled, never scored 0",
+            ["run_id", "kind"],
+            registry=registry,
+        )
+
     def generated(
         self, run_id: str, num_samples: int, num_tokens: int, seconds: float, reward_mean: float
     ) -> None:
@@ -83,6 +93,8 @@ class RolloutMetrics:
         self.reward_mean.labels(run_id=run_id).set(reward_mean)
         for counter in (self.groups_dropped, self.groups_refilled, self.surplus_groups):
             counter.labels(run_id=run_id)  # the series exists (at 0) before the filters act
+        for kind in REWARD_FAILURE_KINDS:
+            self.reward_failures.labels(run_id=run_id, kind=kind)
 
     def groups_filtered(self, run_id: str, dropped: int, refilled: int) -> None:
         self.groups_dropped.labels(run_id=run_id).inc(dropped)
@@ -90,6 +102,9 @@ class RolloutMetrics:
 
     def groups_surplus(self, run_id: str, surplus: int) -> None:
         self.surplus_groups.labels(run_id=run_id).inc(surplus)
+
+    def reward_failed(self, run_id: str, kind: str, groups: int) -> None:
+        self.reward_failures.labels(run_id=run_id, kind=kind).inc(groups)
 
     def version_applied(self, run_id: str, engine_id: str, version: int) -> None:
         self.policy_version.labels(engine=engine_id).set(version)
@@ -120,6 +135,11 @@ class RolloutMetrics:
                 metric.remove(run_id)
             except KeyError:
                 pass  # the run never produced this series
+        for kind in REWARD_FAILURE_KINDS:
+            try:
+                self.reward_failures.remove(run_id, kind)
+            except KeyError:
+                pass
         for engine_id in engine_ids:
             try:
                 self.policy_version.remove(engine_id)

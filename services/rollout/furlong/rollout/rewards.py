@@ -6,10 +6,12 @@ A user reward is a callable registered under a name, or resolved once at start-u
 registered, not when the first sample arrives. A run names its reward once (`ConfigureRun.reward`);
 an unknown name is refused then, listing the known ones.
 
-`score_all` runs a request's rewards concurrently in a thread pool with a deadline. A reward that
-raises, returns something other than a finite number, or does not finish in time fails the request
-that scored it with a `RewardError` naming the sample; it is never turned into a silent 0. (A reward
-thread that overruns cannot be killed; it is abandoned and finishes on its own.)
+`score_all` runs a batch of rewards concurrently in a thread pool with a deadline; a reward that
+raises, returns something other than a finite number, or does not finish in time fails the batch
+with a `RewardError` naming the sample; it is never turned into a silent 0. (A reward thread that
+overruns cannot be killed; it is abandoned and finishes on its own.) A step's groups are scored by
+`core.group_scoring` instead, as they complete, a failed group being an infrastructure failure;
+a run's weighted `reward` section is built by `run_reward`.
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ def builtin_rewards() -> dict[str, RewardFn]:
 def resolve_user_reward(reference: str) -> RewardFn:
     """Import `module:function` (e.g. "my_pkg.rewards:strict_match") and check its signature.
     ValueError naming the reference when the module, the attribute or the signature is wrong."""
+    return check_signature(reference, resolve_reference(reference))
+
+
+def resolve_reference(reference: str) -> object:
+    """The object at `module:attribute` (dotted attributes allowed); ValueError naming the
+    reference when the module or the attribute is missing."""
     module_name, sep, attr = reference.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"user reward {reference!r} must look like 'package.module:function'")
@@ -90,7 +98,7 @@ def resolve_user_reward(reference: str) -> RewardFn:
         if not hasattr(fn, part):
             raise ValueError(f"user reward {reference!r}: {module_name!r} has no attribute {attr!r}")
         fn = getattr(fn, part)
-    return check_signature(reference, fn)
+    return fn
 
 
 def reward_registry(

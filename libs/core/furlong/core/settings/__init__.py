@@ -6,8 +6,10 @@ rollout's internal configs are built from them. See `fields` for how a setting i
 
 from furlong.core.settings.algorithm import AlgorithmSettings
 from furlong.core.settings.checkpoint import CheckpointSettings
+from furlong.core.settings.data import DataSettings
 from furlong.core.settings.fields import SettingError, from_mapping, json_schema, to_mapping
 from furlong.core.settings.precision import PrecisionSettings
+from furlong.core.settings.reward import RewardSettings
 from furlong.core.settings.rollout import RolloutSettings
 from furlong.core.settings.sampling import SamplingSettings
 
@@ -15,6 +17,8 @@ __all__ = [
     "AlgorithmSettings",
     "CheckpointSettings",
     "PrecisionSettings",
+    "DataSettings",
+    "RewardSettings",
     "RolloutSettings",
     "SamplingSettings",
     "SettingError",

@@ -36,6 +36,7 @@ class StepRecord:
     num_tokens: int = 0  # generated tokens
     sampled_policy_version: int = 0  # the version the step's samples were drawn with
     trainer_metrics: dict[str, float] = field(default_factory=dict)
+    reward_failures: int = 0  # groups whose reward failed (infrastructure), left out or resampled
 
     def __post_init__(self) -> None:
         if self.step < 1:
@@ -66,6 +67,7 @@ class StepRecord:
             "num_tokens": self.num_tokens,
             "sampled_policy_version": self.sampled_policy_version,
             "trainer_metrics": dict(self.trainer_metrics),
+            "reward_failures": self.reward_failures,
         }
 
     @classmethod

@@ -24,11 +24,15 @@ from typing import Any
 from furlong.core import tasks
 from furlong.core.devices import DTYPES, parse_device
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
-from furlong.core.settings import PrecisionSettings, RolloutSettings
+from furlong.core.settings import DataSettings, PrecisionSettings, RolloutSettings
 from furlong.core.settings.run_shape import MAX_RUN_SEED
+from furlong.core.task_data import DataFile, read_data_file
 from furlong.rollout.core.checks import check_id, check_int, check_timeout
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.engine_set import EngineSetFactory, InProcessEngines, in_process_factory
+from furlong.rollout.core.data_source import DataSource
+from furlong.rollout.core.engine_set import EngineSetFactory, in_process_factory
+from furlong.rollout.core.group_scoring import RunReward, RunRewardFactory, Scorer
 from furlong.rollout.core.sampling import OVERFLOW_ERROR, SupportBound
 from furlong.rollout.core.step_generation import ActiveRun, StepGeneration
 from furlong.rollout.core.types import (
@@ -70,7 +74,9 @@ def _check_config(config: RolloutRunConfig) -> None:
         raise ValueError(f"rollout must be RolloutSettings, got {type(config.rollout).__name__}")
     if not isinstance(config.precision, PrecisionSettings):
         raise ValueError(f"precision must be PrecisionSettings, got {type(config.precision).__name__}")
-    if not config.task and not config.reward:
+    if config.task and config.data.enabled:
+        raise ValueError("a run has either a task or data (data.train), not both")
+    if not config.task and not config.reward and not config.reward_config.enabled:
         raise ValueError("a run needs a task or a reward (a run without a task scores with its reward)")
 
 
@@ -99,6 +105,8 @@ class RolloutService:
         reward_workers: int = 4,
         engines: EngineSetFactory | None = None,
         device: str = "cpu",
+        run_rewards: RunRewardFactory | None = None,
+        data_reader: Callable[[str, DataSettings], DataFile] = read_data_file,
     ) -> None:
         check_int("max_batch_size", max_batch_size, 1)
         checked = parse_device(device)  # ValueError naming a bad or missing device
@@ -124,17 +132,43 @@ class RolloutService:
             observer=self._observer,
         )
         self._rewards = None if rewards is None else reward_registry(rewards, include_builtin=False)
+        self._run_rewards = run_rewards
+        self._read_data = data_reader
         self._lock = threading.Lock()  # guards _runs
         self._configure_lock = threading.Lock()  # one configure_run at a time
         self._runs: dict[str, tuple[RolloutRunConfig, ActiveRun]] = {}
+        self._closers: dict[str, Callable[[], None]] = {}
 
     def configure_run(self, config: RolloutRunConfig) -> RunInfo:
         """Load the checkpoint into the run's engines and start their receivers. Configuring a run
         again with the same config returns its current info; with another, ConflictError."""
         _check_config(config)
         task = tasks.get_task(config.task) if config.task else None  # ValueError naming it
-        reward_name = config.reward or (task.reward_name if task is not None else "")
-        reward_fn = get_reward(reward_name, self._rewards)
+        run_reward: RunReward | None = None
+        if config.reward_config.enabled:
+            if self._run_rewards is None:
+                raise ValueError("reward: this rollout service was started without run rewards")
+            run_reward = self._run_rewards(config.reward_config)  # ValueError naming the setting
+            reward_name = run_reward.name
+            score: Scorer = run_reward
+        else:
+            reward_name = config.reward or (task.reward_name if task is not None else "")
+            score = _on_answer(get_reward(reward_name, self._rewards))
+        try:
+            return self._configure(config, task, reward_name, score, run_reward)
+        except BaseException:
+            if run_reward is not None:
+                run_reward.close()
+            raise
+
+    def _configure(
+        self,
+        config: RolloutRunConfig,
+        task: tasks.Task | None,
+        reward_name: str,
+        score: Scorer,
+        run_reward: RunReward | None,
+    ) -> RunInfo:
         run_id, num_engines = config.run_id, config.rollout.num_engines
         with self._configure_lock:
             with self._lock:
@@ -142,11 +176,19 @@ class RolloutService:
             if existing is not None:
                 if existing[0] != config:
                     raise ConflictError(f"run {run_id} is already configured with {existing[0]}")
+                if run_reward is not None:
+                    run_reward.close()  # the run keeps the one it was configured with
                 return self._info(existing[1])
             model, tokenizer = self._loader(config.model_dir)
             # The engines run where this service runs them, in the run's dtype: float32 weights
             # the trainer publishes are cast on each copy into them (as tensor.to(dtype) rounds).
             model.to(device=self._device, dtype=DTYPES[config.precision.dtype])
+            data = None
+            if config.data.enabled:  # every row read and rendered now: a bad one fails the run
+                rows = self._read_data(config.data.train, config.data)
+                if config.data.eval:
+                    self._read_data(config.data.eval, config.data)
+                data = DataSource(rows, tokenizer, config.seed, config.data.shuffle, config.data.messages_key)
             records = self._records(run_id)
             try:
                 engines = self._engines(
@@ -161,19 +203,29 @@ class RolloutService:
                 rollout=config.rollout,
                 task=task,
                 reward_name=reward_name,
-                reward_fn=reward_fn,
+                score=score,
                 tokenizer=tokenizer,
                 engines=engines,
                 records=records,
+                data=data,
+                reward_timeout_s=config.reward_config.timeout_s if run_reward is not None else None,
+                reward_resamples=(
+                    config.reward_config.max_resamples
+                    if run_reward is not None and config.reward_config.on_failure == "resample"
+                    else 0
+                ),
             )
             with self._lock:
                 self._runs[run_id] = (config, run)
+                if run_reward is not None:
+                    self._closers[run_id] = run_reward.close
         log.info(
-            "run %s configured: %d engine(s) from %s, task %r, reward %s",
+            "run %s configured: %d engine(s) from %s, task %r, data %r, reward %s",
             run_id,
             num_engines,
             config.model_dir,
             config.task,
+            config.data.train,
             reward_name,
         )
         return self._info(run)
@@ -242,6 +294,9 @@ class RolloutService:
         except Exception:
             log.exception("run %s: closing its engines failed", run_id)
         self._observer.run_ended(run_id, list(run.engines.engine_ids))
+        close = self._closers.pop(run_id, None)
+        if close is not None:
+            close()
         log.info("run %s ended", run_id)
 
     def run_ids(self) -> list[str]:
@@ -255,3 +310,8 @@ class RolloutService:
                 self.end_run(run_id)
             except NotFoundError:
                 pass
+
+
+def _on_answer(fn: RewardFn) -> Scorer:
+    """A registered (response_text, answer) reward as a scorer of (response_text, prompt)."""
+    return lambda response_text, prompt: fn(response_text, prompt.answer)

@@ -1,11 +1,14 @@
 """One Generate request of a run: which prompts are generated, which groups are written and which
 are cut. Rollout is the one owner of these decisions.
 
-Without explicit prompts the step's prompts come from the run's task: `RolloutSettings.prompts_to_draw`
-of them (over-sampling), less those whose group an earlier attempt at the step already wrote (so a
-step repeated after a crash generates only what was lost). Every sample gets a deterministic id
-(`<prompt id>/<index>`); the engines generate, the run's reward scores every response
-(concurrently, under a deadline), zero-variance groups are drawn again (dynamic sampling) and only
+Without explicit prompts the step's prompts come from the run's task or its dataset rows (the rows
+the step number assigns, core.data_source): `RolloutSettings.prompts_to_draw` of them
+(over-sampling), less those whose group an earlier attempt at the step already wrote (so a step
+repeated after a crash generates only what was lost). Every sample gets a deterministic id
+(`<prompt id>/<index>`); the engines generate, the run's reward scores each group as soon as it is
+complete, while the others are still generated (core.group_scoring, under a deadline per response);
+a group whose reward fails is left out, or drawn again (`ActiveRun.reward_resamples`), and counted;
+zero-variance groups are drawn again (dynamic sampling) and only
 the groups the step needs are kept, the first to complete (over-sampling, see core.groups). The
 kept groups are appended to the run's sample stream and recorded generated in one atomic call
 (`GroupBook.append_groups`); the drawn prompts that were not kept are recorded cut in the group
@@ -18,6 +21,7 @@ layout give the same samples. Knows nothing about gRPC or Redis.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,12 +35,14 @@ from furlong.core.settings import RolloutSettings
 from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_SAMPLES_PER_PROMPT
 from furlong.core.tasks import Task
 from furlong.rollout.core.checks import check_id, check_int, check_prompts, check_timeout
+from furlong.rollout.core.data_source import DataSource
 from furlong.rollout.core.engine import Generation
 from furlong.rollout.core.engine_set import EngineSet
+from furlong.rollout.core.group_scoring import GroupScorer, RewardFailure, Scorer
 from furlong.rollout.core.groups import DynamicSampling, GroupOutcome, OverSampling, zero_variance
 from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
 from furlong.rollout.core.types import GenerateRequest, GenerateResult, Prompt, RolloutObserver, RunRecords
-from furlong.rollout.rewards import RewardFn, score_all
+from furlong.rollout.rewards import RewardError
 
 
 def engine_seed(run_seed: int, request_seed: int, share: int, round_: int = 0) -> int:
@@ -60,10 +66,13 @@ class ActiveRun:
     rollout: RolloutSettings
     task: Task | None
     reward_name: str
-    reward_fn: RewardFn
+    score: Scorer  # (response_text, prompt) -> reward; raises on failure
     tokenizer: Any
     engines: EngineSet
     records: RunRecords
+    data: DataSource | None = None
+    reward_timeout_s: float | None = None  # one response's reward; None: the service's
+    reward_resamples: int = 0  # rounds a group whose reward failed is drawn again; 0: left out
     ended: bool = field(default=False)
 
 
@@ -72,6 +81,21 @@ class _Draw:
     """One round's groups: complete groups by prompt index, in the order they completed."""
 
     groups: dict[int, list[Sample]]
+    failed: dict[int, RewardFailure]
+    num_tokens: int
+
+
+@dataclass
+class _Rounds:
+    """A request's groups after the redraw rounds: rewarded groups by prompt index, the prompts
+    whose latest draw's reward failed, completion order, every failure seen, groups redrawn for
+    equal rewards, tokens generated."""
+
+    groups: dict[int, list[Sample]]
+    failed: dict[int, RewardFailure]
+    order: list[int]
+    failures: list[RewardFailure]
+    refills: int
     num_tokens: int
 
 
@@ -126,30 +150,26 @@ class StepGeneration:
         draw = self._draw(
             run, request_id, prompts, prompt_ids, everything, n, sampling, 0, choice.keep if early else 0
         )
-        by_prompt, num_tokens = draw.groups, draw.num_tokens
-        order = list(by_prompt)  # completion order; refilled groups go last
+        rounds = max(dynamic.max_refill_rounds, run.reward_resamples)
+        redrawn = self._redraw(run, request_id, prompts, prompt_ids, n, sampling, dynamic, rounds, draw)
+        by_prompt, failed, order, failures = redrawn.groups, redrawn.failed, redrawn.order, redrawn.failures
+        refills, num_tokens = redrawn.refills, redrawn.num_tokens
         pending = (
             [p for p in order if zero_variance([s.reward for s in by_prompt[p]])] if dynamic.enabled else []
         )
-        refills = 0
-        for round_ in range(1, dynamic.max_refill_rounds + 1):
-            if not pending:
-                break
-            refills += len(pending)
-            redrawn = self._draw(
-                run, f"{request_id}/r{round_}", prompts, prompt_ids, pending, n, sampling, round_, 0
-            )
-            num_tokens += redrawn.num_tokens
-            by_prompt.update(redrawn.groups)
-            order = [p for p in order if p not in redrawn.groups] + list(redrawn.groups)
-            pending = [p for p in pending if zero_variance([s.reward for s in by_prompt[p]])]
+        if failures:
+            for kind in sorted({f.kind for f in failures}):
+                self._observer.reward_failed(run.run_id, kind, sum(f.kind == kind for f in failures))
+        if failed and not by_prompt:
+            first = failed[min(failed)]
+            raise RewardError(f"{first.message} (every group's reward failed; nothing was written)")
         outcome = GroupOutcome(
             kept=[p for p in order if p not in set(pending)], dropped=pending, refills=refills
         )
         kept = sorted(over.keep(outcome.kept))  # written in request order
         left_out = [p for p in everything if p not in set(kept)]
-        surplus = [p for p in left_out if p not in set(pending)]
-        self._close(run, request_id, prompts, surplus, n, dynamic)
+        surplus = [p for p in left_out if p not in set(pending) and p not in failed]
+        self._close(run, request_id, prompts, surplus, n, rounds)
         groups = [
             SampleGroup(
                 run_id=run.run_id, step=request.step, prompt_id=prompts[p].prompt_id, samples=by_prompt[p]
@@ -169,20 +189,78 @@ class StepGeneration:
             self._observer.groups_filtered(run.run_id, len(outcome.dropped), outcome.refills)
         if over.enabled:
             self._observer.groups_surplus(run.run_id, len(surplus))
-        return self._result(run, request, firsts, num_tokens, started, choice, outcome, surplus, request_id)
+        result = self._result(run, request, firsts, num_tokens, started, choice, outcome, surplus, request_id)
+        return dataclasses.replace(result, num_reward_failures=len(failures))
+
+    def _redraw(
+        self,
+        run: ActiveRun,
+        request_id: str,
+        prompts: list[Prompt],
+        prompt_ids: list[list[int]],
+        samples_per_prompt: int,
+        sampling: SamplingConfig,
+        dynamic: DynamicSampling,
+        rounds: int,
+        draw: _Draw,
+    ) -> _Rounds:
+        """Draw again, round after round, the groups with equal rewards (dynamic sampling, up to
+        its rounds) and those whose reward failed (up to `run.reward_resamples` rounds)."""
+        by_prompt, failed, num_tokens = dict(draw.groups), dict(draw.failed), draw.num_tokens
+        failures = list(draw.failed.values())
+        order = list(by_prompt)  # completion order; redrawn groups go last
+        refills = 0
+        for round_ in range(1, rounds + 1):
+            constant = (
+                [p for p in order if zero_variance([s.reward for s in by_prompt[p]])]
+                if dynamic.enabled and round_ <= dynamic.max_refill_rounds
+                else []
+            )
+            retry = sorted(failed) if round_ <= run.reward_resamples else []
+            if not constant and not retry:
+                break
+            refills += len(constant)
+            again = self._draw(
+                run,
+                f"{request_id}/r{round_}",
+                prompts,
+                prompt_ids,
+                constant + retry,
+                samples_per_prompt,
+                sampling,
+                round_,
+                0,
+            )
+            num_tokens += again.num_tokens
+            failures += again.failed.values()
+            for p in again.groups:
+                failed.pop(p, None)
+            for p, failure in again.failed.items():
+                failed[p] = failure
+                by_prompt.pop(p, None)
+            by_prompt.update(again.groups)
+            order = [p for p in order if p in by_prompt and p not in again.groups] + list(again.groups)
+        return _Rounds(by_prompt, failed, order, failures, refills, num_tokens)
 
     def _choose(self, run: ActiveRun, request: GenerateRequest) -> _Choice:
         if request.prompts:
             prompts = check_prompts(request.prompts)
             check_int("num_groups", request.num_groups, 0, len(prompts))
             return _Choice(prompts=prompts, keep=request.num_groups, resumed=0, from_task=False)
-        if run.task is None:
+        if run.task is None and run.data is None:
             raise ValueError(f"run {run.run_id} has no task: a Generate request must carry its prompts")
+        assert run.task is not None or run.data is not None
         need = check_int("num_groups", request.num_groups, 1, MAX_PROMPTS_PER_STEP)
-        drawn = run.task.prompts(run.seed, request.step, run.rollout.prompts_to_draw(need))
-        candidates = [
-            Prompt(prompt_id=str(p.prompt_id), text=str(p.text), answer=str(p.answer)) for p in drawn
-        ]
+        count = run.rollout.prompts_to_draw(need)
+        if run.data is not None:
+            check_int("step", request.step, 1)  # the read position is derived from the step
+            candidates = run.data.prompts(request.step, count)
+        else:
+            assert run.task is not None
+            drawn = run.task.prompts(run.seed, request.step, count)
+            candidates = [
+                Prompt(prompt_id=str(p.prompt_id), text=str(p.text), answer=str(p.answer)) for p in drawn
+            ]
         done = run.records.groups.generated_ids(request.step, [p.prompt_id for p in candidates])
         missing = [p for p in candidates if p.prompt_id not in done]
         need -= len(done)
@@ -230,12 +308,12 @@ class StepGeneration:
         prompts: list[Prompt],
         surplus: list[int],
         samples_per_prompt: int,
-        dynamic: DynamicSampling,
+        rounds: int,
     ) -> None:
         """Close every sample of the surplus groups, in each round's ledger they were drawn in."""
         ids = [sample_id(prompts[p].prompt_id, i) for p in surplus for i in range(samples_per_prompt)]
         run.records.samples.close(request_id, ids)
-        for round_ in range(1, dynamic.max_refill_rounds + 1):
+        for round_ in range(1, rounds + 1):
             run.records.samples.close(f"{request_id}/r{round_}", ids)
 
     def _draw(
@@ -254,46 +332,68 @@ class StepGeneration:
         order. Every group completes unless `enough_groups` > 0 stopped the request early."""
         rows = {sample_id(prompts[p].prompt_id, i): (p, i) for p in which for i in range(samples_per_prompt)}
         request_seed = sampling.seed
+        timeout_s = run.reward_timeout_s or self._reward_timeout_s
+        scorer = GroupScorer(run.reward_name, run.score, timeout_s, self._reward_workers)
 
-        def enough(done: Mapping[str, Generation]) -> bool:
-            return len(_complete(done, rows, samples_per_prompt)) >= enough_groups
+        def score_complete(done: Mapping[str, Generation]) -> list[int]:
+            # Called with the results so far as they arrive: each group is scored the moment its
+            # last sample is in, while the engines go on with the others.
+            complete = _complete(done, rows, samples_per_prompt)
+            for p in complete:
+                if not scorer.submitted(p):
+                    ids = [sample_id(prompts[p].prompt_id, i) for i in range(samples_per_prompt)]
+                    scorer.submit(
+                        p,
+                        [
+                            (done[sid].text, prompts[p], f"prompt {prompts[p].prompt_id!r} sample {sid!r}")
+                            for sid in ids
+                        ],
+                    )
+            return complete
 
-        generations = run.engines.generate(
-            request_id,
-            [(sid, prompt_ids[p]) for sid, (p, _) in rows.items()],
-            sampling,
-            lambda share: engine_seed(run.seed, request_seed, share, round_),
-            enough if enough_groups else None,
-        )
-        complete = _complete(generations, rows, samples_per_prompt)
-        if not enough_groups and len(complete) != len(which):
-            lost = sorted(set(rows) - set(generations))
-            raise UnavailableError(
-                f"run {run.run_id} request {request_id}: no result for samples {lost[:8]} "
-                f"({len(lost)} in all)"
+        def progress(done: Mapping[str, Generation]) -> bool:
+            complete = score_complete(done)
+            return bool(enough_groups) and len(complete) >= enough_groups
+
+        try:
+            generations = run.engines.generate(
+                request_id,
+                [(sid, prompt_ids[p]) for sid, (p, _) in rows.items()],
+                sampling,
+                lambda share: engine_seed(run.seed, request_seed, share, round_),
+                progress,
             )
-        scored = [
-            (sid, rows[sid], generations[sid])
-            for p in complete
-            for sid in (sample_id(prompts[p].prompt_id, i) for i in range(samples_per_prompt))
-        ]
-        rewards = score_all(
-            run.reward_name,
-            run.reward_fn,
-            [
-                (g.text, prompts[p].answer, f"prompt {prompts[p].prompt_id!r} sample {sid!r}")
-                for sid, (p, _), g in scored
-            ],
-            self._reward_timeout_s,
-            self._reward_workers,
+            complete = score_complete(generations)
+            if not enough_groups and len(complete) != len(which):
+                lost = sorted(set(rows) - set(generations))
+                raise UnavailableError(
+                    f"run {run.run_id} request {request_id}: no result for samples {lost[:8]} "
+                    f"({len(lost)} in all)"
+                )
+            scored = scorer.results()
+        except BaseException:
+            scorer.close()
+            raise
+        groups: dict[int, list[Sample]] = {}
+        failed: dict[int, RewardFailure] = {}
+        for p in complete:
+            outcome = scored[p]
+            if isinstance(outcome, RewardFailure):
+                failed[p] = outcome
+                continue
+            ids = [sample_id(prompts[p].prompt_id, i) for i in range(samples_per_prompt)]
+            groups[p] = [
+                _sample(prompts[p], i, prompt_ids[p], generations[sid], r)
+                for i, (sid, r) in enumerate(zip(ids, outcome))
+            ]
+        return _Draw(
+            groups=groups, failed=failed, num_tokens=sum(len(g.token_ids) for g in generations.values())
         )
-        groups: dict[int, list[Sample]] = {p: [] for p in complete}
-        for (_, (p, i), g), r in zip(scored, rewards):
-            groups[p].append(_sample(prompts[p], i, prompt_ids[p], g, r))
-        return _Draw(groups=groups, num_tokens=sum(len(g.token_ids) for g in generations.values()))
 
     @staticmethod
     def _encode(run: ActiveRun, prompt: Prompt) -> list[int]:
+        if prompt.token_ids:  # a dataset row, rendered when the run was configured
+            return list(prompt.token_ids)
         try:
             return list(run.tokenizer.encode(prompt.text, add_bos=True))
         except ValueError as exc:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from furlong.core.samples import SampleGroup
-from furlong.core.settings import PrecisionSettings, RolloutSettings
+from furlong.core.settings import DataSettings, PrecisionSettings, RewardSettings, RolloutSettings
 from furlong.rollout.core.sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -26,6 +26,9 @@ class Prompt:
     prompt_id: str  # unique within the run
     text: str
     answer: str  # reference the reward compares against
+    # A dataset row's prompt, already rendered (chat template) to ids; () = encode `text`.
+    token_ids: tuple[int, ...] = ()
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # the row's metadata, for rewards
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,9 @@ class RolloutRunConfig:
     """ConfigureRun: the run's engines, where its prompts come from and how its groups are shaped.
     `task` names a registered task (furlong.core.tasks) that a step's prompts are drawn from and whose
     reward scores them; `reward` names another registered reward instead ("" = the task's). A run
-    without a task takes its prompts in each Generate request and must name a reward."""
+    without a task takes its prompts in each Generate request and must name a reward. `data`
+    (instead of a task) draws a step's prompts from dataset rows (`furlong.core.data_order`);
+    `reward_config` with a weight > 0 scores with that weighted sum (instead of `reward`)."""
 
     run_id: str
     model_dir: str  # the checkpoint the trainer starts from, as rollout sees it
@@ -42,6 +47,8 @@ class RolloutRunConfig:
     reward: str = ""
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     precision: PrecisionSettings = field(default_factory=PrecisionSettings)  # the engines' dtype
+    data: DataSettings = field(default_factory=DataSettings)  # train set: prompts from its rows
+    reward_config: RewardSettings = field(default_factory=RewardSettings)  # a weight > 0: scores
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,7 @@ class GenerateResult:
     num_groups_surplus: int = 0  # over-sampling: groups beyond those the step keeps, not written
     request_id: str = ""  # the request's sample ledger (refill round k: "<id>/r<k>")
     num_groups_resumed: int = 0  # groups an earlier attempt at the step had written (in num_groups)
+    num_reward_failures: int = 0  # groups whose reward failed (infrastructure), never written
 
 
 class EngineState(enum.Enum):
@@ -206,6 +214,10 @@ class RolloutObserver(Protocol):
 
     def groups_surplus(self, run_id: str, surplus: int) -> None: ...
 
+    def reward_failed(self, run_id: str, kind: str, groups: int) -> None:
+        """`groups` groups' rewards failed (raised, timed out, not a finite number); `kind`
+        names the failure: "error" or "timeout"."""
+
     def run_ended(self, run_id: str, engine_ids: list[str]) -> None: ...
 
 
@@ -222,6 +234,9 @@ class NullObserver:
         pass
 
     def groups_surplus(self, run_id: str, surplus: int) -> None:
+        pass
+
+    def reward_failed(self, run_id: str, kind: str, groups: int) -> None:
         pass
 
     def run_ended(self, run_id: str, engine_ids: list[str]) -> None:
