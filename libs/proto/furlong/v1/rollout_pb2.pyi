@@ -30,13 +30,14 @@ class RolloutConfig(_message.Message):
     def __init__(self, num_engines: _Optional[int] = ..., max_refill_rounds: _Optional[int] = ..., over_sampling: _Optional[float] = ...) -> None: ...
 
 class ConfigureRolloutRequest(_message.Message):
-    __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward", "data", "reward_config")
+    __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward", "precision", "data", "reward_config")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     REWARD_CONFIG_FIELD_NUMBER: _ClassVar[int]
     run_id: str
@@ -45,9 +46,10 @@ class ConfigureRolloutRequest(_message.Message):
     seed: int
     rollout: RolloutConfig
     reward: str
+    precision: _common_pb2.PrecisionConfig
     data: DataConfig
     reward_config: RewardConfig
-    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., task: _Optional[str] = ..., seed: _Optional[int] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., reward: _Optional[str] = ..., data: _Optional[_Union[DataConfig, _Mapping]] = ..., reward_config: _Optional[_Union[RewardConfig, _Mapping]] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., task: _Optional[str] = ..., seed: _Optional[int] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., reward: _Optional[str] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ..., data: _Optional[_Union[DataConfig, _Mapping]] = ..., reward_config: _Optional[_Union[RewardConfig, _Mapping]] = ...) -> None: ...
 
 class DataConfig(_message.Message):
     __slots__ = ("train", "eval", "prompt_key", "messages_key", "answer_key", "tools_key", "metadata_key", "shuffle")
