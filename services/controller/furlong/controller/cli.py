@@ -42,9 +42,9 @@ from furlong.controller.local_stack import (
     stop_stack,
 )
 from furlong.controller.redis_binary import RedisBinaryError
+from furlong.controller.run_data import check_run_data
 from furlong.controller.run_follow import FollowOptions, Interrupts, follow_run, place_policies, summary_table
 from furlong.controller.run_preflight import preflight
-from furlong.controller.run_data import check_run_data
 from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.stack_events import StackEventTail
 from furlong.controller.stack_file import StackState, stack_status

@@ -21,8 +21,8 @@ from furlong.core import tasks
 from furlong.core.settings import (
     AlgorithmSettings,
     CheckpointSettings,
-    PrecisionSettings,
     DataSettings,
+    PrecisionSettings,
     RewardSettings,
     RolloutSettings,
     SamplingSettings,

@@ -28,10 +28,9 @@ from furlong.core.settings import DataSettings, PrecisionSettings, RolloutSettin
 from furlong.core.settings.run_shape import MAX_RUN_SEED
 from furlong.core.task_data import DataFile, read_data_file
 from furlong.rollout.core.checks import check_id, check_int, check_timeout
+from furlong.rollout.core.data_source import DataSource
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.engine_set import EngineSetFactory, InProcessEngines, in_process_factory
-from furlong.rollout.core.data_source import DataSource
-from furlong.rollout.core.engine_set import EngineSetFactory, in_process_factory
 from furlong.rollout.core.group_scoring import RunReward, RunRewardFactory, Scorer
 from furlong.rollout.core.sampling import OVERFLOW_ERROR, SupportBound
 from furlong.rollout.core.step_generation import ActiveRun, StepGeneration
