@@ -341,7 +341,7 @@ def test_openapi_document_is_served_and_complete(env):
     } | {(f"/v1/runs/{{run_id}}/{op}", "post") for op in ("stop", "pause", "resume", "checkpoint")}
     assert {(p, m) for p, ops in paths.items() for m in ops} == expected
     body = paths["/v1/runs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert body["required"] == ["name", "model", "task", "steps"]
+    assert body["required"] == ["name", "model", "steps"]  # task or data.train: checked by the spec
     assert body["properties"]["sampling"]["properties"]["top_p"] == {"type": "number"}
     assert "application/problem+json" in paths["/v1/runs/{run_id}"]["get"]["responses"]["404"]["content"]
     assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
