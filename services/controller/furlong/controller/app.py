@@ -186,12 +186,14 @@ async def _event_stream(
     request: Request, service: RunService, run_id: str, page: EventPage
 ) -> AsyncIterator[str]:
     idle_s = 0.0
+    finished = False  # a terminal event was sent: end once the events recorded so far are sent too
     while True:
         for event_id, event in page.events:
             yield _sse_message(event_id, event)
-            if event.state.terminal:
-                return
+            finished = finished or event.state.terminal
         caught_up = page.num_entries < EVENT_BATCH
+        if finished and caught_up:
+            return  # a checkpoint recorded after the run ended comes after its terminal event
         if page.events:
             idle_s = 0.0
         elif caught_up and await run_in_threadpool(_run_finished, service, run_id):
