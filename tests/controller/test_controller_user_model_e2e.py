@@ -79,7 +79,7 @@ def furlong_run(model: Path, dtype: str, tmp_path: Path) -> tuple[Path, Path, di
 def trainer_final_model(model: Path, state: Path, run_id: str) -> torch.nn.Module:
     """The trainer's weights after the last step, from its training checkpoint, in a transformers
     model built from the user's config alone."""
-    checkpoint = state / "checkpoints" / run_id
+    checkpoint = state / "checkpoints" / run_id / f"step-{STEPS}"
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     assert manifest["step"] == STEPS
     built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model), local_files_only=True))
