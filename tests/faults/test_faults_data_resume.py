@@ -18,7 +18,7 @@ import pytest
 import redis
 from data_files import addition_rows, write_jsonl
 
-from furlong.controller.local_stack import StackConfig, StackSupervisor, start_stack, stop_stack
+from furlong.controller.local_stack import StackConfig, start_stack, stop_stack
 from furlong.core.data_order import parse_prompt_id
 from furlong.ledger.group_ledger import audit, ledger_keys
 
@@ -40,15 +40,15 @@ def stack(tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("data-faults")
     info = start_stack(
         StackConfig(
-            state_dir=state_dir, services=("redis", "weight_broker", "trainer", "rollout", "controller")
+            state_dir=state_dir,
+            services=("redis", "weight_broker", "trainer", "rollout", "controller"),
+            owned=True,  # nothing outlives this test process
         )
     )
-    supervisor = StackSupervisor(state_dir).start()
-    s = Stack(info, supervisor, state_dir / "fault-summary.json")
+    s = Stack(info, state_dir / "fault-summary.json")
     yield s
     s.http.close()
     s.redis.close()
-    supervisor.close()
     stop_stack(state_dir)
 
 
@@ -107,7 +107,7 @@ def test_kill9_of_the_controller_mid_run_reads_no_row_twice_in_an_epoch(stack, t
     whole_epochs = STEPS * PER_STEP // ROWS
     for epoch in range(whole_epochs):
         assert sorted(trained_by_epoch[epoch]) == list(range(ROWS)), (epoch, trained_by_epoch[epoch])
-    assert stack.supervisor.restarts.get("controller", 0) >= 1
+    assert stack.process("controller").restarts >= 1  # the stack's supervisor restarted it
     print(
         f"\nkilled the controller after step {seen['current_step']} (aimed at {kill_after}); audit {ledger}"
     )
