@@ -166,6 +166,7 @@ def test_post_v1_runs_answers_422_naming_file_line_and_field(tmp_path, redis_url
 def test_furlong_run_exits_2_naming_file_line_and_field_before_starting_anything(tmp_path, capsys):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "rows.jsonl").write_text(MALFORMED)
+    write_tiny_checkpoint(tmp_path / "ckpt" / "tiny")  # a good model: the data is what is refused
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(data_spec("ckpt/tiny", "data/rows.jsonl")))
     code = cli.main(["run", str(config), "--state-dir", str(tmp_path / "state")])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import redis
 import rollout_user_rewards
+import torch
 from data_files import addition_rows, write_jsonl
 from prometheus_client import CollectorRegistry
 from rollout_models import write_checkpoint
@@ -273,7 +274,7 @@ def test_groups_are_scored_while_the_others_are_still_generated(red, tmp_path):
     service = RolloutService(
         redis_records(red),
         None,
-        policy_loader=lambda model_dir: (None, tokenizer()),
+        policy_loader=lambda model_dir: (torch.nn.Linear(1, 1), tokenizer()),  # engines are fakes
         engines=lambda *args: GatedEngines(scored),
         run_rewards=lambda settings: Marking(),
     )

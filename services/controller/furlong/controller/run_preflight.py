@@ -78,7 +78,10 @@ def check_model(model: str) -> tuple[ModelSummary, Tokenizer]:
 
 
 def check_task(spec: RunSpec, tokenizer: Tokenizer) -> None:
-    """The tokenizer encodes the task's prompts and answers; SettingError("task", ...) otherwise."""
+    """The tokenizer encodes the task's prompts and answers; SettingError("task", ...) otherwise.
+    A run on a dataset (no task) has its rows checked by `run_data.check_run_data`."""
+    if not spec.task:
+        return
     task = tasks.get_task(spec.task)
     for step in (1, 2):
         for prompt in task.prompts(spec.seed, step, min(spec.prompts_per_step, _PROMPTS_CHECKED)):
