@@ -5,8 +5,9 @@ A row of prompt p and response r tokens is fed as its first p + r - 1 tokens; th
 position p - 1 + j predict response token j. Only response positions are scored: `positions(keep)`
 maps each response token to its row in the (batch * keep, vocab) view of logits whose last `keep`
 positions were computed. A micro-batch's tensors live on the device it was built for (the
-model's); rows keep theirs wherever they were made and `per_token` brings them over. Knows nothing
-about objectives or optimizers.
+model's); rows keep theirs wherever they were made and `per_token` brings them over. Every response
+token is scored; `loss_mask` (1 for the policy's tokens, 0 for an environment's template tokens)
+says which ones the objective trains on. Knows nothing about objectives or optimizers.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ class Row:
     def num_response(self) -> int:
         return len(self.sample.response_token_ids)
 
+    @property
+    def num_policy(self) -> int:
+        """Response tokens the policy sampled (the ones trained on)."""
+        return self.sample.num_policy_tokens
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -47,7 +53,8 @@ class MicroBatch:
     first: int  # first position whose logits are needed
     targets: torch.Tensor  # (N,) response token ids, rows concatenated
     seq: torch.Tensor  # (N,) index of each token's row
-    rollout_logprobs: torch.Tensor  # (N,) the sampler's log-probs
+    rollout_logprobs: torch.Tensor  # (N,) the sampler's log-probs (placeholders where loss_mask is 0)
+    loss_mask: torch.Tensor  # (N,) float32: 1 for policy tokens, 0 for environment tokens
     support: RolloutSamplingMask | None  # (N rows) or None when every row is the full vocabulary
     _starts: torch.Tensor  # (N,) position p - 1 + j of each response token
 
@@ -58,6 +65,10 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.targets.numel())
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(r.num_policy for r in self.rows)
 
     def positions(self, keep: int) -> torch.Tensor:
         """Row of each response token in logits of shape (B, keep, V) flattened to (B * keep, V)."""
@@ -94,6 +105,7 @@ def build_micro_batch(rows: list[Row], device: torch.device | str = "cpu") -> Mi
     support = None if all(s.is_full() for s in supports) else RolloutSamplingMask.concatenate(supports)
     targets = torch.tensor([t for r in rows for t in r.sample.response_token_ids], dtype=torch.long)
     rollout = torch.tensor([x for r in rows for x in r.sample.response_logprobs], dtype=torch.float32)
+    loss_mask = torch.tensor([m for r in rows for m in r.sample.policy_mask], dtype=torch.float32)
     # Built on the host, then moved in one go: one transfer per tensor, not one per row.
     return MicroBatch(
         rows=rows,
@@ -103,6 +115,7 @@ def build_micro_batch(rows: list[Row], device: torch.device | str = "cpu") -> Mi
         targets=targets.to(device),
         seq=torch.cat(seq).to(device),
         rollout_logprobs=rollout.to(device),
+        loss_mask=loss_mask.to(device),
         support=support,
         _starts=torch.cat(starts).to(device),
     )

@@ -75,7 +75,7 @@ class StepStats:
     reward_mean: float
     num_samples: int
     num_groups: int
-    num_tokens: int  # response tokens in the batch
+    num_tokens: int  # policy tokens in the batch (an environment's tokens are not counted)
     clip_fraction: float
     ratio_mean: float
     grad_norm: float  # before clipping; mean over epochs
@@ -273,7 +273,7 @@ class Learner:
             reward_mean=sum(s.reward for s in samples) / len(samples),
             num_samples=len(samples),
             num_groups=len(groups),
-            num_tokens=sum(len(s.response_token_ids) for s in samples),
+            num_tokens=sum(s.num_policy_tokens for s in samples),
             step_seconds=time.perf_counter() - started,
             num_trained_samples=num_rows,
             **totals,
@@ -309,9 +309,9 @@ class Learner:
                     _backward(loss + value_loss)
                 loss_sum += loss.item()
                 value_loss_sum += value_loss.item()
-                trained_tokens += mb.num_tokens
+                trained_tokens += mb.num_policy_tokens
                 for key in weighted:
-                    weighted[key] += stats[key] * mb.num_tokens
+                    weighted[key] += stats[key] * mb.num_policy_tokens
         if self._dp is not None:
             self._dp.sum_gradients(self._extra_params if self._dp.reduces_in_backward else self._params)
             keys = list(weighted)

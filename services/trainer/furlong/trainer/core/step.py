@@ -2,7 +2,9 @@
 penalty, advantages, returns), and the loss of a micro-batch under the configured objective.
 
 `plan_rows` runs the no-grad passes the objective needs (reference log-probs, old values) before
-the first epoch; `StepMath.loss` is pure tensor math on one micro-batch.
+the first epoch; `StepMath.loss` is pure tensor math on one micro-batch. Only policy tokens
+(loss mask 1) count: environment tokens add nothing to the loss, the denominators, the KL penalty,
+PPO's advantages or the statistics.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from furlong.trainer.core.objectives import (
 
 @dataclass(frozen=True)
 class Denominators:
-    """Batch-wide counts the aggregation divides by, shared by every micro-batch of the batch."""
+    """Batch-wide counts of policy tokens the aggregation divides by, shared by every micro-batch."""
 
     batch_tokens: int
     batch_sequences: int
@@ -45,7 +47,7 @@ def _scalar_advantages(
     groups: list[SampleGroup], rewards: list[list[float]], objective: AlgorithmSettings
 ) -> list[list[float]]:
     if objective.name == "reinforce_pp":
-        lengths = [[len(s.response_token_ids) for s in g.samples] for g in groups]
+        lengths = [[s.num_policy_tokens for s in g.samples] for g in groups]
         return reinforce_pp_advantages(rewards, lengths)
     scale = objective.name != "dr_grpo"
     # Per group, so that groups of different sizes are each normalised on their own.
@@ -58,6 +60,23 @@ def _filled(t: torch.Tensor | None) -> torch.Tensor:
     """A row tensor that plan_rows filled in above."""
     assert t is not None
     return t
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((values.float() * mask).sum() / mask.sum())
+
+
+def _policy_gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: list[int], gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over a response's policy tokens only (an environment's tokens are not actions: the
+    policy's turns are chained across them); zeros at the environment's positions."""
+    keep = torch.tensor([i for i, m in enumerate(mask) if m], dtype=torch.long, device=values.device)
+    adv, ret = gae(token_rewards[keep], values[keep], gamma, lam)
+    return (
+        torch.zeros_like(values).index_copy(0, keep, adv),
+        torch.zeros_like(values).index_copy(0, keep, ret),
+    )
 
 
 def _chunks(rows: list[Row], size: int, device: torch.device) -> Iterator[MicroBatch]:
@@ -84,6 +103,7 @@ def plan_rows(
                 _filled(r.ref_logprobs),
                 objective.kl_estimator,
             )
+            * torch.tensor(r.sample.policy_mask, dtype=torch.float32, device=scorer.device)
             for r in rows
         ]
     if objective.name == "ppo":
@@ -93,9 +113,14 @@ def plan_rows(
                     row.old_values = values
         for row, penalty in zip(rows, penalties):
             token_rewards = -penalty.double()
-            token_rewards[-1] += row.sample.reward
-            adv, ret = gae(
-                token_rewards, _filled(row.old_values).double(), objective.gamma, objective.gae_lambda
+            last_policy = max(i for i, m in enumerate(row.sample.policy_mask) if m)
+            token_rewards[last_policy] += row.sample.reward
+            adv, ret = _policy_gae(
+                token_rewards,
+                _filled(row.old_values).double(),
+                row.sample.policy_mask,
+                objective.gamma,
+                objective.gae_lambda,
             )
             row.advantages, row.returns = adv.float(), ret.float()
     else:
@@ -108,9 +133,9 @@ def plan_rows(
                 row.advantages = torch.full((row.num_response,), a, dtype=torch.float32)
     trained = rows if objective.every_sample_matters else [r for r in rows if bool(r.advantages.any())]
     return trained, Denominators(
-        batch_tokens=sum(r.num_response for r in rows),
+        batch_tokens=sum(r.num_policy for r in rows),
         batch_sequences=len(rows),
-        max_length=max(r.num_response for r in rows),
+        max_length=max(r.num_policy for r in rows),
     )
 
 
@@ -142,10 +167,11 @@ class StepMath:
                 per_token = per_token + obj.kl_coef * kl_ref
         if obj.entropy_coef > 0:
             per_token = per_token - obj.entropy_coef * entropy
-        lengths = torch.tensor([r.num_response for r in mb.rows], device=mb.device)
+        mask = mb.loss_mask
+        lengths = torch.tensor([r.num_policy for r in mb.rows], device=mb.device)
         w = token_weights(
             obj.loss_aggregation, mb.seq, lengths, den.batch_tokens, den.batch_sequences, den.max_length
-        ).to(per_token.dtype)
+        ).to(per_token.dtype) * mask.to(per_token.dtype)
         loss = (per_token * w).sum()
         value_loss = torch.zeros((), device=mb.device)
         if values is not None:
@@ -155,15 +181,16 @@ class StepMath:
             value_loss = obj.value_coef * (v * w).sum()
         with torch.no_grad():
             delta = logp - rollout
+            ratio_mean = _masked_mean(out.ratio, mask)
             stats = {
-                "clip_fraction": float(out.clipped.float().mean()),
-                "ratio_mean": float(out.ratio.mean()),
-                "ratio_std": float(out.ratio.std(unbiased=False)),
-                "approx_kl": float(k3(delta).mean()),
-                "logprob_abs_diff": float(delta.abs().mean()),
-                "entropy": float(entropy.mean()),
-                "kl_ref": 0.0 if kl_ref is None else float(kl_ref.mean()),
-                "is_weight_mean": float(weight.mean()),
-                "is_masked_fraction": float((weight == 0).float().mean()),
+                "clip_fraction": _masked_mean(out.clipped, mask),
+                "ratio_mean": ratio_mean,
+                "ratio_std": _masked_mean((out.ratio - ratio_mean).pow(2), mask) ** 0.5,
+                "approx_kl": _masked_mean(k3(delta), mask),
+                "logprob_abs_diff": _masked_mean(delta.abs(), mask),
+                "entropy": _masked_mean(entropy, mask),
+                "kl_ref": 0.0 if kl_ref is None else _masked_mean(kl_ref, mask),
+                "is_weight_mean": _masked_mean(weight, mask),
+                "is_masked_fraction": _masked_mean(weight == 0, mask),
             }
         return loss, value_loss, stats
