@@ -10,6 +10,7 @@ from furlong.controller.run_spec import RunSpec, parse_run_spec
 from furlong.core.settings import (
     AlgorithmSettings,
     DataSettings,
+    EnvironmentSettings,
     RewardSettings,
     SamplingSettings,
     SettingError,
@@ -60,6 +61,7 @@ FULL = {
     "recovery": {"max_attempts": 3, "timeout_s": 120.0},
     "data": to_mapping(DataSettings()),
     "reward": to_mapping(RewardSettings()),
+    "environment": to_mapping(EnvironmentSettings()),
 }
 
 
@@ -157,6 +159,26 @@ def test_integers_are_accepted_for_float_fields_and_stored_as_floats():
         (with_value("name", "has space"), "name", "must match"),
         (with_value("task", 7), "task", "string"),
         (with_value("epochs", 3), "epochs", "unknown field"),
+        (with_value("environment.name", "calculater"), "environment.name", "'calculater'"),
+        (with_value("environment.max_turns", 0), "environment.max_turns", "[1, 64]"),
+        (with_value("environment.timeout_s", 0), "environment.timeout_s", "(0, 3600]"),
+        (
+            {
+                **FULL,
+                "environment": {"name": "calculator", "max_tokens_per_turn": 300, "max_episode_tokens": 200},
+            },
+            "environment.max_tokens_per_turn",
+            "more than max_episode_tokens 200",
+        ),
+        (
+            {
+                **FULL,
+                "environment": {"name": "calculator"},
+                "reward": {"exact_match": {"weight": 1.0}},
+            },
+            "reward",
+            "scores the run's episodes",
+        ),
         (without("name"), "name", "required"),
         (without("steps"), "steps", "required"),
         ([1, 2], "spec", "mapping"),

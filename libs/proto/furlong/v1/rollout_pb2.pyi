@@ -30,7 +30,7 @@ class RolloutConfig(_message.Message):
     def __init__(self, num_engines: _Optional[int] = ..., max_refill_rounds: _Optional[int] = ..., over_sampling: _Optional[float] = ...) -> None: ...
 
 class ConfigureRolloutRequest(_message.Message):
-    __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward", "precision", "data", "reward_config")
+    __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward", "precision", "data", "reward_config", "environment")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class ConfigureRolloutRequest(_message.Message):
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     REWARD_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     model_dir: str
     task: str
@@ -49,7 +50,24 @@ class ConfigureRolloutRequest(_message.Message):
     precision: _common_pb2.PrecisionConfig
     data: DataConfig
     reward_config: RewardConfig
-    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., task: _Optional[str] = ..., seed: _Optional[int] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., reward: _Optional[str] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ..., data: _Optional[_Union[DataConfig, _Mapping]] = ..., reward_config: _Optional[_Union[RewardConfig, _Mapping]] = ...) -> None: ...
+    environment: EnvironmentConfig
+    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., task: _Optional[str] = ..., seed: _Optional[int] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., reward: _Optional[str] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ..., data: _Optional[_Union[DataConfig, _Mapping]] = ..., reward_config: _Optional[_Union[RewardConfig, _Mapping]] = ..., environment: _Optional[_Union[EnvironmentConfig, _Mapping]] = ...) -> None: ...
+
+class EnvironmentConfig(_message.Message):
+    __slots__ = ("name", "max_turns", "max_tokens_per_turn", "max_episode_tokens", "timeout_s", "num_workers")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_TURN_FIELD_NUMBER: _ClassVar[int]
+    MAX_EPISODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    max_turns: int
+    max_tokens_per_turn: int
+    max_episode_tokens: int
+    timeout_s: float
+    num_workers: int
+    def __init__(self, name: _Optional[str] = ..., max_turns: _Optional[int] = ..., max_tokens_per_turn: _Optional[int] = ..., max_episode_tokens: _Optional[int] = ..., timeout_s: _Optional[float] = ..., num_workers: _Optional[int] = ...) -> None: ...
 
 class DataConfig(_message.Message):
     __slots__ = ("train", "eval", "prompt_key", "messages_key", "answer_key", "tools_key", "metadata_key", "shuffle")

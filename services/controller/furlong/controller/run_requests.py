@@ -34,6 +34,7 @@ def rollout_config(run_id: str, spec: RunSpec) -> RolloutRunConfig:
         precision=spec.precision,
         data=spec.data,
         reward_config=spec.reward,
+        environment=spec.environment,
     )
 
 

@@ -1,14 +1,14 @@
 """The run spec: what a user asks the controller to run, parsed once from a dict (YAML or JSON).
 
 Its sections are the run settings the services apply, declared once in `furlong.core.settings`
-(`sampling`, `algorithm`, `rollout`, `checkpoint`, `precision`, `data`, `reward`), plus `recovery`,
-which only the controller applies. The top-level fields are bounded by the limits the services enforce too
-(`furlong.core.settings.run_shape`), so a spec this module accepts is accepted by every service.
-`parse_run_spec` rejects unknown fields, missing required fields, wrong types and out-of-range values
-with a `SettingError` whose `field` is the dotted path of the bad value (`sampling.top_p`). Optional
-fields have the defaults written in the declarations; the controller stores and returns the fully
-resolved spec, so nothing is implied. Knows nothing about files, HTTP or the services the spec is
-sent to.
+(`sampling`, `algorithm`, `rollout`, `checkpoint`, `precision`, `data`, `reward`, `environment`),
+plus `recovery`, which only the controller applies. The top-level fields are bounded by the limits
+the services enforce too (`furlong.core.settings.run_shape`), so a spec this module accepts is
+accepted by every service. `parse_run_spec` rejects unknown fields, missing required fields, wrong
+types and out-of-range values with a `SettingError` whose `field` is the dotted path of the bad
+value (`sampling.top_p`). Optional fields have the defaults written in the declarations; the
+controller stores and returns the fully resolved spec, so nothing is implied. Knows nothing about
+files, HTTP or the services the spec is sent to.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from furlong.core.settings import (
     AlgorithmSettings,
     CheckpointSettings,
     DataSettings,
+    EnvironmentSettings,
     PrecisionSettings,
     RewardSettings,
     RolloutSettings,
@@ -84,6 +85,7 @@ class RunSpec:
     recovery: RecoverySpec = setting(default_factory=RecoverySpec)
     data: DataSettings = setting(default_factory=DataSettings)
     reward: RewardSettings = setting(default_factory=RewardSettings)
+    environment: EnvironmentSettings = setting(default_factory=EnvironmentSettings)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -94,9 +96,17 @@ class RunSpec:
                 if self.task
                 else "a run needs a task or data (data.train)",
             )
-        if self.data.enabled and not self.reward.enabled:
+        if self.environment.enabled and self.reward.enabled:
             raise SettingError(
-                "reward", "a run on data needs a reward: give at least one reward section a weight > 0"
+                "reward",
+                f"environment {self.environment.name!r} scores the run's episodes: no reward section "
+                "may have a weight > 0 as well",
+            )
+        if self.data.enabled and not self.reward.enabled and not self.environment.enabled:
+            raise SettingError(
+                "reward",
+                "a run on data needs a reward: give at least one reward section a weight > 0 "
+                "(or an environment)",
             )
         if not re.match(NAME_PATTERN, self.name):
             raise SettingError("name", f"must match {NAME_PATTERN}, got {self.name!r}")

@@ -28,6 +28,7 @@ import torch
 from furlong.rollout.config import ENGINES_PROCESS, RolloutServerConfig
 from furlong.rollout.core.sampling import SupportBound
 from furlong.rollout.core.service import RolloutService
+from furlong.rollout.environment_workers import environment_pool
 from furlong.rollout.metrics import RolloutMetrics
 from furlong.rollout.process_engines import ProcessEnginesConfig, process_factory
 from furlong.rollout.receivers import broker_receiver_factory
@@ -97,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reward_workers=config.reward_workers,
         device=config.device,
         run_rewards=build_run_reward,
+        run_environments=environment_pool,
     )
     metrics.watch_engines(service.status)
     metrics_endpoint = runtime.serve_metrics()

@@ -4,7 +4,7 @@ by the server and the gRPC client. Free of torch so that clients stay light.
 
 from __future__ import annotations
 
-from furlong.core.settings import DataSettings, RewardSettings
+from furlong.core.settings import DataSettings, EnvironmentSettings, RewardSettings
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.types import (
     EngineState,
@@ -50,6 +50,9 @@ def run_config_to_proto(config: RolloutRunConfig) -> pb.ConfigureRolloutRequest:
         precision=precision_to_proto(config.precision),
         data=to_proto(config.data, pb.DataConfig()),
         reward_config=to_proto(config.reward_config, pb.RewardConfig()),
+        environment=to_proto(config.environment, pb.EnvironmentConfig())
+        if config.environment.enabled
+        else None,
     )
 
 
@@ -68,6 +71,11 @@ def run_config_from_proto(msg: pb.ConfigureRolloutRequest) -> RolloutRunConfig:
             from_proto(RewardSettings, msg.reward_config, "reward")
             if msg.HasField("reward_config")
             else RewardSettings()
+        ),
+        environment=(
+            from_proto(EnvironmentSettings, msg.environment, "environment")
+            if msg.HasField("environment")
+            else EnvironmentSettings()
         ),
     )
 

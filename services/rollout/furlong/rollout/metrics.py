@@ -25,6 +25,9 @@ GROUPS_REFILLED_TOTAL = "furlong_rollout_groups_refilled_total"
 GROUPS_SURPLUS_TOTAL = "furlong_rollout_groups_surplus_total"
 REWARD_FAILURES_TOTAL = "furlong_rollout_reward_failures_total"
 REWARD_FAILURE_KINDS = ("error", "timeout")  # core.group_scoring's failure kinds
+ENVIRONMENT_FAILURES_TOTAL = "furlong_rollout_environment_failures_total"
+ENVIRONMENT_FAILURE_KINDS = ("error", "timeout")  # core.environment's failure kinds
+TEMPLATE_DRIFT_TOTAL = "furlong_rollout_template_drift_total"
 LEDGER_SAMPLES = "furlong_rollout_ledger_samples"
 LEDGER_DUPLICATES_REFUSED = "furlong_rollout_ledger_duplicates_refused_total"
 ENGINE_RESTARTS = "furlong_rollout_engine_restarts_total"
@@ -84,6 +87,21 @@ class RolloutMetrics:
             registry=registry,
         )
 
+        self.environment_failures = Counter(
+            ENVIRONMENT_FAILURES_TOTAL,
+            "Groups with an episode whose environment failed (raised, timed out, its worker died): "
+            "infrastructure failures, left out of the step or resampled, never scored 0",
+            ["run_id", "kind"],
+            registry=registry,
+        )
+        self.template_drift = Counter(
+            TEMPLATE_DRIFT_TOTAL,
+            "Environment turns after which the chat template, rendering the whole conversation "
+            "afresh, would not have given the trajectory's token ids (the trajectory keeps them)",
+            ["run_id"],
+            registry=registry,
+        )
+
     def generated(
         self, run_id: str, num_samples: int, num_tokens: int, seconds: float, reward_mean: float
     ) -> None:
@@ -105,6 +123,12 @@ class RolloutMetrics:
 
     def reward_failed(self, run_id: str, kind: str, groups: int) -> None:
         self.reward_failures.labels(run_id=run_id, kind=kind).inc(groups)
+
+    def environment_failed(self, run_id: str, kind: str, groups: int) -> None:
+        self.environment_failures.labels(run_id=run_id, kind=kind).inc(groups)
+
+    def template_drifted(self, run_id: str, turns: int) -> None:
+        self.template_drift.labels(run_id=run_id).inc(turns)
 
     def version_applied(self, run_id: str, engine_id: str, version: int) -> None:
         self.policy_version.labels(engine=engine_id).set(version)
@@ -130,16 +154,18 @@ class RolloutMetrics:
             self.groups_dropped,
             self.groups_refilled,
             self.surplus_groups,
+            self.template_drift,
         ):
             try:
                 metric.remove(run_id)
             except KeyError:
                 pass  # the run never produced this series
         for kind in REWARD_FAILURE_KINDS:
-            try:
-                self.reward_failures.remove(run_id, kind)
-            except KeyError:
-                pass
+            for counter in (self.reward_failures, self.environment_failures):
+                try:
+                    counter.remove(run_id, kind)
+                except KeyError:
+                    pass
         for engine_id in engine_ids:
             try:
                 self.policy_version.remove(engine_id)

@@ -72,6 +72,8 @@ class DataSource:
                     answer=row.answer,
                     token_ids=ids,
                     metadata=row.metadata,
+                    messages=row.messages,
+                    tools=row.tools,
                 )
             )
         return out

@@ -31,15 +31,18 @@ from furlong.rollout.core.checks import check_id, check_int, check_timeout
 from furlong.rollout.core.data_source import DataSource
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.engine_set import EngineSetFactory, InProcessEngines, in_process_factory
+from furlong.rollout.core.episodes import EpisodeRunner, RunEnvironmentsFactory
 from furlong.rollout.core.group_scoring import RunReward, RunRewardFactory, Scorer
 from furlong.rollout.core.sampling import OVERFLOW_ERROR, SupportBound
 from furlong.rollout.core.step_generation import ActiveRun, StepGeneration
+from furlong.rollout.core.trajectory import ChatRenderer
 from furlong.rollout.core.types import (
     EngineState,
     EngineStatus,
     GenerateRequest,
     GenerateResult,
     NullObserver,
+    Prompt,
     ReceiverFactory,
     RolloutObserver,
     RolloutRunConfig,
@@ -75,7 +78,17 @@ def _check_config(config: RolloutRunConfig) -> None:
         raise ValueError(f"precision must be PrecisionSettings, got {type(config.precision).__name__}")
     if config.task and config.data.enabled:
         raise ValueError("a run has either a task or data (data.train), not both")
-    if not config.task and not config.reward and not config.reward_config.enabled:
+    if config.environment.enabled and (config.reward or config.reward_config.enabled):
+        raise ValueError(
+            f"environment {config.environment.name!r} scores the run's episodes: the run must not name "
+            "a reward as well"
+        )
+    if (
+        not config.task
+        and not config.reward
+        and not config.reward_config.enabled
+        and not config.environment.enabled
+    ):
         raise ValueError("a run needs a task or a reward (a run without a task scores with its reward)")
 
 
@@ -106,6 +119,7 @@ class RolloutService:
         device: str = "cpu",
         run_rewards: RunRewardFactory | None = None,
         data_reader: Callable[[str, DataSettings], DataFile] = read_data_file,
+        run_environments: RunEnvironmentsFactory | None = None,
     ) -> None:
         check_int("max_batch_size", max_batch_size, 1)
         checked = parse_device(device)  # ValueError naming a bad or missing device
@@ -132,6 +146,7 @@ class RolloutService:
         )
         self._rewards = None if rewards is None else reward_registry(rewards, include_builtin=False)
         self._run_rewards = run_rewards
+        self._run_environments = run_environments
         self._read_data = data_reader
         self._lock = threading.Lock()  # guards _runs
         self._configure_lock = threading.Lock()  # one configure_run at a time
@@ -144,12 +159,18 @@ class RolloutService:
         _check_config(config)
         task = tasks.get_task(config.task) if config.task else None  # ValueError naming it
         run_reward: RunReward | None = None
+        if config.environment.enabled:
+            if self._run_environments is None:
+                raise ValueError("environment: this rollout service was started without environment workers")
+            reward_name = f"environment {config.environment.name}"
+            score: Scorer = _scored_by_environment
+            return self._configure(config, task, reward_name, score, None)
         if config.reward_config.enabled:
             if self._run_rewards is None:
                 raise ValueError("reward: this rollout service was started without run rewards")
             run_reward = self._run_rewards(config.reward_config)  # ValueError naming the setting
             reward_name = run_reward.name
-            score: Scorer = run_reward
+            score = run_reward
         else:
             reward_name = config.reward or (task.reward_name if task is not None else "")
             score = _on_answer(get_reward(reward_name, self._rewards))
@@ -188,6 +209,7 @@ class RolloutService:
                 if config.data.eval:
                     self._read_data(config.data.eval, config.data)
                 data = DataSource(rows, tokenizer, config.seed, config.data.shuffle, config.data.messages_key)
+            renderer = ChatRenderer(tokenizer) if config.environment.enabled else None
             records = self._records(run_id)
             try:
                 engines = self._engines(
@@ -196,6 +218,18 @@ class RolloutService:
             except BaseException:
                 self._observer.run_ended(run_id, [f"{run_id}-engine-{i}" for i in range(num_engines)])
                 raise
+            runner = None
+            if renderer is not None:
+                assert self._run_environments is not None
+                environments = self._run_environments(config.environment)
+                runner = EpisodeRunner(
+                    config.environment,
+                    environments,
+                    renderer,
+                    engines.max_positions,
+                    parallel=config.environment.num_workers,
+                )
+                self._closers[run_id] = environments.shutdown
             run = ActiveRun(
                 run_id=run_id,
                 seed=config.seed,
@@ -213,6 +247,7 @@ class RolloutService:
                     if run_reward is not None and config.reward_config.on_failure == "resample"
                     else 0
                 ),
+                environment=runner,
             )
             with self._lock:
                 self._runs[run_id] = (config, run)
@@ -309,6 +344,10 @@ class RolloutService:
                 self.end_run(run_id)
             except NotFoundError:
                 pass
+
+
+def _scored_by_environment(response_text: str, prompt: Prompt) -> float:
+    raise RuntimeError("an environment run's episodes are scored by its environment, not by a reward")
 
 
 def _on_answer(fn: RewardFn) -> Scorer:

@@ -14,8 +14,13 @@ kept groups are appended to the run's sample stream and recorded generated in on
 (`GroupBook.append_groups`); the drawn prompts that were not kept are recorded cut in the group
 ledger and their samples closed as surplus in the sample ledger.
 
+A run with an environment draws each sample as a multi-turn episode (core.episodes): turn t of a
+request is generated under the ledger request `<request id>/t<t>` (turn 0 under the request id
+itself), the environment's rewards score the episodes, and a group with an episode whose
+environment failed is treated like a group whose reward failed (left out, or drawn again).
+
 Sampling seeds: share (in-process) or chunk (engine pool) i of a request samples with a seed derived
-from (run seed, request seed, i, refill round), so the same run seed, request, weights and engine
+from (run seed, request seed, i, refill round, turn), so the same run seed, request, weights and engine
 layout give the same samples. Knows nothing about gRPC or Redis.
 """
 
@@ -38,6 +43,8 @@ from furlong.rollout.core.checks import check_id, check_int, check_prompts, chec
 from furlong.rollout.core.data_source import DataSource
 from furlong.rollout.core.engine import Generation
 from furlong.rollout.core.engine_set import EngineSet
+from furlong.rollout.core.environment import EnvironmentFailure
+from furlong.rollout.core.episodes import EpisodeResult, EpisodeRunner
 from furlong.rollout.core.group_scoring import GroupScorer, RewardFailure, Scorer
 from furlong.rollout.core.groups import DynamicSampling, GroupOutcome, OverSampling, zero_variance
 from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
@@ -45,9 +52,12 @@ from furlong.rollout.core.types import GenerateRequest, GenerateResult, Prompt, 
 from furlong.rollout.rewards import RewardError
 
 
-def engine_seed(run_seed: int, request_seed: int, share: int, round_: int = 0) -> int:
-    """The sampling seed of share `share` of a request in refill round `round_` (63 bits)."""
-    entropy = [run_seed, request_seed, share] + ([round_] if round_ else [])
+def engine_seed(run_seed: int, request_seed: int, share: int, round_: int = 0, turn: int = 0) -> int:
+    """The sampling seed of share `share` of a request in refill round `round_`, episode turn
+    `turn` (63 bits)."""
+    entropy = (
+        [run_seed, request_seed, share] + ([round_] if round_ or turn else []) + ([turn] if turn else [])
+    )
     words = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint32)
     return ((int(words[0]) << 32) | int(words[1])) & MAX_SEED
 
@@ -73,6 +83,7 @@ class ActiveRun:
     data: DataSource | None = None
     reward_timeout_s: float | None = None  # one response's reward; None: the service's
     reward_resamples: int = 0  # rounds a group whose reward failed is drawn again; 0: left out
+    environment: EpisodeRunner | None = None  # multi-turn episodes; None: one generation per sample
     ended: bool = field(default=False)
 
 
@@ -134,7 +145,8 @@ class StepGeneration:
         sampling = request.sampling
         prompts = choice.prompts
         prompt_ids = [self._encode(run, p) for p in prompts]
-        self._check_context(run, prompts, prompt_ids, sampling.max_new_tokens)
+        if run.environment is None:  # an episode's turns are checked against the context as they go
+            self._check_context(run, prompts, prompt_ids, sampling.max_new_tokens)
         dynamic = DynamicSampling(run.rollout.max_refill_rounds)
         dynamic.check_group_size(request.samples_per_prompt)
         over = OverSampling(choice.keep)
@@ -157,9 +169,12 @@ class StepGeneration:
         pending = (
             [p for p in order if zero_variance([s.reward for s in by_prompt[p]])] if dynamic.enabled else []
         )
-        if failures:
-            for kind in sorted({f.kind for f in failures}):
-                self._observer.reward_failed(run.run_id, kind, sum(f.kind == kind for f in failures))
+        for source, kind in sorted({(f.source, f.kind) for f in failures}):
+            count = sum(f.kind == kind and f.source == source for f in failures)
+            if source == "environment":
+                self._observer.environment_failed(run.run_id, kind, count)
+            else:
+                self._observer.reward_failed(run.run_id, kind, count)
         if failed and not by_prompt:
             first = failed[min(failed)]
             raise RewardError(f"{first.message} (every group's reward failed; nothing was written)")
@@ -330,6 +345,10 @@ class StepGeneration:
     ) -> _Draw:
         """Samples (rewards scored) of the prompts `which` whose groups completed, in completion
         order. Every group completes unless `enough_groups` > 0 stopped the request early."""
+        if run.environment is not None:
+            return self._draw_episodes(
+                run, run.environment, request_id, prompts, which, samples_per_prompt, sampling, round_
+            )
         rows = {sample_id(prompts[p].prompt_id, i): (p, i) for p in which for i in range(samples_per_prompt)}
         request_seed = sampling.seed
         timeout_s = run.reward_timeout_s or self._reward_timeout_s
@@ -389,6 +408,55 @@ class StepGeneration:
         return _Draw(
             groups=groups, failed=failed, num_tokens=sum(len(g.token_ids) for g in generations.values())
         )
+
+    def _draw_episodes(
+        self,
+        run: ActiveRun,
+        runner: EpisodeRunner,
+        request_id: str,
+        prompts: list[Prompt],
+        which: list[int],
+        samples_per_prompt: int,
+        sampling: SamplingConfig,
+        round_: int,
+    ) -> _Draw:
+        """Every sample of the prompts `which` as an episode of the run's environment."""
+        rows = {sample_id(prompts[p].prompt_id, i): (p, i) for p in which for i in range(samples_per_prompt)}
+        request_seed = sampling.seed
+
+        def generate_turn(
+            turn: int, items: Sequence[tuple[str, list[int]]], max_new_tokens: int
+        ) -> Mapping[str, Generation]:
+            turn_request = request_id if turn == 0 else f"{request_id}/t{turn}"
+            generations = run.engines.generate(
+                turn_request,
+                items,
+                dataclasses.replace(sampling, max_new_tokens=max_new_tokens),
+                lambda share: engine_seed(run.seed, request_seed, share, round_, turn),
+            )
+            lost = sorted({sid for sid, _ in items} - set(generations))
+            if lost:
+                raise UnavailableError(
+                    f"run {run.run_id} request {turn_request}: no result for samples {lost[:8]} "
+                    f"({len(lost)} in all)"
+                )
+            return generations
+
+        results = runner.run([(sid, prompts[p]) for sid, (p, _) in rows.items()], generate_turn)
+        drift = sum(r.drift for r in results.values() if isinstance(r, EpisodeResult))
+        if drift:
+            self._observer.template_drifted(run.run_id, drift)
+        groups: dict[int, list[Sample]] = {}
+        failed: dict[int, RewardFailure] = {}
+        for p in which:
+            outcomes = [results[sample_id(prompts[p].prompt_id, i)] for i in range(samples_per_prompt)]
+            failure = next((o for o in outcomes if isinstance(o, EnvironmentFailure)), None)
+            if failure is not None:
+                failed[p] = RewardFailure(failure.kind, failure.message, source="environment")
+            else:
+                groups[p] = [o.sample for o in outcomes if isinstance(o, EpisodeResult)]
+        num_tokens = sum(r.sample.num_policy_tokens for r in results.values() if isinstance(r, EpisodeResult))
+        return _Draw(groups=groups, failed=failed, num_tokens=num_tokens)
 
     @staticmethod
     def _encode(run: ActiveRun, prompt: Prompt) -> list[int]:

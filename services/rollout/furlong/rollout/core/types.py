@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from furlong.core.samples import SampleGroup
-from furlong.core.settings import DataSettings, PrecisionSettings, RewardSettings, RolloutSettings
+from furlong.core.settings import (
+    DataSettings,
+    EnvironmentSettings,
+    PrecisionSettings,
+    RewardSettings,
+    RolloutSettings,
+)
 from furlong.rollout.core.sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -29,6 +35,9 @@ class Prompt:
     # A dataset row's prompt, already rendered (chat template) to ids; () = encode `text`.
     token_ids: tuple[int, ...] = ()
     metadata: Mapping[str, Any] = field(default_factory=dict)  # the row's metadata, for rewards
+    # A chat row's messages and tools (None / (): a plain prompt), for a run's environment.
+    messages: tuple[Mapping[str, Any], ...] | None = None
+    tools: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,8 @@ class RolloutRunConfig:
     reward scores them; `reward` names another registered reward instead ("" = the task's). A run
     without a task takes its prompts in each Generate request and must name a reward. `data`
     (instead of a task) draws a step's prompts from dataset rows (`furlong.core.data_order`);
-    `reward_config` with a weight > 0 scores with that weighted sum (instead of `reward`)."""
+    `reward_config` with a weight > 0 scores with that weighted sum (instead of `reward`);
+    `environment` (a name) draws every sample as a multi-turn episode that the environment scores."""
 
     run_id: str
     model_dir: str  # the checkpoint the trainer starts from, as rollout sees it
@@ -49,6 +59,7 @@ class RolloutRunConfig:
     precision: PrecisionSettings = field(default_factory=PrecisionSettings)  # the engines' dtype
     data: DataSettings = field(default_factory=DataSettings)  # train set: prompts from its rows
     reward_config: RewardSettings = field(default_factory=RewardSettings)  # a weight > 0: scores
+    environment: EnvironmentSettings = field(default_factory=EnvironmentSettings)  # multi-turn episodes
 
 
 @dataclass(frozen=True)
@@ -218,6 +229,13 @@ class RolloutObserver(Protocol):
         """`groups` groups' rewards failed (raised, timed out, not a finite number); `kind`
         names the failure: "error" or "timeout"."""
 
+    def environment_failed(self, run_id: str, kind: str, groups: int) -> None:
+        """`groups` groups had an episode whose environment failed ("error" or "timeout")."""
+
+    def template_drifted(self, run_id: str, turns: int) -> None:
+        """`turns` environment turns after which the conversation, rendered afresh, would not have
+        given the trajectory's ids."""
+
     def run_ended(self, run_id: str, engine_ids: list[str]) -> None: ...
 
 
@@ -237,6 +255,12 @@ class NullObserver:
         pass
 
     def reward_failed(self, run_id: str, kind: str, groups: int) -> None:
+        pass
+
+    def environment_failed(self, run_id: str, kind: str, groups: int) -> None:
+        pass
+
+    def template_drifted(self, run_id: str, turns: int) -> None:
         pass
 
     def run_ended(self, run_id: str, engine_ids: list[str]) -> None:
