@@ -30,7 +30,7 @@ class RolloutConfig(_message.Message):
     def __init__(self, num_engines: _Optional[int] = ..., max_refill_rounds: _Optional[int] = ..., over_sampling: _Optional[float] = ...) -> None: ...
 
 class ConfigureRolloutRequest(_message.Message):
-    __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward", "precision", "data", "reward_config", "environment")
+    __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward", "precision", "data", "reward_config", "environment", "agent")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class ConfigureRolloutRequest(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     REWARD_CONFIG_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     model_dir: str
     task: str
@@ -51,7 +52,20 @@ class ConfigureRolloutRequest(_message.Message):
     data: DataConfig
     reward_config: RewardConfig
     environment: EnvironmentConfig
-    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., task: _Optional[str] = ..., seed: _Optional[int] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., reward: _Optional[str] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ..., data: _Optional[_Union[DataConfig, _Mapping]] = ..., reward_config: _Optional[_Union[RewardConfig, _Mapping]] = ..., environment: _Optional[_Union[EnvironmentConfig, _Mapping]] = ...) -> None: ...
+    agent: AgentConfig
+    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., task: _Optional[str] = ..., seed: _Optional[int] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., reward: _Optional[str] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ..., data: _Optional[_Union[DataConfig, _Mapping]] = ..., reward_config: _Optional[_Union[RewardConfig, _Mapping]] = ..., environment: _Optional[_Union[EnvironmentConfig, _Mapping]] = ..., agent: _Optional[_Union[AgentConfig, _Mapping]] = ...) -> None: ...
+
+class AgentConfig(_message.Message):
+    __slots__ = ("function", "max_calls", "timeout_s", "concurrency")
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    function: str
+    max_calls: int
+    timeout_s: float
+    concurrency: int
+    def __init__(self, function: _Optional[str] = ..., max_calls: _Optional[int] = ..., timeout_s: _Optional[float] = ..., concurrency: _Optional[int] = ...) -> None: ...
 
 class EnvironmentConfig(_message.Message):
     __slots__ = ("name", "max_turns", "max_tokens_per_turn", "max_episode_tokens", "timeout_s", "num_workers")

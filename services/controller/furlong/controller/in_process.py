@@ -32,6 +32,7 @@ from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.run_spec import RunSpec
 from furlong.controller.run_store import RunStore
 from furlong.controller.services import Services, in_process
+from furlong.rollout.agents import agent_harness
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.receivers import broker_receiver_factory
 from furlong.rollout.run_records import redis_records
@@ -64,7 +65,10 @@ class InProcessStack:
         self._core = BrokerCore()
         self._broker = InProcessBrokerClient(self._core)  # the services' own broker client
         self.rollout = RolloutService(
-            redis_records(self._redis), broker_receiver_factory(self._broker), run_rewards=build_run_reward
+            redis_records(self._redis),
+            broker_receiver_factory(self._broker),
+            run_rewards=build_run_reward,
+            run_agents=agent_harness,
         )
         if policy_dir is None:  # every run exports its final policy: it must go somewhere
             policy_dir = tempfile.mkdtemp(prefix="furlong-policies-")

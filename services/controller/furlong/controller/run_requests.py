@@ -35,6 +35,7 @@ def rollout_config(run_id: str, spec: RunSpec) -> RolloutRunConfig:
         data=spec.data,
         reward_config=spec.reward,
         environment=spec.environment,
+        agent=spec.agent,
     )
 
 

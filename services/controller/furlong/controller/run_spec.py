@@ -1,7 +1,8 @@
 """The run spec: what a user asks the controller to run, parsed once from a dict (YAML or JSON).
 
 Its sections are the run settings the services apply, declared once in `furlong.core.settings`
-(`sampling`, `algorithm`, `rollout`, `checkpoint`, `precision`, `data`, `reward`, `environment`),
+(`sampling`, `algorithm`, `rollout`, `checkpoint`, `precision`, `data`, `reward`, `environment`,
+`agent`),
 plus `recovery`, which only the controller applies. The top-level fields are bounded by the limits
 the services enforce too (`furlong.core.settings.run_shape`), so a spec this module accepts is
 accepted by every service. `parse_run_spec` rejects unknown fields, missing required fields, wrong
@@ -19,6 +20,7 @@ from typing import Any
 
 from furlong.core import tasks
 from furlong.core.settings import (
+    AgentSettings,
     AlgorithmSettings,
     CheckpointSettings,
     DataSettings,
@@ -86,6 +88,7 @@ class RunSpec:
     data: DataSettings = setting(default_factory=DataSettings)
     reward: RewardSettings = setting(default_factory=RewardSettings)
     environment: EnvironmentSettings = setting(default_factory=EnvironmentSettings)
+    agent: AgentSettings = setting(default_factory=AgentSettings)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -102,11 +105,29 @@ class RunSpec:
                 f"environment {self.environment.name!r} scores the run's episodes: no reward section "
                 "may have a weight > 0 as well",
             )
-        if self.data.enabled and not self.reward.enabled and not self.environment.enabled:
+        if self.agent.enabled:
+            if self.environment.enabled:
+                raise SettingError(
+                    "agent", "a run has either an agent or an environment (both draw every sample), not both"
+                )
+            if self.reward.enabled:
+                raise SettingError(
+                    "reward",
+                    f"agent {self.agent.function!r} returns each sample's reward: no reward section "
+                    "may have a weight > 0 as well",
+                )
+            if not self.data.enabled:
+                raise SettingError("agent", "an agent needs dataset rows: set data.train")
+        if (
+            self.data.enabled
+            and not self.reward.enabled
+            and not self.environment.enabled
+            and not self.agent.enabled
+        ):
             raise SettingError(
                 "reward",
                 "a run on data needs a reward: give at least one reward section a weight > 0 "
-                "(or an environment)",
+                "(or an environment, or an agent)",
             )
         if not re.match(NAME_PATTERN, self.name):
             raise SettingError("name", f"must match {NAME_PATTERN}, got {self.name!r}")

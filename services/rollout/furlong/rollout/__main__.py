@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import redis
 import torch
 
+from furlong.rollout.agents import agent_harness
 from furlong.rollout.config import ENGINES_PROCESS, RolloutServerConfig
 from furlong.rollout.core.sampling import SupportBound
 from furlong.rollout.core.service import RolloutService
@@ -99,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=config.device,
         run_rewards=build_run_reward,
         run_environments=environment_pool,
+        run_agents=agent_harness,
     )
     metrics.watch_engines(service.status)
     metrics_endpoint = runtime.serve_metrics()

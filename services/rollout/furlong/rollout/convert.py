@@ -4,7 +4,7 @@ by the server and the gRPC client. Free of torch so that clients stay light.
 
 from __future__ import annotations
 
-from furlong.core.settings import DataSettings, EnvironmentSettings, RewardSettings
+from furlong.core.settings import AgentSettings, DataSettings, EnvironmentSettings, RewardSettings
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.types import (
     EngineState,
@@ -53,6 +53,7 @@ def run_config_to_proto(config: RolloutRunConfig) -> pb.ConfigureRolloutRequest:
         environment=to_proto(config.environment, pb.EnvironmentConfig())
         if config.environment.enabled
         else None,
+        agent=to_proto(config.agent, pb.AgentConfig()) if config.agent.enabled else None,
     )
 
 
@@ -77,6 +78,7 @@ def run_config_from_proto(msg: pb.ConfigureRolloutRequest) -> RolloutRunConfig:
             if msg.HasField("environment")
             else EnvironmentSettings()
         ),
+        agent=from_proto(AgentSettings, msg.agent, "agent") if msg.HasField("agent") else AgentSettings(),
     )
 
 

@@ -4,6 +4,7 @@ built from them, the proto conversion of each is `furlong.rpc.settings`, and the
 rollout's internal configs are built from them. See `fields` for how a setting is declared.
 """
 
+from furlong.core.settings.agent import AgentSettings
 from furlong.core.settings.algorithm import AlgorithmSettings
 from furlong.core.settings.checkpoint import CheckpointSettings
 from furlong.core.settings.data import DataSettings
@@ -15,6 +16,7 @@ from furlong.core.settings.rollout import RolloutSettings
 from furlong.core.settings.sampling import SamplingSettings
 
 __all__ = [
+    "AgentSettings",
     "AlgorithmSettings",
     "CheckpointSettings",
     "PrecisionSettings",

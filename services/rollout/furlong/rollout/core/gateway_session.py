@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from furlong.core.sampling_mask import RolloutSamplingMask
 
 DEFAULT_MAX_SESSIONS = 1024
 DEFAULT_MAX_CALLS = 4096
@@ -30,6 +32,8 @@ class ChoiceRecord:
     completion_token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str  # as the reply said: "stop", "length" or "tool_calls"
+    # the sampling support of each id (what a training trajectory needs; not in the JSON form)
+    support: RolloutSamplingMask | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.completion_token_ids) != len(self.logprobs):
@@ -55,12 +59,25 @@ class CallRecord:
     choices: tuple[ChoiceRecord, ...]
 
     def to_json(self) -> dict[str, Any]:
-        record = asdict(self)
-        record["prompt_token_ids"] = list(self.prompt_token_ids)
-        for choice in record["choices"]:
-            choice["completion_token_ids"] = list(choice["completion_token_ids"])
-            choice["logprobs"] = list(choice["logprobs"])
-        return record
+        return {
+            "response_id": self.response_id,
+            "kind": self.kind,
+            "model": self.model,
+            "policy_version": self.policy_version,
+            "seed": self.seed,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "choices": [
+                {
+                    "index": c.index,
+                    "completion_token_ids": list(c.completion_token_ids),
+                    "logprobs": list(c.logprobs),
+                    "finish_reason": c.finish_reason,
+                }
+                for c in self.choices
+            ],
+        }
 
 
 class SessionLog:

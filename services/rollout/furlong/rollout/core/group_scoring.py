@@ -35,7 +35,7 @@ _MAX_WAIT_S = 0.05  # how long one wait may block before the deadlines are looke
 class RewardFailure:
     kind: str  # ERROR | TIMEOUT
     message: str
-    source: str = "reward"  # "reward", or "environment": an episode's environment failed
+    source: str = "reward"  # "reward", "environment" (an episode's environment) or "agent" (a session's)
 
 
 @dataclass

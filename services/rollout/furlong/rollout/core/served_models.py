@@ -238,6 +238,7 @@ def call_record(
                 completion_token_ids=tuple(c.generation.token_ids),
                 logprobs=tuple(c.generation.logprobs),
                 finish_reason=c.finish_reason,
+                support=c.generation.support,
             )
             for c in choices
         ),

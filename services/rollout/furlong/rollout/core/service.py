@@ -24,9 +24,10 @@ from typing import Any
 from furlong.core import tasks
 from furlong.core.devices import DTYPES, parse_device
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
-from furlong.core.settings import DataSettings, PrecisionSettings, RolloutSettings
+from furlong.core.settings import AgentSettings, DataSettings, PrecisionSettings, RolloutSettings
 from furlong.core.settings.run_shape import MAX_RUN_SEED
 from furlong.core.task_data import DataFile, read_data_file
+from furlong.rollout.core.agent_sessions import RunAgent
 from furlong.rollout.core.checks import check_id, check_int, check_timeout
 from furlong.rollout.core.data_source import DataSource
 from furlong.rollout.core.engine import Engine
@@ -55,6 +56,8 @@ from furlong.rollout.rewards import RewardFn, get_reward, reward_registry
 log = logging.getLogger(__name__)
 
 PolicyLoader = Callable[[str], tuple[Any, Any]]  # model_dir -> (causal LM, tokenizer)
+# (settings, run id, the run's serving engine and tokenizer) -> the run's agent harness
+RunAgentFactory = Callable[[AgentSettings, str, Callable[[], tuple[Engine, Any]]], RunAgent]
 
 
 def _default_loader(model_dir: str) -> tuple[Any, Any]:
@@ -83,11 +86,22 @@ def _check_config(config: RolloutRunConfig) -> None:
             f"environment {config.environment.name!r} scores the run's episodes: the run must not name "
             "a reward as well"
         )
+    if config.agent.enabled:
+        if config.environment.enabled:
+            raise ValueError("a run has either an agent or an environment, not both")
+        if config.reward or config.reward_config.enabled:
+            raise ValueError(
+                f"agent {config.agent.function!r} returns each sample's reward: the run must not name "
+                "a reward as well"
+            )
+        if not config.data.enabled:
+            raise ValueError("an agent run needs dataset rows (data.train)")
     if (
         not config.task
         and not config.reward
         and not config.reward_config.enabled
         and not config.environment.enabled
+        and not config.agent.enabled
     ):
         raise ValueError("a run needs a task or a reward (a run without a task scores with its reward)")
 
@@ -120,6 +134,7 @@ class RolloutService:
         run_rewards: RunRewardFactory | None = None,
         data_reader: Callable[[str, DataSettings], DataFile] = read_data_file,
         run_environments: RunEnvironmentsFactory | None = None,
+        run_agents: RunAgentFactory | None = None,
     ) -> None:
         check_int("max_batch_size", max_batch_size, 1)
         checked = parse_device(device)  # ValueError naming a bad or missing device
@@ -147,6 +162,7 @@ class RolloutService:
         self._rewards = None if rewards is None else reward_registry(rewards, include_builtin=False)
         self._run_rewards = run_rewards
         self._run_environments = run_environments
+        self._run_agents = run_agents
         self._read_data = data_reader
         self._lock = threading.Lock()  # guards _runs
         self._configure_lock = threading.Lock()  # one configure_run at a time
@@ -165,6 +181,10 @@ class RolloutService:
             reward_name = f"environment {config.environment.name}"
             score: Scorer = _scored_by_environment
             return self._configure(config, task, reward_name, score, None)
+        if config.agent.enabled:
+            if self._run_agents is None:
+                raise ValueError("agent: this rollout service was started without an agent harness")
+            return self._configure(config, task, f"agent {config.agent.function}", _scored_by_agent, None)
         if config.reward_config.enabled:
             if self._run_rewards is None:
                 raise ValueError("reward: this rollout service was started without run rewards")
@@ -230,6 +250,11 @@ class RolloutService:
                     parallel=config.environment.num_workers,
                 )
                 self._closers[run_id] = environments.shutdown
+            agent = None
+            if config.agent.enabled:
+                assert self._run_agents is not None
+                agent = self._run_agents(config.agent, run_id, lambda: self.served_engine(run_id))
+                self._closers[run_id] = agent.shutdown
             run = ActiveRun(
                 run_id=run_id,
                 seed=config.seed,
@@ -248,6 +273,7 @@ class RolloutService:
                     else 0
                 ),
                 environment=runner,
+                agent=agent,
             )
             with self._lock:
                 self._runs[run_id] = (config, run)
@@ -344,6 +370,10 @@ class RolloutService:
                 self.end_run(run_id)
             except NotFoundError:
                 pass
+
+
+def _scored_by_agent(response_text: str, prompt: Prompt) -> float:
+    raise RuntimeError("an agent run's samples are scored by its agent, not by a reward")
 
 
 def _scored_by_environment(response_text: str, prompt: Prompt) -> float:

@@ -39,6 +39,7 @@ from furlong.core.samples import Sample, SampleGroup
 from furlong.core.settings import RolloutSettings
 from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_SAMPLES_PER_PROMPT
 from furlong.core.tasks import Task
+from furlong.rollout.core.agent_sessions import RunAgent
 from furlong.rollout.core.checks import check_id, check_int, check_prompts, check_timeout
 from furlong.rollout.core.data_source import DataSource
 from furlong.rollout.core.engine import Generation
@@ -84,6 +85,7 @@ class ActiveRun:
     reward_timeout_s: float | None = None  # one response's reward; None: the service's
     reward_resamples: int = 0  # rounds a group whose reward failed is drawn again; 0: left out
     environment: EpisodeRunner | None = None  # multi-turn episodes; None: one generation per sample
+    agent: RunAgent | None = None  # every sample a session of the run's agent (core.agent_sessions)
     ended: bool = field(default=False)
 
 
@@ -171,7 +173,7 @@ class StepGeneration:
         )
         for source, kind in sorted({(f.source, f.kind) for f in failures}):
             count = sum(f.kind == kind and f.source == source for f in failures)
-            if source == "environment":
+            if source in ("environment", "agent"):  # an agent's session counts as its environment
                 self._observer.environment_failed(run.run_id, kind, count)
             else:
                 self._observer.reward_failed(run.run_id, kind, count)
@@ -349,6 +351,8 @@ class StepGeneration:
             return self._draw_episodes(
                 run, run.environment, request_id, prompts, which, samples_per_prompt, sampling, round_
             )
+        if run.agent is not None:
+            return self._draw_agents(run, run.agent, prompts, which, samples_per_prompt, sampling, round_)
         rows = {sample_id(prompts[p].prompt_id, i): (p, i) for p in which for i in range(samples_per_prompt)}
         request_seed = sampling.seed
         timeout_s = run.reward_timeout_s or self._reward_timeout_s
@@ -453,6 +457,50 @@ class StepGeneration:
             failure = next((o for o in outcomes if isinstance(o, EnvironmentFailure)), None)
             if failure is not None:
                 failed[p] = RewardFailure(failure.kind, failure.message, source="environment")
+            else:
+                groups[p] = [o.sample for o in outcomes if isinstance(o, EpisodeResult)]
+        num_tokens = sum(r.sample.num_policy_tokens for r in results.values() if isinstance(r, EpisodeResult))
+        return _Draw(groups=groups, failed=failed, num_tokens=num_tokens)
+
+    def _draw_agents(
+        self,
+        run: ActiveRun,
+        agent: RunAgent,
+        prompts: list[Prompt],
+        which: list[int],
+        samples_per_prompt: int,
+        sampling: SamplingConfig,
+        round_: int,
+    ) -> _Draw:
+        """Every sample of the prompts `which` as a session of the run's agent."""
+        episodes = [
+            (sample_id(prompts[p].prompt_id, i), prompts[p]) for p in which for i in range(samples_per_prompt)
+        ]
+        request_seed = sampling.seed
+        results = agent.draw(
+            episodes, sampling, lambda share: engine_seed(run.seed, request_seed, share, round_)
+        )
+        return self._episode_groups(run, results, prompts, which, samples_per_prompt, "agent")
+
+    def _episode_groups(
+        self,
+        run: ActiveRun,
+        results: Mapping[str, EpisodeResult | EnvironmentFailure],
+        prompts: list[Prompt],
+        which: list[int],
+        samples_per_prompt: int,
+        source: str,
+    ) -> _Draw:
+        drift = sum(r.drift for r in results.values() if isinstance(r, EpisodeResult))
+        if drift:
+            self._observer.template_drifted(run.run_id, drift)
+        groups: dict[int, list[Sample]] = {}
+        failed: dict[int, RewardFailure] = {}
+        for p in which:
+            outcomes = [results[sample_id(prompts[p].prompt_id, i)] for i in range(samples_per_prompt)]
+            failure = next((o for o in outcomes if isinstance(o, EnvironmentFailure)), None)
+            if failure is not None:
+                failed[p] = RewardFailure(failure.kind, failure.message, source=source)
             else:
                 groups[p] = [o.sample for o in outcomes if isinstance(o, EpisodeResult)]
         num_tokens = sum(r.sample.num_policy_tokens for r in results.values() if isinstance(r, EpisodeResult))

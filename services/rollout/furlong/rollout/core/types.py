@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from furlong.core.samples import SampleGroup
 from furlong.core.settings import (
+    AgentSettings,
     DataSettings,
     EnvironmentSettings,
     PrecisionSettings,
@@ -60,6 +61,7 @@ class RolloutRunConfig:
     data: DataSettings = field(default_factory=DataSettings)  # train set: prompts from its rows
     reward_config: RewardSettings = field(default_factory=RewardSettings)  # a weight > 0: scores
     environment: EnvironmentSettings = field(default_factory=EnvironmentSettings)  # multi-turn episodes
+    agent: AgentSettings = field(default_factory=AgentSettings)  # every sample a session of an agent
 
 
 @dataclass(frozen=True)
