@@ -204,6 +204,8 @@ class FakeRollout:
     def configure_run(self, config: RolloutRunConfig) -> RunInfo:
         self.faults.hit("rollout.configure_run")
         self.configured[config.run_id] = config
+        # fresh engines, all serving (as the rollout service builds them)
+        self.drained = {e for e in self.drained if not e.startswith(f"{config.run_id}-engine-")}
         engine_ids = [e.engine_id for e in self._engines(config.run_id)]
         return RunInfo(run_id=config.run_id, policy_version=0, engine_ids=engine_ids)
 

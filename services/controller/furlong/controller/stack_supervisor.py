@@ -287,8 +287,8 @@ class Supervisor:
             "--controller-token-file",
             self.info.viewer_token_file,
         ]
-        for watched in self.info.processes:
-            argv += ["--watch-pid", str(watched.pid)]
+        # stack.json lists every process with its current pid (rewritten after each restart)
+        argv += ["--watch-pids-from", str(stack_file(Path(self.info.state_dir)))]
         return argv
 
     def _wait_healthy(self) -> None:
