@@ -55,9 +55,7 @@ def external(fakes):
 
 def config(fakes, state_dir: Path, **changes) -> StackConfig:
     changes.setdefault("services", SERVICES)
-    return StackConfig(
-        state_dir=state_dir, external=external(fakes), ready_timeout_s=60, **changes
-    )
+    return StackConfig(state_dir=state_dir, external=external(fakes), ready_timeout_s=60, **changes)
 
 
 def all_pids(state_dir: Path) -> list[int]:
