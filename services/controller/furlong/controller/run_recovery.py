@@ -116,10 +116,11 @@ class RunRecovery:
                 if not recoverable(exc):
                     raise RecoveryFailed(f"{cause}; recovery failed: {type(exc).__name__}: {exc}") from exc
                 if self._clock() >= deadline:
+                    last = f"{type(exc).__name__}: {exc}"
+                    # the cause usually is the error recovery kept meeting: say it once
+                    tail = " (the same error)" if last in cause else f": {last}"
                     raise RecoveryFailed(
-                        f"{cause}; the services were not back within "
-                        f"recovery.timeout_s={timeout_s:g}: "
-                        f"{type(exc).__name__}: {exc}"
+                        f"{cause}; the services were not back within recovery.timeout_s={timeout_s:g}{tail}"
                     ) from exc
                 log.info("run %s: recovery attempt %d: %s; retrying", run.run_id, attempt, exc)
                 self._sleep(RETRY_S)
