@@ -238,6 +238,8 @@ class Supervisor:
                 "--num-threads",
                 str(c.torch_threads),
             ]
+        if name in ("trainer", "rollout"):
+            argv += ["--device", c.device]
         if name == "weight_broker":
             argv += ["--ack-timeout-s", repr(float(c.broker_ack_timeout_s))]
             if c.broker_fault_hooks:
