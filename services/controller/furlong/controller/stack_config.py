@@ -7,7 +7,6 @@ process (as `STATE_DIR/stack-config.json`). Knows nothing about processes.
 from __future__ import annotations
 
 import re
-
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
