@@ -31,7 +31,8 @@ the trainer's own `score_seconds` (log-prob passes outside the gradient pass),
 `forward_backward_seconds` and `optimizer_seconds` where the trainer reports them, publish
 (PublishWeights) and switch (WaitCommitted); tokens per second; the train step's achieved model
 FLOP/s (matmul FLOPs of forward + backward, 3 x the forward's, over the train step's time) and the
-FLOP/s of a large float32 torch matmul measured in this process on the same number of threads.
+FLOP/s of a large torch matmul in the run's dtype measured in this process on the same number of
+threads, before and after the runs (the better of the two).
 
 Ratios: `rl_step_vs_trl` = samples per second, ours / TRL's (higher is better);
 `train_step_vs_matmul_roofline` = the train step's achieved model FLOP/s over the large matmul's.
@@ -42,6 +43,7 @@ TRL is not installed `rl_step_vs_trl` is null and `notes` says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -51,6 +53,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +119,7 @@ def forward_flops(model: Any, tokens: int, sequences: list[int]) -> float:
 
 def matmul_flops_per_s(threads: int, dtype: torch.dtype, size: int = 2048, repeats: int = 8) -> float:
     """The best FLOP/s of a size x size matmul on `threads` torch threads."""
+    previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     torch.mm(a, b)
@@ -124,6 +128,7 @@ def matmul_flops_per_s(threads: int, dtype: torch.dtype, size: int = 2048, repea
         t0 = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t0)
+    torch.set_num_threads(previous)
     return 2.0 * size**3 / best
 
 
@@ -302,7 +307,8 @@ def run_trl(
         callbacks=[Timer()],
     )
     setup_s = time.perf_counter() - started
-    trainer.train()
+    with contextlib.redirect_stdout(sys.stderr):  # TRL prints its logs: keep stdout for the result
+        trainer.train()
     return {"times": times, "lengths": lengths, "rewards": rewards, "setup_s": setup_s}
 
 
@@ -327,6 +333,7 @@ def main() -> None:
     p.add_argument("--skip-trl", action="store_true", help="measure our side only")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames, seen by TRL
     hidden, layers, prompts_per_step, max_new, steps = (
         (128, 2, 4, 32, 3) if args.quick else (512, 6, 16, 64, 6)
     )
@@ -335,6 +342,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model_dir, data, model, prompts = write_job(tmp, hidden, layers, prompts_per_step * steps)
+        # the machine's matmul rate, before and after the runs (the better one is the roofline)
+        matmuls = [matmul_flops_per_s(args.torch_threads, getattr(torch, args.dtype))]
         num_params = sum(t.numel() for t in model.parameters())
         ours = run_ours(
             model_dir, data, tmp, prompts_per_step, samples, max_new, steps, args.torch_threads, args.dtype
@@ -359,7 +368,8 @@ def main() -> None:
                 steps,
                 args.dtype,
             )
-        matmul = matmul_flops_per_s(args.torch_threads, getattr(torch, args.dtype))
+        matmuls.append(matmul_flops_per_s(args.torch_threads, getattr(torch, args.dtype)))
+        matmul = max(matmuls)
         # Model FLOPs of one step's train pass: every sample is prompt + completion; the prompt
         # lengths are the tokenizer's, the completion lengths the measured means.
         tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(str(model_dir))
