@@ -48,3 +48,9 @@ def hangs_on_flagged(response_text, answer, metadata=None):
     if (metadata or {}).get("hang"):
         RELEASE.wait(120)
     return float(response_text.strip() == answer)
+
+
+def odd_length(response_text, answer):
+    """A user reward (`data_files:odd_length`): 1 for a response of odd length, else 0, so an
+    untrained model's responses score both."""
+    return float(len(response_text) % 2)
