@@ -85,3 +85,13 @@ def test_the_eval_section_is_parsed_with_its_defaults_and_checked():
     with pytest.raises(SettingError) as err:
         parse_run_spec(no_rows)
     assert err.value.field == "eval.every_steps" and "data.eval is not set" in str(err.value)
+
+
+def test_furlong_run_prints_a_line_for_each_evaluated_step():
+    from furlong.controller.run_follow import describe_eval
+
+    metrics = {"eval/reward_mean": 0.5, "eval/pass@1": 0.5, "eval/pass@k": 0.875, "eval/k": 4.0}
+    line = describe_eval({"step": 10, "eval_metrics": {**metrics, "eval/num_prompts": 100.0}})
+    assert line == "eval after step 10: reward 0.5000  pass@1 0.5000  pass@4 0.8750  (100 prompts)"
+    assert describe_eval({"step": 9, "eval_metrics": {}}) is None
+    assert describe_eval({"step": 9}) is None  # a record written before evaluation existed
