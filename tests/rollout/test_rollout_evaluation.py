@@ -114,3 +114,26 @@ def test_bad_evaluate_requests_name_their_field(stack):
                 timeout_s=0.2,
             )
         )
+
+
+def test_a_reward_that_fails_fails_the_evaluation_naming_the_sample(stack, tmp_path):
+    rows = addition_rows(4)
+    rows[2]["metadata"] = {"index": 2, "fail": 1}
+    flagged = write_jsonl(tmp_path / "flagged.jsonl", rows)
+    reward = RewardSettings(python=PythonReward(weight=1.0, function="data_files:fails_on_flagged"))
+    config = RolloutRunConfig(
+        run_id="eval-fail",
+        model_dir=stack["checkpoint"],
+        seed=3,
+        data=DataSettings(train=stack["train"], eval=str(flagged)),
+        reward_config=reward,
+    )
+    client = stack["client"]
+    client.configure_run(config)
+    assert len(client.evaluate(evaluation("eval-fail", max_prompts=2)).groups) == 2  # rows 0, 1 score
+    with pytest.raises(
+        Exception, match=r"evaluation of run eval-fail at step 1: .*cannot score row 2"
+    ) as err:
+        client.evaluate(evaluation("eval-fail"))
+    assert not isinstance(err.value, ValueError)  # a failure of the reward, never a bad request
+    assert stack["redis"].xlen(stream_key("eval-fail")) == 0
