@@ -95,3 +95,49 @@ def test_furlong_run_prints_a_line_for_each_evaluated_step():
     assert line == "eval after step 10: reward 0.5000  pass@1 0.5000  pass@4 0.8750  (100 prompts)"
     assert describe_eval({"step": 9, "eval_metrics": {}}) is None
     assert describe_eval({"step": 9}) is None  # a record written before evaluation existed
+
+
+@pytest.mark.integration
+def test_the_driver_evaluates_every_n_steps_and_the_last_with_the_committed_policy(redis_url):
+    from controller_fakes import fake_stack
+
+    from furlong.controller.config import DriverTimeouts
+    from furlong.controller.core.run_state import RunState
+    from furlong.controller.driver import RunDriver
+    from furlong.controller.metrics import EVAL_PASS_AT_K, ControllerMetrics
+    from furlong.controller.run_store import RunStore
+    from furlong.core.errors import UnavailableError
+
+    store = RunStore.from_url(redis_url)
+    fakes = fake_stack()
+    metrics = ControllerMetrics()
+    driver = RunDriver(store, fakes.services, DriverTimeouts(end_s=1.0), metrics)
+    evaluation = {"every_steps": 2, "samples_per_prompt": 4, "temperature": 0.5, "max_prompts": 5}
+    body = {**SPEC, "steps": 5, "sampling": {"max_new_tokens": 6}, "eval": evaluation}
+    try:
+        run = driver.execute(store.create(parse_run_spec(body)).run_id)
+        assert run.state == RunState.SUCCEEDED, run.reason
+        calls = fakes.rollout.evaluate_calls
+        assert [c.step for c in calls] == [2, 4, 5]
+        assert [c.min_policy_version for c in calls] == [2, 4, 5]  # what the step committed
+        assert all(c.samples_per_prompt == 4 and c.max_prompts == 5 for c in calls)
+        assert all(c.sampling.temperature == 0.5 and c.sampling.max_new_tokens == 6 for c in calls)
+        generate_seeds = {c.sampling.seed for c in fakes.rollout.generate_calls}
+        seeds = [c.sampling.seed for c in calls]
+        assert len(set(seeds)) == 3 and not generate_seeds & set(seeds)
+        records = store.metrics(run.run_id)
+        assert [bool(r.eval_metrics) for r in records] == [False, True, False, True, True]
+        # prompt p of the fake has min(p, 4) of 4 responses at reward 1
+        expected = {"eval/reward_mean": 0.5, "eval/pass@1": 0.5, "eval/pass@k": 0.8, "eval/k": 4.0}
+        for r in records[1::2] + records[-1:]:
+            assert {k: r.eval_metrics[k] for k in expected} == pytest.approx(expected)
+        assert metrics.registry.get_sample_value(EVAL_PASS_AT_K, {"run_id": run.run_id}) == pytest.approx(0.8)
+        # An evaluation that fails fails the step it follows, named by its phase.
+        fakes.faults.raise_in["evaluate"] = UnavailableError("rollout went away")
+        failed = driver.execute(
+            store.create(parse_run_spec({**body, "recovery": {"max_attempts": 0}})).run_id
+        )
+        assert failed.state == RunState.FAILED and failed.reason.startswith("step 2 rollout.Evaluate:")
+        assert "rollout went away" in failed.reason
+    finally:
+        store.close()
