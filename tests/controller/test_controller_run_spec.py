@@ -10,6 +10,7 @@ from furlong.controller.run_spec import RunSpec, parse_run_spec
 from furlong.core.settings import (
     AlgorithmSettings,
     DataSettings,
+    EvalSettings,
     RewardSettings,
     SamplingSettings,
     SettingError,
@@ -60,6 +61,7 @@ FULL = {
     "recovery": {"max_attempts": 3, "timeout_s": 120.0},
     "data": to_mapping(DataSettings()),
     "reward": to_mapping(RewardSettings()),
+    "eval": to_mapping(EvalSettings()),
 }
 
 

@@ -125,6 +125,8 @@ def _print_stack(info: StackInfo) -> None:
         f"REST API   {info.rest_url}",
         f"token      {info.token()}  (in {info.token_file})",
     ]
+    if info.gateway_url:
+        lines.append(f"gateway    {info.gateway_url}  (OpenAI-compatible; model = a run id)")
     if info.dashboard_url:
         lines += [f"dashboard  {info.dashboard_url}/", f"metrics    {info.dashboard_url}/metrics"]
     lines.append(f"redis      {info.redis_url}  ({info.redis_binary})")

@@ -7,6 +7,7 @@ rollout's internal configs are built from them. See `fields` for how a setting i
 from furlong.core.settings.algorithm import AlgorithmSettings
 from furlong.core.settings.checkpoint import CheckpointSettings
 from furlong.core.settings.data import DataSettings
+from furlong.core.settings.evaluation import EvalSettings
 from furlong.core.settings.fields import SettingError, from_mapping, json_schema, to_mapping
 from furlong.core.settings.precision import PrecisionSettings
 from furlong.core.settings.reward import RewardSettings
@@ -18,6 +19,7 @@ __all__ = [
     "CheckpointSettings",
     "PrecisionSettings",
     "DataSettings",
+    "EvalSettings",
     "RewardSettings",
     "RolloutSettings",
     "SamplingSettings",
