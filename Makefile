@@ -6,7 +6,7 @@ DISTS := libs/core libs/service-main libs/proto libs/ledger libs/transfer servic
 # The distributions' source roots, so that tools which read files see the one `furlong` namespace.
 SOURCE_PATH := $(subst $(eval) ,:,$(DISTS))
 
-.PHONY: setup proto proto-check lint test example clean
+.PHONY: setup proto proto-check lint test example example-math-word clean
 
 $(VENV)/.installed: requirements.txt $(foreach d,$(DISTS),$(d)/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ test: setup
 
 example: setup
 	$(VENV)/bin/furlong run examples/addition/run.yaml --out runs/addition
+
+example-math-word: setup
+	$(VENV)/bin/furlong run examples/math-word/run.yaml --out runs/math-word
 
 clean:
 	rm -rf $(VENV) runs .furlong

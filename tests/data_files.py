@@ -48,3 +48,17 @@ def hangs_on_flagged(response_text, answer, metadata=None):
     if (metadata or {}).get("hang"):
         RELEASE.wait(120)
     return float(response_text.strip() == answer)
+
+
+def odd_length(response_text, answer):
+    """A user reward (`data_files:odd_length`): 1 for a response of odd length, else 0, so an
+    untrained model's responses score both."""
+    return float(len(response_text) % 2)
+
+
+def fails_on_flagged(response_text, answer, metadata=None):
+    """A user reward (`data_files:fails_on_flagged`) that raises on rows whose metadata has fail=1,
+    and scores the others 1."""
+    if (metadata or {}).get("fail"):
+        raise RuntimeError(f"cannot score row {(metadata or {}).get('index')}")
+    return 1.0

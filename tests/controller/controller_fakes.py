@@ -27,6 +27,9 @@ from furlong.core.weight_versions import VersionStatusInfo
 from furlong.rollout.core.types import (
     EngineState,
     EngineStatus,
+    EvalGroup,
+    EvaluateRequest,
+    EvaluateResult,
     GenerateRequest,
     GenerateResult,
     RolloutRunConfig,
@@ -197,6 +200,7 @@ class FakeRollout:
         self.faults = faults or Faults()
         self.configured: dict[str, RolloutRunConfig] = {}
         self.generate_calls: list[GenerateRequest] = []
+        self.evaluate_calls: list[EvaluateRequest] = []
         self.ended: list[str] = []
         self.engines_per_run = engines_per_run
         self.drained: set[str] = set()
@@ -204,6 +208,8 @@ class FakeRollout:
     def configure_run(self, config: RolloutRunConfig) -> RunInfo:
         self.faults.hit("rollout.configure_run")
         self.configured[config.run_id] = config
+        # fresh engines, all serving (as the rollout service builds them)
+        self.drained = {e for e in self.drained if not e.startswith(f"{config.run_id}-engine-")}
         engine_ids = [e.engine_id for e in self._engines(config.run_id)]
         return RunInfo(run_id=config.run_id, policy_version=0, engine_ids=engine_ids)
 
@@ -222,6 +228,26 @@ class FakeRollout:
             reward_mean=request.step / 10,
             policy_version=request.min_policy_version,
             num_tokens=3 * n,
+            generate_seconds=0.001,
+        )
+
+    def evaluate(self, request: EvaluateRequest) -> EvaluateResult:
+        """max_prompts prompts (3 for 0) whose rewards are 1 for responses i < prompt index."""
+        self.faults.hit("evaluate")
+        if request.run_id not in self.configured:
+            raise NotFoundError(f"rollout has no run {request.run_id}")
+        self.evaluate_calls.append(request)
+        n = request.samples_per_prompt
+        groups = tuple(
+            EvalGroup(f"eval-r{p}", tuple(float(i < p) for i in range(n)))
+            for p in range(request.max_prompts or 3)
+        )
+        return EvaluateResult(
+            run_id=request.run_id,
+            step=request.step,
+            policy_version=request.min_policy_version,
+            groups=groups,
+            num_tokens=len(groups) * n,
             generate_seconds=0.001,
         )
 

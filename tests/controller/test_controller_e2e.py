@@ -85,6 +85,10 @@ def test_up_rest_down(checkpoint, tmp_path):
         ]
         token = (state_dir / "token").read_text().strip()
         assert stack["rest_url"] in up.stdout and token in up.stdout
+        gateway = stack["gateway_url"]
+        assert gateway.startswith("http://127.0.0.1:") and gateway.endswith("/v1")
+        assert f"gateway    {gateway}" in up.stdout and f"dashboard  {stack['dashboard_url']}/" in up.stdout
+        assert httpx.get(f"{gateway}/models").json() == {"object": "list", "data": []}  # no run yet
         assert httpx.get(f"{stack['rest_url']}/readyz").json()["ready"] is True
         assert httpx.get(f"{stack['rest_url']}/v1/runs").status_code == 401
         http = httpx.Client(
@@ -109,6 +113,8 @@ def test_up_rest_down(checkpoint, tmp_path):
         while http.get(f"/v1/runs/{long_run['run_id']}").json()["current_step"] < 2:
             assert time.monotonic() < deadline, "the long run did not advance"
             time.sleep(0.2)
+        served = [m["id"] for m in httpx.get(f"{gateway}/models").json()["data"]]
+        assert served == [long_run["run_id"]]  # the gateway's models are the configured runs
         engines = http.get("/v1/engines").json()  # rollout's GetStatus over authenticated gRPC
         assert engines["run_id"] == long_run["run_id"] and len(engines["engines"]) == 1
         assert engines["engines"][0]["healthy"] is True

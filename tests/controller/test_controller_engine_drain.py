@@ -6,6 +6,8 @@ the usual fakes (draining does not involve them)."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 import redis
@@ -15,6 +17,7 @@ from tiny_policy import rollout_run, write_tiny_checkpoint
 from furlong.controller.auth import ApiTokens
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
+from furlong.core.errors import UnavailableError
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.rollout.client import GrpcRolloutClient
 from furlong.rollout.core.sampling import SamplingConfig
@@ -145,3 +148,60 @@ def test_draining_the_last_serving_engine_is_refused_with_409_naming_why(stack):
         assert [e.state.value for e in service.status(RUN).engines] == ["drained", "serving"]
     finally:
         admin.close()
+
+
+def test_a_drained_engine_stays_drained_after_a_recovery(redis_url):
+    """A recovery starts fresh engines (all serving); the controller drains again the ones drained
+    through REST before, so draining an engine survives a service restart."""
+    fakes = fake_stack()
+    store = RunStore.from_url(redis_url)
+    controller = build_controller(store, fakes.services, ApiTokens(admin=(ADMIN,)), lambda: {"redis": True})
+    http = HttpServer(controller.app).start()
+    admin = httpx.Client(base_url=http.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30.0)
+    drains: list[str] = []
+    failed: list[int] = []
+    real_drain, real_train_step = fakes.rollout.drain_engine, fakes.trainer.train_step
+
+    def drain(run_id, engine_id):
+        drains.append(engine_id)
+        return real_drain(run_id, engine_id)
+
+    def train_step(request):
+        if request.step == 1 and not drains:
+            reply = admin.post(
+                f"/v1/engines/{request.run_id}-engine-1/drain", params={"run_id": request.run_id}
+            )
+            assert reply.status_code == 200 and reply.json()["state"] == "drained", reply.text
+        if request.step == 2 and not failed:
+            failed.append(request.step)
+            fakes.trainer.runs.pop(request.run_id)  # the trainer "restarted": it forgot the run
+            raise UnavailableError("trainer went away")
+        return real_train_step(request)
+
+    fakes.rollout.drain_engine, fakes.trainer.train_step = drain, train_step
+    try:
+        spec = {"name": "drained", "model": "/models/tiny", "task": "addition", "steps": 3, "seed": 7}
+        created = admin.post("/v1/runs", json=spec)
+        assert created.status_code == 201, created.text
+        run_id = created.json()["run_id"]
+        deadline = time.monotonic() + 60
+        while admin.get(f"/v1/runs/{run_id}").json()["state"] not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline, "the run did not finish"
+            time.sleep(0.05)
+        assert admin.get(f"/v1/runs/{run_id}").json()["state"] == "succeeded"
+        assert len(fakes.rollout.configured) == 1 and [c.step for c in fakes.rollout.generate_calls][:3] == [
+            1,
+            2,
+            1,
+        ]
+        assert drains == [f"{run_id}-engine-1"] * 2  # through REST, then again after the recovery
+        states = [(e.engine_id, e.state.value) for e in fakes.rollout.status(run_id).engines]
+        assert states == [(f"{run_id}-engine-0", "serving"), (f"{run_id}-engine-1", "drained")]
+        assert store.drained_engines(run_id) == [f"{run_id}-engine-1"]
+        assert admin.delete(f"/v1/runs/{run_id}").status_code == 204
+        assert store.drained_engines(run_id) == []
+    finally:
+        admin.close()
+        controller.close(10)
+        http.stop()
+        store.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import torch
 import yaml
 from controller_fakes import fake_stack, serve_fakes
 from polling import wait_until as wait_for
@@ -174,6 +175,19 @@ def test_cli_run_rejects_a_bad_config_before_starting_anything(tmp_path, capsys)
     assert code == 2
     assert "sampling.top_p" in capsys.readouterr().err
     assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:7"])
+def test_a_device_this_machine_lacks_is_refused_before_starting_anything(tmp_path, capsys, device):
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    code = cli.main(["up", "--device", device, "--state-dir", str(tmp_path / "state")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--device" in err and device in err
+    assert not (tmp_path / "state").exists()
+    with pytest.raises(ValueError, match="device must be"):
+        StackConfig(state_dir=tmp_path / "other", device="tpu")
 
 
 def stop_was_requested(stack, name: str) -> bool:

@@ -11,6 +11,7 @@ from furlong.core.settings import (
     AlgorithmSettings,
     DataSettings,
     EnvironmentSettings,
+    EvalSettings,
     RewardSettings,
     SamplingSettings,
     SettingError,
@@ -62,6 +63,7 @@ FULL = {
     "data": to_mapping(DataSettings()),
     "reward": to_mapping(RewardSettings()),
     "environment": to_mapping(EnvironmentSettings()),
+    "eval": to_mapping(EvalSettings()),
 }
 
 

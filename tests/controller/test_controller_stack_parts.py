@@ -207,7 +207,7 @@ def test_parent_death_does_not_start_a_command_whose_parent_is_already_gone():
     assert out.returncode == 1 and "parent 1 is gone" in out.stderr
 
 
-def test_up_prints_the_dashboard_url_and_the_command_that_stops_it(tmp_path, capsys):
+def test_up_prints_the_gateway_and_dashboard_urls_and_the_command_that_stops_it(tmp_path, capsys):
     from dataclasses import replace
 
     from furlong.controller import cli
@@ -215,9 +215,16 @@ def test_up_prints_the_dashboard_url_and_the_command_that_stops_it(tmp_path, cap
     (tmp_path / "token").write_text("t0k3n\n")
     me = adopt("controller", os.getpid(), 8000, tmp_path / "logs" / "controller.log")
     info = replace(
-        _info(tmp_path, [me]), dashboard_url="http://127.0.0.1:8123", redis_binary="redis-server 7.0.15 (/x)"
+        _info(tmp_path, [me]),
+        dashboard_url="http://127.0.0.1:8123",
+        gateway_url="http://127.0.0.1:8124/v1",
+        redis_binary="redis-server 7.0.15 (/x)",
     )
     cli._print_stack(info)
     out = capsys.readouterr().out
     assert "dashboard  http://127.0.0.1:8123/" in out and "REST API   http://127.0.0.1:1" in out
+    assert "gateway    http://127.0.0.1:8124/v1  (OpenAI-compatible; model = a run id)" in out
+    assert type(info).from_dict(info.to_dict()).gateway_url == "http://127.0.0.1:8124/v1"
+    cli._print_stack(replace(info, gateway_url=""))  # a stack without rollout of its own
+    assert "gateway    " not in capsys.readouterr().out
     assert "redis-server 7.0.15 (/x)" in out and "logs/controller.log" in out

@@ -54,9 +54,8 @@ def external(fakes):
 
 
 def config(fakes, state_dir: Path, **changes) -> StackConfig:
-    return StackConfig(
-        state_dir=state_dir, services=SERVICES, external=external(fakes), ready_timeout_s=60, **changes
-    )
+    changes.setdefault("services", SERVICES)
+    return StackConfig(state_dir=state_dir, external=external(fakes), ready_timeout_s=60, **changes)
 
 
 def all_pids(state_dir: Path) -> list[int]:
@@ -77,7 +76,14 @@ def wait_event(tail: StackEventTail, kind: StackEventKind, service: str, timeout
 
 def test_a_killed_service_is_reported_and_restarted_until_its_budget_is_spent(fakes, tmp_path):
     state_dir = tmp_path / "state"
-    info = start_stack(config(fakes, state_dir, restart=RestartPolicy(budget=1, backoff_s=0.1)))
+    info = start_stack(
+        config(
+            fakes,
+            state_dir,
+            services=(*SERVICES, "dashboard"),
+            restart=RestartPolicy(budget=1, backoff_s=0.1),
+        )
+    )
     try:
         tail = StackEventTail(state_dir, from_start=True)
         controller = {p.name: p for p in info.processes}["controller"]
@@ -103,6 +109,17 @@ def test_a_killed_service_is_reported_and_restarted_until_its_budget_is_spent(fa
         )  # same command line and port
         assert httpx.get(f"{again.rest_url}/readyz").status_code == 200
         assert stack_status(state_dir).state == StackState.RUNNING
+
+        def rss_pids() -> set[str]:  # the pids the dashboard reports the memory of
+            text = httpx.get(f"{again.dashboard_url}/metrics", timeout=10.0).text
+            return {
+                line.split('pid="', 1)[1].split('"', 1)[0]
+                for line in text.splitlines()
+                if line.startswith("furlong_host_process_rss_bytes{")
+            }
+
+        wait_until(lambda: str(now.pid) in rss_pids(), 30, "the dashboard watching the new pid")
+        assert str(controller.pid) not in rss_pids()
         # a second death spends the budget of one restart: one short reason, the stack is broken
         os.kill(now.pid, signal.SIGKILL)
         gave_up = wait_event(tail, StackEventKind.GAVE_UP, "controller")

@@ -28,17 +28,25 @@ def masks(draw) -> RolloutSamplingMask:
             st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12, unique=True), min_size=0, max_size=20
         )
     )
-    return RolloutSamplingMask.from_lists(rows, vocab)
+    mask = RolloutSamplingMask.from_lists(rows, vocab)
+    full = draw(st.lists(st.booleans(), min_size=len(rows), max_size=len(rows)))
+    if not any(full):
+        return mask
+    # some rows the whole vocabulary, stored implicitly
+    parts = [RolloutSamplingMask.full(1, vocab) if f else mask.rows(i, i + 1) for i, f in enumerate(full)]
+    return RolloutSamplingMask.concatenate(parts)
 
 
 def check_invariants(mask: RolloutSamplingMask) -> None:
     """What every mask that exists must satisfy, checked independently of its constructor."""
-    assert mask.offsets[0] == 0 and mask.offsets[-1] == mask.nnz
-    assert np.all(np.diff(mask.offsets) > 0)
-    if mask.nnz:
+    implicit = mask.implicit if mask.implicit is not None else np.zeros(mask.num_rows, dtype=bool)
+    spans = np.diff(mask.offsets)
+    assert mask.offsets[0] == 0 and mask.offsets[-1] == mask.token_ids.size
+    assert np.all(spans[~implicit] > 0) and np.all(spans[implicit] == 0)
+    if mask.token_ids.size:
         assert 0 <= mask.token_ids.min() and mask.token_ids.max() < mask.vocab_size
     for i in range(mask.num_rows):  # every row is readable and inside token_ids
-        assert mask.row(i).size == mask.offsets[i + 1] - mask.offsets[i]
+        assert mask.row(i).size == (mask.vocab_size if implicit[i] else spans[i])
 
 
 def decode_or_value_error(data: bytes) -> RolloutSamplingMask | None:
@@ -56,7 +64,9 @@ def decode_or_value_error(data: bytes) -> RolloutSamplingMask | None:
 @given(masks())
 def test_valid_masks_round_trip_exactly(mask):
     data = mask.encode()
-    assert len(data) == HEADER.size + 4 * mask.num_rows + 4 * mask.nnz
+    bitmap = 0 if mask.implicit is None else (mask.num_rows + 7) // 8
+    assert len(data) == HEADER.size + 4 * mask.num_rows + bitmap + 4 * mask.token_ids.size
+    check_invariants(mask)
     back = RolloutSamplingMask.decode(data)
     assert back == mask and back.to_lists() == mask.to_lists()
     assert back.token_ids.dtype == np.int32 and back.offsets.dtype == np.int64
@@ -76,8 +86,8 @@ def test_garbage_bytes_are_refused_with_value_error(data):
     st.binary(max_size=128), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)
 )
 def test_headers_with_any_counts_never_read_past_the_buffer(body, vocab, rows, nnz):
-    data = HEADER.pack(b"FSM1", vocab, rows, nnz) + body
-    decode_or_value_error(data)
+    for magic in (b"FSM1", b"FSM2"):
+        decode_or_value_error(HEADER.pack(magic, vocab, rows, nnz) + body)
 
 
 @FUZZ

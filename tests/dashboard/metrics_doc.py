@@ -15,7 +15,7 @@ class MetricDoc:
     name: str
     type: str  # counter, gauge, histogram
     labels: str
-    when: str  # always, run, gpu
+    when: str  # always, run, gpu, eval
     check: str  # >0, >=0, 0..1, =1, finite
 
     def series_names(self) -> list[str]:
@@ -45,7 +45,7 @@ def documented_metrics() -> dict[str, MetricDoc]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 6 and cells[0].startswith("`") and cells[0].endswith("`"):
             name = cells[0].strip("`")
-            assert cells[3] in {"always", "run", "gpu"}, line
+            assert cells[3] in {"always", "run", "gpu", "eval"}, line
             assert cells[4] in {">0", ">=0", "0..1", "=1", "finite"}, line
             out[name] = MetricDoc(name, cells[1], cells[2], cells[3], cells[4])
     return out

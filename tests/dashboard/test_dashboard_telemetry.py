@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -131,6 +132,32 @@ def test_provider_discovers_furlong_processes_and_watches_given_pids():
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.integration
+def test_provider_follows_a_pids_file_rewritten_after_a_restart(tmp_path):
+    """The local stack's dashboard reads stack.json at every sample: a service restarted under a
+    new pid is reported under it, the old pid no longer."""
+    pids_file = tmp_path / "stack.json"
+    first = spawn(HOLD_64MIB, "-m", "furlong.trainer")
+    second = spawn(HOLD_64MIB, "-m", "furlong.trainer")
+    try:
+        assert first.stdout.readline().strip() == "ready" and second.stdout.readline().strip() == "ready"
+        pids_file.write_text(json.dumps({"processes": [{"name": "trainer", "pid": first.pid}]}))
+        provider = HostTelemetryProvider(pids_file=pids_file)
+        assert {p.pid for p in provider.snapshot().processes} == {first.pid, os.getpid()}
+        first.kill()
+        first.wait()
+        pids_file.write_text(json.dumps({"processes": [{"name": "trainer", "pid": second.pid}]}))
+        found = {p.pid: p for p in provider.snapshot().processes}
+        assert set(found) == {second.pid, os.getpid()}
+        assert found[second.pid].service == "trainer" and found[second.pid].rss_bytes >= 64 << 20
+        pids_file.write_text("{not json")  # caught mid-write: the last list read is kept
+        assert {p.pid for p in provider.snapshot().processes} == {second.pid, os.getpid()}
+    finally:
+        for child in (first, second):
+            child.kill()
+            child.wait()
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> httpx.Response:

@@ -58,6 +58,19 @@ def test_run_series_from_step_records():
 
 
 @pytest.mark.unit
+def test_eval_series_have_points_only_on_evaluated_steps():
+    evaluated = {"eval/reward_mean": 0.5, "eval/pass@1": 0.25, "eval/pass@k": 0.75, "eval/k": 4.0}
+    steps = [record(1, 1, 0, eval_metrics={}), record(2, 2, 1, eval_metrics=evaluated), record(3, 3, 2)]
+    s = run_series(steps)["series"]
+    assert (s["eval_reward"], s["eval_pass_at_1"], s["eval_pass_at_k"]) == (
+        [[2, 0.5]],
+        [[2, 0.25]],
+        [[2, 0.75]],
+    )
+    assert run_series([record(1, 1, 0)])["series"]["eval_reward"] == []
+
+
+@pytest.mark.unit
 def test_lanes_are_bounded_and_reject_impossible_ratios():
     lanes = UtilizationLanes(max_points=3)
     for t in range(5):

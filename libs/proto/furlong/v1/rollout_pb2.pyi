@@ -256,6 +256,48 @@ class GenerateResponse(_message.Message):
     num_reward_failures: int
     def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_samples: _Optional[int] = ..., reward_mean: _Optional[float] = ..., policy_version: _Optional[int] = ..., num_tokens: _Optional[int] = ..., generate_seconds: _Optional[float] = ..., num_groups_dropped: _Optional[int] = ..., num_groups_refilled: _Optional[int] = ..., num_groups_surplus: _Optional[int] = ..., request_id: _Optional[str] = ..., num_groups_resumed: _Optional[int] = ..., num_reward_failures: _Optional[int] = ...) -> None: ...
 
+class EvaluateRequest(_message.Message):
+    __slots__ = ("run_id", "step", "samples_per_prompt", "sampling", "max_prompts", "min_policy_version", "timeout_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    samples_per_prompt: int
+    sampling: _common_pb2.SamplingParams
+    max_prompts: int
+    min_policy_version: int
+    timeout_s: float
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_prompts: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class EvalGroup(_message.Message):
+    __slots__ = ("prompt_id", "rewards")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    rewards: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt_id: _Optional[str] = ..., rewards: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EvaluateResponse(_message.Message):
+    __slots__ = ("run_id", "step", "policy_version", "groups", "num_tokens", "generate_seconds")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    policy_version: int
+    groups: _containers.RepeatedCompositeFieldContainer[EvalGroup]
+    num_tokens: int
+    generate_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[EvalGroup, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., generate_seconds: _Optional[float] = ...) -> None: ...
+
 class EndRolloutRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

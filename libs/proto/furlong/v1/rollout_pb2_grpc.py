@@ -44,6 +44,11 @@ class RolloutStub:
                 request_serializer=furlong_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=furlong_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Evaluate = channel.unary_unary(
+                '/furlong.v1.Rollout/Evaluate',
+                request_serializer=furlong_dot_v1_dot_rollout__pb2.EvaluateRequest.SerializeToString,
+                response_deserializer=furlong_dot_v1_dot_rollout__pb2.EvaluateResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/furlong.v1.Rollout/GetStatus',
                 request_serializer=furlong_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.SerializeToString,
@@ -72,6 +77,13 @@ class RolloutServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evaluate(self, request, context):
+        """INVALID_ARGUMENT when the run has no evaluation rows (data.eval) or a field is bad.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -108,6 +120,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=furlong_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
                     response_serializer=furlong_dot_v1_dot_rollout__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Evaluate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evaluate,
+                    request_deserializer=furlong_dot_v1_dot_rollout__pb2.EvaluateRequest.FromString,
+                    response_serializer=furlong_dot_v1_dot_rollout__pb2.EvaluateResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -179,6 +196,33 @@ class Rollout:
             '/furlong.v1.Rollout/Generate',
             furlong_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
             furlong_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evaluate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/furlong.v1.Rollout/Evaluate',
+            furlong_dot_v1_dot_rollout__pb2.EvaluateRequest.SerializeToString,
+            furlong_dot_v1_dot_rollout__pb2.EvaluateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -148,7 +148,10 @@ def _engine_routes(
 
 
 def _drain_route(
-    router: APIRouter, engines: RolloutClient | None, active_run: Callable[[], str | None]
+    router: APIRouter,
+    service: RunService,
+    engines: RolloutClient | None,
+    active_run: Callable[[], str | None],
 ) -> None:
     @router.post(
         "/engines/{engine_id}/drain",
@@ -159,13 +162,16 @@ def _drain_route(
         engine_id: str, run_id: str | None = Query(default=None, max_length=128)
     ) -> dict[str, Any]:
         """Drain an engine of run_id (default: the run being executed): it takes no new work and
-        finishes what it has, then reports `drained`. Idempotent."""
+        finishes what it has, then reports `drained`. Idempotent; a recovery of the run keeps the
+        engine drained."""
         if engines is None:
             raise UnavailableError("engine status is not configured on this controller")
         target = run_id or active_run()
         if target is None:
             raise NotFoundError(f"engine {engine_id!r}: no run is being executed; pass run_id")
-        return _engine_json(engines.drain_engine(target, engine_id))
+        drained = engines.drain_engine(target, engine_id)
+        service.remember_drained(target, engine_id)
+        return _engine_json(drained)
 
 
 def _engine_json(e: EngineStatus) -> dict[str, Any]:
@@ -304,7 +310,7 @@ def create_app(
     _engine_routes(reader, engines, active_run)
     writer = APIRouter(prefix="/v1", dependencies=[Depends(_role_check(tokens, Role.ADMIN))])
     _change_routes(writer, service)
-    _drain_route(writer, engines, active_run)
+    _drain_route(writer, service, engines, active_run)
     app.include_router(reader)
     app.include_router(writer)
 

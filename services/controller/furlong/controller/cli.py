@@ -125,6 +125,8 @@ def _print_stack(info: StackInfo) -> None:
         f"REST API   {info.rest_url}",
         f"token      {info.token()}  (in {info.token_file})",
     ]
+    if info.gateway_url:
+        lines.append(f"gateway    {info.gateway_url}  (OpenAI-compatible; model = a run id)")
     if info.dashboard_url:
         lines += [f"dashboard  {info.dashboard_url}/", f"metrics    {info.dashboard_url}/metrics"]
     lines.append(f"redis      {info.redis_url}  ({info.redis_binary})")
@@ -132,11 +134,23 @@ def _print_stack(info: StackInfo) -> None:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
+def _device(name: str) -> str:
+    """name, checked against this machine before anything starts (UsageError: exit 2)."""
+    from furlong.core.devices import parse_device  # imports torch: only when a stack starts
+
+    try:
+        parse_device(name)
+    except ValueError as exc:
+        raise UsageError(f"--device: {exc}") from None
+    return name
+
+
 def _config(args: argparse.Namespace, state: StateDir, owned: bool) -> StackConfig:
     return StackConfig(
         state_dir=state.path,
         ready_timeout_s=args.ready_timeout_s,
         torch_threads=args.torch_threads,
+        device=_device(args.device),
         redis_binary=args.redis_server or "",
         owned=owned,
     )
@@ -369,6 +383,13 @@ def _start_options(p: argparse.ArgumentParser, this_starts: str) -> None:
         type=int,
         default=1,
         help=f"torch threads of the trainer and rollout processes{this_starts} (default 1)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEVICE",
+        help=f"torch device of the trainer and the rollout engines{this_starts}: cpu, cuda or "
+        "cuda:N (default cpu)",
     )
     p.add_argument(
         "--redis-server",

@@ -2,7 +2,10 @@
 
     configure: rollout.ConfigureRun -> trainer.ConfigureRun            (starting)
     each step: rollout.Generate -> trainer.TrainStep
-               -> trainer.PublishWeights -> broker.WaitCommitted -> record the step   (running)
+               -> trainer.PublishWeights -> broker.WaitCommitted
+               -> rollout.Evaluate after the last step and every `eval.every_steps`-th (when
+                  `eval` is on; the committed policy on `data.eval`, nothing trained)
+               -> record the step   (running)
                -> trainer.ExportPolicy after the last step and every
                   `checkpoint.export_every_steps`-th (a Hugging Face directory, recorded in the run)
     teardown:  rollout.EndRun, trainer.EndRun, broker.EndRun          (stopping)
@@ -33,11 +36,18 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from furlong.controller.config import DriverTimeouts
+from furlong.controller.core.eval_metrics import PASS_AT_1, PASS_AT_K, REWARD_MEAN, SECONDS, eval_metrics
 from furlong.controller.core.run_state import PolicyRef, Run, RunState
 from furlong.controller.core.step_record import StepRecord
 from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.run_recovery import RecoveryFailed, RecoveryStopped, RunRecovery, recoverable
-from furlong.controller.run_requests import generate_request, rollout_config, train_request, trainer_config
+from furlong.controller.run_requests import (
+    evaluate_request,
+    generate_request,
+    rollout_config,
+    train_request,
+    trainer_config,
+)
 from furlong.controller.run_store import RunStore
 from furlong.controller.services import Services
 from furlong.core.errors import ConflictError, FurlongError, NotFoundError, UnavailableError
@@ -287,6 +297,7 @@ class RunDriver:
             )
         self._call(f"{where} ledger", self._store.ledger(rid).record_committed, new_version)
         synced = self._clock()
+        evaluated = self._evaluate(run, step, new_version) if spec.eval.evaluates_at(step, spec.steps) else {}
         fresh = gen.num_samples > 0  # else every group was written by an earlier attempt
         record = StepRecord(
             step=step,
@@ -302,12 +313,33 @@ class RunDriver:
             sampled_policy_version=gen.policy_version if fresh else version,
             trainer_metrics=dict(train.metrics),
             reward_failures=gen.num_reward_failures,
+            eval_metrics=evaluated,
         )
         self._store.record_step(rid, record)
         self._observe(rid, record)
         if spec.checkpoint.exports_at(step, spec.steps):
             self._export(rid, step, spec.checkpoint.export_max_shard_bytes)
         return new_version
+
+    def _evaluate(self, run: Run, step: int, version: int) -> dict[str, float]:
+        """The metrics of the committed policy `version` on the run's evaluation rows."""
+        phase = f"step {step} rollout.Evaluate"
+        started = self._clock()
+        request = evaluate_request(run.run_id, run.spec, step, version, self._timeouts)
+        result = self._call(phase, self._rollout.evaluate, request)
+        if result.policy_version < version:
+            raise _PhaseFailed(
+                phase,
+                ConflictError(f"evaluated policy version {result.policy_version}, not {version}"),
+            )
+        settings = run.spec.eval
+        groups = [g.rewards for g in result.groups]
+        metrics = self._call(
+            phase, eval_metrics, groups, settings.pass_threshold, settings.samples_per_prompt
+        )
+        metrics[SECONDS] = self._clock() - started
+        log.info("run %s step %d evaluation: %s", run.run_id, step, metrics)
+        return metrics
 
     def _export(self, run_id: str, step: int, max_shard_bytes: int) -> None:
         """Have the trainer write the policy of `step` under its policy directory; record where."""
@@ -339,6 +371,10 @@ class RunDriver:
         m.reward_mean.labels(run_id=run_id).set(record.reward_mean)
         m.loss.labels(run_id=run_id).set(record.loss)
         m.policy_version.labels(run_id=run_id).set(record.policy_version)
+        if record.eval_metrics:
+            m.eval_reward_mean.labels(run_id=run_id).set(record.eval_metrics[REWARD_MEAN])
+            m.eval_pass_at_1.labels(run_id=run_id).set(record.eval_metrics[PASS_AT_1])
+            m.eval_pass_at_k.labels(run_id=run_id).set(record.eval_metrics[PASS_AT_K])
         if record.generate_seconds > 0:
             m.tokens_per_second.labels(run_id=run_id).set(record.num_tokens / record.generate_seconds)
 

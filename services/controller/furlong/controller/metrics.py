@@ -18,6 +18,9 @@ REWARD_MEAN = "furlong_controller_reward_mean"
 LOSS = "furlong_controller_loss"
 POLICY_VERSION = "furlong_controller_policy_version"
 TOKENS_PER_SECOND = "furlong_controller_tokens_per_second"
+EVAL_REWARD_MEAN = "furlong_controller_eval_reward_mean"
+EVAL_PASS_AT_1 = "furlong_controller_eval_pass_at_1"
+EVAL_PASS_AT_K = "furlong_controller_eval_pass_at_k"
 
 _STEP_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -54,6 +57,19 @@ class ControllerMetrics:
         self.tokens_per_second = Gauge(
             TOKENS_PER_SECOND,
             "Generated tokens per second of the run's latest Generate phase",
+            ["run_id"],
+            registry=r,
+        )
+
+        self.eval_reward_mean = Gauge(
+            EVAL_REWARD_MEAN, "Mean reward of the run's latest evaluation", ["run_id"], registry=r
+        )
+        self.eval_pass_at_1 = Gauge(
+            EVAL_PASS_AT_1, "pass@1 of the run's latest evaluation", ["run_id"], registry=r
+        )
+        self.eval_pass_at_k = Gauge(
+            EVAL_PASS_AT_K,
+            "pass@k of the run's latest evaluation (k = eval.samples_per_prompt)",
             ["run_id"],
             registry=r,
         )

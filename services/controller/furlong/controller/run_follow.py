@@ -91,6 +91,19 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def describe_eval(record: dict[str, Any]) -> str | None:
+    """The line of a step's evaluation (`eval_metrics`), None for a step without one."""
+    m = record.get("eval_metrics") or {}
+    if not m:
+        return None
+    k = int(m.get("eval/k", 0))
+    return (
+        f"eval after step {record['step']}: reward {_fmt(m.get('eval/reward_mean'))}  "
+        f"pass@1 {_fmt(m.get('eval/pass@1'))}  pass@{k} {_fmt(m.get('eval/pass@k'))}  "
+        f"({int(m.get('eval/num_prompts', 0))} prompts)"
+    )
+
+
 def describe_stack_event(event: StackEvent) -> list[str]:
     """What the CLI prints for a supervisor event: one line, then the log's last lines for an exit."""
     lines = [event.message]
@@ -121,6 +134,10 @@ class BarDisplay:
     def update(self, run: dict[str, Any], new_steps: list[dict[str, Any]]) -> None:
         if new_steps:
             self._last = new_steps[-1]
+        for record in new_steps:
+            line = describe_eval(record)
+            if line is not None:
+                self._progress.console.print(line, markup=False, highlight=False)
         self._progress.update(
             self._task,
             completed=run["current_step"],
@@ -154,6 +171,9 @@ class LineDisplay:
                 f"loss {_fmt(record.get('loss'))}  policy v{record['policy_version']}  "
                 f"{record['step_seconds']:.2f}s  elapsed {time.monotonic() - self._started:.1f}s"
             )
+            line = describe_eval(record)
+            if line is not None:
+                self._print(line)
         state = run["state"] + (" (stop requested)" if run.get("stop_requested") else "")
         if state != self._state:
             self._state = state

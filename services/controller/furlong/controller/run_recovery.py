@@ -10,6 +10,7 @@ retrying the whole sequence below while the errors stay recoverable:
     trainer.ConfigureRun                   (reloads the last checkpoint; its version is new)
     trainer.PublishWeights, broker.WaitCommitted   (that checkpoint's weights, under the new version)
     rollout.ConfigureRun                   (fresh engines; they take the committed version)
+    rollout.DrainEngine                    (again, for each engine drained through the REST API)
     store.rewind                           (the run's step goes back to the checkpoint's)
 
 A checkpoint one step past the run's last record (the controller died after the trainer's checkpoint
@@ -43,7 +44,7 @@ from furlong.controller.core.step_record import StepRecord
 from furlong.controller.run_requests import rollout_config, trainer_config
 from furlong.controller.run_store import RunStore
 from furlong.controller.services import Services
-from furlong.core.errors import NotFoundError, UnavailableError
+from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.ledger.group_ledger import RECOVERIES
 
 log = logging.getLogger(__name__)
@@ -115,10 +116,11 @@ class RunRecovery:
                 if not recoverable(exc):
                     raise RecoveryFailed(f"{cause}; recovery failed: {type(exc).__name__}: {exc}") from exc
                 if self._clock() >= deadline:
+                    last = f"{type(exc).__name__}: {exc}"
+                    # the cause usually is the error recovery kept meeting: say it once
+                    tail = " (the same error)" if last in cause else f": {last}"
                     raise RecoveryFailed(
-                        f"{cause}; the services were not back within "
-                        f"recovery.timeout_s={timeout_s:g}: "
-                        f"{type(exc).__name__}: {exc}"
+                        f"{cause}; the services were not back within recovery.timeout_s={timeout_s:g}{tail}"
                     ) from exc
                 log.info("run %s: recovery attempt %d: %s; retrying", run.run_id, attempt, exc)
                 self._sleep(RETRY_S)
@@ -146,10 +148,23 @@ class RunRecovery:
                 raise TimeoutError(f"version {version} not committed after recovery")
         ledger.record_committed(version)
         self._rollout.configure_run(rollout_config(run.run_id, run.spec))
+        self._drain_again(rid)
         restored = _restored_record(ledger.checkpoint_result(step), step, checkpoint)
         self._store.rewind(rid, step, version, f"resumed from step {step} after {cause}", restored)
         ledger.count(RECOVERIES)
         return Resumed(step=step, version=version)
+
+    def _drain_again(self, run_id: str) -> None:
+        """The fresh engines of a recovered run are all serving: drain again the ones drained
+        through the REST API before (an engine the new set lacks, or the last serving one, is
+        left as it is, with a warning)."""
+        for engine_id in self._store.drained_engines(run_id):
+            try:
+                self._rollout.drain_engine(run_id, engine_id)
+            except (NotFoundError, ConflictError) as exc:
+                log.warning("run %s: %s not drained again after the recovery: %s", run_id, engine_id, exc)
+            else:
+                log.info("run %s: %s drained again after the recovery", run_id, engine_id)
 
 
 def _restored_record(

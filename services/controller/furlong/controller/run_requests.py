@@ -1,13 +1,15 @@
 """What the controller asks each service for a run, built from its spec in one place for the driver
-and the recovery: the trainer's and rollout's ConfigureRun and a step's Generate and TrainStep.
-Knows nothing about transports."""
+and the recovery: the trainer's and rollout's ConfigureRun, a step's Generate and TrainStep, and an
+evaluation's Evaluate. Knows nothing about transports."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.core.step_record import sampling_seed
 from furlong.controller.run_spec import RunSpec
-from furlong.rollout.api import GenerateRequest, RolloutRunConfig, SamplingConfig
+from furlong.rollout.api import EvaluateRequest, GenerateRequest, RolloutRunConfig, SamplingConfig
 from furlong.trainer.api import TrainerRunConfig, TrainStepRequest
 
 
@@ -50,6 +52,28 @@ def generate_request(
         samples_per_prompt=spec.samples_per_prompt,
         sampling=SamplingConfig.of(spec.sampling, sampling_seed(spec.seed, step)),
         num_groups=spec.prompts_per_step,
+        min_policy_version=min_version,
+        timeout_s=timeouts.generate_s,
+    )
+
+
+# Evaluation seeds sit above every step's sampling seed (at most ~2**52), so an evaluation never
+# draws with the random stream of a training step.
+EVAL_SEED_OFFSET = 1 << 62
+
+
+def evaluate_request(
+    run_id: str, spec: RunSpec, step: int, min_version: int, timeouts: DriverTimeouts
+) -> EvaluateRequest:
+    """The evaluation after `step`: the run's sampling settings with the evaluation's temperature,
+    drawn with the policy committed at the step (`min_version`)."""
+    settings = dataclasses.replace(spec.sampling, temperature=spec.eval.temperature)
+    return EvaluateRequest(
+        run_id=run_id,
+        step=step,
+        samples_per_prompt=spec.eval.samples_per_prompt,
+        sampling=SamplingConfig.of(settings, EVAL_SEED_OFFSET + sampling_seed(spec.seed, step)),
+        max_prompts=spec.eval.max_prompts,
         min_policy_version=min_version,
         timeout_s=timeouts.generate_s,
     )

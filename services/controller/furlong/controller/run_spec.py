@@ -1,15 +1,16 @@
 """The run spec: what a user asks the controller to run, parsed once from a dict (YAML or JSON).
 
 Its sections are the run settings the services apply, declared once in `furlong.core.settings`
-(`sampling`, `algorithm`, `rollout`, `checkpoint`, `precision`, `data`, `reward`, `environment`,
-`agent`),
-plus `recovery`, which only the controller applies. The top-level fields are bounded by the limits
-the services enforce too (`furlong.core.settings.run_shape`), so a spec this module accepts is
-accepted by every service. `parse_run_spec` rejects unknown fields, missing required fields, wrong
-types and out-of-range values with a `SettingError` whose `field` is the dotted path of the bad
-value (`sampling.top_p`). Optional fields have the defaults written in the declarations; the
-controller stores and returns the fully resolved spec, so nothing is implied. Knows nothing about
-files, HTTP or the services the spec is sent to.
+(`sampling`, `algorithm`, `rollout`, `checkpoint`, `precision`, `data`, `reward`, `eval`,
+`environment`, `agent`), plus
+`recovery`, which only the controller applies. The top-level fields are bounded by the limits the
+services enforce too (`furlong.core.settings.run_shape`), so a spec this module accepts is accepted by
+every service.
+`parse_run_spec` rejects unknown fields, missing required fields, wrong types and out-of-range values
+with a `SettingError` whose `field` is the dotted path of the bad value (`sampling.top_p`). Optional
+fields have the defaults written in the declarations; the controller stores and returns the fully
+resolved spec, so nothing is implied. Knows nothing about files, HTTP or the services the spec is
+sent to.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from furlong.core.settings import (
     CheckpointSettings,
     DataSettings,
     EnvironmentSettings,
+    EvalSettings,
     PrecisionSettings,
     RewardSettings,
     RolloutSettings,
@@ -89,6 +91,7 @@ class RunSpec:
     reward: RewardSettings = setting(default_factory=RewardSettings)
     environment: EnvironmentSettings = setting(default_factory=EnvironmentSettings)
     agent: AgentSettings = setting(default_factory=AgentSettings)
+    eval: EvalSettings = setting(default_factory=EvalSettings)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -147,6 +150,11 @@ class RunSpec:
                 "0 (greedy decoding) cannot be trained on: the sampling distribution is a point "
                 "mass with log-prob 0 and no gradient; a training run needs a temperature > 0 "
                 "(temperature 0 is for generation and evaluation, e.g. `furlong generate`)",
+            )
+        if self.eval.enabled and not self.data.eval:
+            raise SettingError(
+                "eval.every_steps",
+                f"{self.eval.every_steps} evaluates on the evaluation rows, but data.eval is not set",
             )
         if self.rollout.max_refill_rounds and self.samples_per_prompt < 2:
             raise SettingError(

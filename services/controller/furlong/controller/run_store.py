@@ -80,6 +80,11 @@ def events_key(run_id: str) -> str:
     return f"{PREFIX}{run_id}:events"
 
 
+def drained_key(run_id: str) -> str:
+    """The set of the run's engine ids drained through the REST API (re-drained after a recovery)."""
+    return f"{PREFIX}{run_id}:drained"
+
+
 def idempotency_key(key: str) -> str:
     return f"{PREFIX}_idem:{hashlib.sha256(key.encode()).hexdigest()}"
 
@@ -266,13 +271,31 @@ class RunStore:
                             "can be deleted (stop it first)"
                         )
                     pipe.multi()
-                    pipe.delete(key, metrics_key(run_id), events_key(run_id), *ledger_keys(run_id))
+                    pipe.delete(
+                        key,
+                        metrics_key(run_id),
+                        events_key(run_id),
+                        drained_key(run_id),
+                        *ledger_keys(run_id),
+                    )
                     pipe.zrem(INDEX_KEY, run_id)
                     pipe.execute()
                     log.info("deleted run %s", run_id)
                     return
                 except redis.WatchError:
                     continue
+
+    def record_drained(self, run_id: str, engine_id: str) -> None:
+        """Remember that engine_id of run_id was drained, so that a recovery, which starts fresh
+        engines, drains it again. NotFoundError for a run this store does not hold."""
+        self.get(run_id)
+        with self._errors():
+            self._redis.sadd(drained_key(run_id), engine_id)
+
+    def drained_engines(self, run_id: str) -> list[str]:
+        """The engine ids of run_id drained through the REST API, sorted."""
+        with self._errors():
+            return sorted(cast("set[str]", self._redis.smembers(drained_key(run_id))))
 
     def active_run_ids(self) -> list[str]:
         """The runs not in a final state (pending ones included), newest first."""

@@ -161,6 +161,14 @@ class RunService:
     def get_run(self, run_id: str) -> Run:
         return self._store.get(run_id)
 
+    def remember_drained(self, run_id: str, engine_id: str) -> None:
+        """Record a drain of engine_id so that a recovery of the run drains it again; a run this
+        controller does not hold (engines configured on the rollout service directly) is skipped."""
+        try:
+            self._store.record_drained(run_id, engine_id)
+        except NotFoundError:
+            log.info("drain of %s: run %s is not one of this controller's runs", engine_id, run_id)
+
     def stop_run(self, run_id: str) -> Run:
         """Cancel a pending run, or ask a started one to stop (it reaches `cancelled` after its
         teardown). ConflictError for a finished run; NotFoundError for an unknown one."""

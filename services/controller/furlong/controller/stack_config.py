@@ -6,6 +6,7 @@ process (as `STATE_DIR/stack-config.json`). Knows nothing about processes.
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ class StackConfig:
     # torch intra-op threads of trainer and rollout. The synchronous loop runs them one after the
     # other, and for small models one thread each avoids oversubscribing the cores.
     torch_threads: int = 1
+    device: str = "cpu"  # torch device of the trainer and the rollout engines: cpu, cuda, cuda:N
     # an engine that has not acknowledged a version's current stage within this is fenced out of it
     broker_ack_timeout_s: float = 60.0
     # fault tests only: start the broker with --enable-fault-hooks (furlong.weight_broker.fault_hooks)
@@ -60,6 +62,8 @@ class StackConfig:
                 )
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not self.broker_ack_timeout_s > 0:
             raise ValueError(f"broker_ack_timeout_s must be > 0, got {self.broker_ack_timeout_s}")
         if self.ready_timeout_s <= 0 or self.stop_timeout_s <= 0:

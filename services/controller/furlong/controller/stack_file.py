@@ -34,6 +34,7 @@ class StackInfo:
     started_at: float
     ready: bool = False
     dashboard_url: str = ""
+    gateway_url: str = ""  # rollout's OpenAI-compatible gateway, its base URL (ends in /v1)
     viewer_token_file: str = ""
     internal_token_file: str = ""
     supervisor: ServiceProcess | None = None  # the process that started and restarts the others
@@ -54,6 +55,7 @@ class StackInfo:
             "addresses": self.addresses,
             "ready": self.ready,
             "dashboard_url": self.dashboard_url,
+            "gateway_url": self.gateway_url,
             "started_at": self.started_at,
             "viewer_token_file": self.viewer_token_file,
             "internal_token_file": self.internal_token_file,
@@ -76,6 +78,7 @@ class StackInfo:
             addresses=dict(data["addresses"]),
             ready=bool(data.get("ready")),
             dashboard_url=data.get("dashboard_url", ""),
+            gateway_url=data.get("gateway_url", ""),
             started_at=data["started_at"],
             viewer_token_file=data.get("viewer_token_file", ""),
             internal_token_file=data.get("internal_token_file", ""),

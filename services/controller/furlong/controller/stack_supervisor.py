@@ -7,7 +7,9 @@ and stops them all.
 private Redis (data in `STATE_DIR/redis`, the binary recorded there: `redis_binary`), the weight
 broker, trainer, rollout, the controller and the dashboard as its children, each on free loopback
 ports and logging to `STATE_DIR/logs/<service>.log`, records them in `STATE_DIR/stack.json` as they
-start, and waits until each is healthy (gRPC health, HTTP `/healthz`).
+start, and waits until each is healthy (gRPC health, HTTP `/healthz`; rollout also serves its
+OpenAI-compatible gateway on a port of its own, recorded as `gateway_url`, and is healthy once that
+answers too).
 
 Then it watches them. A service that exits is reported at once (`stack_events`: which service, its
 pid, exit status or signal, the tail of its log, whether it is restarted) to `STATE_DIR/
@@ -180,9 +182,14 @@ class Supervisor:
             port, metrics_port = free_port(), free_port()
             argv = self._grpc_service_argv(name, port, metrics_port, addresses)
             addresses[name] = f"127.0.0.1:{port}"
+            changes: dict[str, Any] = {"addresses": dict(addresses)}
+            if name == "rollout":  # its OpenAI-compatible gateway, on a port kept across restarts
+                gateway_port = free_port()
+                argv += ["--gateway-port", str(gateway_port)]
+                changes["gateway_url"] = f"http://127.0.0.1:{gateway_port}/v1"
             self._add(
                 ServiceProcess(name, 0, 0.0, port, str(logs / f"{name}.log"), tuple(argv), metrics_port),
-                addresses=dict(addresses),
+                **changes,
             )
         port = free_port()
         argv = self._controller_argv(port, addresses)
@@ -238,6 +245,8 @@ class Supervisor:
                 "--num-threads",
                 str(c.torch_threads),
             ]
+        if name in ("trainer", "rollout"):
+            argv += ["--device", c.device]
         if name == "weight_broker":
             argv += ["--ack-timeout-s", repr(float(c.broker_ack_timeout_s))]
             if c.broker_fault_hooks:
@@ -287,8 +296,8 @@ class Supervisor:
             "--controller-token-file",
             self.info.viewer_token_file,
         ]
-        for watched in self.info.processes:
-            argv += ["--watch-pid", str(watched.pid)]
+        # stack.json lists every process with its current pid (rewritten after each restart)
+        argv += ["--watch-pids-from", str(stack_file(Path(self.info.state_dir)))]
         return argv
 
     def _wait_healthy(self) -> None:
@@ -484,6 +493,12 @@ def _http_ok(url: str) -> bool:
 
 
 def _health_check(sp: ServiceProcess) -> Callable[[], bool]:
+    if "--gateway-port" in sp.argv:  # rollout is healthy once its gateway answers as well
+        gateway = f"http://127.0.0.1:{sp.argv[sp.argv.index('--gateway-port') + 1]}/v1/models"
+        return lambda: (
+            rpc.check_health(f"127.0.0.1:{sp.port}", GRPC_SERVICES[sp.name], timeout_s=1.0)
+            and _http_ok(gateway)
+        )
     if sp.name in GRPC_SERVICES:
         return lambda: rpc.check_health(f"127.0.0.1:{sp.port}", GRPC_SERVICES[sp.name], timeout_s=1.0)
     return lambda: _http_ok(f"http://127.0.0.1:{sp.port}/healthz")

@@ -1,7 +1,7 @@
 """`python -m furlong.dashboard`: host and GPU telemetry for Prometheus on /metrics, /healthz, and
 the web UI on / (runs from the controller's REST API when --controller-url is given).
 
-    python -m furlong.dashboard --host 127.0.0.1 --port P [--watch-pid PID ...]
+    python -m furlong.dashboard --host 127.0.0.1 --port P [--watch-pid PID ...] [--watch-pids-from FILE]
         [--gpu-backend auto|nvml|amdsmi|none] [--hostname NAME]
         [--controller-url URL --controller-token-file PATH] [--sample-interval-s 2]
         [--log-level INFO] [--shutdown-grace-s 10]
@@ -51,6 +51,14 @@ def command() -> ServiceCommand:
         help="report this process's memory (repeatable; default: every Furlong process)",
     )
     p.add_argument(
+        "--watch-pids-from",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also report the processes a JSON file lists (`processes: [{pid}]`, e.g. a local "
+        "stack's stack.json), read again at every sample so restarted services keep being reported",
+    )
+    p.add_argument(
         "--gpu-backend",
         choices=GPU_BACKEND_CHOICES,
         default="auto",
@@ -78,6 +86,7 @@ def _config(args: argparse.Namespace, flags: ServiceFlags) -> DashboardConfig:
         host=flags.host,
         port=flags.port,
         watch_pids=tuple(args.watch_pid),
+        watch_pids_file=args.watch_pids_from,
         gpu_backend=args.gpu_backend,
         hostname=args.hostname or socket.gethostname(),
         controller_url=args.controller_url,
@@ -103,7 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = ControllerRuns(config.controller_url, config.controller_token) if config.controller_url else None
     history = TelemetryHistory(gpu, config.sample_interval_s)
     register_telemetry(
-        runtime.registry, HostTelemetryProvider(config.watch_pids), gpu, config.hostname, service_of_pid
+        runtime.registry,
+        HostTelemetryProvider(config.watch_pids, config.watch_pids_file),
+        gpu,
+        config.hostname,
+        service_of_pid,
     )
     http = HttpServer(create_app(runtime.registry, runs, history.lanes), config.host, config.port)
     runtime.shutdown.add("HTTP server", http.stop)
@@ -119,7 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info(
         "serving telemetry on %s/metrics and the web UI on / (watching %s, %d GPU(s), runs from %s)",
         http.url,
-        list(config.watch_pids) or "every Furlong process",
+        (
+            f"{list(config.watch_pids)} and the pids in {config.watch_pids_file}"
+            if config.watch_pids_file
+            else list(config.watch_pids) or "every Furlong process"
+        ),
         len(gpu.devices) if gpu else 0,
         config.controller_url or "nowhere",
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from furlong.dashboard.gpu_providers import GPU_BACKEND_CHOICES as GPU_BACKEND_CHOICES
 from furlong.service_main.ports import check_port
@@ -12,7 +13,8 @@ from furlong.service_main.ports import check_port
 class DashboardConfig:
     host: str
     port: int
-    watch_pids: tuple[int, ...] = ()  # empty = every process running a Furlong service
+    watch_pids: tuple[int, ...] = ()  # empty (and no pids file) = every Furlong service's process
+    watch_pids_file: Path | None = None  # JSON with `processes: [{pid}]`, read at every sample
     gpu_backend: str = "auto"  # auto = NVML, then AMD SMI, then host only
     hostname: str = ""  # the `Hostname` label of GPU series
     controller_url: str = ""  # REST API the web UI reads runs from; empty = no runs list

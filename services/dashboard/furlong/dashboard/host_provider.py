@@ -1,16 +1,19 @@
 """Host telemetry read from the operating system with psutil (Linux /proc, macOS, ...).
 
 The fallback provider for machines without GPU telemetry: CPU utilisation between two readings,
-memory in use, and the resident memory of watched processes (the pids given, or every process
-running a Furlong service). Thread-safe: a lock guards the previous CPU reading.
+memory in use, and the resident memory of watched processes (the pids given, those a pids file lists
+at each reading, or every process running a Furlong service). Thread-safe: a lock guards the
+previous CPU reading.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 
 import psutil
 
@@ -31,14 +34,19 @@ def read_cpu_times() -> CpuTimes:
 
 class HostTelemetryProvider:
     """watch_pids: the processes to report (labelled by the service their command line runs, else
-    their executable name); empty = discover every process running `python -m furlong.<service>`
-    or the `furlong` CLI. The provider's own process is always reported."""
+    their executable name); pids_file: a JSON file whose `processes` list gives each process's
+    `pid`, read again at every snapshot (the local stack's `stack.json`, rewritten by its supervisor
+    when it restarts a service, so a restarted service is reported under its new pid); neither =
+    discover every process running `python -m furlong.<service>` or the `furlong` CLI. The
+    provider's own process is always reported."""
 
-    def __init__(self, watch_pids: Iterable[int] = ()) -> None:
+    def __init__(self, watch_pids: Iterable[int] = (), pids_file: Path | None = None) -> None:
         self.watch_pids = tuple(dict.fromkeys(int(p) for p in watch_pids))
         for pid in self.watch_pids:
             if pid <= 0:
                 raise ValueError(f"watch pid must be > 0, got {pid}")
+        self.pids_file = pids_file
+        self._file_pids: tuple[int, ...] = ()  # the last list read from pids_file
         self._lock = threading.Lock()
         self._last_times = read_cpu_times()
         self._last_ratio = 0.0
@@ -58,9 +66,22 @@ class HostTelemetryProvider:
             processes=tuple(self._processes()),
         )
 
+    def _read_pids_file(self) -> tuple[int, ...]:
+        """The pids pids_file lists now; the last good list when it cannot be read or parsed."""
+        assert self.pids_file is not None
+        try:
+            data = json.loads(self.pids_file.read_text())
+            pids = tuple(int(p["pid"]) for p in data["processes"] if int(p["pid"]) > 0)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.debug("pids file %s not read (%s); keeping %s", self.pids_file, exc, self._file_pids)
+            return self._file_pids
+        self._file_pids = pids
+        return pids
+
     def _processes(self) -> list[ProcessSample]:
-        if self.watch_pids:
-            candidates = [*self.watch_pids, os.getpid()]
+        watched = [*self.watch_pids, *(self._read_pids_file() if self.pids_file is not None else ())]
+        if watched or self.pids_file is not None:
+            candidates = [*watched, os.getpid()]
             procs = []
             for pid in dict.fromkeys(candidates):
                 try:

@@ -12,6 +12,9 @@ from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.types import (
     EngineState,
     EngineStatus,
+    EvalGroup,
+    EvaluateRequest,
+    EvaluateResult,
     GenerateRequest,
     GenerateResult,
     LedgerCounts,
@@ -28,6 +31,9 @@ __all__ = [
     "SERVICE_NAME",
     "EngineState",
     "EngineStatus",
+    "EvalGroup",
+    "EvaluateRequest",
+    "EvaluateResult",
     "GenerateRequest",
     "GenerateResult",
     "LedgerCounts",
@@ -47,6 +53,7 @@ class RolloutClient(Protocol):
 
     def configure_run(self, config: RolloutRunConfig) -> RunInfo: ...
     def generate(self, request: GenerateRequest) -> GenerateResult: ...
+    def evaluate(self, request: EvaluateRequest) -> EvaluateResult: ...
     def status(self, run_id: str) -> RunStatus: ...
     def drain_engine(self, run_id: str, engine_id: str) -> EngineStatus: ...
     def end_run(self, run_id: str) -> None: ...

@@ -14,6 +14,8 @@ from furlong.rollout import convert
 from furlong.rollout.api import (
     SERVICE_NAME,
     EngineStatus,
+    EvaluateRequest,
+    EvaluateResult,
     GenerateRequest,
     GenerateResult,
     RolloutClient,
@@ -42,7 +44,7 @@ __all__ = [
 class RolloutDeadlines:
     """gRPC deadlines in seconds: `call_s` for status, drain and end_run, `configure_s` for
     configure_run (it loads a checkpoint), and a request's own timeout_s plus `generate_margin_s`
-    for generate (the wait for the policy version, then the generation)."""
+    for generate and evaluate (the wait for the policy version, then the generation)."""
 
     call_s: float = 10.0
     configure_s: float = 300.0
@@ -76,6 +78,12 @@ class GrpcRolloutClient:
             call(self._stub.Generate, convert.request_to_proto(request), deadline_s)
         )
 
+    def evaluate(self, request: EvaluateRequest) -> EvaluateResult:
+        deadline_s = max(float(request.timeout_s), 0.0) + self._deadlines.generate_margin_s
+        return convert.evaluate_result_from_proto(
+            call(self._stub.Evaluate, convert.evaluate_request_to_proto(request), deadline_s)
+        )
+
     def status(self, run_id: str) -> RunStatus:
         response = call(
             self._stub.GetStatus, pb.GetRolloutStatusRequest(run_id=run_id), self._deadlines.call_s
@@ -104,6 +112,9 @@ class InProcessRolloutClient:
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
         return self._service.generate(request)
+
+    def evaluate(self, request: EvaluateRequest) -> EvaluateResult:
+        return self._service.evaluate(request)
 
     def status(self, run_id: str) -> RunStatus:
         return self._service.status(run_id)

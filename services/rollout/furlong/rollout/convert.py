@@ -9,6 +9,9 @@ from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.types import (
     EngineState,
     EngineStatus,
+    EvalGroup,
+    EvaluateRequest,
+    EvaluateResult,
     GenerateRequest,
     GenerateResult,
     LedgerCounts,
@@ -227,4 +230,52 @@ def status_from_proto(msg: pb.RolloutStatus) -> RunStatus:
             surplus=c.surplus,
             duplicates_refused=c.duplicates_refused,
         ),
+    )
+
+
+def evaluate_request_to_proto(request: EvaluateRequest) -> pb.EvaluateRequest:
+    return pb.EvaluateRequest(
+        run_id=request.run_id,
+        step=request.step,
+        samples_per_prompt=request.samples_per_prompt,
+        sampling=sampling_to_proto(request.sampling),
+        max_prompts=request.max_prompts,
+        min_policy_version=request.min_policy_version,
+        timeout_s=request.timeout_s,
+    )
+
+
+def evaluate_request_from_proto(msg: pb.EvaluateRequest) -> EvaluateRequest:
+    if not msg.HasField("sampling"):
+        raise ValueError("sampling: required field is missing")
+    return EvaluateRequest(
+        run_id=msg.run_id,
+        step=msg.step,
+        samples_per_prompt=msg.samples_per_prompt,
+        sampling=sampling_from_proto(msg.sampling),
+        max_prompts=msg.max_prompts,
+        min_policy_version=msg.min_policy_version,
+        timeout_s=msg.timeout_s,
+    )
+
+
+def evaluate_result_to_proto(result: EvaluateResult) -> pb.EvaluateResponse:
+    return pb.EvaluateResponse(
+        run_id=result.run_id,
+        step=result.step,
+        policy_version=result.policy_version,
+        groups=[pb.EvalGroup(prompt_id=g.prompt_id, rewards=list(g.rewards)) for g in result.groups],
+        num_tokens=result.num_tokens,
+        generate_seconds=result.generate_seconds,
+    )
+
+
+def evaluate_result_from_proto(msg: pb.EvaluateResponse) -> EvaluateResult:
+    return EvaluateResult(
+        run_id=msg.run_id,
+        step=msg.step,
+        policy_version=msg.policy_version,
+        groups=tuple(EvalGroup(prompt_id=g.prompt_id, rewards=tuple(g.rewards)) for g in msg.groups),
+        num_tokens=msg.num_tokens,
+        generate_seconds=msg.generate_seconds,
     )

@@ -122,9 +122,9 @@ class EngineHttpServer:
                         "finish_reason": finish,
                         "weight_version": self._labels.get(g.policy_version, str(g.policy_version)),
                         "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.token_ids)],
+                        # `full_rows`: rows that are the whole vocabulary, not listed
                         "output_sampling_mask": {
-                            "token_ids": g.support.token_ids.tolist(),
-                            "offsets": g.support.offsets.tolist(),
+                            k: v for k, v in g.support.to_dict().items() if k != "vocab_size"
                         },
                     },
                 }

@@ -37,6 +37,12 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         return convert.result_to_proto(self._service.generate(convert.request_from_proto(request)))
 
     @rpc_errors
+    def Evaluate(self, request: pb.EvaluateRequest, context: grpc.ServicerContext) -> pb.EvaluateResponse:
+        return convert.evaluate_result_to_proto(
+            self._service.evaluate(convert.evaluate_request_from_proto(request))
+        )
+
+    @rpc_errors
     def GetStatus(
         self, request: pb.GetRolloutStatusRequest, context: grpc.ServicerContext
     ) -> pb.RolloutStatus:

@@ -7,7 +7,9 @@ It speaks SGLang's HTTP API with token ids only (servers run with `--skip-tokeni
   `return_logprob: true` and
   `return_sampling_mask: true`; each result carries `output_ids` and, in `meta_info`,
   `output_token_logprobs` ([log-prob, token id, _] per token, under the sampling distribution),
-  `output_sampling_mask` ({"token_ids", "offsets"}: the CSR support of every token) and
+  `output_sampling_mask` ({"token_ids", "offsets"}: the CSR support of every token, with optional
+  `full_rows`, the rows that are the whole vocabulary and list no ids, as Furlong's engine server
+  sends them) and
   `finish_reason` ({"type": "length"} or {"type": "stop", "matched": id or string}; a matched
   string must be one of the request's stop strings, and the text is cut before it) and
   `weight_version` (the version that drew the row: it is the sample's policy version when it is a
@@ -47,7 +49,6 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from furlong.core.errors import UnavailableError
@@ -310,11 +311,10 @@ class SGLangEngine:
             logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
             lp_ids = [int(entry[1]) for entry in meta["output_token_logprobs"]]
             mask = meta["output_sampling_mask"]
-            support = RolloutSamplingMask(
-                token_ids=np.asarray(mask["token_ids"], dtype=np.int32),
-                offsets=np.asarray(mask["offsets"], dtype=np.int64),
-                vocab_size=self.vocab_size,
-            )
+            if not isinstance(mask, dict):
+                raise TypeError("output_sampling_mask")
+            # `full_rows` (optional): rows that are the whole vocabulary, sent without their ids
+            support = RolloutSamplingMask.from_dict({**mask, "vocab_size": self.vocab_size})
             finish = meta["finish_reason"]
             label = meta.get("weight_version")
             if isinstance(label, str) and label.isdecimal():  # the version that drew this row

@@ -9,6 +9,7 @@ from furlong.core.settings.algorithm import AlgorithmSettings
 from furlong.core.settings.checkpoint import CheckpointSettings
 from furlong.core.settings.data import DataSettings
 from furlong.core.settings.environment import EnvironmentSettings
+from furlong.core.settings.evaluation import EvalSettings
 from furlong.core.settings.fields import SettingError, from_mapping, json_schema, to_mapping
 from furlong.core.settings.precision import PrecisionSettings
 from furlong.core.settings.reward import RewardSettings
@@ -22,6 +23,7 @@ __all__ = [
     "PrecisionSettings",
     "DataSettings",
     "EnvironmentSettings",
+    "EvalSettings",
     "RewardSettings",
     "RolloutSettings",
     "SamplingSettings",

@@ -37,6 +37,9 @@ class StepRecord:
     sampled_policy_version: int = 0  # the version the step's samples were drawn with
     trainer_metrics: dict[str, float] = field(default_factory=dict)
     reward_failures: int = 0  # groups whose reward failed (infrastructure), left out or resampled
+    # The evaluation of the step's policy (`eval/reward_mean`, `eval/pass@1`, ...; see
+    # core.eval_metrics); empty on steps without one.
+    eval_metrics: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.step < 1:
@@ -68,8 +71,15 @@ class StepRecord:
             "sampled_policy_version": self.sampled_policy_version,
             "trainer_metrics": dict(self.trainer_metrics),
             "reward_failures": self.reward_failures,
+            "eval_metrics": dict(self.eval_metrics),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepRecord:
-        return cls(**{**data, "trainer_metrics": dict(data.get("trainer_metrics", {}))})
+        return cls(
+            **{
+                **data,
+                "trainer_metrics": dict(data.get("trainer_metrics", {})),
+                "eval_metrics": dict(data.get("eval_metrics", {})),
+            }
+        )

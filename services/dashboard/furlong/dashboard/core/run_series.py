@@ -12,6 +12,14 @@ from typing import Any
 
 Point = list[float]
 
+_SERIES = ("reward", "loss", "kl", "mismatch", "staleness", "throughput")
+# series name -> its key in a step record's `eval_metrics`
+_EVAL_SERIES = {
+    "eval_reward": "eval/reward_mean",
+    "eval_pass_at_1": "eval/pass@1",
+    "eval_pass_at_k": "eval/pass@k",
+}
+
 
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -31,10 +39,10 @@ def run_series(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """reward, loss, kl, mismatch (mean |logp_train - logp_rollout| per token, or the importance-ratio
     mean minus 1 for records from trainers that do not report it), staleness (versions between the
     policy at step start and the one the samples were drawn with), throughput (generated tokens per
-    second), and the weight-sync timeline (each step's sync phase on the run's wall clock)."""
-    series: dict[str, list[Point]] = {
-        k: [] for k in ("reward", "loss", "kl", "mismatch", "staleness", "throughput")
-    }
+    second), the evaluations of the policy on the run's evaluation rows (eval_reward, eval_pass_at_1,
+    eval_pass_at_k: only the steps that were evaluated have points), and the weight-sync timeline
+    (each step's sync phase on the run's wall clock)."""
+    series: dict[str, list[Point]] = {k: [] for k in (*_SERIES, *_EVAL_SERIES)}
     sync: list[dict[str, float]] = []
     previous_version = 0.0
     elapsed_s = 0.0
@@ -50,6 +58,9 @@ def run_series(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         sampled = _number(record.get("sampled_policy_version"))
         if sampled is not None:
             values["staleness"] = previous_version - sampled
+        evaluated = record.get("eval_metrics") or {}
+        for name, key in _EVAL_SERIES.items():
+            values[name] = _number(evaluated.get(key))
         tokens, gen_s = _number(record.get("num_tokens")), _number(record.get("generate_seconds"))
         if tokens is not None and gen_s:
             values["throughput"] = tokens / gen_s

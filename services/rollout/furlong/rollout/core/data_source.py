@@ -77,3 +77,19 @@ class DataSource:
                 )
             )
         return out
+
+    def first(self, count: int) -> list[Prompt]:
+        """The first `count` rows (all of them when there are fewer), in file order, whatever the
+        shuffle: the evaluation prompts, with ids `eval-r<row>`."""
+        out = []
+        for index, (row, text, ids) in enumerate(self._rows[:count]):
+            out.append(
+                Prompt(
+                    prompt_id=f"eval-r{index}",
+                    text=text,
+                    answer=row.answer,
+                    token_ids=ids,
+                    metadata=row.metadata,
+                )
+            )
+        return out

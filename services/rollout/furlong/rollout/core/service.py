@@ -4,9 +4,10 @@
 (core.engine_set): in this process, with one weight receiver per engine (the default), or as engine
 processes behind the engine pool (`furlong.rollout.process_engines`). `generate` runs one step's
 request (core.step_generation): which prompts, which groups are written, which are cut, all decided
-here. What a run records outside the service (its sample ledger, its group ledger and sample stream)
-goes through `RunRecords`, built per run by the factory the service is given
-(`furlong.rollout.run_records.redis_records` in production).
+here. `evaluate` scores the current policy on the run's evaluation rows (core.evaluation), writing
+nothing a trainer reads. What a run records outside the service (its sample ledger, its group
+ledger and sample stream) goes through `RunRecords`, built per run by the factory the service is
+given (`furlong.rollout.run_records.redis_records` in production).
 
 The sample ledger records every sample of a request pending → in flight on an engine → done; a
 second result for a sample is refused; surplus groups are closed. Each attempt at a step gets its
@@ -33,6 +34,7 @@ from furlong.rollout.core.data_source import DataSource
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.engine_set import EngineSetFactory, InProcessEngines, in_process_factory
 from furlong.rollout.core.episodes import EpisodeRunner, RunEnvironmentsFactory
+from furlong.rollout.core.evaluation import evaluate
 from furlong.rollout.core.group_scoring import RunReward, RunRewardFactory, Scorer
 from furlong.rollout.core.sampling import OVERFLOW_ERROR, SupportBound
 from furlong.rollout.core.step_generation import ActiveRun, StepGeneration
@@ -40,6 +42,8 @@ from furlong.rollout.core.trajectory import ChatRenderer
 from furlong.rollout.core.types import (
     EngineState,
     EngineStatus,
+    EvaluateRequest,
+    EvaluateResult,
     GenerateRequest,
     GenerateResult,
     NullObserver,
@@ -148,11 +152,9 @@ class RolloutService:
         self._records = records
         self._loader = policy_loader
         self._observer = observer or NullObserver()
-        self._steps = StepGeneration(
-            self._observer,
-            check_timeout("reward_timeout_s", reward_timeout_s),
-            check_int("reward_workers", reward_workers, 1, 256),
-        )
+        self._reward_timeout_s = check_timeout("reward_timeout_s", reward_timeout_s)
+        self._reward_workers = check_int("reward_workers", reward_workers, 1, 256)
+        self._steps = StepGeneration(self._observer, self._reward_timeout_s, self._reward_workers)
         self._engines = engines or in_process_factory(
             max_batch_size=max_batch_size,
             support_bound=support_bound,
@@ -168,6 +170,7 @@ class RolloutService:
         self._configure_lock = threading.Lock()  # one configure_run at a time
         self._runs: dict[str, tuple[RolloutRunConfig, ActiveRun]] = {}
         self._closers: dict[str, Callable[[], None]] = {}
+        self._eval_data: dict[str, DataSource] = {}  # run id -> its evaluation rows (data.eval)
 
     def configure_run(self, config: RolloutRunConfig) -> RunInfo:
         """Load the checkpoint into the run's engines and start their receivers. Configuring a run
@@ -223,12 +226,14 @@ class RolloutService:
             # The engines run where this service runs them, in the run's dtype: float32 weights
             # the trainer publishes are cast on each copy into them (as tensor.to(dtype) rounds).
             model.to(device=self._device, dtype=DTYPES[config.precision.dtype])
-            data = None
+            data = eval_data = None
             if config.data.enabled:  # every row read and rendered now: a bad one fails the run
                 rows = self._read_data(config.data.train, config.data)
+                key = config.data.messages_key
                 if config.data.eval:
-                    self._read_data(config.data.eval, config.data)
-                data = DataSource(rows, tokenizer, config.seed, config.data.shuffle, config.data.messages_key)
+                    eval_rows = self._read_data(config.data.eval, config.data)
+                    eval_data = DataSource(eval_rows, tokenizer, config.seed, False, key)
+                data = DataSource(rows, tokenizer, config.seed, config.data.shuffle, key)
             renderer = ChatRenderer(tokenizer) if config.environment.enabled else None
             records = self._records(run_id)
             try:
@@ -277,6 +282,8 @@ class RolloutService:
             )
             with self._lock:
                 self._runs[run_id] = (config, run)
+                if eval_data is not None:
+                    self._eval_data[run_id] = eval_data
                 if run_reward is not None:
                     self._closers[run_id] = run_reward.close
         log.info(
@@ -313,6 +320,16 @@ class RolloutService:
             raise ValueError(f"expected a GenerateRequest, got {type(request).__name__}")
         return self._steps.generate(self._get(request.run_id), request)
 
+    def evaluate(self, request: EvaluateRequest) -> EvaluateResult:
+        """The run's current policy scored on its evaluation rows (see core.evaluation); ValueError
+        when the run has none. TimeoutError when an engine does not reach min_policy_version."""
+        if not isinstance(request, EvaluateRequest):
+            raise ValueError(f"expected an EvaluateRequest, got {type(request).__name__}")
+        run = self._get(request.run_id)
+        with self._lock:
+            data = self._eval_data.get(request.run_id)
+        return evaluate(run, data, request, self._reward_timeout_s, self._reward_workers)
+
     def served_engine(self, run_id: str) -> tuple[Engine, Any]:
         """A serving in-process engine of the run and the run's tokenizer, for the OpenAI-compatible
         gateway (whose calls are no step's samples: they bypass the sample ledger). NotFoundError
@@ -345,6 +362,7 @@ class RolloutService:
         check_id("run_id", run_id)
         with self._lock:
             entry = self._runs.pop(run_id, None)
+            self._eval_data.pop(run_id, None)
         if entry is None:
             raise NotFoundError(f"run {run_id!r} is not configured in this rollout service")
         run = entry[1]

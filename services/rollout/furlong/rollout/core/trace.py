@@ -114,15 +114,9 @@ class DecodeTrace:
         return out
 
     def _full_vocab_supports(self, lengths: list[int]) -> list[RolloutSamplingMask]:
-        vocab = np.arange(self.vocab_size, dtype=np.int32)
-        return [
-            RolloutSamplingMask(
-                token_ids=np.tile(vocab, n),
-                offsets=np.arange(n + 1, dtype=np.int64) * self.vocab_size,
-                vocab_size=self.vocab_size,
-            )
-            for n in lengths
-        ]
+        """Every row the whole vocabulary, implicit (no id stored: 0 bytes a token, not 4 x vocab)."""
+        empty = RolloutSamplingMask(np.zeros(0, np.int32), np.zeros(1, np.int64), self.vocab_size)
+        return [RolloutSamplingMask.full(n, self.vocab_size) if n else empty for n in lengths]
 
     def _filtered_supports(self, order: torch.Tensor, lengths: list[int]) -> list[RolloutSamplingMask]:
         kept_ids: list[torch.Tensor] = []

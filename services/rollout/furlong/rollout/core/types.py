@@ -106,6 +106,37 @@ class GenerateResult:
     num_reward_failures: int = 0  # groups whose reward failed (infrastructure), never written
 
 
+@dataclass(frozen=True)
+class EvaluateRequest:
+    """An evaluation of the run's policy on its evaluation rows (see the Evaluate contract in
+    proto/furlong/v1/rollout.proto): `samples_per_prompt` responses to each of the first
+    `max_prompts` rows (0 = every row)."""
+
+    run_id: str
+    step: int
+    samples_per_prompt: int
+    sampling: SamplingConfig
+    max_prompts: int = 0
+    min_policy_version: int = 0
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class EvalGroup:
+    prompt_id: str
+    rewards: tuple[float, ...]  # one per response, in sample order
+
+
+@dataclass(frozen=True)
+class EvaluateResult:
+    run_id: str
+    step: int
+    policy_version: int  # the oldest version any response was drawn with
+    groups: tuple[EvalGroup, ...]  # one per evaluation prompt, in row order
+    num_tokens: int
+    generate_seconds: float
+
+
 class EngineState(enum.Enum):
     SERVING = "serving"  # takes new work
     DRAINING = "draining"  # drained, still finishing work it had taken
