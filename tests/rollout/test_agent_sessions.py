@@ -39,8 +39,14 @@ def test_a_call_that_rewrites_the_history_starts_the_trajectory_again():
     first = call([10, 11], [20, EOS])
     rewritten = call([10, 11, 25, EOS, 30], [22, EOS], version=6)  # 25: the reply re-tokenised
     t = session_trajectory([first, rewritten], VOCAB, {EOS})
-    assert t.prompt_ids == [10, 11, 25, EOS, 30] and t.response_ids == [22, EOS]
-    assert t.loss_mask == [1, 1] and (t.num_calls, t.drift, t.finish_reason) == (1, 1, "eos")
+    assert t.prompt_ids == [10, 11] and t.response_ids == [25, EOS, 30, 22, EOS]
+    assert t.loss_mask == [0, 0, 0, 1, 1] and t.logprobs[:3] == [0.0] * 3
+    assert (t.num_calls, t.drift, t.finish_reason) == (1, 1, "eos")
+
+
+def test_a_call_that_changes_the_first_prompt_fails_the_session():
+    with pytest.raises(ValueError, match="does not begin with the first call's prompt"):
+        session_trajectory([call([10, 11], [20]), call([12, 11, 20], [21])], VOCAB, {EOS})
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,10 @@ full-vocabulary support row as placeholders). Nothing is re-tokenised.
 A call whose ids do not start with the trajectory so far (the agent rewrote its history, or the
 chat template renders a past turn differently from the ids the engine drew: a template that is not
 append-only, or text that tokenises back to other ids) cannot extend it: the trajectory starts
-again from that call, the calls before it are left out of training, and `drift` counts it. Knows
+again from that call — the first call's prompt, then the rest of that call's ids as the
+environment's (mask 0) — the drawn ids of the calls before it are left out of training, and
+`drift` counts it. Every trajectory of a session so begins with its first call's prompt (the
+samples of a group share their prompt); a call that changes that start fails the session. Knows
 nothing about HTTP, OpenAI clients or engines.
 """
 
@@ -58,11 +61,19 @@ def session_trajectory(
         if tuple(calls[k].prompt_token_ids[: len(context)]) != context:
             start, drift = k, drift + 1
     kept = calls[start:]
-    prompt = list(kept[0].prompt_token_ids)
-    ids: list[int] = []
-    logprobs: list[float] = []
-    mask: list[int] = []
-    supports: list[RolloutSamplingMask] = []
+    # Every sample of a group starts with the same prompt, the first call's: a trajectory that
+    # starts again holds the rest of that call's prompt as the environment's ids.
+    prompt = list(calls[0].prompt_token_ids)
+    head = list(kept[0].prompt_token_ids)
+    if head[: len(prompt)] != prompt:
+        raise ValueError(
+            f"call {start + 1} of the session does not begin with the first call's prompt "
+            f"({len(prompt)} tokens): the agent rewrote the start of its conversation"
+        )
+    ids: list[int] = head[len(prompt) :]
+    logprobs: list[float] = [0.0] * len(ids)
+    mask: list[int] = [0] * len(ids)
+    supports: list[RolloutSamplingMask] = [RolloutSamplingMask.full(len(ids), vocab_size)] if ids else []
     for k, call in enumerate(kept):
         choice = _one_choice(call)
         if k > 0:
