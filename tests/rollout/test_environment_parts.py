@@ -136,3 +136,14 @@ def test_environment_turn_ids_follow_the_template_and_drift_is_counted():
     assert t2.response_ids[len(generated) :] == tok2.encode(
         "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n", add_bos=False
     )
+
+
+def test_python_tool_runs_code_in_the_sandbox():
+    from furlong.rollout.environments.python_tool import PythonEnvironment
+
+    env = PythonEnvironment()
+    assert env.call("python", {"code": "print(6 * 7)"}) == "42\n"
+    failed = env.call("python", {"code": "raise SystemExit(3)"})
+    assert failed.endswith("(the program exited with status 3)")
+    with pytest.raises(ToolError, match="code must be a non-empty string"):
+        env.call("python", {"code": ""})
