@@ -8,7 +8,7 @@ import torch
 from furlong.core.sampling_mask import RolloutSamplingMask
 from furlong.trainer.lm_head import head_log_probs_with_support
 from furlong.trainer.logprobs import SupportViolation, log_probs_with_support
-from tests.hf_models import family_config
+from hf_models import family_config
 
 pytestmark = pytest.mark.unit
 
