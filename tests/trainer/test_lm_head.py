@@ -4,11 +4,11 @@ in the gradients of the hidden states and the head weight (tied embeddings inclu
 import numpy as np
 import pytest
 import torch
+from hf_models import family_config
 
 from furlong.core.sampling_mask import RolloutSamplingMask
 from furlong.trainer.lm_head import head_log_probs_with_support
 from furlong.trainer.logprobs import SupportViolation, log_probs_with_support
-from hf_models import family_config
 
 pytestmark = pytest.mark.unit
 
