@@ -69,7 +69,7 @@ def test_lm_head_smoke():
     assert ratios["logprob_peak_mem_vs_unchunked"] < 1.0
     # same gradients up to float32 summation order (the largest gradient is ~10)
     assert metrics["max_grad_diff_vs_unchunked"] < 1e-4 * metrics["max_abs_grad"]
-    # the model: 16 C V + 4 V H + 4 N H over 8 N V, N = 32768, V = 2000, H = 32, C = 64
+    # the model: 16 C V + 4 V H + 4 N H over 8 N V, N = 32768, V = 2000, H = 32, C = 1024
     assert metrics["analytic_ratio_at_32k"] == pytest.approx(
-        (16 * 64 * 2000 + 4 * 2000 * 32 + 4 * 32768 * 32) / (8 * 32768 * 2000)
+        (16 * 1024 * 2000 + 4 * 2000 * 32 + 4 * 32768 * 32) / (8 * 32768 * 2000)
     )
