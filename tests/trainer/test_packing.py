@@ -173,12 +173,15 @@ def _train(micro_batch_tokens: int, **algorithm):
     return stats, grads
 
 
-def test_packed_train_step_equals_padded():
-    padded, padded_grads = _train(0)
-    packed, packed_grads = _train(16)
+@pytest.mark.parametrize(
+    "algorithm", [{}, {"algorithm": "ppo"}, {"kl_coef": 0.1, "entropy_coef": 0.01}], ids=str
+)
+def test_packed_train_step_equals_padded(algorithm):
+    padded, padded_grads = _train(0, **algorithm)
+    packed, packed_grads = _train(16, **algorithm)
     # input lengths 7, 11, 5, 8, 10 padded longest first in pairs: (11, 10), (8, 7), (5): 2 of 43
     assert packed.padding_fraction == 0.0 and padded.padding_fraction == pytest.approx(2 / 43)
-    for key in ("loss", "grad_norm", "ratio_mean", "entropy", "approx_kl"):
+    for key in ("loss", "grad_norm", "ratio_mean", "entropy", "approx_kl", "value_loss", "kl_ref"):
         assert getattr(packed, key) == pytest.approx(getattr(padded, key), abs=1e-6, rel=1e-6), key
     assert len(packed_grads) > 5 and set(packed_grads) == set(padded_grads)
     for name, value in packed_grads.items():
