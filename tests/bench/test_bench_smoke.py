@@ -57,3 +57,19 @@ def test_load_smoke():
     assert set(ratios) >= {"load_peak_rss_vs_model_bytes", "transformers_peak_rss_vs_model_bytes"}
     for loader in ("furlong", "transformers", "safetensors"):
         assert metrics[f"{loader}_extra_peak_bytes"] > 0
+
+
+def test_lm_head_smoke():
+    result = _run("lm_head.py")
+    ratios, metrics, params = result["ratios"], result["metrics"], result["params"]
+    assert result["bench"] == "lm_head" and params["mode"] == "smoke"
+    assert params["measured_tokens"] == 512 and params["chunk_tokens"] == 64
+    # the chunked side never holds the 512 x 2000 float32 logits the unchunked one keeps
+    assert metrics["unchunked_train_extra_peak_mib"] > metrics["unchunked_logits_mib"]
+    assert ratios["logprob_peak_mem_vs_unchunked"] < 1.0
+    # same gradients up to float32 summation order (the largest gradient is ~10)
+    assert metrics["max_grad_diff_vs_unchunked"] < 1e-4 * metrics["max_abs_grad"]
+    # the model: 16 C V + 4 V H + 4 N H over 8 N V, N = 32768, V = 2000, H = 32, C = 1024
+    assert metrics["analytic_ratio_at_32k"] == pytest.approx(
+        (16 * 1024 * 2000 + 4 * 2000 * 32 + 4 * 32768 * 32) / (8 * 32768 * 2000)
+    )

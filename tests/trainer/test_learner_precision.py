@@ -78,7 +78,10 @@ def test_bfloat16_trains_float32_master_weights_with_bf16_forwards():
     data = groups(model)
     fp32_model = copy.deepcopy(model)
     logits_dtypes: list[torch.dtype] = []
-    model.lm_head.register_forward_hook(lambda m, i, out: logits_dtypes.append(out.dtype))
+    # the chunked LM head scores the body's hidden states: watch the body's last matmul
+    model.model.layers[-1].mlp.down_proj.register_forward_hook(
+        lambda m, i, out: logits_dtypes.append(out.dtype)
+    )
     bf16 = learner(model, "bfloat16")
     stats = bf16.train_step(data)
     fp32 = learner(fp32_model, "float32")

@@ -63,6 +63,20 @@ def command() -> ServiceCommand:
         help="where runs' models train: cpu, cuda or cuda:N (default cpu); a run's precision "
         "(run spec) sets the compute dtype",
     )
+    p.add_argument(
+        "--lm-head-chunk-tokens",
+        type=int,
+        default=1024,
+        help="tokens per chunk of the LM head in training: log-probs and entropy are taken a chunk "
+        "at a time, so the tokens x vocabulary logits never exist (default 1024)",
+    )
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=0,
+        help="0 (default): padded micro-batches of the run's micro_batch_size rows; N > 0: packed "
+        "micro-batches (no padding) of at most N tokens and micro_batch_size rows, balanced by tokens",
+    )
     add_credential_flags(p)
     p.add_argument(
         "--check-weight-update-equal",
@@ -86,6 +100,8 @@ def _config(args: argparse.Namespace, flags: ServiceFlags) -> TrainerServiceConf
         policy_dir=args.policy_dir,
         check_weight_update_equal=args.check_weight_update_equal,
         device=args.device,
+        lm_head_chunk_tokens=args.lm_head_chunk_tokens,
+        micro_batch_tokens=args.micro_batch_tokens,
         **credential_fields(args),
     )
 
@@ -112,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_weight_update_equal=config.check_weight_update_equal,
         metrics=TrainerMetrics(runtime.registry),
         device=config.device,
+        lm_head_chunk_tokens=config.lm_head_chunk_tokens,
+        micro_batch_tokens=config.micro_batch_tokens,
     )
     server = start_server([register(service)], [SERVICE_NAME], host=config.host, port=config.port)
     metrics = runtime.serve_metrics()

@@ -27,6 +27,10 @@ class TrainerServiceConfig:
     # mismatch fails it.
     check_weight_update_equal: bool = False
     device: str = "cpu"  # where runs' models train: "cpu", "cuda" or "cuda:N"
+    # Memory of the training forward (LearnerConfig): tokens per chunk of the chunked LM head, and
+    # 0 for padded micro-batches or the token budget of packed, token-balanced ones.
+    lm_head_chunk_tokens: int = 1024
+    micro_batch_tokens: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -41,5 +45,9 @@ class TrainerServiceConfig:
             raise ValueError(f"broker_address must be HOST:PORT, got {self.broker_address!r}")
         if not self.consumer_name:
             raise ValueError("consumer_name must not be empty")
+        if self.lm_head_chunk_tokens < 1:
+            raise ValueError(f"lm_head_chunk_tokens must be >= 1, got {self.lm_head_chunk_tokens}")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens must be >= 0, got {self.micro_batch_tokens}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

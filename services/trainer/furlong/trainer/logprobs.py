@@ -26,7 +26,7 @@ Knows nothing about models, samples or optimizers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -87,7 +87,7 @@ def context_parallel_rows(num_rows: int, rank: int, world_size: int) -> np.ndarr
 
 
 @dataclass
-class _Plan:
+class ScoringPlan:
     """Everything forward and backward share, built once per call."""
 
     n: int
@@ -106,11 +106,24 @@ class _Plan:
         for a in range(0, self.n, self.chunk_rows):
             yield a, min(a + self.chunk_rows, self.n)
 
+    def select_rows(self, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Scored rows [a, b) of `t` (shaped like the scored tensor): a view, or a copy of the picked rows."""
+        return t[a:b] if self.positions is None else t.index_select(0, self.positions[a:b])
+
     def scaled(self, logits2d: torch.Tensor, a: int, b: int) -> torch.Tensor:
         """A private work-dtype copy of rows [a, b) divided by T (safe to modify in place)."""
-        rows = logits2d[a:b] if self.positions is None else logits2d.index_select(0, self.positions[a:b])
-        out = rows.to(self.dtype, copy=True)
+        out = self.select_rows(logits2d, a, b).to(self.dtype, copy=True)
         return out.div_(self.temperature)
+
+    def write_rows(self, out: torch.Tensor, rows: torch.Tensor, a: int, b: int) -> None:
+        """Store (or, for repeated positions, add) the values of scored rows [a, b) into `out`,
+        which is shaped like the scored tensor (the inverse of the row selection)."""
+        if self.positions is None:
+            out[a:b] = rows
+        elif self.unique_positions:
+            out.index_copy_(0, self.positions[a:b], rows)
+        else:
+            out.index_add_(0, self.positions[a:b], rows)
 
     def support_coords(self, a: int, b: int) -> _Coords | None:
         """For rows [a, b) whose support is not the whole vocabulary: (those rows' chunk indices,
@@ -182,83 +195,167 @@ def _in_support(coords: _Coords, local: torch.Tensor, own: torch.Tensor) -> torc
     return (hit > 0) & own[partial]
 
 
+class ChunkStats(NamedTuple):
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    lse_full: torch.Tensor
+    lse_support: torch.Tensor
+
+
+def _chunk_forward(plan: ScoringPlan, x: torch.Tensor, targets: torch.Tensor, a: int, b: int) -> ChunkStats:
+    """Log-probs, entropy and both log-sum-exps of rows [a, b), from x = their logits / T."""
+    lz, entropy = plan.full_stats(x)
+    lse_full = lz
+    local, own = plan.local_targets(targets[a:b])
+    picked = plan.allreduce(_pick(x, local, own), dist.ReduceOp.SUM)
+    coords = plan.support_coords(a, b) if plan.support is not None else None
+    if coords is not None:
+        partial = coords[0]
+        inside = plan.allreduce(_in_support(coords, local, own).double(), dist.ReduceOp.SUM)
+        if bool((inside == 0).any()):
+            row = a + int(partial[(inside == 0).nonzero()[0, 0]])
+            raise SupportViolation(row, _support_row(plan, row), int(targets[row]))
+        lz = lz.clone()
+        lz[partial] = plan.support_lse(x, coords)
+    return ChunkStats(picked - lz, entropy, lse_full, lz)
+
+
+def forward_chunks(
+    plan: ScoringPlan, targets: torch.Tensor, scaled: Callable[[int, int], torch.Tensor]
+) -> ChunkStats:
+    """Every chunk's `_chunk_forward`, written into (N,) tensors; `scaled(a, b)` gives x of rows [a, b)."""
+    out = ChunkStats(*(torch.empty(plan.n, dtype=plan.dtype, device=plan.device) for _ in range(4)))
+    for a, b in plan.chunks():
+        for whole, part in zip(out, _chunk_forward(plan, scaled(a, b), targets, a, b)):
+            whole[a:b] = part
+    return out
+
+
+def chunk_grad(
+    plan: ScoringPlan,
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    saved: ChunkStats,
+    a: int,
+    b: int,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+) -> torch.Tensor:
+    """The gradient w.r.t. the (untempered) logits of rows [a, b), from x = their logits / T
+    (x is overwritten)."""
+    g = torch.zeros_like(x)
+    if grad_entropy is not None:
+        # dH/dx = -p * (log p + H), p the full tempered distribution
+        logp_full = x - saved.lse_full[a:b].unsqueeze(-1)
+        p = torch.exp(logp_full)
+        g.addcmul_(p, logp_full.add_(saved.entropy[a:b].unsqueeze(-1)), value=-1.0)
+        g.mul_(grad_entropy[a:b].to(plan.dtype).unsqueeze(-1))
+        del p, logp_full
+    if grad_logp is not None:
+        # dlogp/dx = onehot(target) - q, q the distribution renormalised over the support
+        gl = grad_logp[a:b].to(plan.dtype)
+        coords = plan.support_coords(a, b) if plan.support is not None else None
+        full_rows = gl
+        if coords is not None:
+            partial, rows, ids = coords
+            q = torch.exp(x[partial[rows], ids] - saved.lse_support[a:b][partial][rows])
+            g.index_put_((partial[rows], ids), -gl[partial][rows] * q, accumulate=True)
+            full_rows = gl.clone()
+            full_rows[partial] = 0.0  # partial rows are done; the rest use the full softmax
+        q = torch.exp(x.sub_(saved.lse_full[a:b].unsqueeze(-1)))  # <= 1: no overflow on partial rows
+        g.addcmul_(q, full_rows.unsqueeze(-1), value=-1.0)
+        del q
+        local, own = plan.local_targets(targets[a:b])
+        g.scatter_add_(-1, local.unsqueeze(-1), torch.where(own, gl, torch.zeros_like(gl)).unsqueeze(-1))
+    return g.div_(plan.temperature)
+
+
 class _SupportLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, logits2d: torch.Tensor, targets: torch.Tensor, plan: _Plan
+        ctx: Any, logits2d: torch.Tensor, targets: torch.Tensor, plan: ScoringPlan
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = torch.empty(plan.n, dtype=plan.dtype, device=plan.device)
-        entropy = torch.empty(plan.n, dtype=plan.dtype, device=plan.device)
-        lse_full = torch.empty(plan.n, dtype=plan.dtype, device=plan.device)
-        lse_support = torch.empty(plan.n, dtype=plan.dtype, device=plan.device)
-        for a, b in plan.chunks():
-            x = plan.scaled(logits2d, a, b)
-            lz, entropy[a:b] = plan.full_stats(x)
-            lse_full[a:b] = lz
-            local, own = plan.local_targets(targets[a:b])
-            picked = plan.allreduce(_pick(x, local, own), dist.ReduceOp.SUM)
-            coords = plan.support_coords(a, b) if plan.support is not None else None
-            if coords is not None:
-                partial = coords[0]
-                inside = plan.allreduce(_in_support(coords, local, own).double(), dist.ReduceOp.SUM)
-                if bool((inside == 0).any()):
-                    row = a + int(partial[(inside == 0).nonzero()[0, 0]])
-                    raise SupportViolation(row, _support_row(plan, row), int(targets[row]))
-                lz = lz.clone()
-                lz[partial] = plan.support_lse(x, coords)
-            logp[a:b] = picked - lz
-            lse_support[a:b] = lz
-        ctx.save_for_backward(logits2d, targets, entropy, lse_full, lse_support)
+        stats = forward_chunks(plan, targets, lambda a, b: plan.scaled(logits2d, a, b))
+        ctx.save_for_backward(logits2d, targets, *stats[1:])
         ctx.plan = plan
-        return logp, entropy
+        return stats.logp, stats.entropy
 
     @staticmethod
     def backward(
         ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor, None, None]:
         logits2d, targets, entropy, lse_full, lse_support = ctx.saved_tensors
-        plan: _Plan = ctx.plan
+        plan: ScoringPlan = ctx.plan
+        saved = ChunkStats(entropy, entropy, lse_full, lse_support)  # logp is not needed
         grad = torch.zeros_like(logits2d)
         for a, b in plan.chunks():
-            x = plan.scaled(logits2d, a, b)
-            g = torch.zeros_like(x)
-            if grad_entropy is not None:
-                # dH/dx = -p * (log p + H), p the full tempered distribution
-                logp_full = x - lse_full[a:b].unsqueeze(-1)
-                p = torch.exp(logp_full)
-                g.addcmul_(p, logp_full.add_(entropy[a:b].unsqueeze(-1)), value=-1.0)
-                g.mul_(grad_entropy[a:b].to(plan.dtype).unsqueeze(-1))
-                del p, logp_full
-            if grad_logp is not None:
-                # dlogp/dx = onehot(target) - q, q the distribution renormalised over the support
-                gl = grad_logp[a:b].to(plan.dtype)
-                coords = plan.support_coords(a, b) if plan.support is not None else None
-                full_rows = gl
-                if coords is not None:
-                    partial, rows, ids = coords
-                    q = torch.exp(x[partial[rows], ids] - lse_support[a:b][partial][rows])
-                    g.index_put_((partial[rows], ids), -gl[partial][rows] * q, accumulate=True)
-                    full_rows = gl.clone()
-                    full_rows[partial] = 0.0  # partial rows are done; the rest use the full softmax
-                q = torch.exp(x.sub_(lse_full[a:b].unsqueeze(-1)))  # <= 1: no overflow on partial rows
-                g.addcmul_(q, full_rows.unsqueeze(-1), value=-1.0)
-                del q
-                local, own = plan.local_targets(targets[a:b])
-                g.scatter_add_(
-                    -1, local.unsqueeze(-1), torch.where(own, gl, torch.zeros_like(gl)).unsqueeze(-1)
-                )
-            g.div_(plan.temperature)
-            if plan.positions is None:
-                grad[a:b] = g.to(grad.dtype)
-            elif plan.unique_positions:
-                grad.index_copy_(0, plan.positions[a:b], g.to(grad.dtype))
-            else:
-                grad.index_add_(0, plan.positions[a:b], g.to(grad.dtype))
+            g = chunk_grad(plan, plan.scaled(logits2d, a, b), targets, saved, a, b, grad_logp, grad_entropy)
+            plan.write_rows(grad, g.to(grad.dtype), a, b)
         return grad, None, None
 
 
-def _support_row(plan: _Plan, row: int) -> int:
+def _support_row(plan: ScoringPlan, row: int) -> int:
     return row if plan.support_rows is None else int(plan.support_rows[row])
+
+
+def make_plan(
+    rows2d: torch.Tensor,
+    target_ids: torch.Tensor,
+    support: RolloutSamplingMask | None,
+    temperature: float,
+    *,
+    local_vocab: int,
+    dtype: torch.dtype,
+    positions: torch.Tensor | None = None,
+    support_rows: np.ndarray | torch.Tensor | None = None,
+    vocab_shard: VocabShard | None = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[ScoringPlan, torch.Tensor]:
+    """The validated plan (and the flat long target ids) of scoring the rows of `rows2d` (logits,
+    or the hidden states the logits are made from) whose vocabulary slice has `local_vocab` ids."""
+    if not temperature > 0:  # 0 (greedy) is a point mass: nothing to score or differentiate
+        raise ValueError(f"sampling.temperature must be > 0 to score log-probs, got {temperature}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    targets = target_ids.reshape(-1).long()
+    if positions is not None:
+        positions = positions.reshape(-1).long()
+        if positions.numel() and (positions.min() < 0 or positions.max() >= rows2d.shape[0]):
+            raise ValueError(f"positions must lie in [0, {rows2d.shape[0]})")
+    n = rows2d.shape[0] if positions is None else positions.numel()
+    if targets.numel() != n:
+        raise ValueError(f"{targets.numel()} target ids for {n} scored rows")
+    full_vocab = local_vocab if vocab_shard is None else vocab_shard.vocab_size
+    if n and (targets.min() < 0 or targets.max() >= full_vocab):
+        bad = targets[(targets < 0) | (targets >= full_vocab)][0]
+        raise ValueError(f"target id {int(bad)} outside the vocabulary [0, {full_vocab})")
+    rows_idx = None
+    if support is not None:
+        if support.vocab_size != full_vocab:
+            raise ValueError(f"support vocab_size {support.vocab_size} != logits vocabulary {full_vocab}")
+        if support_rows is not None:
+            rows_idx = np.asarray(
+                support_rows.cpu() if isinstance(support_rows, torch.Tensor) else support_rows, dtype=np.int64
+            ).reshape(-1)
+            if rows_idx.size != n:
+                raise ValueError(f"{rows_idx.size} support_rows for {n} scored rows")
+            support = support.select(rows_idx) if n else support
+        elif support.num_rows != n:
+            raise ValueError(f"support has {support.num_rows} rows for {n} scored rows")
+    plan = ScoringPlan(
+        n=n,
+        temperature=float(temperature),
+        chunk_rows=chunk_rows,
+        dtype=dtype,
+        positions=positions,
+        support=support,
+        shard=vocab_shard,
+        local_vocab=local_vocab,
+        support_rows=rows_idx,
+        unique_positions=positions is None or int(torch.unique(positions).numel()) == n,
+        device=rows2d.device,
+    )
+    return plan, targets
 
 
 def log_probs_with_support(
@@ -280,53 +377,23 @@ def log_probs_with_support(
     vocabulary; no mask is built) or a mask whose row `support_rows[i]` (default i) is row i's
     support. Raises `SupportViolation` (a ValueError) naming the row when a target is outside.
     """
-    if not temperature > 0:  # 0 (greedy) is a point mass: nothing to score or differentiate
-        raise ValueError(f"sampling.temperature must be > 0 to score log-probs, got {temperature}")
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if logits.dim() < 2:
         raise ValueError(f"logits must have shape (..., vocab), got {tuple(logits.shape)}")
     logits2d = logits.reshape(-1, logits.shape[-1])
-    targets = target_ids.reshape(-1).long()
-    if positions is not None:
-        positions = positions.reshape(-1).long()
-        if positions.numel() and (positions.min() < 0 or positions.max() >= logits2d.shape[0]):
-            raise ValueError(f"positions must lie in [0, {logits2d.shape[0]})")
-    n = logits2d.shape[0] if positions is None else positions.numel()
-    if targets.numel() != n:
-        raise ValueError(f"{targets.numel()} target ids for {n} scored rows")
-    full_vocab = logits2d.shape[-1] if vocab_shard is None else vocab_shard.vocab_size
-    if n and (targets.min() < 0 or targets.max() >= full_vocab):
-        bad = targets[(targets < 0) | (targets >= full_vocab)][0]
-        raise ValueError(f"target id {int(bad)} outside the vocabulary [0, {full_vocab})")
-    rows_idx = None
-    if support is not None:
-        if support.vocab_size != full_vocab:
-            raise ValueError(f"support vocab_size {support.vocab_size} != logits vocabulary {full_vocab}")
-        if support_rows is not None:
-            rows_idx = np.asarray(
-                support_rows.cpu() if isinstance(support_rows, torch.Tensor) else support_rows, dtype=np.int64
-            ).reshape(-1)
-            if rows_idx.size != n:
-                raise ValueError(f"{rows_idx.size} support_rows for {n} scored rows")
-            support = support.select(rows_idx) if n else support
-        elif support.num_rows != n:
-            raise ValueError(f"support has {support.num_rows} rows for {n} scored rows")
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    plan = _Plan(
-        n=n,
-        temperature=float(temperature),
-        chunk_rows=chunk_rows,
+    plan, targets = make_plan(
+        logits2d,
+        target_ids,
+        support,
+        temperature,
+        local_vocab=logits2d.shape[-1],
         dtype=dtype,
         positions=positions,
-        support=support,
-        shard=vocab_shard,
-        local_vocab=logits2d.shape[-1],
-        support_rows=rows_idx,
-        unique_positions=positions is None or int(torch.unique(positions).numel()) == n,
-        device=logits2d.device,
+        support_rows=support_rows,
+        vocab_shard=vocab_shard,
+        chunk_rows=chunk_rows,
     )
-    if n == 0:
+    if plan.n == 0:
         empty = logits2d.new_zeros(0, dtype=dtype)
         return LogProbs(empty, empty.clone())
     logp, entropy = _SupportLogProbs.apply(logits2d, targets, plan)  # type: ignore[no-untyped-call]  # torch leaves Function.apply unannotated

@@ -28,6 +28,7 @@ GRAD_NORM = "furlong_trainer_grad_norm"
 SAMPLE_STALENESS_VERSIONS = "furlong_trainer_sample_staleness_versions"
 LOGPROB_ABS_DIFF = "furlong_trainer_logprob_abs_diff"
 ENTROPY = "furlong_trainer_entropy"
+PADDING_FRACTION = "furlong_trainer_padding_fraction"
 QUEUE_DEPTH = "furlong_trainer_queue_depth"
 
 _STEP_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -78,6 +79,12 @@ class TrainerMetrics:
         self.entropy = Gauge(
             ENTROPY, "Mean per-token policy entropy (nats) of the latest step", ["run_id"], registry=r
         )
+        self.padding_fraction = Gauge(
+            PADDING_FRACTION,
+            "Padding positions / all positions of the latest step's training forwards",
+            ["run_id"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             QUEUE_DEPTH,
             "Sample groups in the run's stream not yet acknowledged by the trainer (undelivered + pending)",
@@ -109,6 +116,7 @@ class TrainerMetrics:
         self.grad_norm.labels(**labels).set(stats.grad_norm)
         self.logprob_abs_diff.labels(**labels).set(stats.logprob_abs_diff)
         self.entropy.labels(**labels).set(stats.entropy)
+        self.padding_fraction.labels(**labels).set(stats.padding_fraction)
         for staleness in staleness_versions:
             self.sample_staleness.observe(staleness)
 

@@ -58,6 +58,7 @@ from furlong.trainer.api import (
     TrainStepResult,
 )
 from furlong.trainer.core.learner import Learner, LearnerConfig, StepStats
+from furlong.trainer.lm_head import DEFAULT_CHUNK_TOKENS
 from furlong.trainer.metrics import TrainerMetrics
 from furlong.trainer.offload import Offloader, learner_offloader
 from furlong.trainer.run_checkpoints import RunCheckpoints, clean_leftovers
@@ -128,10 +129,13 @@ class TrainerService:
         policy_root: str | Path | None = None,
         metrics: TrainerMetrics | None = None,
         device: str | torch.device = "cpu",
+        lm_head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        micro_batch_tokens: int = 0,
     ):
         """`metrics`: where the service's Prometheus collectors live (the process's registry in
         the service; default: a private registry of its own, as in tests). `device`: where runs'
-        models are trained ("cpu", "cuda", "cuda:N"; ValueError for another or a missing one)."""
+        models are trained ("cpu", "cuda", "cuda:N"; ValueError for another or a missing one).
+        `lm_head_chunk_tokens`, `micro_batch_tokens`: every run's `LearnerConfig` memory settings."""
         checked = parse_device(device)
         assert checked is not None  # a value was given
         self.device = checked
@@ -148,6 +152,8 @@ class TrainerService:
         self._publisher_factory = publisher_factory
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
+        self._lm_head_chunk_tokens = lm_head_chunk_tokens
+        self._micro_batch_tokens = micro_batch_tokens
 
     def configure_run(self, config: TrainerRunConfig) -> TrainerRun:
         """Load the checkpoint and get ready to train (resuming from the run's training checkpoint
@@ -166,6 +172,8 @@ class TrainerService:
             temperature=config.sampling_temperature,
             seed=config.seed,
             precision=config.precision,
+            lm_head_chunk_tokens=self._lm_head_chunk_tokens,
+            micro_batch_tokens=self._micro_batch_tokens,
         )
         path = Path(model_dir)
         if not path.is_dir():

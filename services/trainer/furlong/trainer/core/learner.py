@@ -13,6 +13,11 @@ Precision (`PrecisionSettings`): the model's weights and AdamW's state are float
 run's dtype (master weights); with "bfloat16" every forward runs under torch.autocast(bfloat16) on
 the model's device. With `gradient_checkpointing` the decoder layers recompute their activations
 in the backward pass. Every tensor of a step is made on the model's device.
+
+Memory and padding (`LearnerConfig`): the policy's log-probs come from the chunked LM head
+(`lm_head_chunk_tokens` tokens at a time; see `scoring`), so the full logits never exist. With
+`micro_batch_tokens` > 0 micro-batches are packed (rows concatenated, no padding) and balanced by
+tokens instead of rows; `padding_fraction` reports the padding share of every forward's tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from furlong.trainer.core._compat import enable_activation_checkpointing
 from furlong.trainer.core.batch import MicroBatch, build_micro_batch, split_per_row
 from furlong.trainer.core.data_parallel import DataParallel, full_tensor
 from furlong.trainer.core.scoring import Scorer
-from furlong.trainer.core.step import Denominators, StepMath, plan_rows
+from furlong.trainer.core.step import Denominators, StepMath, group_rows, plan_rows
+from furlong.trainer.lm_head import DEFAULT_CHUNK_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +47,18 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LearnerConfig:
     """The run's algorithm settings plus what the learner takes from the rest of the run: the
-    sampler's temperature (log-probs are taken under it), the run's seed and its precision."""
+    sampler's temperature (log-probs are taken under it), the run's seed and its precision, and
+    two memory settings of the trainer's own: `lm_head_chunk_tokens`, the tokens per chunk of the
+    chunked LM head (working memory ~ chunk x vocabulary floats), and `micro_batch_tokens`, 0 for
+    padded micro-batches of `algorithm.micro_batch_size` rows, or the token budget of packed
+    micro-batches (at most `micro_batch_size` rows each, balanced by tokens)."""
 
     algorithm: AlgorithmSettings = field(default_factory=AlgorithmSettings)
     temperature: float = 1.0
     seed: int = 0
     precision: PrecisionSettings = field(default_factory=PrecisionSettings)
+    lm_head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    micro_batch_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.algorithm, AlgorithmSettings):
@@ -65,6 +77,10 @@ class LearnerConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        for name in ("lm_head_chunk_tokens", "micro_batch_tokens"):
+            value, low = getattr(self, name), 1 if name == "lm_head_chunk_tokens" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not isinstance(self.precision, PrecisionSettings):
             raise ValueError(f"precision must be PrecisionSettings, got {type(self.precision).__name__}")
 
@@ -89,6 +105,7 @@ class StepStats:
     is_weight_mean: float = 1.0  # mean off-policy (TIS/MIS) weight
     is_masked_fraction: float = 0.0  # share of tokens MIS dropped
     value_loss: float = 0.0  # PPO only
+    padding_fraction: float = 0.0  # padding positions / all positions of the training forwards
 
     def as_metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}
@@ -195,13 +212,18 @@ class Learner:
             enable_activation_checkpointing(model) if config.precision.gradient_checkpointing else 0
         )
         # The scorer copies the reference and value models before any sharding.
-        self.scorer = Scorer(model, config.temperature, self.objective, autocast)
+        self.scorer = Scorer(model, config.temperature, self.objective, autocast, config.lm_head_chunk_tokens)
         self._dp: DataParallel | None = None
         if data_parallel_group is not None:
             if data_parallel == "fsdp2" and self.scorer.critic is not None:
                 raise ValueError("data_parallel 'fsdp2' does not shard PPO's value model; use 'ddp'")
             self._dp = DataParallel(model, data_parallel_group, data_parallel)
-            self.scorer.policy_module = self._dp.forward_module
+            if data_parallel == "allreduce":
+                self.scorer.policy_module = self._dp.forward_module
+            else:
+                self.scorer.use_policy_module(
+                    self._dp.forward_module, f"data_parallel {data_parallel!r} wraps the whole forward"
+                )
         params = [p for p in model.parameters() if p.requires_grad]  # fsdp2: the sharded ones
         self._extra_params = self.scorer.trainable_extra_parameters()
         self._params = params + self._extra_params
@@ -247,17 +269,23 @@ class Learner:
         started = time.perf_counter()
         _validate(groups, self.vocab_size, self.version)
         samples = [s for g in groups for s in g.samples]
-        size = self.objective.micro_batch_size
-        rows, denominators = plan_rows(groups, self.objective, self.scorer, size)
+        size, tokens = self.objective.micro_batch_size, self.config.micro_batch_tokens
+        rows, denominators = plan_rows(groups, self.objective, self.scorer, size, tokens)
         # Longest first, so each micro-batch pads as little as possible.
         rows.sort(key=lambda r: len(r.token_ids), reverse=True)
         num_rows = len(rows)
         plan = (
             self._dp.plan(rows, size)
             if self._dp is not None
-            else [(rows[i : i + size], False) for i in range(0, len(rows), size)]
+            else [(chunk, False) for chunk in group_rows(rows, size, tokens)]
         )
-        micro_batches = [(build_micro_batch(chunk, self.device), padding) for chunk, padding in plan]
+        micro_batches = [
+            (build_micro_batch(chunk, self.device, packed=tokens > 0), padding) for chunk, padding in plan
+        ]
+        forwarded = [mb for mb, padding in micro_batches if not padding]
+        padding_fraction = sum(mb.num_padding_tokens for mb in forwarded) / max(
+            1, sum(mb.num_input_tokens for mb in forwarded)
+        )
         totals = dict.fromkeys(("loss", "grad_norm", "value_loss") + _WEIGHTED, 0.0)
         if num_rows:
             for epoch in range(self.objective.epochs_per_batch):
@@ -276,6 +304,7 @@ class Learner:
             num_tokens=sum(s.num_policy_tokens for s in samples),
             step_seconds=time.perf_counter() - started,
             num_trained_samples=num_rows,
+            padding_fraction=padding_fraction,
             **totals,
         )
         log.debug("version %d: %s", self.version, stats)

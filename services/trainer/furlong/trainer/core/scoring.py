@@ -2,7 +2,15 @@
 (over each token's sampling support) and entropy, the frozen reference's log-probs, and the value
 model's per-token values. Every forward runs on the model's device, under
 `torch.autocast(bfloat16)` when the run's precision says so (the weights stay float32); the
-log-prob and entropy arithmetic after it is float32. Knows nothing about objectives or optimizers.
+log-prob and entropy arithmetic after it is float32.
+
+LM head: for a Hugging Face causal LM (a `model` body and a bias-free `lm_head`, no logit
+soft-capping or scaling in its config) the body gives the final hidden states and
+`lm_head.head_log_probs_with_support` scores them `head_chunk_tokens` tokens at a time with
+`lm_head.weight`, so the (tokens x vocabulary) logits never exist; any other model runs its own
+forward and its logits are scored (the choice and its reason are logged once). A packed
+micro-batch passes its position ids and its block-diagonal mask (boolean for SDPA attention,
+additive float for eager). Knows nothing about objectives or optimizers.
 """
 
 from __future__ import annotations
@@ -10,13 +18,49 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import logging
 
 import torch
 
 from furlong.core.settings import AlgorithmSettings
 from furlong.trainer.core.batch import MicroBatch
 from furlong.trainer.core.value import ValueModel
-from furlong.trainer.logprobs import SupportViolation, log_probs_with_support
+from furlong.trainer.lm_head import DEFAULT_CHUNK_TOKENS, head_log_probs_with_support
+from furlong.trainer.logprobs import LogProbs, SupportViolation, log_probs_with_support
+
+log = logging.getLogger(__name__)
+
+# Config fields that change the logits after the LM head's matmul; a model that sets one runs its own head.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale")
+
+
+def chunked_head_unsupported(model: torch.nn.Module) -> str | None:
+    """Why the chunked LM head cannot replace `model`'s own (None: it can)."""
+    if not isinstance(getattr(model, "model", None), torch.nn.Module):
+        return f"{type(model).__name__} has no `model` body to take hidden states from"
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return f"{type(model).__name__}.lm_head is not a bias-free Linear"
+    config = getattr(model, "config", None)
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        if value is not None:
+            return f"its config sets {name}={value!r}"
+    return None
+
+
+def packed_mask(mb: MicroBatch, model: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The packed micro-batch's block-diagonal mask in the form `model`'s attention takes."""
+    kind = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if kind == "sdpa":
+        return mb.attention_mask
+    if kind == "eager":
+        additive = torch.zeros(mb.attention_mask.shape, dtype=dtype, device=mb.device)
+        return additive.masked_fill_(~mb.attention_mask, torch.finfo(dtype).min)
+    raise ValueError(
+        f"packed micro-batches need sdpa or eager attention (a 4-D mask); "
+        f"{type(model).__name__} uses {kind!r}: set micro_batch_tokens to 0"
+    )
 
 
 class Scorer:
@@ -26,9 +70,16 @@ class Scorer:
         temperature: float,
         objective: AlgorithmSettings,
         autocast_dtype: torch.dtype | None = None,
+        head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ):
         """`autocast_dtype`: the dtype forwards compute in under torch.autocast (None: the
-        weights' own)."""
+        weights' own). `head_chunk_tokens`: tokens per chunk of the chunked LM head."""
+        if (
+            isinstance(head_chunk_tokens, bool)
+            or not isinstance(head_chunk_tokens, int)
+            or head_chunk_tokens < 1
+        ):
+            raise ValueError(f"head_chunk_tokens must be an integer >= 1, got {head_chunk_tokens!r}")
         self.model = model
         self.policy_module = model  # what the policy's forward goes through (a DDP wrapper, say)
         self.temperature = temperature
@@ -37,6 +88,19 @@ class Scorer:
         forward_params = inspect.signature(model.forward).parameters
         self._can_trim_logits = "logits_to_keep" in forward_params
         self._pass_use_cache = "use_cache" in forward_params
+        self.head_chunk_tokens = head_chunk_tokens
+        reason = chunked_head_unsupported(model)
+        # Whether the policy's forward may bypass its own head (a wrapper that must see the
+        # whole forward, DDP or FSDP, turns this off through `use_policy_module`).
+        self.chunk_policy_head = reason is None
+        self._chunk_reference_head = reason is None
+        if reason is None:
+            body_params = inspect.signature(model.get_submodule("model").forward).parameters
+            self._body_use_cache = "use_cache" in body_params
+            log.info("LM head: chunked, %d tokens per chunk", head_chunk_tokens)
+        else:
+            self._body_use_cache = False
+            log.info("LM head: the model's own over whole sequences, because %s", reason)
         self.reference: torch.nn.Module | None = None
         if objective.uses_reference:
             self.reference = copy.deepcopy(model).eval()
@@ -53,22 +117,58 @@ class Scorer:
     def trainable_extra_parameters(self) -> list[torch.nn.Parameter]:
         return [] if self.critic is None else [p for p in self.critic.parameters() if p.requires_grad]
 
-    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    def use_policy_module(self, module: torch.nn.Module, reason: str) -> None:
+        """Run the policy's forward through `module` (a data-parallel wrapper), whole: its own
+        head, since the wrapper's hooks must see every use of the parameters."""
+        self.policy_module = module
+        if self.chunk_policy_head:
+            log.info("LM head: the model's own over whole sequences, because %s", reason)
+        self.chunk_policy_head = False
+
+    def _inputs(self, model: torch.nn.Module, mb: MicroBatch, use_cache: bool) -> dict[str, object]:
         kwargs: dict[str, object] = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask}
-        if self._pass_use_cache:
+        if mb.packed:
+            kwargs["attention_mask"] = packed_mask(mb, self.model, torch.float32)
+            kwargs["position_ids"] = mb.position_ids
+        if use_cache:
             kwargs["use_cache"] = False
+        return kwargs
+
+    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        kwargs = self._inputs(model, mb, self._pass_use_cache)
         if self._can_trim_logits:
             kwargs["logits_to_keep"] = mb.width - mb.first  # prompt positions before `first` need no logits
         with self._autocast():
             logits: torch.Tensor = model(**kwargs).logits
         return logits
 
-    def _logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self._logits(model, mb)
-        try:
-            out = log_probs_with_support(
-                logits, mb.targets, mb.support, self.temperature, positions=mb.positions(logits.shape[1])
+    def _score(self, model: torch.nn.Module, mb: MicroBatch, chunked: bool) -> LogProbs:
+        if chunked:
+            body, head = model.get_submodule("model"), model.get_submodule("lm_head")
+            assert isinstance(head, torch.nn.Linear)  # chunked_head_unsupported checked it
+            with self._autocast():
+                hidden = body(**self._inputs(model, mb, self._body_use_cache)).last_hidden_state
+            weight = head.weight
+            return head_log_probs_with_support(
+                hidden,
+                weight,
+                mb.targets,
+                mb.support,
+                self.temperature,
+                positions=mb.positions(hidden.shape[1]),
+                chunk_tokens=self.head_chunk_tokens,
+                matmul_dtype=self.autocast_dtype,
             )
+        logits = self._logits(model, mb)
+        return log_probs_with_support(
+            logits, mb.targets, mb.support, self.temperature, positions=mb.positions(logits.shape[1])
+        )
+
+    def _logprobs(
+        self, model: torch.nn.Module, mb: MicroBatch, chunked: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            out = self._score(model, mb, chunked)
         except SupportViolation as exc:
             row = mb.rows[int(mb.seq[exc.row])]
             position = exc.row - int((mb.seq < mb.seq[exc.row]).sum())
@@ -80,18 +180,22 @@ class Scorer:
 
     def policy_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropy), each (N,), differentiable w.r.t. the policy."""
-        return self._logprobs(self.policy_module, mb)
+        return self._logprobs(self.policy_module, mb, self.chunk_policy_head)
 
     @torch.no_grad()
     def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if self.reference is None:
             raise ValueError("this objective has no reference model (kl_coef is 0)")
-        return self._logprobs(self.reference, mb)[0]
+        return self._logprobs(self.reference, mb, self._chunk_reference_head)[0]
 
     def values(self, mb: MicroBatch) -> torch.Tensor:
         """(N,) value of the state before each response token (the position that predicts it)."""
         if self.critic is None:
             raise ValueError("this objective has no value model (algorithm is not ppo)")
         with self._autocast():
-            values: torch.Tensor = self.critic(mb.input_ids, mb.attention_mask).float()
+            if mb.packed:
+                mask = packed_mask(mb, self.model, torch.float32)
+                values: torch.Tensor = self.critic(mb.input_ids, mask, mb.position_ids).float()
+            else:
+                values = self.critic(mb.input_ids, mb.attention_mask).float()
         return values.reshape(-1).index_select(0, mb.positions(values.shape[1]))

@@ -17,7 +17,7 @@ import torch
 
 from furlong.core.samples import SampleGroup
 from furlong.core.settings import AlgorithmSettings
-from furlong.trainer.core.batch import MicroBatch, Row, build_micro_batch, split_per_row
+from furlong.trainer.core.batch import MicroBatch, Row, build_micro_batch, plan_token_budget, split_per_row
 
 if TYPE_CHECKING:
     from furlong.trainer.core.scoring import Scorer
@@ -79,19 +79,34 @@ def _policy_gae(
     )
 
 
-def _chunks(rows: list[Row], size: int, device: torch.device) -> Iterator[MicroBatch]:
-    for i in range(0, len(rows), size):
-        mb = build_micro_batch(rows[i : i + size], device)
-        yield mb
+def group_rows(rows: list[Row], micro_batch_size: int, micro_batch_tokens: int) -> list[list[Row]]:
+    """`rows` in micro-batches: with `micro_batch_tokens` 0, consecutive runs of `micro_batch_size`
+    rows; otherwise at most that many rows and `micro_batch_tokens` input tokens each, balanced
+    by tokens (first-fit decreasing; a longer row is alone)."""
+    if micro_batch_tokens == 0:
+        return [rows[i : i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+    lengths = [len(r.token_ids) - 1 for r in rows]
+    return [[rows[i] for i in b] for b in plan_token_budget(lengths, micro_batch_tokens, micro_batch_size)]
+
+
+def _chunks(rows: list[Row], size: int, tokens: int, device: torch.device) -> Iterator[MicroBatch]:
+    for chunk in group_rows(rows, size, tokens):
+        yield build_micro_batch(chunk, device, packed=tokens > 0)
 
 
 def plan_rows(
-    groups: list[SampleGroup], objective: AlgorithmSettings, scorer: Scorer, micro_batch_size: int
+    groups: list[SampleGroup],
+    objective: AlgorithmSettings,
+    scorer: Scorer,
+    micro_batch_size: int,
+    micro_batch_tokens: int = 0,
 ) -> tuple[list[Row], Denominators]:
+    """The rows to train on and the batch's denominators; the no-grad passes run over micro-batches
+    made as `group_rows` makes them (packed when `micro_batch_tokens` > 0)."""
     samples = [s for g in groups for s in g.samples]
     rows = [Row(s, torch.zeros(len(s.response_token_ids))) for s in samples]
     if objective.uses_reference:
-        for mb in _chunks(rows, micro_batch_size, scorer.device):
+        for mb in _chunks(rows, micro_batch_size, micro_batch_tokens, scorer.device):
             for row, ref in zip(mb.rows, split_per_row(scorer.reference_logprobs(mb), mb)):
                 row.ref_logprobs = ref
     penalties = [torch.zeros(r.num_response) for r in rows]
@@ -108,7 +123,7 @@ def plan_rows(
         ]
     if objective.name == "ppo":
         with torch.no_grad():
-            for mb in _chunks(rows, micro_batch_size, scorer.device):
+            for mb in _chunks(rows, micro_batch_size, micro_batch_tokens, scorer.device):
                 for row, values in zip(mb.rows, split_per_row(scorer.values(mb), mb)):
                     row.old_values = values
         for row, penalty in zip(rows, penalties):

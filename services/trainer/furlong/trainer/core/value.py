@@ -12,7 +12,7 @@ import torch
 
 
 class ValueModel(torch.nn.Module):
-    """values(input_ids, attention_mask) -> (B, W) one value per position."""
+    """values(input_ids, attention_mask, position_ids=None) -> (B, W) one value per position."""
 
     def __init__(self, policy: torch.nn.Module):
         super().__init__()
@@ -29,9 +29,11 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         hidden = self.body(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         values: torch.Tensor = self.head(hidden).squeeze(-1).float()
         return values
