@@ -85,6 +85,7 @@ class MicroBatch:
     def num_policy_tokens(self) -> int:
         return sum(r.num_policy for r in self.rows)
 
+    @property
     def num_input_tokens(self) -> int:
         """Positions the forward pass runs over, padding included."""
         return int(self.input_ids.numel())
