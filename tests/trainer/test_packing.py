@@ -214,3 +214,12 @@ def test_one_policy_forward_per_micro_batch_and_reference_only_with_kl(kl_coef, 
         assert reference is not None and reference.calls == 2
     else:
         assert learner.reference is None
+
+
+@pytest.mark.parametrize("attention, packs", [("sdpa", True), ("eager", True), ("flash_attention_2", False)])
+def test_a_model_whose_attention_takes_no_4d_mask_trains_padded(attention, packs, caplog):
+    model = _model("qwen3")
+    model.config._attn_implementation = attention  # as loaded; the kernel itself is never called here
+    learner = Learner(model, LearnerConfig(algorithm=AlgorithmSettings(), micro_batch_tokens=256))
+    assert learner.config.micro_batch_tokens == (256 if packs else 0)
+    assert packs or "'flash_attention_2' attention" in caplog.text

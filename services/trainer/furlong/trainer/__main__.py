@@ -31,6 +31,8 @@ from furlong.trainer.service import TrainerService
 from furlong.transfer.broker_client import GrpcBrokerClient
 
 log = logging.getLogger("furlong.trainer")
+# packed micro-batches by default: no padding is computed (the mask of 4096 tokens is 16 MiB)
+DEFAULT_MICRO_BATCH_TOKENS = 4096
 
 
 def command() -> ServiceCommand:
@@ -73,9 +75,9 @@ def command() -> ServiceCommand:
     p.add_argument(
         "--micro-batch-tokens",
         type=int,
-        default=0,
-        help="0 (default): padded micro-batches of the run's micro_batch_size rows; N > 0: packed "
-        "micro-batches (no padding) of at most N tokens and micro_batch_size rows, balanced by tokens",
+        default=DEFAULT_MICRO_BATCH_TOKENS,
+        help="N > 0 (default 4096): packed micro-batches (no padding) of at most N tokens and the "
+        "run's micro_batch_size rows, balanced by tokens; 0: padded micro-batches of micro_batch_size rows",
     )
     add_credential_flags(p)
     p.add_argument(

@@ -23,6 +23,7 @@ tokens instead of rows; `padding_fraction` reports the padding share of every fo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -42,6 +43,7 @@ from furlong.trainer.core.step import Denominators, StepMath, group_rows, plan_r
 from furlong.trainer.lm_head import DEFAULT_CHUNK_TOKENS
 
 log = logging.getLogger(__name__)
+PACKED_ATTENTION = ("sdpa", "eager")  # the attention kernels a packed micro-batch runs on
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,17 @@ class Learner:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an integer >= 0, got {version!r}")
         self.model = model
+        attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if config.micro_batch_tokens and attention not in PACKED_ATTENTION:
+            # a packed micro-batch needs a 4-D mask, which other attention kernels do not take
+            log.warning(
+                "micro_batch_tokens=%d: %s uses %r attention, not one of %s; micro-batches are padded",
+                config.micro_batch_tokens,
+                type(model).__name__,
+                attention,
+                list(PACKED_ATTENTION),
+            )
+            config = dataclasses.replace(config, micro_batch_tokens=0)
         self.config = config
         self.objective = config.algorithm
         self.version = version
