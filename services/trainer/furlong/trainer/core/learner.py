@@ -108,6 +108,9 @@ class StepStats:
     is_masked_fraction: float = 0.0  # share of tokens MIS dropped
     value_loss: float = 0.0  # PPO only
     padding_fraction: float = 0.0  # padding positions / all positions of the training forwards
+    score_seconds: float = 0.0  # log-prob passes outside the gradient pass (reference, values)
+    forward_backward_seconds: float = 0.0  # the gradient passes, every epoch
+    optimizer_seconds: float = 0.0  # clipping and the optimizer steps, every epoch
 
     def as_metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}
@@ -283,7 +286,9 @@ class Learner:
         _validate(groups, self.vocab_size, self.version)
         samples = [s for g in groups for s in g.samples]
         size, tokens = self.objective.micro_batch_size, self.config.micro_batch_tokens
+        scoring = time.perf_counter()
         rows, denominators = plan_rows(groups, self.objective, self.scorer, size, tokens)
+        score_seconds = time.perf_counter() - scoring
         # Longest first, so each micro-batch pads as little as possible.
         rows.sort(key=lambda r: len(r.token_ids), reverse=True)
         num_rows = len(rows)
@@ -300,11 +305,14 @@ class Learner:
             1, sum(mb.num_input_tokens for mb in forwarded)
         )
         totals = dict.fromkeys(("loss", "grad_norm", "value_loss") + _WEIGHTED, 0.0)
+        seconds = {"forward_backward_seconds": 0.0, "optimizer_seconds": 0.0}
         if num_rows:
             for epoch in range(self.objective.epochs_per_batch):
                 epoch_stats = self._epoch(micro_batches, denominators, epoch)
                 for key in totals:
                     totals[key] += epoch_stats[key] / self.objective.epochs_per_batch
+                for key in seconds:
+                    seconds[key] += epoch_stats[key]
         else:
             # No sample carries a learning signal: leave the policy (and Adam's moments) untouched.
             totals.update(ratio_mean=1.0, is_weight_mean=1.0)
@@ -318,6 +326,8 @@ class Learner:
             step_seconds=time.perf_counter() - started,
             num_trained_samples=num_rows,
             padding_fraction=padding_fraction,
+            score_seconds=score_seconds,
+            **seconds,
             **totals,
         )
         log.debug("version %d: %s", self.version, stats)
@@ -327,6 +337,7 @@ class Learner:
         self, micro_batches: list[tuple[MicroBatch, bool]], denominators: Denominators, epoch: int
     ) -> dict[str, float]:
         """Accumulate the gradient of the whole batch over its micro-batches, then step once."""
+        started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, value_loss_sum, trained_tokens = 0.0, 0.0, 0
         weighted = dict.fromkeys(_WEIGHTED, 0.0)
@@ -362,6 +373,7 @@ class Learner:
             )
             weighted = dict(zip(keys, totals))
             loss_sum, value_loss_sum, trained_tokens = totals[-3], totals[-2], int(totals[-1])
+        backward_done = time.perf_counter()
         max_norm = self.objective.max_grad_norm if self.objective.max_grad_norm > 0 else math.inf
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self._params, max_norm)))
         if not math.isfinite(grad_norm):
@@ -370,4 +382,8 @@ class Learner:
         self.optimizer.step()
         out = {key: value / trained_tokens for key, value in weighted.items()}
         out.update(loss=loss_sum, grad_norm=grad_norm, value_loss=value_loss_sum)
+        out.update(
+            forward_backward_seconds=backward_done - started,
+            optimizer_seconds=time.perf_counter() - backward_done,
+        )
         return out
