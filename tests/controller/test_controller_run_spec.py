@@ -8,6 +8,7 @@ import pytest
 
 from furlong.controller.run_spec import RunSpec, parse_run_spec
 from furlong.core.settings import (
+    AgentSettings,
     AlgorithmSettings,
     DataSettings,
     EnvironmentSettings,
@@ -64,6 +65,7 @@ FULL = {
     "reward": to_mapping(RewardSettings()),
     "environment": to_mapping(EnvironmentSettings()),
     "eval": to_mapping(EvalSettings()),
+    "agent": to_mapping(AgentSettings()),
 }
 
 
