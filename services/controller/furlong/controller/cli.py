@@ -145,12 +145,29 @@ def _device(name: str) -> str:
     return name
 
 
-def _config(args: argparse.Namespace, state: StateDir, owned: bool) -> StackConfig:
+def _trainer_ranks(args: argparse.Namespace, spec: dict[str, Any] | None) -> int:
+    """--trainer-ranks, else (furlong run) the spec's trainer.parallel.world_size, else 1; a
+    UsageError when the two disagree."""
+    wanted = None if spec is None else parse_run_spec(spec).trainer.parallel.world_size
+    given: int | None = args.trainer_ranks
+    if given is not None and given < 1:
+        raise UsageError(f"--trainer-ranks must be >= 1, got {given}")
+    if given is not None and wanted is not None and given != wanted:
+        raise UsageError(
+            f"--trainer-ranks {given} does not match the run's trainer.parallel.world_size {wanted}"
+        )
+    return given or wanted or 1
+
+
+def _config(
+    args: argparse.Namespace, state: StateDir, owned: bool, spec: dict[str, Any] | None = None
+) -> StackConfig:
     return StackConfig(
         state_dir=state.path,
         ready_timeout_s=args.ready_timeout_s,
         torch_threads=args.torch_threads,
         device=_device(args.device),
+        trainer_ranks=_trainer_ranks(args, spec),
         redis_binary=args.redis_server or "",
         owned=owned,
     )
@@ -224,7 +241,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     owned = not status.usable
     try:
         if owned:
-            stack = _start(_config(args, state, owned=True), quiet=False)
+            stack = _start(_config(args, state, owned=True, spec=spec), quiet=False)
             tail = StackEventTail(state.path, from_start=True)
             tail.read()  # what it said while starting was shown then
             err_console.print(f"started a local stack in {state.path} (stopped when the run ends)")
@@ -390,6 +407,15 @@ def _start_options(p: argparse.ArgumentParser, this_starts: str) -> None:
         metavar="DEVICE",
         help=f"torch device of the trainer and the rollout engines{this_starts}: cpu, cuda or "
         "cuda:N (default cpu)",
+    )
+    p.add_argument(
+        "--trainer-ranks",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"ranks of the trainer{this_starts}: N > 1 starts it under torchrun with N processes "
+        "(runs need trainer.parallel.world_size N; `furlong run` takes N from its spec when not "
+        "given; default 1)",
     )
     p.add_argument(
         "--redis-server",

@@ -1,7 +1,8 @@
 """The run spec: what a user asks the controller to run, parsed once from a dict (YAML or JSON).
 
 Its sections are the run settings the services apply, declared once in `furlong.core.settings`
-(`sampling`, `algorithm`, `rollout`, `checkpoint`, `precision`, `data`, `reward`, `eval`), plus
+(`sampling`, `algorithm`, `rollout`, `checkpoint`, `precision`, `data`, `reward`, `eval`,
+`trainer`), plus
 `recovery`, which only the controller applies. The top-level fields are bounded by the limits the
 services enforce too (`furlong.core.settings.run_shape`), so a spec this module accepts is accepted by
 every service.
@@ -29,6 +30,7 @@ from furlong.core.settings import (
     RolloutSettings,
     SamplingSettings,
     SettingError,
+    TrainerSettings,
     from_mapping,
     to_mapping,
 )
@@ -87,6 +89,7 @@ class RunSpec:
     data: DataSettings = setting(default_factory=DataSettings)
     reward: RewardSettings = setting(default_factory=RewardSettings)
     eval: EvalSettings = setting(default_factory=EvalSettings)
+    trainer: TrainerSettings = setting(default_factory=TrainerSettings)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -223,8 +223,20 @@ class Supervisor:
         self, name: str, port: int, metrics_port: int, addresses: dict[str, str]
     ) -> list[str]:
         c, info = self.config, self.info
-        argv = [
-            c.python,
+        argv = [c.python]
+        if name == "trainer" and c.trainer_ranks > 1:
+            # torchrun's agent (this process) starts the ranks, each in a session of its own; on
+            # SIGTERM it stops them (rank 0 shuts the others down) and exits
+            argv += [
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(c.trainer_ranks),
+                "--max-restarts",
+                "0",
+            ]
+        argv += [
             "-m",
             f"furlong.{name}",
             "--host",

@@ -13,17 +13,20 @@ from furlong.core.settings.precision import PrecisionSettings
 from furlong.core.settings.reward import RewardSettings
 from furlong.core.settings.rollout import RolloutSettings
 from furlong.core.settings.sampling import SamplingSettings
+from furlong.core.settings.trainer import ParallelSettings, TrainerSettings
 
 __all__ = [
     "AlgorithmSettings",
     "CheckpointSettings",
     "PrecisionSettings",
     "DataSettings",
+    "ParallelSettings",
     "EvalSettings",
     "RewardSettings",
     "RolloutSettings",
     "SamplingSettings",
     "SettingError",
+    "TrainerSettings",
     "from_mapping",
     "json_schema",
     "to_mapping",
