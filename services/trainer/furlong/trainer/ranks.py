@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 _COMMAND_KEY = "furlong/command/{seq}"
 _RESULT_KEY = "furlong/result/{seq}/{rank}"
 _GONE_KEY = "furlong/gone/{rank}"  # a follower that left its loop (stopped, or its store failed)
-_POLL_S = 1.0  # how long one store wait blocks before the waiter looks around
+# How long one store wait blocks before the waiter looks around (torch logs a warning at each
+# wait that times out, so not too often).
+_COLLECT_POLL_S = 5.0  # rank 0 waiting for a result: whether the rank has left
+_COMMAND_POLL_S = 30.0  # a follower waiting for the next command: whether it is stopping
 
 
 class RanksFailed(RuntimeError):
@@ -158,7 +161,7 @@ class TrainerRanks:
         """Whether `key` was written (False: the rank has left its loop). TimeoutError at deadline."""
         while True:
             try:
-                self.store.wait([key], datetime.timedelta(seconds=_POLL_S))
+                self.store.wait([key], datetime.timedelta(seconds=_COLLECT_POLL_S))
                 return True
             except dist.DistStoreError:
                 if self.store.check([_GONE_KEY.format(rank=rank)]):
@@ -183,7 +186,7 @@ class TrainerRanks:
         key = _COMMAND_KEY.format(seq=self._seq)
         while True:
             try:
-                self.store.wait([key], datetime.timedelta(seconds=_POLL_S))
+                self.store.wait([key], datetime.timedelta(seconds=_COMMAND_POLL_S))
                 break
             except dist.DistStoreError as exc:
                 if "timeout" not in str(exc).lower():
