@@ -87,13 +87,15 @@ def test_two_ddp_ranks_train_the_one_rank_losses(runs):
     assert two["run"]["spec"]["trainer"]["parallel"] == {"strategy": "ddp", "world_size": 2}
     assert "rank 1 of 2 follows rank 0" in two["log"] and "ddp over 2 ranks" in two["log"]
     assert "follows rank 0" not in one["log"]
-    assert [s["step"] for s in one["steps"]] == [s["step"] for s in two["steps"]] == list(range(1, STEPS + 1))
+    expected = list(range(1, STEPS + 1))
+    assert [s["step"] for s in one["steps"]] == [s["step"] for s in two["steps"]] == expected
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(one["steps"], two["steps"])]
     assert max(diffs) <= 1e-5, diffs
     assert len({round(s["loss"], 6) for s in one["steps"]}) == STEPS  # the losses move: not a constant
     for a, b in zip(one["steps"], two["steps"]):
         assert a["reward_mean"] == b["reward_mean"]  # the same samples: rollout got the same weights
-        assert math.isclose(a["trainer_metrics"]["grad_norm"], b["trainer_metrics"]["grad_norm"], rel_tol=1e-4)
+        norms = a["trainer_metrics"]["grad_norm"], b["trainer_metrics"]["grad_norm"]
+        assert math.isclose(*norms, rel_tol=1e-4), norms
 
 
 def test_two_rank_checkpoints_hold_the_one_rank_weights(runs):
