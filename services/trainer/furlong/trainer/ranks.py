@@ -99,11 +99,17 @@ class TrainerRanks:
         rank: int,
         world_size: int,
         result_timeout_s: float = 1800.0,
+        command_poll_s: float = _COMMAND_POLL_S,
     ) -> None:
+        """`result_timeout_s`: how long rank 0 waits for a follower's outcome of one command;
+        `command_poll_s`: how often a waiting follower looks at `stopping` (`next_command`)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
-        if result_timeout_s <= 0:
-            raise ValueError(f"result_timeout_s must be > 0, got {result_timeout_s}")
+        if result_timeout_s <= 0 or command_poll_s <= 0:
+            raise ValueError(
+                f"result_timeout_s and command_poll_s must be > 0, got {result_timeout_s}, {command_poll_s}"
+            )
+        self._command_poll_s = command_poll_s
         self.store = store
         self.group = group
         self.rank = rank
@@ -160,16 +166,14 @@ class TrainerRanks:
     def _wait_result(self, key: str, rank: int, deadline: float) -> bool:
         """Whether `key` was written (False: the rank has left its loop). TimeoutError at deadline."""
         while True:
-            try:
-                self.store.wait([key], datetime.timedelta(seconds=_COLLECT_POLL_S))
+            if self.store.check([key]):
                 return True
-            except dist.DistStoreError:
-                if self.store.check([_GONE_KEY.format(rank=rank)]):
-                    return False
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"rank {rank} did not report {key} within {self._result_timeout_s:g}s"
-                    ) from None
+            if self.store.check([_GONE_KEY.format(rank=rank)]):
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank} did not report {key} within {self._result_timeout_s:g}s")
+            with contextlib.suppress(dist.DistStoreError):  # a slice ran out: look around again
+                self.store.wait([key], datetime.timedelta(seconds=_COLLECT_POLL_S))
 
     def shutdown(self) -> None:
         """Stop the followers' loops (rank 0, once, when the service closes)."""
@@ -186,7 +190,7 @@ class TrainerRanks:
         key = _COMMAND_KEY.format(seq=self._seq)
         while True:
             try:
-                self.store.wait([key], datetime.timedelta(seconds=_COMMAND_POLL_S))
+                self.store.wait([key], datetime.timedelta(seconds=self._command_poll_s))
                 break
             except dist.DistStoreError as exc:
                 if "timeout" not in str(exc).lower():
