@@ -62,6 +62,7 @@ FULL = {
     "data": to_mapping(DataSettings()),
     "reward": to_mapping(RewardSettings()),
     "eval": to_mapping(EvalSettings()),
+    "trainer": {"parallel": {"strategy": "ddp", "world_size": 2}},
 }
 
 
