@@ -41,7 +41,7 @@ _GONE_KEY = "furlong/gone/{rank}"  # a follower that left its loop (stopped, or 
 # How long one store wait blocks before the waiter looks around (torch logs a warning at each
 # wait that times out, so not too often).
 _COLLECT_POLL_S = 5.0  # rank 0 waiting for a result: whether the rank has left
-_COMMAND_POLL_S = 30.0  # a follower waiting for the next command: whether it is stopping
+_COMMAND_POLL_S = 10.0  # a follower waiting for the next command: whether it is stopping
 
 
 class RanksFailed(RuntimeError):

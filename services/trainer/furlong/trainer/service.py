@@ -198,11 +198,15 @@ class TrainerService:
         sharded = config.parallel.strategy == "fsdp2" and self.world_size > 1
         checkpoints = self._checkpoints(run_id, config.checkpoint.keep_last)
         if sharded and checkpoints is not None:
-            raise ConflictError(
-                f"run {run_id}: trainer.parallel.strategy 'fsdp2' does not write training "
-                "checkpoints (they hold whole tensors); start the trainer without --checkpoint-dir "
-                "or use strategy 'ddp'"
+            # Training checkpoints hold whole tensors and fsdp2 shards the optimizer state: the
+            # run is trained as on a trainer without a checkpoint root.
+            log.warning(
+                "run %s: trainer.parallel.strategy 'fsdp2' over %d ranks writes no training "
+                "checkpoints; a restarted trainer starts the run over (use 'ddp' to resume)",
+                run_id,
+                self.world_size,
             )
+            checkpoints = None
         resume = None if checkpoints is None else checkpoints.latest()
         configure = ConfigureCommand(config, None if resume is None else str(resume))
         with self._on_ranks(configure):
