@@ -14,6 +14,7 @@ other rank serves nothing and runs `furlong.trainer.rank_follower` until rank 0 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import signal
@@ -43,6 +44,7 @@ from furlong.trainer.service import TrainerService
 from furlong.transfer.broker_client import GrpcBrokerClient
 
 log = logging.getLogger("furlong.trainer")
+_PR_SET_PDEATHSIG = 1
 
 
 def command() -> ServiceCommand:
@@ -117,9 +119,24 @@ def rank_device(device: str, env: Mapping[str, str]) -> torch.device:
     return parsed
 
 
+def _end_with_the_agent() -> None:
+    """SIGTERM from the kernel when torchrun's agent (this rank's parent) dies, even by SIGKILL:
+    the agent puts each rank in a session of its own, so a signal to the agent's process group
+    does not reach the ranks. Linux only (elsewhere a warning)."""
+    if not sys.platform.startswith("linux"):
+        log.warning("no parent-death signal on %s: a rank outlives a killed torchrun agent", sys.platform)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1:  # the agent died before the prctl
+        raise SystemExit("torchrun's agent is gone; this rank exits")
+
+
 def _join_ranks(device: torch.device) -> trainer_ranks.TrainerRanks | None:
     if "WORLD_SIZE" not in os.environ:  # not started by torchrun: one rank
         return None
+    _end_with_the_agent()
     return trainer_ranks.join("nccl" if device.type == "cuda" else "gloo")
 
 

@@ -60,7 +60,7 @@ class RankFollower:
         while True:
             try:
                 command = self._ranks.next_command(self._stopping)
-            except dist.DistStoreError as exc:
+            except dist.DistError as exc:  # DistStoreError, DistNetworkError: the agent is gone
                 log.error("rank %d: the job's store is gone (%s); exiting", self._ranks.rank, exc)
                 return 1
             if command is None:

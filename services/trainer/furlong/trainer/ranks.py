@@ -132,7 +132,10 @@ class TrainerRanks:
         if not self.is_leader:
             raise RuntimeError(f"rank {self.rank} cannot post commands; only rank 0 drives the ranks")
         with self._lock:
-            seq = self._post(command)
+            try:
+                seq = self._post(command)
+            except dist.DistError as exc:
+                raise RanksFailed(f"cannot post {type(command).__name__} to the ranks: {exc}") from exc
             try:
                 yield
             except BaseException:
@@ -148,6 +151,12 @@ class TrainerRanks:
         return self._seq
 
     def _collect(self, seq: int) -> None:
+        try:
+            self._collect_results(seq)
+        except dist.DistError as exc:  # the store itself failed (torchrun's agent is gone)
+            raise RanksFailed(f"cannot read the ranks' outcomes of command {seq}: {exc}") from exc
+
+    def _collect_results(self, seq: int) -> None:
         failures = []
         deadline = time.monotonic() + self._result_timeout_s
         for rank in range(1, self.world_size):
@@ -185,7 +194,7 @@ class TrainerRanks:
 
     def next_command(self, stopping: Callable[[], bool]) -> RankCommand | None:
         """Block until rank 0 posts the next command; None once `stopping()` is true while waiting.
-        DistStoreError once the store is gone (the job is ending)."""
+        A `dist.DistError` once the store is gone (the job is ending)."""
         self._seq += 1
         key = _COMMAND_KEY.format(seq=self._seq)
         while True:
