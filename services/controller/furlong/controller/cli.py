@@ -159,13 +159,13 @@ def _trainer_ranks(args: argparse.Namespace, spec: dict[str, Any] | None) -> int
     return given or wanted or 1
 
 
-def _config(args: argparse.Namespace, state: StateDir, owned: bool, trainer_ranks: int) -> StackConfig:
+def _config(args: argparse.Namespace, state: StateDir, owned: bool) -> StackConfig:
     return StackConfig(
         state_dir=state.path,
         ready_timeout_s=args.ready_timeout_s,
         torch_threads=args.torch_threads,
         device=_device(args.device),
-        trainer_ranks=trainer_ranks,
+        trainer_ranks=args.trainer_ranks or 1,
         redis_binary=args.redis_server or "",
         owned=owned,
     )
@@ -194,9 +194,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     status = stack_status(state.path)
     if status.state not in (StackState.ABSENT, StackState.STALE):
         raise StackRunningError(status.explain())
-    info = _start(
-        _config(args, state, owned=False, trainer_ranks=_trainer_ranks(args, None)), quiet=args.json
-    )
+    args.trainer_ranks = _trainer_ranks(args, None)
+    info = _start(_config(args, state, owned=False), quiet=args.json)
     if args.json:
         console.print_json(json.dumps(_stack_json(info, state)))
         return 0
@@ -232,7 +231,7 @@ def _sigterm_as_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     spec = load_run_config(args.config)
-    trainer_ranks = _trainer_ranks(args, spec)  # before anything starts
+    args.trainer_ranks = _trainer_ranks(args, spec)  # checked before anything starts
     state = _state(args)
     out_dir = args.out or Path("runs") / spec["name"]
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # clean up on SIGTERM as on Ctrl-C
@@ -242,7 +241,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     owned = not status.usable
     try:
         if owned:
-            stack = _start(_config(args, state, owned=True, trainer_ranks=trainer_ranks), quiet=False)
+            stack = _start(_config(args, state, owned=True), quiet=False)
             tail = StackEventTail(state.path, from_start=True)
             tail.read()  # what it said while starting was shown then
             err_console.print(f"started a local stack in {state.path} (stopped when the run ends)")
