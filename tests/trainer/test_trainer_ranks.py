@@ -166,3 +166,11 @@ def test_a_one_rank_trainer_refuses_a_two_rank_run_with_failed_precondition(tmp_
         service.close()
         broker.close()
         client.close()
+
+
+def test_a_follower_that_never_reports_times_out_naming_it():
+    store = HashStore()
+    leader = TrainerRanks(store, None, 0, 2, result_timeout_s=0.5)
+    with pytest.raises(TimeoutError, match=r"rank 1 did not report furlong/result/1/1 within 0.5s"):
+        with leader.command(EndCommand("a")):
+            pass

@@ -41,7 +41,10 @@ _GONE_KEY = "furlong/gone/{rank}"  # a follower that left its loop (stopped, or 
 # How long one store wait blocks before the waiter looks around (torch logs a warning at each
 # wait that times out, so not too often).
 _COLLECT_POLL_S = 5.0  # rank 0 waiting for a result: whether the rank has left
-_COMMAND_POLL_S = 10.0  # a follower waiting for the next command: whether it is stopping
+_COMMAND_POLL_S = 10.0
+# After rank 0's own part of a command failed: how long it waits for the followers' outcomes
+# before it raises its error anyway (a follower stuck in a collective stays stuck).
+_AFTER_ERROR_TIMEOUT_S = 60.0  # a follower waiting for the next command: whether it is stopping
 
 
 class RanksFailed(RuntimeError):
@@ -139,10 +142,11 @@ class TrainerRanks:
             try:
                 yield
             except BaseException:
+                # A follower may be waiting in a collective rank 0 never joined: do not wait long.
                 with contextlib.suppress(RanksFailed, TimeoutError):
-                    self._collect(seq)
+                    self._collect(seq, min(self._result_timeout_s, _AFTER_ERROR_TIMEOUT_S))
                 raise
-            self._collect(seq)
+            self._collect(seq, self._result_timeout_s)
 
     def _post(self, command: RankCommand) -> int:
         self._seq += 1
@@ -150,18 +154,18 @@ class TrainerRanks:
         self.store.set(_COMMAND_KEY.format(seq=self._seq), pickle.dumps(command))  # type: ignore[arg-type]
         return self._seq
 
-    def _collect(self, seq: int) -> None:
+    def _collect(self, seq: int, timeout_s: float) -> None:
         try:
-            self._collect_results(seq)
+            self._collect_results(seq, timeout_s)
         except dist.DistError as exc:  # the store itself failed (torchrun's agent is gone)
             raise RanksFailed(f"cannot read the ranks' outcomes of command {seq}: {exc}") from exc
 
-    def _collect_results(self, seq: int) -> None:
+    def _collect_results(self, seq: int, timeout_s: float) -> None:
         failures = []
-        deadline = time.monotonic() + self._result_timeout_s
+        deadline = time.monotonic() + timeout_s
         for rank in range(1, self.world_size):
             key = _RESULT_KEY.format(seq=seq, rank=rank)
-            if not self._wait_result(key, rank, deadline):
+            if not self._wait_result(key, rank, deadline, timeout_s):
                 failures.append(f"rank {rank}: left its loop before reporting command {seq}")
                 continue
             error = self.store.get(key).decode()
@@ -172,7 +176,7 @@ class TrainerRanks:
         if failures:
             raise RanksFailed("; ".join(failures))
 
-    def _wait_result(self, key: str, rank: int, deadline: float) -> bool:
+    def _wait_result(self, key: str, rank: int, deadline: float, timeout_s: float) -> bool:
         """Whether `key` was written (False: the rank has left its loop). TimeoutError at deadline."""
         while True:
             if self.store.check([key]):
@@ -180,9 +184,10 @@ class TrainerRanks:
             if self.store.check([_GONE_KEY.format(rank=rank)]):
                 return False
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank} did not report {key} within {self._result_timeout_s:g}s")
+                raise TimeoutError(f"rank {rank} did not report {key} within {timeout_s:g}s")
+            slice_s = min(_COLLECT_POLL_S, max(0.05, deadline - time.monotonic()))
             with contextlib.suppress(dist.DistStoreError):  # a slice ran out: look around again
-                self.store.wait([key], datetime.timedelta(seconds=_COLLECT_POLL_S))
+                self.store.wait([key], datetime.timedelta(seconds=slice_s))
 
     def shutdown(self) -> None:
         """Stop the followers' loops (rank 0, once, when the service closes)."""
