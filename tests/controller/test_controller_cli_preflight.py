@@ -142,3 +142,41 @@ def test_the_example_checkpoint_passes_the_preflight(checkpoint):
     )
     summary, tokenizer = check_model(str(EXAMPLE_CHECKPOINT))
     assert tokenizer.encode("12+34=")[1:] == [4, 5, 13, 6, 7, 14]
+
+
+def test_trainer_ranks_that_contradict_the_spec_exit_2_naming_both(
+    tmp_path, capsys, checkpoint, nothing_starts
+):
+    body = {"name": "pre", "model": "ckpt", "task": "addition", "steps": 3}
+    body["trainer"] = {"parallel": {"strategy": "ddp", "world_size": 2}}
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(body))
+    state_dir = tmp_path / "state"
+    code = cli.main(["run", str(config), "--state-dir", str(state_dir), "--trainer-ranks", "3"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and not state_dir.exists()
+    assert "--trainer-ranks 3 does not match the run's trainer.parallel.world_size 2" in err, err
+
+
+def test_the_trainer_is_started_under_torchrun_with_the_stack_s_ranks(tmp_path):
+    from furlong.controller.stack_config import StackConfig
+    from furlong.controller.stack_file import StackInfo
+    from furlong.controller.stack_supervisor import Supervisor
+
+    info = StackInfo(str(tmp_path), "", "", "redis://127.0.0.1:1/0", {}, (), 0.0, internal_token_file="t")
+    addresses = {"weight_broker": "127.0.0.1:2"}
+
+    def trainer_argv(ranks: int) -> list[str]:
+        config = StackConfig(state_dir=tmp_path, trainer_ranks=ranks)
+        return Supervisor(config, info, None)._grpc_service_argv("trainer", 3, 4, addresses)
+
+    one, two = trainer_argv(1), trainer_argv(2)
+    assert one[1:3] == ["-m", "furlong.trainer"]
+    torchrun = two[1 : two.index("furlong.trainer") + 1]
+    assert torchrun[:2] == ["-m", "torch.distributed.run"] and torchrun[-2:] == ["-m", "furlong.trainer"]
+    assert torchrun[torchrun.index("--nproc-per-node") + 1] == "2"
+    assert torchrun[torchrun.index("--rdzv-backend") + 1] == "c10d"
+    assert torchrun[torchrun.index("--rdzv-endpoint") + 1].startswith("127.0.0.1:")
+    assert two[two.index("furlong.trainer") + 1 :] == one[3:]  # the trainer's own flags unchanged
+    with pytest.raises(ValueError, match=r"trainer_ranks must be an integer in \[1, 1024\], got 0"):
+        StackConfig(state_dir=tmp_path, trainer_ranks=0)

@@ -66,6 +66,7 @@ FULL = {
     "environment": to_mapping(EnvironmentSettings()),
     "eval": to_mapping(EvalSettings()),
     "agent": to_mapping(AgentSettings()),
+    "trainer": {"parallel": {"strategy": "ddp", "world_size": 2}},
 }
 
 

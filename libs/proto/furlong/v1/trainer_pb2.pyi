@@ -56,7 +56,7 @@ class AlgorithmConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., clip_eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., epochs_per_batch: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., adam_beta1: _Optional[float] = ..., adam_beta2: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., loss_aggregation: _Optional[str] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., kl_mode: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., off_policy: _Optional[str] = ..., is_low: _Optional[float] = ..., is_high: _Optional[float] = ..., gamma: _Optional[float] = ..., gae_lambda: _Optional[float] = ..., value_coef: _Optional[float] = ..., value_clip: _Optional[float] = ...) -> None: ...
 
 class ConfigureRunRequest(_message.Message):
-    __slots__ = ("run_id", "model_dir", "algorithm", "seed", "total_steps", "sampling_temperature", "checkpoint_every_steps", "precision", "checkpoint_keep_last")
+    __slots__ = ("run_id", "model_dir", "algorithm", "seed", "total_steps", "sampling_temperature", "checkpoint_every_steps", "precision", "checkpoint_keep_last", "parallel")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class ConfigureRunRequest(_message.Message):
     CHECKPOINT_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     model_dir: str
     algorithm: AlgorithmConfig
@@ -75,7 +76,16 @@ class ConfigureRunRequest(_message.Message):
     checkpoint_every_steps: int
     precision: _common_pb2.PrecisionConfig
     checkpoint_keep_last: int
-    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., algorithm: _Optional[_Union[AlgorithmConfig, _Mapping]] = ..., seed: _Optional[int] = ..., total_steps: _Optional[int] = ..., sampling_temperature: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ..., checkpoint_keep_last: _Optional[int] = ...) -> None: ...
+    parallel: ParallelConfig
+    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., algorithm: _Optional[_Union[AlgorithmConfig, _Mapping]] = ..., seed: _Optional[int] = ..., total_steps: _Optional[int] = ..., sampling_temperature: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ..., checkpoint_keep_last: _Optional[int] = ..., parallel: _Optional[_Union[ParallelConfig, _Mapping]] = ...) -> None: ...
+
+class ParallelConfig(_message.Message):
+    __slots__ = ("strategy", "world_size")
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    strategy: str
+    world_size: int
+    def __init__(self, strategy: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ConfigureRunResponse(_message.Message):
     __slots__ = ("run_id", "policy_version", "num_parameters")

@@ -145,12 +145,27 @@ def _device(name: str) -> str:
     return name
 
 
+def _trainer_ranks(args: argparse.Namespace, spec: dict[str, Any] | None) -> int:
+    """--trainer-ranks, else (furlong run) the spec's trainer.parallel.world_size, else 1; a
+    UsageError when the two disagree."""
+    wanted = None if spec is None else parse_run_spec(spec).trainer.parallel.world_size
+    given: int | None = args.trainer_ranks
+    if given is not None and given < 1:
+        raise UsageError(f"--trainer-ranks must be >= 1, got {given}")
+    if given is not None and wanted is not None and given != wanted:
+        raise UsageError(
+            f"--trainer-ranks {given} does not match the run's trainer.parallel.world_size {wanted}"
+        )
+    return given or wanted or 1
+
+
 def _config(args: argparse.Namespace, state: StateDir, owned: bool) -> StackConfig:
     return StackConfig(
         state_dir=state.path,
         ready_timeout_s=args.ready_timeout_s,
         torch_threads=args.torch_threads,
         device=_device(args.device),
+        trainer_ranks=args.trainer_ranks or 1,
         redis_binary=args.redis_server or "",
         owned=owned,
     )
@@ -179,6 +194,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     status = stack_status(state.path)
     if status.state not in (StackState.ABSENT, StackState.STALE):
         raise StackRunningError(status.explain())
+    args.trainer_ranks = _trainer_ranks(args, None)
     info = _start(_config(args, state, owned=False), quiet=args.json)
     if args.json:
         console.print_json(json.dumps(_stack_json(info, state)))
@@ -215,6 +231,7 @@ def _sigterm_as_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     spec = load_run_config(args.config)
+    args.trainer_ranks = _trainer_ranks(args, spec)  # checked before anything starts
     state = _state(args)
     out_dir = args.out or Path("runs") / spec["name"]
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # clean up on SIGTERM as on Ctrl-C
@@ -390,6 +407,15 @@ def _start_options(p: argparse.ArgumentParser, this_starts: str) -> None:
         metavar="DEVICE",
         help=f"torch device of the trainer and the rollout engines{this_starts}: cpu, cuda or "
         "cuda:N (default cpu)",
+    )
+    p.add_argument(
+        "--trainer-ranks",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"ranks of the trainer{this_starts}: N > 1 starts it under torchrun with N processes "
+        "(runs need trainer.parallel.world_size N; `furlong run` takes N from its spec when not "
+        "given; default 1)",
     )
     p.add_argument(
         "--redis-server",

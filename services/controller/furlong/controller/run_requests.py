@@ -23,6 +23,7 @@ def trainer_config(run_id: str, spec: RunSpec) -> TrainerRunConfig:
         total_steps=spec.steps,
         checkpoint=spec.checkpoint,
         precision=spec.precision,
+        parallel=spec.trainer.parallel,
     )
 
 

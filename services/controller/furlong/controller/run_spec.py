@@ -2,7 +2,7 @@
 
 Its sections are the run settings the services apply, declared once in `furlong.core.settings`
 (`sampling`, `algorithm`, `rollout`, `checkpoint`, `precision`, `data`, `reward`, `eval`,
-`environment`, `agent`), plus
+`environment`, `agent`, `trainer`), plus
 `recovery`, which only the controller applies. The top-level fields are bounded by the limits the
 services enforce too (`furlong.core.settings.run_shape`), so a spec this module accepts is accepted by
 every service.
@@ -32,6 +32,7 @@ from furlong.core.settings import (
     RolloutSettings,
     SamplingSettings,
     SettingError,
+    TrainerSettings,
     from_mapping,
     to_mapping,
 )
@@ -92,6 +93,7 @@ class RunSpec:
     environment: EnvironmentSettings = setting(default_factory=EnvironmentSettings)
     agent: AgentSettings = setting(default_factory=AgentSettings)
     eval: EvalSettings = setting(default_factory=EvalSettings)
+    trainer: TrainerSettings = setting(default_factory=TrainerSettings)
 
     def __post_init__(self) -> None:
         check_fields(self)

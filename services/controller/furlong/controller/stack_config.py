@@ -15,6 +15,7 @@ from typing import Any
 from furlong.controller.config import check_address
 from furlong.controller.restart_policy import RestartPolicy
 from furlong.controller.services import BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE
+from furlong.core.settings.trainer import MAX_WORLD_SIZE
 
 SERVICES = ("redis", "weight_broker", "trainer", "rollout", "controller", "dashboard")
 GRPC_SERVICES = {"weight_broker": BROKER_SERVICE, "trainer": TRAINER_SERVICE, "rollout": ROLLOUT_SERVICE}
@@ -32,6 +33,9 @@ class StackConfig:
     # other, and for small models one thread each avoids oversubscribing the cores.
     torch_threads: int = 1
     device: str = "cpu"  # torch device of the trainer and the rollout engines: cpu, cuda, cuda:N
+    # the trainer's ranks: more than 1 starts it under torchrun (`--nproc-per-node`), and runs
+    # then need trainer.parallel.world_size equal to it
+    trainer_ranks: int = 1
     # an engine that has not acknowledged a version's current stage within this is fenced out of it
     broker_ack_timeout_s: float = 60.0
     # fault tests only: start the broker with --enable-fault-hooks (furlong.weight_broker.fault_hooks)
@@ -60,6 +64,10 @@ class StackConfig:
                     f"{name} must be either started or external, not "
                     f"{'both' if name in external else 'neither'}"
                 )
+        if not isinstance(self.trainer_ranks, int) or not 1 <= self.trainer_ranks <= MAX_WORLD_SIZE:
+            raise ValueError(
+                f"trainer_ranks must be an integer in [1, {MAX_WORLD_SIZE}], got {self.trainer_ranks!r}"
+            )
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):

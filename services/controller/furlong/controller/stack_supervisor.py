@@ -223,8 +223,27 @@ class Supervisor:
         self, name: str, port: int, metrics_port: int, addresses: dict[str, str]
     ) -> list[str]:
         c, info = self.config, self.info
-        argv = [
-            c.python,
+        argv = [c.python]
+        if name == "trainer" and c.trainer_ranks > 1:
+            # torchrun's agent (this process) starts the ranks, each in a session of its own; on
+            # SIGTERM it stops them (rank 0 shuts the others down) and exits. Its rendezvous store
+            # (which the ranks share) gets a port chosen here like every other one: with
+            # --standalone it would pick one itself, possibly one handed to a service not yet bound.
+            argv += [
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                str(c.trainer_ranks),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{free_port()}",
+                "--max-restarts",
+                "0",
+            ]
+        argv += [
             "-m",
             f"furlong.{name}",
             "--host",

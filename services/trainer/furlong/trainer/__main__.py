@@ -4,18 +4,28 @@ Serves furlong.v1.Trainer and grpc.health.v1 on --host:--port and Prometheus met
 --metrics-port. On SIGTERM or SIGINT it reports NOT_SERVING and refuses new calls, lets the calls in
 flight (a training step, a publish) finish within --shutdown-grace-s, then ends its runs and exits
 (`furlong.service_main`).
+
+Under torchrun (`torchrun --nproc-per-node N -m furlong.trainer ...`: RANK and WORLD_SIZE set) every
+rank joins the job's process group (gloo on CPU, NCCL on CUDA, each rank on `cuda:LOCAL_RANK` when
+--device is cuda). Rank 0 serves as above and drives the others (`furlong.trainer.ranks`); every
+other rank serves nothing and runs `furlong.trainer.rank_follower` until rank 0 shuts it down.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 
 import redis
 import torch
 
+from furlong.core.devices import parse_device
 from furlong.rpc import start_server
 from furlong.rpc.service_main import (
     add_credential_flags,
@@ -24,8 +34,12 @@ from furlong.rpc.service_main import (
     install_credentials,
 )
 from furlong.service_main import PortOption, ServiceCommand, ServiceFlags, start
+from furlong.service_main.command import configure_logging
+from furlong.trainer import ranks as trainer_ranks
 from furlong.trainer.config import TrainerServiceConfig
 from furlong.trainer.metrics import TrainerMetrics
+from furlong.trainer.rank_follower import RankFollower
+from furlong.trainer.run_learner import LearnerMemory
 from furlong.trainer.server import SERVICE_NAME, register
 from furlong.trainer.service import TrainerService
 from furlong.transfer.broker_client import GrpcBrokerClient
@@ -33,6 +47,7 @@ from furlong.transfer.broker_client import GrpcBrokerClient
 log = logging.getLogger("furlong.trainer")
 # packed micro-batches by default: no padding is computed (the mask of 4096 tokens is 16 MiB)
 DEFAULT_MICRO_BATCH_TOKENS = 4096
+_PR_SET_PDEATHSIG = 1
 
 
 def command() -> ServiceCommand:
@@ -113,9 +128,51 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainerServiceConfig:
     return command().parse(argv, _config)[0]
 
 
+def rank_device(device: str, env: Mapping[str, str]) -> torch.device:
+    """This rank's device: `cuda` means `cuda:LOCAL_RANK` under torchrun; any other is taken as
+    it is."""
+    parsed = parse_device(device)
+    assert parsed is not None  # a device was named
+    if parsed.type == "cuda" and parsed.index is None and "LOCAL_RANK" in env:
+        return torch.device("cuda", int(env["LOCAL_RANK"]))
+    return parsed
+
+
+def _end_with_the_agent() -> None:
+    """SIGTERM from the kernel when torchrun's agent (this rank's parent) dies, even by SIGKILL:
+    the agent puts each rank in a session of its own, so a signal to the agent's process group
+    does not reach the ranks. Linux only (elsewhere a warning)."""
+    if not sys.platform.startswith("linux"):
+        log.warning("no parent-death signal on %s: a rank outlives a killed torchrun agent", sys.platform)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1:  # the agent died before the prctl
+        raise SystemExit("torchrun's agent is gone; this rank exits")
+
+
+def _join_ranks(device: torch.device) -> trainer_ranks.TrainerRanks | None:
+    if "WORLD_SIZE" not in os.environ:  # not started by torchrun: one rank
+        return None
+    _end_with_the_agent()
+    return trainer_ranks.join("nccl" if device.type == "cuda" else "gloo")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cmd = command()
     config, flags = cmd.parse(argv, _config)
+    device = rank_device(config.device, os.environ)
+    ranks = _join_ranks(device)
+    if ranks is not None and not ranks.is_leader:
+        configure_logging(flags.log_level)
+        torch.set_num_threads(config.num_threads)
+        # torchrun's agent sends SIGTERM to every rank when the job stops: a follower finishes
+        # the command under way (rank 0 may be waiting for it), then leaves.
+        stopping = threading.Event()
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: stopping.set())
+        memory = LearnerMemory(config.lm_head_chunk_tokens, config.micro_batch_tokens)
+        return RankFollower(ranks, device, stopping.is_set, memory).serve()
     runtime = start("trainer", flags)
     cmd.check(lambda: install_credentials(config.auth_token_file, config.tls))
     torch.set_num_threads(config.num_threads)
@@ -129,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         policy_root=config.policy_dir or None,
         check_weight_update_equal=config.check_weight_update_equal,
         metrics=TrainerMetrics(runtime.registry),
-        device=config.device,
+        device=device,
+        ranks=ranks,
         lm_head_chunk_tokens=config.lm_head_chunk_tokens,
         micro_batch_tokens=config.micro_batch_tokens,
     )
@@ -140,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     drain_on_shutdown(runtime.shutdown, server)
     runtime.shutdown.add_close("runs", service)
+    if ranks is not None:
+        runtime.shutdown.add("follower ranks", lambda _seconds: ranks.shutdown())
     runtime.shutdown.add_close("broker client", broker)
     runtime.shutdown.add_close("Redis client", redis_client)
     return runtime.serve_until_stopped()

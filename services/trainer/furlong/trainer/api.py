@@ -8,7 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from furlong.core.settings import AlgorithmSettings, CheckpointSettings, PrecisionSettings
+from furlong.core.settings import (
+    AlgorithmSettings,
+    CheckpointSettings,
+    ParallelSettings,
+    PrecisionSettings,
+)
 from furlong.core.settings.checkpoint import DEFAULT_EXPORT_SHARD_BYTES
 from furlong.v1 import trainer_pb2
 
@@ -27,6 +32,8 @@ class TrainerRunConfig:
     total_steps: int
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     precision: PrecisionSettings = field(default_factory=PrecisionSettings)
+    # Data parallelism over the trainer's ranks; world_size must be the trainer's own.
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,14 @@ the server and the gRPC client, each written once. Free of torch."""
 
 from __future__ import annotations
 
-from furlong.core.settings import CheckpointSettings
+from furlong.core.settings import CheckpointSettings, ParallelSettings
 from furlong.rpc.settings import (
     algorithm_from_proto,
     algorithm_to_proto,
+    from_proto,
     precision_from_proto,
     precision_to_proto,
+    to_proto,
 )
 from furlong.trainer.api import (
     CheckpointResult,
@@ -34,6 +36,7 @@ def config_to_proto(config: TrainerRunConfig) -> pb.ConfigureRunRequest:
         checkpoint_every_steps=config.checkpoint.every_steps,
         checkpoint_keep_last=config.checkpoint.keep_last,
         precision=precision_to_proto(config.precision),
+        parallel=to_proto(config.parallel, pb.ParallelConfig()),
     )
 
 
@@ -52,6 +55,12 @@ def config_from_proto(msg: pb.ConfigureRunRequest) -> TrainerRunConfig:
             keep_last=msg.checkpoint_keep_last or CheckpointSettings().keep_last,
         ),
         precision=precision_from_proto(msg.precision),
+        # absent (an older client): one rank
+        parallel=(
+            from_proto(ParallelSettings, msg.parallel, "trainer.parallel")
+            if msg.HasField("parallel")
+            else ParallelSettings()
+        ),
     )
 
 

@@ -17,6 +17,14 @@ before it.
 Every run's models live on the service's `device` (float32 master weights) and compute in the
 dtype of the run's `precision` (see `core.learner`).
 
+Under torchrun (`ranks`), this object runs on rank 0 and drives the other ranks: configuring a
+run, training a step (on the groups rank 0 read) and ending a run are posted to them as commands
+(`ranks.TrainerRanks.command`), and each rank trains its slice of the batch over the trainer's
+process group (`run.parallel`: ddp or fsdp2). Publishing, checkpoints and exports are rank 0's
+alone; with fsdp2 the full tensors are gathered on every rank first (`GatherCommand`). A run whose
+`trainer.parallel.world_size` is not the trainer's is refused (ConflictError). Offload and restore
+need one rank.
+
 `offload` releases a run's tensors (policy, reference, value model, optimizer state) for a
 colocated rollout engine and `restore` brings them back bit for bit (`offload.Offloader`). While a
 run is offloaded, `train_step`, `publish_weights`, `checkpoint` and `export_policy` raise
@@ -25,6 +33,7 @@ ConflictError, and so do a second `offload` and a `restore` of a resident run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -38,11 +47,11 @@ import redis
 import torch
 from prometheus_client import CollectorRegistry
 
-from furlong.core.checkpoint import export_policy, load_policy
+from furlong.core.checkpoint import export_policy
 from furlong.core.devices import parse_device
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
-from furlong.core.models import check_transformers_model
 from furlong.core.samples import TRAINER_GROUP, SampleGroup, stream_key
+from furlong.core.settings import ParallelSettings
 from furlong.core.settings.checkpoint import DEFAULT_EXPORT_SHARD_BYTES
 from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_STEPS
 from furlong.core.weights import WeightLayout
@@ -57,11 +66,21 @@ from furlong.trainer.api import (
     TrainStepRequest,
     TrainStepResult,
 )
-from furlong.trainer.core.learner import Learner, LearnerConfig, StepStats
+from furlong.trainer.core.learner import Learner, StepStats
 from furlong.trainer.lm_head import DEFAULT_CHUNK_TOKENS
 from furlong.trainer.metrics import TrainerMetrics
 from furlong.trainer.offload import Offloader, learner_offloader
+from furlong.trainer.ranks import (
+    ConfigureCommand,
+    EndCommand,
+    GatherCommand,
+    RankCommand,
+    RanksFailed,
+    TrainCommand,
+    TrainerRanks,
+)
 from furlong.trainer.run_checkpoints import RunCheckpoints, clean_leftovers
+from furlong.trainer.run_learner import LearnerMemory, build_learner, check_world_size, learner_config
 from furlong.trainer.sample_reader import SampleReader
 from furlong.trainer.train_checkpoint import (
     load_training_checkpoint,
@@ -93,6 +112,7 @@ class _Run:
     published_version: int = 0
     data_cursor: Any = None  # what the last step consumed (a checkpoint's data cursor)
     offloader: Offloader | None = None  # set while the run's tensors are offloaded
+    parallel: ParallelSettings = ParallelSettings()  # how the run's learner spans the ranks
 
     @property
     def offloaded(self) -> bool:
@@ -131,11 +151,17 @@ class TrainerService:
         device: str | torch.device = "cpu",
         lm_head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         micro_batch_tokens: int = 0,
+        ranks: TrainerRanks | None = None,
     ):
         """`metrics`: where the service's Prometheus collectors live (the process's registry in
         the service; default: a private registry of its own, as in tests). `device`: where runs'
         models are trained ("cpu", "cuda", "cuda:N"; ValueError for another or a missing one).
-        `lm_head_chunk_tokens`, `micro_batch_tokens`: every run's `LearnerConfig` memory settings."""
+        `lm_head_chunk_tokens`, `micro_batch_tokens`: every run's `LearnerConfig` memory settings.
+        `ranks`: rank 0's place in the trainer's ranks under torchrun (None: one rank)."""
+        if ranks is not None and not ranks.is_leader:
+            raise ValueError(f"the trainer service runs on rank 0, not on rank {ranks.rank}")
+        self._ranks = ranks
+        self.world_size = 1 if ranks is None else ranks.world_size
         checked = parse_device(device)
         assert checked is not None  # a value was given
         self.device = checked
@@ -152,13 +178,13 @@ class TrainerService:
         self._publisher_factory = publisher_factory
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
-        self._lm_head_chunk_tokens = lm_head_chunk_tokens
-        self._micro_batch_tokens = micro_batch_tokens
+        self._memory = LearnerMemory(lm_head_chunk_tokens, micro_batch_tokens)
 
     def configure_run(self, config: TrainerRunConfig) -> TrainerRun:
         """Load the checkpoint and get ready to train (resuming from the run's training checkpoint
         when there is one)."""
         run_id, model_dir, total_steps = config.run_id, config.model_dir, config.total_steps
+        check_world_size(config.parallel, self.world_size)
         if not run_id:
             raise ValueError("run_id must not be empty")
         if (
@@ -167,53 +193,45 @@ class TrainerService:
             or not 1 <= total_steps <= MAX_STEPS
         ):
             raise ValueError(f"total_steps must be an integer in [1, {MAX_STEPS}], got {total_steps!r}")
-        learner_config = LearnerConfig(
-            algorithm=config.algorithm,
-            temperature=config.sampling_temperature,
-            seed=config.seed,
-            precision=config.precision,
-            lm_head_chunk_tokens=self._lm_head_chunk_tokens,
-            micro_batch_tokens=self._micro_batch_tokens,
-        )
+        learner_config(config, self._memory)  # a bad setting fails before any rank loads the model
         path = Path(model_dir)
         if not path.is_dir():
             raise ValueError(f"model_dir {model_dir!r} is not a directory")
         with self._lock:
             if run_id in self._runs:
                 raise ConflictError(f"run {run_id} is already configured on this trainer")
-        torch.manual_seed(config.seed)
-        model, _ = load_policy(path)  # float32: the master weights, whatever the compute dtype
-        module: torch.nn.Module = model  # nn.Module's `to` (transformers narrows its signature)
-        module.to(self.device)
-        # The family contract where the model is built: a config that contradicts its family, or
-        # a model whose rotary embedding is not the one its config declares, is never trained.
-        checked = check_transformers_model(model)
-        log.info(
-            "run %s: %s model, %s attention, %s RoPE (theta %g)%s",
-            run_id,
-            checked.family.model_type,
-            checked.attention.value,
-            checked.rope.type.value,
-            checked.rope.theta,
-            f", release {checked.spec.name}" if checked.spec else "",
-        )
-        learner = Learner(model, learner_config)
+        sharded = config.parallel.strategy == "fsdp2" and self.world_size > 1
+        checkpoints = self._checkpoints(run_id, config.checkpoint.keep_last)
+        if sharded and checkpoints is not None:
+            # Training checkpoints hold whole tensors and fsdp2 shards the optimizer state: the
+            # run is trained as on a trainer without a checkpoint root.
+            log.warning(
+                "run %s: trainer.parallel.strategy 'fsdp2' over %d ranks writes no training "
+                "checkpoints; a restarted trainer starts the run over (use 'ddp' to resume)",
+                run_id,
+                self.world_size,
+            )
+            checkpoints = None
+        resume = None if checkpoints is None else checkpoints.latest()
+        configure = ConfigureCommand(config, None if resume is None else str(resume))
+        with self._on_ranks(configure):
+            learner = build_learner(
+                config, self.device, None if self._ranks is None else self._ranks.group, self._memory
+            )
+            info = None if resume is None else load_training_checkpoint(learner, resume)
+            state = learner.state_dict()  # fsdp2: gathered on every rank
         last_step, cursor = 0, None
         ledger = TrainedGroups(GroupLedger(self._redis, run_id), config.checkpoint.every_steps)
         reader = SampleReader(
             self._redis, run_id, self._consumer, validate=learner.check_group, ledger=ledger.ledger
         )
-        checkpoints = self._checkpoints(run_id, config.checkpoint.keep_last)
-        resume = None if checkpoints is None else checkpoints.latest()
-        if resume is not None:
-            info = load_training_checkpoint(learner, resume)
+        if info is not None:
             last_step, cursor = info.step, info.data_cursor
             ledger.reconcile(cursor, info.step, info.version, reader)
             log.info(
                 "run %s: resumed from %s at step %d, version %d", run_id, resume, info.step, info.version
             )
         learner.version = ledger.next_version(learner.version)
-        state = learner.state_dict()
         layout = WeightLayout.from_state_dict(state)
         if self._check_weight_update_equal:
             _check_weight_update_equal(self._broker, run_id, state)
@@ -232,6 +250,7 @@ class TrainerService:
             data_cursor=cursor,
             ledger=ledger,
             checkpoints=checkpoints,
+            parallel=config.parallel,
         )
         with self._lock:
             if run_id in self._runs:
@@ -246,6 +265,31 @@ class TrainerService:
             layout.total_bytes,
         )
         return TrainerRun(run_id=run_id, policy_version=learner.version, num_parameters=num_parameters)
+
+    def _on_ranks(self, command: RankCommand) -> contextlib.AbstractContextManager[None]:
+        """Around rank 0's part of a command the other ranks execute too (nothing with one rank)."""
+        return contextlib.nullcontext() if self._ranks is None else self._ranks.command(command)
+
+    def _state_dict(self, run: _Run) -> dict[str, torch.Tensor]:
+        """The run's full policy state dict; with fsdp2 over several ranks a gather every rank joins."""
+        if self._ranks is None or run.parallel.strategy != "fsdp2":
+            return run.learner.state_dict()
+        with self._ranks.command(GatherCommand(run.run_id)):
+            return run.learner.state_dict()
+
+    def _require_one_rank(self, run: _Run, action: str) -> None:
+        if self.world_size > 1:
+            raise ConflictError(
+                f"run {run.run_id}: cannot {action} on a trainer of {self.world_size} ranks; "
+                "offload and restore need one rank"
+            )
+
+    def _require_whole_tensors(self, run: _Run, action: str) -> None:
+        if run.parallel.strategy == "fsdp2" and self.world_size > 1:
+            raise ConflictError(
+                f"run {run.run_id}: cannot {action}: trainer.parallel.strategy 'fsdp2' shards the "
+                "optimizer state over the ranks; training checkpoints need strategy 'ddp'"
+            )
 
     def _checkpoints(self, run_id: str, keep_last: int) -> RunCheckpoints | None:
         return (
@@ -297,7 +341,8 @@ class TrainerService:
             batch = run.reader.read(num_groups, timeout_s)
             trainer_version = run.learner.version
             try:
-                stats = run.learner.train_step(batch.groups)
+                with self._on_ranks(TrainCommand(run_id, batch.groups, trainer_version)):
+                    stats = run.learner.train_step(batch.groups)
             except BaseException:
                 run.reader.release(batch.entry_ids)
                 raise
@@ -361,7 +406,7 @@ class TrainerService:
                     f"version {run.published_version}"
                 )
             run.ledger.ledger.record_published(version)
-            result = run.publisher.publish(version, run.learner.state_dict())
+            result = run.publisher.publish(version, self._state_dict(run))
             run.published_version = version
         self.metrics.published(result.stage_seconds)
         return Published(
@@ -374,6 +419,7 @@ class TrainerService:
     def offload(self, run_id: str) -> Offloaded:
         """Release the run's tensors (parameters, buffers, optimizer state)."""
         run = self._run(run_id)
+        self._require_one_rank(run, "offload")
         with run.lock:
             if run.offloaded:
                 raise ConflictError(f"run {run_id} is already offloaded")
@@ -387,6 +433,7 @@ class TrainerService:
     def restore(self, run_id: str) -> int:
         """Bring an offloaded run's tensors back; returns its (unchanged) policy version."""
         run = self._run(run_id)
+        self._require_one_rank(run, "restore")
         with run.lock:
             offloader = run.offloader
             if offloader is None:
@@ -401,6 +448,7 @@ class TrainerService:
         or with "" to the checkpoint root's `<root>/<run_id>/step-<N>` (what `configure_run` resumes
         from)."""
         run = self._run(run_id)
+        self._require_whole_tensors(run, "write a training checkpoint")
         if directory:
             target = Path(directory)
             if not target.is_absolute():
@@ -454,7 +502,7 @@ class TrainerService:
                 assert self._policy_root is not None
                 base = self._policy_root / run_id
                 target = base / "final" if final else base / "checkpoints" / f"step-{step}"
-            written = export_policy(run.learner.state_dict(), run.model_dir, target, max_shard_bytes)
+            written = export_policy(self._state_dict(run), run.model_dir, target, max_shard_bytes)
             version = run.learner.version
         log.info("run %s: exported the policy of step %d (version %d) to %s", run_id, step, version, target)
         return PolicyExport(
@@ -474,6 +522,8 @@ class TrainerService:
             raise NotFoundError(f"run {run_id!r} is not configured on this trainer")
         with run.lock:
             run.publisher.close()
+            with self._on_ranks(EndCommand(run_id)):
+                pass
         log.info("run %s ended after step %d", run_id, run.last_step)
 
     def close(self) -> None:
@@ -484,6 +534,8 @@ class TrainerService:
                 self.end_run(run_id)
             except NotFoundError:
                 pass
+            except (RanksFailed, TimeoutError) as exc:  # the run ended here; a rank had left
+                log.warning("run %s: the other ranks did not end it: %s", run_id, exc)
 
 
 def _step_summary(stats: StepStats, groups: list[SampleGroup], trainer_version: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from furlong.core.settings.precision import PrecisionSettings
 from furlong.core.settings.reward import RewardSettings
 from furlong.core.settings.rollout import RolloutSettings
 from furlong.core.settings.sampling import SamplingSettings
+from furlong.core.settings.trainer import ParallelSettings, TrainerSettings
 
 __all__ = [
     "AgentSettings",
@@ -23,11 +24,13 @@ __all__ = [
     "PrecisionSettings",
     "DataSettings",
     "EnvironmentSettings",
+    "ParallelSettings",
     "EvalSettings",
     "RewardSettings",
     "RolloutSettings",
     "SamplingSettings",
     "SettingError",
+    "TrainerSettings",
     "from_mapping",
     "json_schema",
     "to_mapping",
