@@ -380,8 +380,11 @@ def test_a_checkpoint_taken_between_train_step_and_its_record_shows_no_step_behi
     publish.set()
     worker.join(30)
     run = reply["r"].json()
-    assert run["checkpoint"]["step"] == 1 and run["current_step"] >= 1, run
+    # the reply is the run as it is when the checkpoint is recorded: never a step behind it (on a
+    # loaded machine the run may have gone on by the time the reply is read)
+    assert run["current_step"] >= run["checkpoint"]["step"] >= 1, run
     wait_for(lambda: env.state(run_id) == "succeeded", what="run to finish")
     events = [json.loads(e["data"]) for e in read_sse(env.http, f"/v1/runs/{run_id}/events")]
-    (event,) = [e for e in events if e["type"] == "checkpoint"]
-    assert event["current_step"] >= event["checkpoint_step"] == 1, event
+    checkpoints = [e for e in events if e["type"] == "checkpoint"]
+    assert checkpoints and checkpoints[0]["checkpoint_step"] == 1, events
+    assert all(e["current_step"] >= e["checkpoint_step"] for e in checkpoints), checkpoints

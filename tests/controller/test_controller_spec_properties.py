@@ -74,8 +74,13 @@ def strategy(cls: type) -> st.SearchStrategy[dict]:
 EXTERNAL_REWARDS = ("code", "python", "http")
 
 
+# Likewise an environment or agent (a user's class or function, worker processes), and the
+# trainer's ranks (a trainer of that world size).
+EXTERNAL_SECTIONS = ("data", "environment", "agent", "trainer")
+
+
 def _internal(d: dict) -> dict:
-    d = {k: v for k, v in d.items() if k != "data"}
+    d = {k: v for k, v in d.items() if k not in EXTERNAL_SECTIONS}
     if "reward" in d:
         d["reward"] = {k: v for k, v in d["reward"].items() if k not in EXTERNAL_REWARDS}
     return d

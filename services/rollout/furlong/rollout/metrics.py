@@ -113,6 +113,8 @@ class RolloutMetrics:
             counter.labels(run_id=run_id)  # the series exists (at 0) before the filters act
         for kind in REWARD_FAILURE_KINDS:
             self.reward_failures.labels(run_id=run_id, kind=kind)
+            self.environment_failures.labels(run_id=run_id, kind=kind)
+        self.template_drift.labels(run_id=run_id)
 
     def groups_filtered(self, run_id: str, dropped: int, refilled: int) -> None:
         self.groups_dropped.labels(run_id=run_id).inc(dropped)

@@ -39,14 +39,12 @@ from furlong.trainer import ranks as trainer_ranks
 from furlong.trainer.config import TrainerServiceConfig
 from furlong.trainer.metrics import TrainerMetrics
 from furlong.trainer.rank_follower import RankFollower
-from furlong.trainer.run_learner import LearnerMemory
+from furlong.trainer.run_learner import DEFAULT_MICRO_BATCH_TOKENS, LearnerMemory
 from furlong.trainer.server import SERVICE_NAME, register
 from furlong.trainer.service import TrainerService
 from furlong.transfer.broker_client import GrpcBrokerClient
 
 log = logging.getLogger("furlong.trainer")
-# packed micro-batches by default: no padding is computed (the mask of 4096 tokens is 16 MiB)
-DEFAULT_MICRO_BATCH_TOKENS = 4096
 _PR_SET_PDEATHSIG = 1
 
 

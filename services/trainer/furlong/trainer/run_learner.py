@@ -38,12 +38,16 @@ def check_world_size(parallel: ParallelSettings, world_size: int) -> None:
         )
 
 
+# packed micro-batches by default: no padding is computed (the mask of 4096 tokens is 16 MiB)
+DEFAULT_MICRO_BATCH_TOKENS = 4096
+
+
 @dataclass(frozen=True)
 class LearnerMemory:
     """The trainer's memory settings, the same for every run and rank (its command line)."""
 
     lm_head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
 
 
 def learner_config(config: TrainerRunConfig, memory: LearnerMemory = LearnerMemory()) -> LearnerConfig:

@@ -80,7 +80,13 @@ from furlong.trainer.ranks import (
     TrainerRanks,
 )
 from furlong.trainer.run_checkpoints import RunCheckpoints, clean_leftovers
-from furlong.trainer.run_learner import LearnerMemory, build_learner, check_world_size, learner_config
+from furlong.trainer.run_learner import (
+    DEFAULT_MICRO_BATCH_TOKENS,
+    LearnerMemory,
+    build_learner,
+    check_world_size,
+    learner_config,
+)
 from furlong.trainer.sample_reader import SampleReader
 from furlong.trainer.train_checkpoint import (
     load_training_checkpoint,
@@ -150,7 +156,7 @@ class TrainerService:
         metrics: TrainerMetrics | None = None,
         device: str | torch.device = "cpu",
         lm_head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-        micro_batch_tokens: int = 0,
+        micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
         ranks: TrainerRanks | None = None,
     ):
         """`metrics`: where the service's Prometheus collectors live (the process's registry in

@@ -34,6 +34,7 @@ from furlong.core.checkpoint import unique_state
 from furlong.trainer.core.learner import Learner
 
 log = logging.getLogger(__name__)
+MEMORY_SETTINGS = ("lm_head_chunk_tokens", "micro_batch_tokens")  # not compared on resume
 
 FORMAT = "furlong-train-checkpoint-1"
 MANIFEST = "manifest.json"
@@ -151,8 +152,10 @@ def load_training_checkpoint(learner: Learner, directory: str | Path) -> Checkpo
         raise ValueError(
             f"{path}: checkpoint holds models {sorted(manifest['models'])}, the learner {sorted(models)}"
         )
-    saved = manifest["config"]
-    current = dataclasses.asdict(learner.config)
+    # How the trainer lays out its work (memory settings of its command line) changes no result:
+    # a checkpoint resumes on a trainer that packs or chunks differently.
+    saved = {k: v for k, v in manifest["config"].items() if k not in MEMORY_SETTINGS}
+    current = {k: v for k, v in dataclasses.asdict(learner.config).items() if k not in MEMORY_SETTINGS}
     if saved != current:
         diff = {
             k: (saved.get(k), current.get(k))
