@@ -23,6 +23,7 @@ from furlong.rollout.run_records import redis_records
 from furlong.trainer.api import TrainerRunConfig
 from furlong.trainer.convert import config_to_proto
 from furlong.trainer.core.learner import Learner, LearnerConfig
+from furlong.trainer.run_learner import DEFAULT_MICRO_BATCH_TOKENS
 from furlong.trainer.server import SERVICE_NAME, register
 from furlong.trainer.service import TrainerService
 from furlong.trainer.train_checkpoint import load_training_checkpoint
@@ -188,7 +189,15 @@ def test_offload_restore_keeps_every_tensor_and_training_resumes(stack, tmp_path
     stack.stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id=run, version=2), timeout=60)
     assert stack.broker.wait_committed(run, 2, 60).committed_version == 2
     model, _ = load_policy(stack.model_dir)
-    twin = Learner(model, LearnerConfig(request.algorithm, request.sampling_temperature, request.seed))
+    twin = Learner(  # with the service's memory settings: the same micro-batches, bit for bit
+        model,
+        LearnerConfig(
+            request.algorithm,
+            request.sampling_temperature,
+            request.seed,
+            micro_batch_tokens=DEFAULT_MICRO_BATCH_TOKENS,
+        ),
+    )
     load_training_checkpoint(twin, snapshot.path)
     entry_ids = stack.service._run(run).data_cursor["entry_ids"]
     groups = [
