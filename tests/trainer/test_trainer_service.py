@@ -145,10 +145,7 @@ def test_memory_flags_reach_the_config_and_bad_ones_exit_2(capsys):
     base = ["--redis-url", "redis://127.0.0.1:1/0", "--broker", "127.0.0.1:2"]
     config = parse_args([*base, "--lm-head-chunk-tokens", "256", "--micro-batch-tokens", "4096"])
     assert (config.lm_head_chunk_tokens, config.micro_batch_tokens) == (256, 4096)
-    assert (parse_args(base).lm_head_chunk_tokens, parse_args(base).micro_batch_tokens) == (
-        1024,
-        4096,
-    )  # packed by default
+    assert (parse_args(base).lm_head_chunk_tokens, parse_args(base).micro_batch_tokens) == (1024, 0)
     with pytest.raises(SystemExit) as exc:
         parse_args([*base, "--micro-batch-tokens", "-1"])
     assert exc.value.code == 2 and "micro_batch_tokens must be >= 0, got -1" in capsys.readouterr().err

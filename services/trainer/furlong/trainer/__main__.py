@@ -89,8 +89,8 @@ def command() -> ServiceCommand:
         "--micro-batch-tokens",
         type=int,
         default=DEFAULT_MICRO_BATCH_TOKENS,
-        help="N > 0 (default 4096): packed micro-batches (no padding) of at most N tokens and the "
-        "run's micro_batch_size rows, balanced by tokens; 0: padded micro-batches of micro_batch_size rows",
+        help="0 (default): padded micro-batches of the run's micro_batch_size rows; N > 0: packed "
+        "micro-batches (no padding) of at most N tokens and micro_batch_size rows, balanced by tokens",
     )
     add_credential_flags(p)
     p.add_argument(

@@ -28,10 +28,10 @@ class TrainerServiceConfig:
     check_weight_update_equal: bool = False
     device: str = "cpu"  # where runs' models train: "cpu", "cuda" or "cuda:N"
     # Memory of the training forward (LearnerConfig): tokens per chunk of the chunked LM head, and
-    # 0 for padded micro-batches or the token budget of packed, token-balanced ones (the default,
-    # run_learner.DEFAULT_MICRO_BATCH_TOKENS).
+    # 0 for padded micro-batches (the default, run_learner.DEFAULT_MICRO_BATCH_TOKENS) or the token
+    # budget of packed, token-balanced ones.
     lm_head_chunk_tokens: int = 1024
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 0
 
     def __post_init__(self) -> None:
         try:
