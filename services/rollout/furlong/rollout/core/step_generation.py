@@ -447,20 +447,7 @@ class StepGeneration:
             return generations
 
         results = runner.run([(sid, prompts[p]) for sid, (p, _) in rows.items()], generate_turn)
-        drift = sum(r.drift for r in results.values() if isinstance(r, EpisodeResult))
-        if drift:
-            self._observer.template_drifted(run.run_id, drift)
-        groups: dict[int, list[Sample]] = {}
-        failed: dict[int, RewardFailure] = {}
-        for p in which:
-            outcomes = [results[sample_id(prompts[p].prompt_id, i)] for i in range(samples_per_prompt)]
-            failure = next((o for o in outcomes if isinstance(o, EnvironmentFailure)), None)
-            if failure is not None:
-                failed[p] = RewardFailure(failure.kind, failure.message, source="environment")
-            else:
-                groups[p] = [o.sample for o in outcomes if isinstance(o, EpisodeResult)]
-        num_tokens = sum(r.sample.num_policy_tokens for r in results.values() if isinstance(r, EpisodeResult))
-        return _Draw(groups=groups, failed=failed, num_tokens=num_tokens)
+        return self._episode_groups(run, results, prompts, which, samples_per_prompt, "environment")
 
     def _draw_agents(
         self,

@@ -47,7 +47,8 @@ class ToolEnvironment:
         self._answer = ""
 
     def call(self, name: str, arguments: Mapping[str, Any]) -> str:
-        raise NotImplementedError
+        """The result of tool `name` (one of `tools`); each built-in environment answers its own."""
+        raise NotImplementedError(f"{type(self).__name__} does not answer tool calls ({name!r})")
 
     def reset(self, row: Mapping[str, Any]) -> EpisodeStart:
         self._answer = str(row.get("answer", ""))
