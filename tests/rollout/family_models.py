@@ -210,3 +210,46 @@ def hf_logprobs(model: Any, prompt: list[int], response: list[int], temperature:
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double()
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return logp.gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def routing_margins(model: Any, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """For each response token, the smallest gap (over MoE layers) between the last expert
+    transformers' router chose and the best one it left out, at the position that predicts the
+    token; +inf for dense models. Where the gap is within float32 rounding another summation order
+    (a batched engine) may legitimately choose the other expert."""
+    gaps: list[torch.Tensor] = []
+    config = model.config
+
+    def record(gate: Any, _inputs: Any, output: Any) -> None:
+        logits = (output[0] if isinstance(output, tuple) else output).double()
+        k = int(config.num_experts_per_tok)
+        bias = getattr(gate, "e_score_correction_bias", None)
+        if bias is None:  # softmax top-k (Qwen3-MoE)
+            top = torch.softmax(logits, dim=-1).topk(k + 1, dim=-1).values
+            gaps.append(top[..., k - 1] - top[..., k])
+            return
+        choice = torch.sigmoid(logits) + bias.double()  # group-limited sigmoid (DeepSeek-V3, GLM)
+        groups, best = int(config.n_group), int(config.topk_group)
+        grouped = choice.view(*choice.shape[:-1], groups, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        ranked = group_scores.sort(dim=-1, descending=True)
+        gap = torch.full(choice.shape[:-1], torch.inf, dtype=torch.float64)
+        if best < groups:
+            gap = ranked.values[..., best - 1] - ranked.values[..., best]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, ranked.indices[..., :best], True)
+        allowed = choice.masked_fill(~keep[..., None].expand_as(grouped).reshape(choice.shape), -torch.inf)
+        top = allowed.topk(k + 1, dim=-1).values
+        gaps.append(torch.minimum(gap, top[..., k - 1] - top[..., k]))
+
+    gates = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    hooks = [g.register_forward_hook(record) for g in gates]
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([prompt + response]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not gaps:
+        return torch.full((len(response),), torch.inf, dtype=torch.float64)
+    per_position = torch.stack([g.reshape(-1) for g in gaps]).min(dim=0).values
+    return per_position[len(prompt) - 1 : -1]

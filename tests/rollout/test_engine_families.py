@@ -8,6 +8,10 @@ cache slots (so rows join while others decode: continuous batching), 64-85 new t
   transformers' forward pass over prompt + response within 1e-4;
 - temperature 0.8, top-p 0.95 (sampled): the full log-probs equal transformers' tempered
   log-softmax on the sampled tokens within 1e-4, and every token lies in its support.
+
+Log-probs are compared at every position but those whose MoE routing transformers decided by less
+than `TIE` (the chosen and the best left-out expert's scores; float32 rounding in another summation
+order may pick either there): at most 1 % of the positions.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from family_models import FAMILIES, family_model, family_prompts, hf_greedy, hf_logprobs
+from family_models import FAMILIES, family_model, family_prompts, hf_greedy, hf_logprobs, routing_margins
 
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampling import SamplingConfig
@@ -25,6 +29,7 @@ pytestmark = pytest.mark.unit
 
 LIMITS = [64 + 3 * i for i in range(8)]
 TOLERANCE = 1e-4
+TIE = 1e-6
 
 
 @dataclass
@@ -67,25 +72,31 @@ def test_engine_equals_transformers(family):
         assert g.support.to_lists() == [[t] for t in g.token_ids]
         assert g.logprobs == [0.0] * limit and g.full_logprobs == [0.0] * limit
 
+    ties: list[float] = []
+    compared = [0]
+
+    def compare(prompt: list[int], s, temperature: float) -> float:
+        reference = hf_logprobs(model, prompt, s.token_ids, temperature=temperature)
+        decided = routing_margins(model, prompt, s.token_ids) >= TIE
+        error = (torch.tensor(s.full_logprobs, dtype=torch.float64) - reference).abs()
+        ties.extend(float(e) for e in error[~decided])
+        compared[0] += len(s.token_ids)
+        return float(error[decided].max())
+
     worst = 0.0
     scored = run(SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=max(LIMITS)))
     for prompt, g, s in zip(prompts, greedy, scored):
         assert s.token_ids == g.token_ids
-        reference = hf_logprobs(model, prompt, s.token_ids)
-        worst = max(
-            worst, float((torch.tensor(s.full_logprobs, dtype=torch.float64) - reference).abs().max())
-        )
+        worst = max(worst, compare(prompt, s, 1.0))
 
     sampled = run(SamplingConfig(temperature=0.8, top_p=0.95, max_new_tokens=max(LIMITS), seed=3))
     assert [s.token_ids for s in sampled] != [g.token_ids for g in greedy]
     for prompt, s in zip(prompts, sampled):
         assert all(t in row for t, row in zip(s.token_ids, s.support.to_lists()))
-        reference = hf_logprobs(model, prompt, s.token_ids, temperature=0.8)
-        worst = max(
-            worst, float((torch.tensor(s.full_logprobs, dtype=torch.float64) - reference).abs().max())
-        )
-    print(f"{family}: max |log-prob - transformers| = {worst:.2e}")
+        worst = max(worst, compare(prompt, s, 0.8))
+    print(f"{family}: max |log-prob - transformers| = {worst:.2e}, near ties {len(ties)} of {compared[0]}")
     assert worst <= TOLERANCE
+    assert len(ties) <= compared[0] // 100, ties
 
 
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
