@@ -60,6 +60,33 @@ def test_draw_frequencies_follow_the_filtered_distribution():
         assert abs(counts[t] - expected) < 0.01, (t, counts[t], expected)
 
 
+def test_unfiltered_draws_over_a_vocabulary_of_several_blocks_follow_the_softmax():
+    """Ids on both sides of block edges, a vocabulary that is not a whole number of blocks and
+    impossible ids (-inf logits) that must never be drawn."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 700
+    logits = torch.rand(vocab, generator=gen) * 2.0 - 2.0
+    heavy = [3, 255, 256, 511, 512, 699]
+    logits[heavy] = 3.0
+    impossible = torch.randperm(vocab, generator=gen)[:100]
+    impossible = impossible[~torch.isin(impossible, torch.tensor(heavy))]
+    logits[impossible] = float("-inf")
+    n = 40_000
+    config = SamplingConfig(temperature=1.0)
+    draw = sample_step(logits.expand(n, -1), config, torch.Generator().manual_seed(9))
+    assert draw.kept_ids is None
+    counts = np.bincount(draw.tokens.numpy(), minlength=vocab) / n
+    expected = torch.softmax(logits.double(), -1).numpy()
+    assert counts[impossible.numpy()].sum() == 0.0
+    for t in heavy:
+        assert abs(counts[t] - expected[t]) < 0.01, (t, counts[t], expected[t])
+    for block in range(3):  # mass per 256-id block
+        ids = slice(256 * block, 256 * (block + 1))
+        assert abs(counts[ids].sum() - expected[ids].sum()) < 0.01, block
+    reference = torch.log_softmax(logits.double(), -1)[draw.tokens]
+    assert torch.allclose(draw.logprobs.double(), reference, atol=1e-6)
+
+
 @pytest.mark.parametrize("filters", [{}, {"top_k": 5, "top_p": 0.5, "min_p": 0.2}])
 def test_temperature_zero_is_the_argmax_with_a_support_of_one(filters):
     logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(3))

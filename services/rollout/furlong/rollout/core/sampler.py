@@ -132,11 +132,33 @@ def _greedy(logits: torch.Tensor) -> StepDraw:
 
 
 def _draw(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One index per row, drawn with probability exp(logp) (rows sum to 1; -inf = never): the
-    exponential race argmax(p / E), E ~ Exp(1) i.i.d., which is exact and needs no normalisation
-    pass. E is clamped away from 0 so a zero-probability entry can never win (0 / 0)."""
-    race = torch.empty_like(logp).exponential_(generator=generator).clamp_(min=_TINY)
-    return (logp.exp() / race).argmax(dim=-1)
+    """One index per row, drawn with probability exp(logp) (-inf = never) by inverting the row's
+    cumulative distribution with one uniform per row, in two levels: blocks of `_BLOCK` ids by
+    their probability mass, then an id within the chosen block (a race of V exponentials per row
+    costs ~10x more). Each level scales its uniform by its own total and keeps it strictly below
+    it, so rows need not sum to exactly 1 and the chosen id always has probability > 0."""
+    rows, width = logp.shape
+    probs = logp.exp()
+    if width % _BLOCK:
+        probs = torch.nn.functional.pad(probs, (0, _BLOCK - width % _BLOCK))
+    blocks = probs.view(rows, -1, _BLOCK)
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
+    u = torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=logp.device)
+    block, rest = _invert(block_cdf, u)
+    inner_cdf = blocks[torch.arange(rows, device=logp.device), block].double().cumsum(dim=-1)
+    within, _ = _invert(inner_cdf, rest)
+    return block * _BLOCK + within
 
 
-_TINY = torch.finfo(torch.float32).tiny
+def _invert(cdf: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first index per row whose running sum `cdf` exceeds u (in [0, 1)) times the row's total,
+    and where in that index's own interval, as a fraction in [0, 1)."""
+    total = cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    index = torch.searchsorted(cdf, target, right=True)
+    before = torch.where(index > 0, cdf.gather(-1, (index - 1).clamp(min=0)), torch.zeros_like(target))
+    mass = cdf.gather(-1, index) - before
+    return index.squeeze(-1), ((target - before) / mass).clamp(0.0, 1.0 - 2.0**-53)
+
+
+_BLOCK = 256
