@@ -26,7 +26,7 @@ def _case(seed: int, n: int = 23, hidden: int = 12, vocab: int = 31, partial: bo
     return h, w, torch.tensor(targets), RolloutSamplingMask.from_lists(rows, vocab)
 
 
-def _both(h, w, targets, support, temperature, *, positions=None, chunk_tokens=4):
+def _both(h, w, targets, support, temperature, *, positions=None, chunk_tokens=4, **head):
     """(values, grads) of the chunked head and of full logits + log_probs_with_support, under the
     same random weighting of log-probs and entropy."""
     n = targets.numel()
@@ -37,7 +37,7 @@ def _both(h, w, targets, support, temperature, *, positions=None, chunk_tokens=4
         hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
         if chunked:
             r = head_log_probs_with_support(
-                hh, ww, targets, support, temperature, positions=positions, chunk_tokens=chunk_tokens
+                hh, ww, targets, support, temperature, positions=positions, chunk_tokens=chunk_tokens, **head
             )
         else:
             r = log_probs_with_support(hh @ ww.T, targets, support, temperature, positions=positions)
@@ -64,6 +64,37 @@ def test_support_mask_values_and_gradients_equal_unchunked(chunk_tokens, tempera
     # the support matters: scoring the full vocabulary gives other log-probs
     full = head_log_probs_with_support(h, w, targets, None, temperature).logprobs
     assert (full - ours[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kept_chunks", [0, 2, 99])
+def test_kept_and_recomputed_chunk_logits_give_the_same_gradients(kept_chunks):
+    """Backward reuses the logits of the chunks that fit in keep_logits_bytes (3 rows x 31 ids x 4
+    bytes a chunk) and recomputes the others; a second backward of the same graph recomputes all."""
+    h, w, targets, support = _case(4)
+    keep = kept_chunks * 3 * 31 * 4
+    ours, ref = _both(h, w, targets, support, 0.8, chunk_tokens=3, keep_logits_bytes=keep)
+    _assert_close(ours, ref)
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    r = head_log_probs_with_support(hh, ww, targets, support, 0.8, chunk_tokens=3, keep_logits_bytes=keep)
+    loss = r.logprobs.sum() + r.entropy.sum()
+    first = torch.autograd.grad(loss, (hh, ww), retain_graph=True)
+    second = torch.autograd.grad(loss, (hh, ww))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_an_unused_entropy_leaves_the_log_prob_gradients_unchanged():
+    h, w, targets, support = _case(6)
+    grads = []
+    for chunked in (True, False):
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        if chunked:
+            r = head_log_probs_with_support(hh, ww, targets, support, 1.0, chunk_tokens=4)
+        else:
+            r = log_probs_with_support(hh @ ww.T, targets, support, 1.0)
+        r.logprobs.sum().backward()
+        grads.append((hh.grad, ww.grad))
+    _assert_close(*grads)
 
 
 def test_full_vocabulary_values_and_gradients_equal_unchunked():
@@ -94,6 +125,7 @@ def test_target_outside_support_is_named():
     ("kwargs", "message"),
     [
         (dict(chunk_tokens=0), "chunk_tokens must be an integer >= 1, got 0"),
+        (dict(keep_logits_bytes=-1), "keep_logits_bytes must be an integer >= 0, got -1"),
         (dict(temperature=0.0), "temperature must be > 0"),
     ],
 )

@@ -7,8 +7,12 @@ weight.T, ...)` (same support replay, temperature and entropy; see `logprobs`). 
 each chunk's logits, keeps four numbers per token and drops the logits; backward recomputes each
 chunk's logits and turns their gradient into the chunk's rows of grad_hidden and its share of
 grad_weight. Working memory is O(chunk_tokens x vocabulary) plus the weight's gradient, whatever
-the number of tokens. A tied embedding needs nothing special: autograd adds the head's share of
-the weight's gradient to the embedding's.
+the number of tokens, plus at most `keep_logits_bytes` (default 256 MiB) of chunk logits that
+forward keeps for backward instead of recomputing them (a quarter of the head's matmuls saved
+where a micro-batch's logits are that small: short responses, small vocabularies; 0 keeps none).
+An output that the loss does not use (the entropy, mostly) costs backward nothing. A tied
+embedding needs nothing special: autograd adds the head's share of the weight's gradient to the
+embedding's.
 
 The matmul runs in `matmul_dtype` (the run's autocast dtype, or the inputs' own), the softmax
 arithmetic in float32 (or wider), as the model's own head under autocast followed by
@@ -26,6 +30,7 @@ from furlong.core.sampling_mask import RolloutSamplingMask
 from furlong.trainer.logprobs import ChunkStats, LogProbs, ScoringPlan, chunk_grad, forward_chunks, make_plan
 
 DEFAULT_CHUNK_TOKENS = 1024
+DEFAULT_KEEP_LOGITS_BYTES = 256 * 2**20
 
 
 def _scaled_logits(
@@ -45,20 +50,36 @@ class _HeadLogProbs(torch.autograd.Function):
         targets: torch.Tensor,
         plan: ScoringPlan,
         matmul_dtype: torch.dtype,
+        keep_logits_bytes: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        kept: list[torch.Tensor | None] = []
+        room = [keep_logits_bytes]
+
+        def scaled(a: int, b: int) -> torch.Tensor:
+            x = _scaled_logits(plan, hidden2d, w, a, b)
+            if len(kept) == a // plan.chunk_rows and x.numel() * x.element_size() <= room[0]:
+                kept.append(x)  # _chunk_forward reads x without writing it
+                room[0] -= x.numel() * x.element_size()
+            return x
+
         with torch.autocast(device_type=hidden2d.device.type, enabled=False):
             w = weight.to(matmul_dtype)
-            stats = forward_chunks(plan, targets, lambda a, b: _scaled_logits(plan, hidden2d, w, a, b))
+            stats = forward_chunks(plan, targets, scaled)
+        ctx.kept_logits = kept  # the first len(kept) chunks' x, each handed to one backward
         ctx.save_for_backward(hidden2d, weight, targets, *stats[1:])
         ctx.plan, ctx.matmul_dtype = plan, matmul_dtype
+        ctx.set_materialize_grads(False)  # an unused output (the entropy, mostly) costs no pass
         return stats.logp, stats.entropy
 
     @staticmethod
     def backward(
         ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         hidden2d, weight, targets, entropy, lse_full, lse_support = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None, None
         plan: ScoringPlan = ctx.plan
+        kept: list[torch.Tensor | None] = ctx.kept_logits
         saved = ChunkStats(entropy, entropy, lse_full, lse_support)  # the log-probs are not needed
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden2d) if need_hidden else None
@@ -68,8 +89,12 @@ class _HeadLogProbs(torch.autograd.Function):
         )
         with torch.autocast(device_type=hidden2d.device.type, enabled=False):
             w = weight.to(ctx.matmul_dtype)
-            for a, b in plan.chunks():
-                x = _scaled_logits(plan, hidden2d, w, a, b)
+            for i, (a, b) in enumerate(plan.chunks()):
+                x = kept[i] if i < len(kept) else None
+                if x is None:
+                    x = _scaled_logits(plan, hidden2d, w, a, b)
+                else:
+                    kept[i] = None  # chunk_grad overwrites x: another backward recomputes it
                 g = chunk_grad(plan, x, targets, saved, a, b, grad_logp, grad_entropy).to(w.dtype)
                 del x
                 if grad_hidden is not None:
@@ -80,6 +105,7 @@ class _HeadLogProbs(torch.autograd.Function):
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
+            None,
             None,
             None,
             None,
@@ -96,6 +122,7 @@ def head_log_probs_with_support(
     positions: torch.Tensor | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     matmul_dtype: torch.dtype | None = None,
+    keep_logits_bytes: int = DEFAULT_KEEP_LOGITS_BYTES,
 ) -> LogProbs:
     """`log_probs_with_support(hidden @ weight.T, target_ids, support, temperature,
     positions=positions)` without the full logits. Differentiable w.r.t. `hidden` and `weight`.
@@ -103,7 +130,8 @@ def head_log_probs_with_support(
     hidden: (..., H) final hidden states (after the final norm), flattened to rows; `positions`
     (N,) optionally picks the scored rows. weight: (V, H), the LM head's (no bias). chunk_tokens:
     scored rows per chunk. matmul_dtype: the dtype of the head's matmul (None: the promotion of
-    hidden's and weight's dtypes).
+    hidden's and weight's dtypes). keep_logits_bytes: how many bytes of chunk logits forward may
+    keep for backward (the first chunks that fit) instead of recomputing them.
     """
     if hidden.dim() < 2:
         raise ValueError(f"hidden states must have shape (..., hidden), got {tuple(hidden.shape)}")
@@ -113,6 +141,8 @@ def head_log_probs_with_support(
         )
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+    if isinstance(keep_logits_bytes, bool) or not isinstance(keep_logits_bytes, int) or keep_logits_bytes < 0:
+        raise ValueError(f"keep_logits_bytes must be an integer >= 0, got {keep_logits_bytes!r}")
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     mm = torch.promote_types(hidden.dtype, weight.dtype) if matmul_dtype is None else matmul_dtype
     dtype = torch.promote_types(mm, torch.float32)
@@ -129,5 +159,5 @@ def head_log_probs_with_support(
     if plan.n == 0:
         empty = hidden2d.new_zeros(0, dtype=dtype)
         return LogProbs(empty, empty.clone())
-    logp, entropy = _HeadLogProbs.apply(hidden2d, weight, targets, plan, mm)  # type: ignore[no-untyped-call]  # torch leaves Function.apply unannotated
+    logp, entropy = _HeadLogProbs.apply(hidden2d, weight, targets, plan, mm, keep_logits_bytes)  # type: ignore[no-untyped-call]  # torch leaves Function.apply unannotated
     return LogProbs(logp, entropy)
