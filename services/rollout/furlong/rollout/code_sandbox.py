@@ -126,6 +126,7 @@ def _bwrap_prefix(workdir: Path) -> list[str]:
         "--dev", "/dev",
         "--proc", "/proc",
         "--tmpfs", "/tmp",
+        *_interpreter_binds(),
         "--bind", str(workdir), str(workdir),
         "--chdir", str(workdir),
         "--unshare-net",
@@ -135,6 +136,19 @@ def _bwrap_prefix(workdir: Path) -> list[str]:
         "--new-session",
         "--",
     ]  # fmt: skip
+
+
+def _interpreter_binds() -> list[str]:
+    """Read-only binds of this interpreter's environment where it lies under /tmp (a virtual
+    environment there), which the sandbox's private /tmp would otherwise hide."""
+    binds: list[str] = []
+    roots = {Path(p).resolve() for p in (sys.prefix, sys.exec_prefix, sys.base_prefix)}
+    roots.add(Path(sys.executable).parent.resolve())
+    roots.add(Path(os.path.abspath(sys.executable)).parent)
+    for root in sorted(roots):
+        if root.is_relative_to("/tmp") and root != Path("/tmp"):
+            binds += ["--ro-bind", str(root), str(root)]
+    return binds
 
 
 def _unshare_prefix() -> list[str]:
