@@ -64,7 +64,9 @@ def make_opaque(schema: dict[str, Any], path: str) -> None:
     parent["properties"][name] = {"type": "object"}
 
 
-def crd_schema(crd: dict[str, Any], version: str, source: str, opaque: list[str], note: str) -> dict[str, Any]:
+def crd_schema(
+    crd: dict[str, Any], version: str, source: str, opaque: list[str], note: str
+) -> dict[str, Any]:
     names = crd["spec"]["names"]
     group = crd["spec"]["group"]
     matches = [v for v in crd["spec"]["versions"] if v["name"] == version]

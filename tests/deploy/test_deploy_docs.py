@@ -46,6 +46,8 @@ def test_objects_named_in_the_guide_are_rendered():
     named = re.findall(r"\b(statefulset|deployment|job|jobset|svc|pvc|pdb)/(furlong-[\w-]+)", text)
     assert ("jobset", "furlong-trainer") in named
     for kind, name in named:
-        kind = {"svc": "service", "pvc": "persistentvolumeclaim", "pdb": "poddisruptionbudget"}.get(kind, kind)
+        kind = {"svc": "service", "pvc": "persistentvolumeclaim", "pdb": "poddisruptionbudget"}.get(
+            kind, kind
+        )
         assert (kind, name) in objects, f"{kind}/{name}"
     assert "furlong-api-token" in text

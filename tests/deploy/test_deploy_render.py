@@ -135,7 +135,11 @@ def test_rdma_component_renders_on_top_of_prod(tmp_path):
     objects = render_dir(overlay)
     validate_object(find(objects, "JobSet", "furlong-trainer"))
     validate_object(find(objects, "Deployment", "furlong-rollout"))
-    pods = [pod_template(w) for w in workloads(objects) if w["metadata"]["name"] in ("furlong-trainer", "furlong-rollout")]
+    pods = [
+        pod_template(w)
+        for w in workloads(objects)
+        if w["metadata"]["name"] in ("furlong-trainer", "furlong-rollout")
+    ]
     assert len(pods) == 3  # trainer leader and workers, rollout
     gpus = {"furlong-rollout": 1, "furlong-trainer": 4}
     for workload in workloads(objects):

@@ -205,7 +205,9 @@ def test_torchrun_gives_rank_zero_to_the_agent_whose_address_sorts_first(tmp_pat
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
-    rank_lines = {role: [line for line in out.splitlines() if line.startswith("RANK ")] for role, out in outputs.items()}
+    rank_lines = {
+        role: [line for line in out.splitlines() if line.startswith("RANK ")] for role, out in outputs.items()
+    }
     assert rank_lines == {"workers": ["RANK 0 0"], "leader": ["RANK 1 1"]}
 
 
@@ -265,7 +267,9 @@ def test_a_failed_pod_restarts_the_whole_trainer(overlay):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("overlay,gpu_key", [("dev", None), ("prod", "nvidia.com/gpu"), ("amd", "amd.com/gpu")])
+@pytest.mark.parametrize(
+    "overlay,gpu_key", [("dev", None), ("prod", "nvidia.com/gpu"), ("amd", "amd.com/gpu")]
+)
 def test_processes_use_the_gpus_their_pods_request(overlay, gpu_key):
     """Every GPU a trainer or rollout pod requests has a process on it: the trainer starts one rank
     per GPU (--nproc-per-node; --device cuda is cuda:LOCAL_RANK), rollout runs its engines on cuda."""

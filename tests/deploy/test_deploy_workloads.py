@@ -363,7 +363,9 @@ def test_stateful_pieces_have_budgets_accounts_and_storage(overlay):
                 assert matching[0]["spec"]["maxUnavailable"] == 0
             if workload["kind"] == "JobSet":  # the same, as the integer minAvailable pods of a JobSet take
                 jobs = replicated_jobs(find(objects, "JobSet", workload["metadata"]["name"]))
-                assert matching[0]["spec"]["minAvailable"] == sum(j["replicas"] * j["job"]["parallelism"] for j in jobs)
+                assert matching[0]["spec"]["minAvailable"] == sum(
+                    j["replicas"] * j["job"]["parallelism"] for j in jobs
+                )
                 assert "maxUnavailable" not in matching[0]["spec"]
     redis = find(objects, "StatefulSet", "furlong-redis")
     args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
