@@ -387,3 +387,22 @@ def test_the_gpu_components_fail_to_build_when_the_trainer_template_moves(tmp_pa
     for overlay in ("prod", "amd"):
         with pytest.raises(AssertionError, match="testing value"):
             render_dir(tmp_path / "k8s" / "overlays" / overlay)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_let_the_trainer_pods_reach_each_other(overlay):
+    """The rendezvous port on the leader, and the ports NCCL/gloo pick at run time both ways."""
+    from test_deploy_network import NAMESPACE, ingress_allowed
+
+    objects = render_overlay(overlay)
+    labels = {role: pod_template(job)["metadata"]["labels"] for role, job in trainer_jobs(objects).items()}
+    assert ingress_allowed(objects, labels["leader"], labels["workers"], NAMESPACE, 29400)
+    for src, dst in (("workers", "leader"), ("leader", "workers")):
+        assert ingress_allowed(objects, labels[dst], labels[src], NAMESPACE, 43127), f"{src} -> {dst}"
+    dashboard = next(
+        pod_template(w)["metadata"]["labels"]
+        for w in workloads(objects)
+        if pod_template(w)["metadata"]["labels"][COMPONENT] == "dashboard"
+    )
+    assert not ingress_allowed(objects, labels["leader"], dashboard, NAMESPACE, 29400)
