@@ -1,8 +1,11 @@
 """Write a strict JSON schema (draft 2020-12) from a CustomResourceDefinition, for offline validation.
 
-    python tools/k8s_crd_schema.py CRD.yaml --version v1alpha2 --source "jobset v0.12.0, PATH" \
-        --opaque spec.replicatedJobs.template \
-        --note "..." > deploy/k8s/schemas/GROUP/KIND-VERSION.json
+    python tools/k8s_crd_schema.py CRD.yaml --version VERSION --source "PROJECT RELEASE, PATH" \
+        [--opaque DOTTED.PATH ...] [--note TEXT] > deploy/k8s/schemas/GROUP/KIND-VERSION.json
+
+deploy/k8s/schemas/jobset.x-k8s.io/jobset-v1alpha2.json came from JobSet v0.12.0's
+config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml with `--version v1alpha2 --opaque
+spec.replicatedJobs.template` (its x-source and description record the rest).
 
 The version's openAPIV3Schema becomes a JSON schema that rejects unknown fields the way the API
 server does under strict field validation: every object with `properties` and no
