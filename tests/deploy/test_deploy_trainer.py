@@ -406,3 +406,82 @@ def test_network_policies_let_the_trainer_pods_reach_each_other(overlay):
         if pod_template(w)["metadata"]["labels"][COMPONENT] == "dashboard"
     )
     assert not ingress_allowed(objects, labels["leader"], dashboard, NAMESPACE, 29400)
+
+
+CRD_TOOL = K8S.parents[1] / "tools" / "k8s_crd_schema.py"
+TINY_CRD = """\
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: widgets.example.com}
+spec:
+  group: example.com
+  names: {kind: Widget, singular: widget, plural: widgets, listKind: WidgetList}
+  scope: Namespaced
+  versions:
+    - name: v1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema:
+          type: object
+          properties:
+            apiVersion: {type: string}
+            kind: {type: string}
+            metadata: {type: object}
+            spec:
+              type: object
+              description: dropped
+              properties:
+                size: {type: integer, format: int32, default: 1}
+                free:
+                  type: object
+                  x-kubernetes-preserve-unknown-fields: true
+                  properties: {a: {type: string}}
+                parts:
+                  type: array
+                  items:
+                    type: object
+                    required: [name]
+                    properties:
+                      name: {type: string}
+                      template: {type: object, properties: {x: {type: string}}}
+"""
+
+
+def run_crd_tool(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    crd = tmp_path / "crd.yaml"
+    crd.write_text(TINY_CRD)
+    command = [sys.executable, str(CRD_TOOL), str(crd), "--source", "example 1.0, crd.yaml", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.unit
+def test_crd_schema_tool_rejects_unknown_fields_and_opens_the_paths_asked(tmp_path):
+    import json
+
+    result = run_crd_tool(tmp_path, "--version", "v1", "--opaque", "spec.parts.template")
+    assert result.returncode == 0, result.stderr
+    schema = json.loads(result.stdout)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    good = {
+        "apiVersion": "example.com/v1",
+        "kind": "Widget",
+        "metadata": {"name": "w"},
+        "spec": {"size": 2, "free": {"anything": 1}, "parts": [{"name": "p", "template": {"y": 1}}]},
+    }
+    validator.validate(good)  # preserve-unknown-fields and the opaque template take any field
+    assert schema["x-source"] == "example 1.0, crd.yaml"
+    assert "description" not in schema["properties"]["spec"]
+    for bad in (
+        {**good, "apiVersion": "example.com/v2"},
+        {**good, "spec": {**good["spec"], "sise": 2}},
+        {**good, "spec": {**good["spec"], "parts": [{"name": "p", "extra": 1}]}},
+        {**good, "spec": {**good["spec"], "parts": [{"template": {}}]}},
+        {k: v for k, v in good.items() if k != "spec"},
+    ):
+        assert not validator.is_valid(bad), bad
+    missing = run_crd_tool(tmp_path, "--version", "v2")
+    assert missing.returncode != 0 and "v2" in missing.stderr
+    wrong_path = run_crd_tool(tmp_path, "--version", "v1", "--opaque", "spec.parts.nothing")
+    assert wrong_path.returncode != 0 and "nothing" in wrong_path.stderr
