@@ -6,7 +6,9 @@ validation that rejects a broken JobSet."""
 from __future__ import annotations
 
 import copy
+import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -164,7 +166,7 @@ def test_the_leader_pod_holds_rank_zero():
 
 
 @pytest.mark.integration
-def test_torchrun_gives_rank_zero_to_the_agent_whose_address_sorts_first(tmp_path, monkeypatch):
+def test_torchrun_gives_rank_zero_to_the_agent_whose_address_sorts_first(tmp_path):
     """The manifest's launcher options, run: two agents on this machine meet in a c10d rendezvous
     hosted by the one with is_host=true; ranks follow the sorted --local-addr, whichever agent hosts
     the store (the worker's address here sorts first)."""
@@ -172,8 +174,6 @@ def test_torchrun_gives_rank_zero_to_the_agent_whose_address_sorts_first(tmp_pat
     jobs = trainer_jobs(objects)
     script = tmp_path / "rank.py"
     script.write_text("import os\nprint('RANK', os.environ['RANK'], os.environ['GROUP_RANK'], flush=True)\n")
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -296,8 +296,6 @@ def test_processes_use_the_gpus_their_pods_request(overlay, gpu_key):
 
 @pytest.mark.unit
 def test_the_example_run_asks_for_the_dev_trainers_world_size():
-    import json
-
     from furlong.controller.run_spec import parse_run_spec
 
     spec = parse_run_spec(json.loads((K8S / "components" / "cpu-dev" / "addition-run.json").read_text()))
@@ -457,8 +455,6 @@ def run_crd_tool(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.unit
 def test_crd_schema_tool_rejects_unknown_fields_and_opens_the_paths_asked(tmp_path):
-    import json
-
     result = run_crd_tool(tmp_path, "--version", "v1", "--opaque", "spec.parts.template")
     assert result.returncode == 0, result.stderr
     schema = json.loads(result.stdout)
