@@ -18,8 +18,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("dev", "prod", "amd")
-SCHEMA_DIR = K8S / "schemas" / "monitoring.coreos.com"
-WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
+SCHEMA_DIR = K8S / "schemas"  # <API group>/<kind>-<version>.json
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "JobSet")
 SERVICE_MODULES = {  # component label -> python module its container runs
     "controller": "furlong.controller",
     "trainer": "furlong.trainer",
@@ -65,7 +65,36 @@ def find(objects: list[dict], kind: str, name: str) -> dict:
 
 
 def workloads(objects: list[dict]) -> list[dict]:
-    return [o for o in objects if o["kind"] in WORKLOAD_KINDS]
+    """The objects that run pods. A JobSet counts once per replicated job, as a view shaped like
+    the other kinds (`spec.template`: that job's pod template) with `replicatedJob` naming it."""
+    out = []
+    for o in objects:
+        if o["kind"] == "JobSet":
+            out.extend(replicated_jobs(o))
+        elif o["kind"] in WORKLOAD_KINDS:
+            out.append(o)
+    return out
+
+
+def replicated_jobs(jobset: dict) -> list[dict]:
+    return [
+        {
+            "kind": "JobSet",
+            "metadata": jobset["metadata"],
+            "replicatedJob": job["name"],
+            "replicas": job.get("replicas", 1),
+            "job": job["template"]["spec"],
+            "spec": {"template": job["template"]["spec"]["template"]},
+        }
+        for job in jobset["spec"]["replicatedJobs"]
+    ]
+
+
+def replicated_job(objects: list[dict], jobset: str, name: str) -> dict:
+    """One replicated job of a JobSet, as `workloads` shows it."""
+    matches = [j for j in replicated_jobs(find(objects, "JobSet", jobset)) if j["replicatedJob"] == name]
+    assert len(matches) == 1, f"expected one replicated job {name} in JobSet/{jobset}, found {len(matches)}"
+    return matches[0]
 
 
 def pod_template(workload: dict) -> dict:
@@ -108,9 +137,9 @@ def pods_selected(selector: dict, objects: list[dict]) -> set[str]:
 
 
 def crd_schemas() -> dict[str, dict]:
-    """kind -> vendored JSON schema."""
+    """kind -> vendored JSON schema (every API group under deploy/k8s/schemas/)."""
     out = {}
-    for path in sorted(SCHEMA_DIR.glob("*.json")):
+    for path in sorted(SCHEMA_DIR.glob("*/*.json")):
         schema = json.loads(path.read_text())
         out[schema["properties"]["kind"]["const"]] = schema
     return out

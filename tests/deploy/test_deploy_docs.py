@@ -36,8 +36,18 @@ def test_example_run_spec_is_valid_and_reads_the_checkpoint_the_job_writes():
 @pytest.mark.integration
 def test_objects_named_in_the_guide_are_rendered():
     text = DOC.read_text()
-    objects = {(o["kind"].lower(), o["metadata"]["name"]) for o in render_overlay("dev")}
-    for kind, name in re.findall(r"\b(statefulset|deployment|job|svc)/(furlong-[\w-]+)", text):
-        kind = {"svc": "service"}.get(kind, kind)
+    rendered = render_overlay("dev")
+    objects = {(o["kind"].lower(), o["metadata"]["name"]) for o in rendered}
+    # the Jobs a JobSet makes: <jobset>-<replicated job>-<job index>
+    for jobset in (o for o in rendered if o["kind"] == "JobSet"):
+        for job in jobset["spec"]["replicatedJobs"]:
+            for index in range(job.get("replicas", 1)):
+                objects.add(("job", f"{jobset['metadata']['name']}-{job['name']}-{index}"))
+    named = re.findall(r"\b(statefulset|deployment|job|jobset|svc|pvc|pdb)/(furlong-[\w-]+)", text)
+    assert ("jobset", "furlong-trainer") in named
+    for kind, name in named:
+        kind = {"svc": "service", "pvc": "persistentvolumeclaim", "pdb": "poddisruptionbudget"}.get(
+            kind, kind
+        )
         assert (kind, name) in objects, f"{kind}/{name}"
     assert "furlong-api-token" in text

@@ -1,6 +1,8 @@
 """Every overlay renders with `kubectl kustomize`, and every rendered object passes strict schema
 validation: Kubernetes kinds with kubernetes-validate (1.30 and the newest bundled release),
-monitoring.coreos.com kinds with the vendored CRD schemas under deploy/k8s/schemas/."""
+custom resources (monitoring.coreos.com, jobset.x-k8s.io) with the vendored CRD schemas under
+deploy/k8s/schemas/, and a JobSet's Job templates, which its schema leaves open, as batch/v1 Jobs
+with kubernetes-validate."""
 
 from __future__ import annotations
 
@@ -10,22 +12,33 @@ import shutil
 import jsonschema
 import kubernetes_validate
 import pytest
-from k8s_render import K8S, OVERLAYS, crd_schemas, find, render_dir, render_overlay
+from k8s_render import K8S, OVERLAYS, crd_schemas, find, pod_template, render_dir, render_overlay, workloads
 
 OLDEST_SUPPORTED = "1.30.0"
 NEWEST_BUNDLED = kubernetes_validate.latest_version()  # e.g. "1.37.0"
-CRD_GROUP = "monitoring.coreos.com/"
+CRD_GROUPS = ("monitoring.coreos.com/", "jobset.x-k8s.io/")
 
 
 def validate_object(obj: dict, versions=(OLDEST_SUPPORTED, NEWEST_BUNDLED)) -> None:
     """Raise if obj fails strict validation (unknown fields included) for any of the versions."""
-    if obj["apiVersion"].startswith(CRD_GROUP):
+    if obj["apiVersion"].startswith(CRD_GROUPS):
         schemas = crd_schemas()
         assert obj["kind"] in schemas, f"no vendored schema for {obj['kind']}"
         jsonschema.Draft202012Validator(schemas[obj["kind"]]).validate(obj)
+        if obj["kind"] == "JobSet":
+            for job in obj["spec"]["replicatedJobs"]:
+                validate_object(job_of(obj, job), versions)
         return
     for version in versions:
         kubernetes_validate.validate(obj, version, strict=True)
+
+
+def job_of(jobset: dict, replicated_job: dict) -> dict:
+    """A replicated job's template as the batch/v1 Job JobSet makes of it."""
+    template = replicated_job["template"]
+    name = f"{jobset['metadata']['name']}-{replicated_job['name']}-0"
+    metadata = {**template.get("metadata", {}), "name": name, "namespace": jobset["metadata"]["namespace"]}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": template["spec"]}
 
 
 @pytest.mark.integration
@@ -54,7 +67,10 @@ def test_overlay_renders_the_whole_stack_into_one_namespace(overlay):
         ("Namespace", "furlong"),
         ("Deployment", "furlong-controller"),
         ("Service", "furlong-controller"),
-        ("StatefulSet", "furlong-trainer"),
+        ("JobSet", "furlong-trainer"),
+        ("Service", "furlong-trainer"),
+        ("Service", "furlong-trainer-ranks"),
+        ("PersistentVolumeClaim", "furlong-trainer-checkpoints"),
         ("StatefulSet", "furlong-weight-broker"),
         ("Deployment", "furlong-rollout"),
         ("StatefulSet", "furlong-redis"),
@@ -73,7 +89,7 @@ def test_overlay_renders_the_whole_stack_into_one_namespace(overlay):
 @pytest.mark.integration
 def test_headless_services_govern_their_statefulsets():
     objects = render_overlay("prod")
-    for name in ("furlong-trainer", "furlong-weight-broker", "furlong-redis"):
+    for name in ("furlong-weight-broker", "furlong-redis"):
         sts = find(objects, "StatefulSet", name)
         svc = find(objects, "Service", sts["spec"]["serviceName"])
         assert svc["spec"]["clusterIP"] == "None"
@@ -99,10 +115,11 @@ def test_strict_validation_rejects_unknown_fields():
 @pytest.mark.unit
 def test_vendored_crd_schemas_are_valid_json_schemas():
     schemas = crd_schemas()
-    assert set(schemas) == {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
-    for schema in schemas.values():
+    assert set(schemas) == {"ServiceMonitor", "PodMonitor", "PrometheusRule", "JobSet"}
+    for kind, schema in schemas.items():
         jsonschema.Draft202012Validator.check_schema(schema)
-        assert schema["properties"]["apiVersion"]["const"] == "monitoring.coreos.com/v1"
+        expected = "jobset.x-k8s.io/v1alpha2" if kind == "JobSet" else "monitoring.coreos.com/v1"
+        assert schema["properties"]["apiVersion"]["const"] == expected
 
 
 @pytest.mark.integration
@@ -116,12 +133,22 @@ def test_rdma_component_renders_on_top_of_prod(tmp_path):
         "resources: [../prod]\ncomponents: [../../components/nvidia/rdma]\n"
     )
     objects = render_dir(overlay)
-    for kind, name in (("StatefulSet", "furlong-trainer"), ("Deployment", "furlong-rollout")):
-        workload = find(objects, kind, name)
-        validate_object(workload)
-        container = workload["spec"]["template"]["spec"]["containers"][0]
+    validate_object(find(objects, "JobSet", "furlong-trainer"))
+    validate_object(find(objects, "Deployment", "furlong-rollout"))
+    pods = [
+        pod_template(w)
+        for w in workloads(objects)
+        if w["metadata"]["name"] in ("furlong-trainer", "furlong-rollout")
+    ]
+    assert len(pods) == 3  # trainer leader and workers, rollout
+    gpus = {"furlong-rollout": 1, "furlong-trainer": 4}
+    for workload in workloads(objects):
+        name = workload["metadata"]["name"]
+        if name not in gpus:
+            continue
+        container = pod_template(workload)["spec"]["containers"][0]
         assert container["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus[name]
         assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["UCX_TLS"] == "rc,tcp,cuda_copy"

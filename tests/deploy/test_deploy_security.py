@@ -20,6 +20,8 @@ from k8s_render import (
     pod_template,
     render_dir,
     render_overlay,
+    replicated_job,
+    replicated_jobs,
     workloads,
 )
 from test_deploy_render import validate_object
@@ -32,7 +34,7 @@ TLS_SECRET = "furlong-internal-tls"
 # the services that serve gRPC or the REST API, and call each other over gRPC
 API_SERVICES = {
     "controller": ("Deployment", "furlong-controller"),
-    "trainer": ("StatefulSet", "furlong-trainer"),
+    "trainer": ("JobSet", "furlong-trainer"),  # its leader pod: rank 0
     "rollout": ("Deployment", "furlong-rollout"),
     "weight-broker": ("StatefulSet", "furlong-weight-broker"),
 }
@@ -42,6 +44,13 @@ GRPC_NAMES = {
     "weight-broker": "furlong.v1.WeightBroker",
 }
 TLS_FLAGS = ("--tls-ca-file", "--tls-cert-file", "--tls-key-file")
+
+
+def api_workload(objects: list[dict], kind: str, name: str) -> dict:
+    """The workload whose pods serve the API (a JobSet's: its leader's)."""
+    if kind == "JobSet":
+        return replicated_job(objects, name, "leader")
+    return find(objects, kind, name)
 
 
 def secret_file(workload: dict, path: str) -> tuple[str, str]:
@@ -63,7 +72,7 @@ def secret_file(workload: dict, path: str) -> tuple[str, str]:
 def test_every_api_service_reads_the_service_token_from_the_secret(overlay):
     objects = render_overlay(overlay)
     for component, (kind, name) in API_SERVICES.items():
-        workload = find(objects, kind, name)
+        workload = api_workload(objects, kind, name)
         args = expanded_args(pod_template(workload)["spec"]["containers"][0])
         token_file = flag_value(args, "--auth-token-file")
         assert secret_file(workload, token_file) == (INTERNAL_SECRET, "token"), component
@@ -87,7 +96,12 @@ def render_with_mtls(tmp_path: Path, overlay: str) -> list[dict]:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("overlay", ["dev", "prod"])
-def test_mtls_component_mounts_certificates_and_passes_parsable_flags(overlay, tmp_path):
+def test_mtls_component_mounts_certificates_and_passes_parsable_flags(overlay, tmp_path, monkeypatch):
+    import torch
+
+    # prod passes --device cuda: parse it as on a machine with CUDA devices
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     from furlong.controller.__main__ import load_config
     from furlong.controller.__main__ import parse_args as controller_args
     from furlong.rollout.config import RolloutServerConfig
@@ -100,7 +114,7 @@ def test_mtls_component_mounts_certificates_and_passes_parsable_flags(overlay, t
     assert not [o for o in objects if o["kind"] == "Secret"]
     parsed = {}
     for component, (kind, name) in API_SERVICES.items():
-        workload = find(objects, kind, name)
+        workload = api_workload(objects, kind, name)
         container = pod_template(workload)["spec"]["containers"][0]
         args = expanded_args(container)
         keys = [secret_file(workload, flag_value(args, flag)) for flag in TLS_FLAGS]
@@ -135,7 +149,7 @@ def test_mtls_probe_command_passes_against_a_server_with_the_secret(tmp_path):
 
     (tmp_path / "render").mkdir()
     objects = render_with_mtls(tmp_path / "render", "dev")
-    container = pod_template(find(objects, "StatefulSet", "furlong-trainer"))["spec"]["containers"][0]
+    container = pod_template(replicated_job(objects, "furlong-trainer", "leader"))["spec"]["containers"][0]
     command = container["readinessProbe"]["exec"]["command"]
     ca = make_ca(tmp_path, "ca")
     cert = make_cert(ca, tmp_path, "service", dns=("furlong-internal",), ips=())
@@ -164,5 +178,6 @@ def test_mtls_component_is_optional():
     for overlay in OVERLAYS:
         text = (K8S / "overlays" / overlay / "kustomization.yaml").read_text()
         assert "components/mtls" not in text, f"{overlay} must not require the TLS Secret"
-    for container in containers(find(render_overlay("dev"), "StatefulSet", "furlong-trainer")):
-        assert "--tls-ca-file" not in container["args"]
+    for job in replicated_jobs(find(render_overlay("dev"), "JobSet", "furlong-trainer")):
+        for container in containers(job):
+            assert "--tls-ca-file" not in container["args"]

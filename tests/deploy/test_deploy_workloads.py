@@ -17,6 +17,8 @@ from k8s_render import (
     find,
     pod_template,
     render_overlay,
+    replicated_job,
+    replicated_jobs,
     selector_matches,
     workloads,
 )
@@ -50,29 +52,55 @@ def component_of(workload: dict) -> str:
     return pod_template(workload)["metadata"]["labels"][COMPONENT]
 
 
-def env_values(container: dict) -> dict[str, str]:
-    fake = {"metadata.name": "furlong-trainer-0", "spec.nodeName": "node-1"}
-    out = {}
+FAKE_FIELDS = {
+    "metadata.name": "furlong-controller-5d8f9c7b6-x2x7q",
+    "spec.nodeName": "node-1",
+    "metadata.labels['jobset.sigs.k8s.io/job-index']": "0",
+}
+TORCHRUN = ["python", "-m", "torch.distributed.run"]
+
+
+def env_values(container: dict, fields: dict[str, str] = FAKE_FIELDS) -> dict[str, str]:
+    """The container's environment as the kubelet makes it: field references read from `fields`,
+    $(VAR) in a value expanded from the variables defined before it."""
+    out: dict[str, str] = {}
     for entry in container.get("env", []):
         if "value" in entry:
-            out[entry["name"]] = entry["value"]
+            out[entry["name"]] = _expand(entry["value"], out, container)
         else:
-            out[entry["name"]] = fake[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+            out[entry["name"]] = fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
     return out
 
 
-def expanded_args(container: dict) -> list[str]:
+def _expand(text: str, env: dict[str, str], container: dict) -> str:
+    def sub(match: re.Match) -> str:
+        assert match.group(1) in env, f"{container['name']}: $({match.group(1)}) is not in env"
+        return env[match.group(1)]
+
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, text)
+
+
+def all_args(container: dict, fields: dict[str, str] = FAKE_FIELDS) -> list[str]:
     """The container's args with $(VAR) references expanded as the kubelet would."""
-    env = env_values(container)
+    env = env_values(container, fields)
+    return [_expand(a, env, container) for a in container.get("args", [])]
 
-    def expand(arg: str) -> str:
-        def sub(match: re.Match) -> str:
-            assert match.group(1) in env, f"{container['name']}: $({match.group(1)}) is not in env"
-            return env[match.group(1)]
 
-        return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, arg)
+def launcher_args(container: dict, fields: dict[str, str] = FAKE_FIELDS) -> list[str]:
+    """torchrun's own options of a container that runs `python -m torch.distributed.run` (up to
+    the `-m MODULE` it starts)."""
+    assert container.get("command") == TORCHRUN, f"{container['name']} does not run torchrun"
+    args = all_args(container, fields)
+    return args[: args.index("-m")]
 
-    return [expand(a) for a in container.get("args", [])]
+
+def expanded_args(container: dict, fields: dict[str, str] = FAKE_FIELDS) -> list[str]:
+    """The service's own command line, $(VAR) expanded: the container's args, or under torchrun
+    what follows `-m MODULE`."""
+    args = all_args(container, fields)
+    if container.get("command") == TORCHRUN:
+        return args[args.index("-m") + 2 :]
+    return args
 
 
 def flag_value(args: list[str], flag: str) -> str:
@@ -120,6 +148,11 @@ def test_long_running_containers_have_probes_of_their_protocol(overlay):
             continue
         component = component_of(workload)
         where = f"{overlay}: {workload['metadata']['name']}"
+        if workload.get("replicatedJob") == "workers":
+            # Trainer ranks other than 0 serve nothing: no port to probe. torchrun exits when a
+            # rank fails, failing the pod, and JobSet restarts the group.
+            assert "ports" not in container and not any(k.endswith("Probe") for k in container), where
+            continue
         assert "readinessProbe" in container and "livenessProbe" in container, where
         probes = [container[k] for k in ("readinessProbe", "livenessProbe", "startupProbe") if k in container]
         if component in GRPC_SERVICES:
@@ -178,18 +211,20 @@ def test_images_are_pinned(overlay):
 )
 def test_hardware_variant_images_and_devices(overlay, trainer_tag, rollout_tag, gpu):
     objects = render_overlay(overlay)
-    for kind, name, tag in (
-        ("StatefulSet", "furlong-trainer", trainer_tag),
-        ("Deployment", "furlong-rollout", rollout_tag),
-    ):
-        spec = pod_template(find(objects, kind, name))["spec"]
+    pods = [
+        (find(objects, "Deployment", "furlong-rollout"), rollout_tag, 1),
+        *((job, trainer_tag, 4) for job in replicated_jobs(find(objects, "JobSet", "furlong-trainer"))),
+    ]
+    assert len(pods) == 3
+    for workload, tag, gpus in pods:
+        spec = pod_template(workload)["spec"]
         container = spec["containers"][0]
         assert container["image"].endswith(f":{tag}")
         limits = container["resources"]["limits"]
         if gpu is None:
             assert not any(k.endswith("/gpu") for k in limits)
         else:
-            assert limits[gpu] == 1
+            assert limits[gpu] == gpus
         # NIXL/UCX staging: /dev/shm is a memory-backed emptyDir.
         shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
         volume = next(v for v in spec["volumes"] if v["name"] == shm["name"])
@@ -235,8 +270,13 @@ def test_service_flags_exist_and_required_ones_are_given(overlay):
 
 
 @pytest.mark.integration
-def test_service_parsers_accept_the_manifest_args():
-    """The real argparse/config code of each service accepts what the manifests pass."""
+def test_service_parsers_accept_the_manifest_args(monkeypatch):
+    """The real argparse/config code of each service accepts what the manifests pass (the GPU
+    overlay's `--device cuda` checked as on a machine with CUDA devices)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     from furlong.controller.__main__ import parse_args as controller_args
     from furlong.rollout.config import RolloutServerConfig
     from furlong.trainer.__main__ import parse_args as trainer_args
@@ -247,12 +287,15 @@ def test_service_parsers_accept_the_manifest_args():
     def args_of(kind: str, name: str) -> list[str]:
         return expanded_args(pod_template(find(objects, kind, name))["spec"]["containers"][0])
 
-    trainer = trainer_args(args_of("StatefulSet", "furlong-trainer"))
+    leader = pod_template(replicated_job(objects, "furlong-trainer", "leader"))["spec"]["containers"][0]
+    trainer = trainer_args(expanded_args(leader))
     assert (trainer.host, trainer.port, trainer.metrics_port) == ("0.0.0.0", 50051, 9090)
-    assert trainer.consumer_name == "furlong-trainer-0"  # the pod name: stable across restarts
+    assert trainer.consumer_name == "furlong-trainer"  # fixed: stable across restarts
     assert trainer.num_threads == 8
+    assert (trainer.device, trainer.checkpoint_dir) == ("cuda", "/var/lib/furlong/checkpoints")
     rollout = RolloutServerConfig.from_args(args_of("Deployment", "furlong-rollout"))
     assert (rollout.port, rollout.metrics_port, rollout.num_threads) == (50051, 9090, 8)
+    assert rollout.device == "cuda"
     broker = BrokerConfig.from_args(args_of("StatefulSet", "furlong-weight-broker"))
     assert (broker.host, broker.port, broker.metrics_port) == ("0.0.0.0", 50051, 9090)
     controller = controller_args(args_of("Deployment", "furlong-controller"))
@@ -299,7 +342,7 @@ def test_addresses_in_args_resolve_to_services_of_the_stack(overlay):
             service, _ = resolve_address(objects, value)
             assert service["spec"]["selector"][COMPONENT] == component
             checked += 1
-    assert checked == 8  # controller: 4, trainer: 2, rollout: 2
+    assert checked == 10  # controller: 4, trainer leader and workers: 2 each, rollout: 2
 
 
 @pytest.mark.integration
@@ -313,11 +356,17 @@ def test_stateful_pieces_have_budgets_accounts_and_storage(overlay):
         labels = pod_template(workload)["metadata"]["labels"]
         assert spec["serviceAccountName"] in accounts
         assert spec["automountServiceAccountToken"] is False
-        if workload["kind"] in ("Deployment", "StatefulSet"):
+        if workload["kind"] in ("Deployment", "StatefulSet", "JobSet"):
             matching = [b for b in budgets if selector_matches(b["spec"]["selector"], labels)]
             assert len(matching) == 1, f"{workload['metadata']['name']}: {len(matching)} budgets"
             if workload["kind"] == "StatefulSet":  # holds run state: no voluntary eviction
                 assert matching[0]["spec"]["maxUnavailable"] == 0
+            if workload["kind"] == "JobSet":  # the same, as the integer minAvailable pods of a JobSet take
+                jobs = replicated_jobs(find(objects, "JobSet", workload["metadata"]["name"]))
+                assert matching[0]["spec"]["minAvailable"] == sum(
+                    j["replicas"] * j["job"]["parallelism"] for j in jobs
+                )
+                assert "maxUnavailable" not in matching[0]["spec"]
     redis = find(objects, "StatefulSet", "furlong-redis")
     args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
     assert flag_value(args, "--appendonly") == "yes"
