@@ -358,7 +358,7 @@ class RunDriver:
         train = self._call(
             f"{where} trainer.TrainStep",
             self._trainer.train_step,
-            train_request(rid, step, gen.num_groups, t),
+            train_request(rid, spec, step, gen.num_groups, t),
         )
         if train.policy_version <= version:
             raise _PhaseFailed(

@@ -54,6 +54,8 @@ class TrainStepRequest:
     step: int  # 1-based; must be the trainer's next step
     num_groups: int  # groups to read from the run's stream
     timeout_s: float  # how long to wait for them to arrive
+    # Asynchronous mode: only groups of `step`; later steps' groups stay pending for their own step.
+    step_groups_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -346,7 +346,7 @@ class TrainerService:
             if timeout_s <= 0:
                 raise ValueError(f"timeout_s must be positive, got {timeout_s}")
             started = time.perf_counter()
-            batch = run.reader.read(num_groups, timeout_s)
+            batch = run.reader.read(num_groups, timeout_s, step if request.step_groups_only else None)
             trainer_version = run.learner.version
             try:
                 with self._on_ranks(TrainCommand(run_id, batch.groups, trainer_version)):
