@@ -167,6 +167,7 @@ class Stack:
                         "resubmitted",
                         "recoveries",
                         "rejected",
+                        "stale_redrawn",
                         "versions_ok",
                     )
                 },
