@@ -289,7 +289,8 @@ class RunDriver:
             for step in range(done + 1, spec.steps + 1):
                 self._between_steps(rid, f"step {step}")
                 started = self._clock()
-                for ahead in steps_to_generate(step, next_unrequested, spec.steps, spec.rollout.max_staleness):
+                window = steps_to_generate(step, next_unrequested, spec.steps, spec.rollout.max_staleness)
+                for ahead in window:
                     requested[ahead] = pool.submit(self._timed_generate, run, ahead, version)
                     next_unrequested = ahead + 1
                 gen, generate_s = requested.pop(step).result()

@@ -6,15 +6,15 @@ the step number assigns, core.data_source): `RolloutSettings.prompts_to_draw` of
 (over-sampling), less those whose group an earlier attempt at the step already wrote (so a step
 repeated after a crash generates only what was lost; in asynchronous mode, `max_staleness` > 0, a
 group so written with a version older than the request's `min_policy_version` is released in the
-group ledger and drawn again, so no trained sample is staler than the run allows). Every sample gets a deterministic id
-(`<prompt id>/<index>`); the engines generate, the run's reward scores each group as soon as it is
-complete, while the others are still generated (core.group_scoring, under a deadline per response);
-a group whose reward fails is left out, or drawn again (`ActiveRun.reward_resamples`), and counted;
-zero-variance groups are drawn again (dynamic sampling) and only
-the groups the step needs are kept, the first to complete (over-sampling, see core.groups). The
-kept groups are appended to the run's sample stream and recorded generated in one atomic call
-(`GroupBook.append_groups`); the drawn prompts that were not kept are recorded cut in the group
-ledger and their samples closed as surplus in the sample ledger.
+group ledger and drawn again, so no trained sample is staler than the run allows). Every sample
+gets a deterministic id (`<prompt id>/<index>`); the engines generate, the run's reward scores each
+group as soon as it is complete, while the others are still generated (core.group_scoring, under
+a deadline per response); a group whose reward fails is left out, or drawn again
+(`ActiveRun.reward_resamples`), and counted; zero-variance groups are drawn again (dynamic
+sampling) and only the groups the step needs are kept, the first to complete (over-sampling, see
+core.groups). The kept groups are appended to the run's sample stream and recorded generated in
+one atomic call (`GroupBook.append_groups`); the drawn prompts that were not kept are recorded cut
+in the group ledger and their samples closed as surplus in the sample ledger.
 
 A run with an environment draws each sample as a multi-turn episode (core.episodes): turn t of a
 request is generated under the ledger request `<request id>/t<t>` (turn 0 under the request id
