@@ -327,7 +327,8 @@ class RunDriver:
 
     def _generate(self, run: Run, step: int, min_version: int) -> GenerateResult:
         """Rollout draws the step's prompts and decides which groups are written; after a recovery
-        the groups an earlier attempt wrote count (num_groups_resumed) and are not drawn again."""
+        the groups an earlier attempt wrote count (num_groups_resumed) and are not drawn again
+        (in asynchronous mode: unless drawn with a version older than `min_version`)."""
         spec, where = run.spec, f"step {step}"
         gen = self._call(
             f"{where} rollout.Generate",
