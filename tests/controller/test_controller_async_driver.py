@@ -19,7 +19,7 @@ from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.run_events import RecoveryEvent
 from furlong.controller.run_spec import parse_run_spec
 from furlong.controller.run_store import RunStore
-from furlong.core.errors import UnavailableError
+from furlong.core.errors import ConflictError, UnavailableError
 
 
 def async_spec(steps: int, max_staleness: int, **extra):
@@ -143,3 +143,37 @@ def test_an_asynchronous_run_recovers_and_generates_again_from_the_checkpoint(en
     # went back to step 0 and generated from step 1 again, never more than one step ahead
     assert [c.step for c in fakes.rollout.generate_calls] == [1, 2, 3, 4, 1, 2, 3, 4]
     assert all(r.staleness_max <= 1 for r in store.metrics(run.run_id))
+
+
+@pytest.mark.integration
+def test_a_version_lost_with_its_trainer_is_recovered_from_and_a_failed_one_with_a_live_trainer_is_not(
+    env,
+):
+    store, fakes, driver, _ = env
+    real_wait = fakes.broker.wait_committed
+    failures = []
+
+    def engines_lost_their_source(run_id, version, timeout_s):
+        if version == 2 and not failures:
+            failures.append(version)
+            fakes.trainer.runs.pop(run_id)  # the trainer died after PublishWeights answered
+            raise ConflictError("every engine was fenced: round 0: NIXL_ERR_REMOTE_DISCONNECT")
+        return real_wait(run_id, version, timeout_s)
+
+    fakes.broker.wait_committed = engines_lost_their_source
+    run = store.create(async_spec(steps=3, max_staleness=1))
+    final = driver.execute(run.run_id)
+    assert final.state == RunState.SUCCEEDED, final.reason
+    recovery = [e for _, e in store.events(run.run_id).events if isinstance(e, RecoveryEvent)]
+    assert len(recovery) == 1
+    assert "step 2 broker.WaitCommitted (trainer.PublishWeights): NotFoundError" in recovery[0].reason
+
+    # the same failure while the trainer still holds the run is the run's failure
+    def always_fenced(run_id, version, timeout_s):
+        raise ConflictError("every engine was fenced")
+
+    fakes.broker.wait_committed = always_fenced
+    other = store.create(async_spec(steps=2, max_staleness=1, recovery={"max_attempts": 2}))
+    failed = driver.execute(other.run_id)
+    assert failed.state == RunState.FAILED
+    assert failed.reason.startswith("step 1 broker.WaitCommitted: ConflictError: every engine was fenced")

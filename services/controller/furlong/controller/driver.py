@@ -371,17 +371,7 @@ class RunDriver:
         self._check_stop(rid, f"during {where} (after trainer.TrainStep; last completed step {step - 1})")
         new_version = train.policy_version
         self._call(f"{where} trainer.PublishWeights", self._trainer.publish_weights, rid, new_version)
-        status = self._call(
-            f"{where} broker.WaitCommitted", self._broker.wait_committed, rid, new_version, t.commit_s
-        )
-        if status.committed_version < new_version:
-            raise _PhaseFailed(
-                f"{where} broker.WaitCommitted",
-                TimeoutError(
-                    f"version {new_version} not committed (committed {status.committed_version}, "
-                    f"pending engines {list(status.pending_engine_ids)})"
-                ),
-            )
+        self._wait_committed(rid, step, new_version)
         self._call(f"{where} ledger", self._store.ledger(rid).record_committed, new_version)
         synced = self._clock()
         evaluated = self._evaluate(run, step, new_version) if spec.eval.evaluates_at(step, spec.steps) else {}
@@ -411,6 +401,37 @@ class RunDriver:
         if spec.checkpoint.exports_at(step, spec.steps):
             self._export(rid, step, spec.checkpoint.export_max_shard_bytes)
         return new_version
+
+    def _wait_committed(self, run_id: str, step: int, version: int) -> None:
+        """Wait until every engine acknowledged `version`. When it fails, the engines may have lost
+        their source: a trainer killed after PublishWeights answered and before the engines pulled
+        the weights. Asking the trainer for the same version again tells: a trainer that still holds
+        the run refuses it (the version is published) or ignores it, and the failure stands; a
+        restarted one does not know the run (NotFoundError) and a dead one cannot be reached
+        (UnavailableError), and that recoverable error is the step's failure instead."""
+        phase = f"step {step} broker.WaitCommitted"
+        try:
+            status = self._call(phase, self._broker.wait_committed, run_id, version, self._timeouts.commit_s)
+            if status.committed_version < version:
+                raise _PhaseFailed(
+                    phase,
+                    TimeoutError(
+                        f"version {version} not committed (committed {status.committed_version}, "
+                        f"pending engines {list(status.pending_engine_ids)})"
+                    ),
+                )
+        except _PhaseFailed as failed:
+            if recoverable(failed.cause):
+                raise
+            try:
+                self._trainer.publish_weights(run_id, version)
+            except Exception as probe:  # noqa: BLE001 - only a recoverable answer changes the outcome
+                if recoverable(probe):
+                    log.warning(
+                        "run %s: version %d failed and the trainer is gone: %s", run_id, version, probe
+                    )
+                    raise _PhaseFailed(f"{phase} (trainer.PublishWeights)", probe) from failed
+            raise
 
     def _evaluate(self, run: Run, step: int, version: int) -> dict[str, float]:
         """The metrics of the committed policy `version` on the run's evaluation rows."""
