@@ -269,7 +269,10 @@ class GroupLedger:
                 continue
             fields = rows[0][1]
             data = fields.get(STREAM_FIELD, fields.get(STREAM_FIELD.decode()))
-            group = SampleGroup.decode(data)
+            try:
+                group = SampleGroup.decode(data)
+            except ValueError:  # the trainer rejects it by name; there is no version to compare
+                continue
             if min((s.policy_version for s in group.samples), default=min_version) < min_version:
                 args += [ident, entry]
         if not args:
