@@ -114,6 +114,9 @@ def test_malformed_spec_is_422_naming_the_field_and_creates_nothing(env, redis_u
         ({**SPEC, "steps": 99999999999999999999999}, "steps"),
         ({**SPEC, "precision": {"dtype": "float16"}}, "precision.dtype"),
         ({**SPEC, "precision": {"gradient_checkpointing": 1}}, "precision.gradient_checkpointing"),
+        # asynchronous mode needs an off-policy correction
+        ({**SPEC, "rollout": {"max_staleness": 1}}, "rollout.max_staleness"),
+        ({**SPEC, "rollout": {"max_staleness": -2}}, "rollout.max_staleness"),
     ]:
         resp = env.post("/v1/runs", json=body)
         assert (resp.status_code, resp.json()["field"]) == (422, field)

@@ -52,7 +52,7 @@ FULL = {
         "value_coef": 0.5,
         "value_clip": 0.2,
     },
-    "rollout": {"num_engines": 1, "max_refill_rounds": 0, "over_sampling": 1.0},
+    "rollout": {"num_engines": 1, "max_refill_rounds": 0, "over_sampling": 1.0, "max_staleness": 0},
     "checkpoint": {
         "every_steps": 1,
         "keep_last": 2,
@@ -145,6 +145,15 @@ def test_integers_are_accepted_for_float_fields_and_stored_as_floats():
         (with_value("algorithm.max_grad_norm", -0.5), "algorithm.max_grad_norm", "got -0.5"),
         (with_value("rollout.num_engines", 0), "rollout.num_engines", "[1, "),
         (with_value("rollout.gpus", 1), "rollout.gpus", "unknown field"),
+        (with_value("rollout.max_staleness", -1), "rollout.max_staleness", "[0, 64], got -1"),
+        (with_value("rollout.max_staleness", 65), "rollout.max_staleness", "[0, 64], got 65"),
+        (with_value("rollout.max_staleness", 1.5), "rollout.max_staleness", "integer, got 1.5"),
+        (
+            with_value("rollout.max_staleness", 1),
+            "rollout.max_staleness",
+            "1 (asynchronous mode) trains on samples drawn by older policy versions and requires "
+            "algorithm.off_policy (tis or mis), got algorithm.off_policy 'none'",
+        ),
         (with_value("steps", 0), "steps", "[1, "),
         (with_value("steps", True), "steps", "integer"),
         (with_value("steps", "30"), "steps", "integer"),
@@ -203,3 +212,14 @@ def test_direct_construction_validates_too():
         SamplingSettings(top_p=2.0)
     with pytest.raises(ValueError, match="sampling"):
         RunSpec(name="r", model="/m", task="addition", steps=1, sampling={"top_p": 1.0})
+
+
+@pytest.mark.unit
+def test_asynchronous_mode_is_off_by_default_and_takes_an_off_policy_correction():
+    assert parse_run_spec(without("rollout.max_staleness")).rollout.max_staleness == 0
+    for correction in ("tis", "mis"):
+        data = with_value("rollout.max_staleness", 2)
+        data["algorithm"]["off_policy"] = correction
+        spec = parse_run_spec(data)
+        assert (spec.rollout.max_staleness, spec.algorithm.off_policy) == (2, correction)
+        assert parse_run_spec(spec.to_dict()) == spec

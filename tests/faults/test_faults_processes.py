@@ -9,6 +9,9 @@ Faults: kill -9 of the trainer, the rollout service, the weight broker, the cont
 SIGSTOP/SIGCONT of the broker mid-publish; a dropped weight bucket (the broker's fault hook); a
 corrupted sample group written into the run's stream. How often each was injected, and each
 audit, is written to `fault-summary.json` in the test's tmp dir and printed (`-s`).
+FURLONG_FAULT_MAX_STALENESS=K runs every fault in asynchronous mode (`rollout.max_staleness` K,
+truncated importance sampling); the kill -9 faults of the trainer, the rollout service and the
+controller also run in asynchronous mode with K = 1 in any case.
 (kill -9 of a single rollout engine is covered with the rollout engine pool's tests.)
 """
 
@@ -49,12 +52,16 @@ FINAL = {"succeeded", "failed", "cancelled"}
 STEPS = 60  # a step takes 0.05-0.5 s: the fault lands well before the end
 SEED = int(os.environ.get("FURLONG_FAULT_SEED", random.SystemRandom().randrange(1 << 30)))
 ACK_TIMEOUT_S = 8.0
+MAX_STALENESS = int(os.environ.get("FURLONG_FAULT_MAX_STALENESS", "0"))
 
 
-def fault_spec(model: str, name: str, steps: int = STEPS) -> dict:
+def fault_spec(model: str, name: str, steps: int = STEPS, max_staleness: int = MAX_STALENESS) -> dict:
     body = spec(model, name=name, steps=steps)
     body["checkpoint"] = {"every_steps": 1}
     body["recovery"] = {"max_attempts": 3, "timeout_s": 90.0}
+    if max_staleness:
+        body["rollout"] = {"max_staleness": max_staleness}
+        body["algorithm"] = {**body["algorithm"], "off_policy": "tis"}
     return body
 
 
@@ -160,6 +167,7 @@ class Stack:
                         "resubmitted",
                         "recoveries",
                         "rejected",
+                        "stale_redrawn",
                         "versions_ok",
                     )
                 },
@@ -226,6 +234,25 @@ def test_kill9_mid_run_the_run_resumes_and_nothing_is_lost(stack, model, service
     assert ledger["recoveries"] >= 1, ledger
     events = stack.http.get(f"/v1/runs/{run_id}/events").text
     assert "recovery" in events
+
+
+@pytest.mark.parametrize("service", ["trainer", "rollout", "controller"])
+def test_kill9_mid_asynchronous_run_nothing_is_lost_or_trained_twice(stack, model, service):
+    stack.wait_healthy()
+    body = fault_spec(model, f"async-kill-{service}", max_staleness=1)
+    run_id = stack.run(body)
+    where = stack.at_random_point(run_id)
+    stack.kill9(service)
+    run = stack.wait(run_id, lambda r: r["state"] in FINAL)
+    ledger = stack.audit(run_id, finished_step=STEPS)
+    stack.record(f"kill -9 {service} (max_staleness 1)", run, where, ledger)
+    _sound(ledger)
+    _completed(run)
+    assert ledger["trained"] == STEPS * 2  # every prompt of every step, exactly once
+    assert ledger["recoveries"] >= 1, ledger
+    records = stack.http.get(f"/v1/runs/{run_id}/metrics").json()["steps"]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert max(r["staleness_max"] for r in records) <= 1, records
 
 
 def test_sigstop_the_broker_mid_publish_then_sigcont_the_run_goes_on(stack, model):

@@ -135,3 +135,25 @@ def test_the_checkpoint_result_is_the_newest_step_s_only(client):
     assert ledger.checkpoint_result(3) is None and ledger.checkpoint_result(4)["loss"] == 0.25
     with pytest.raises(ValueError, match="step must be >= 1"):
         ledger.record_checkpoint_result(0, {})
+
+
+def test_groups_drawn_with_too_old_a_version_are_released_and_their_old_entries_refused(client):
+    ledger = GroupLedger(client, "run")
+    ledger.submit(4, ["p0", "p1", "p2", "p3"])
+    old = ledger.append_groups(
+        [_sample_group("run", 4, p, version=v) for p, v in (("p0", 2), ("p1", 3), ("p2", 1), ("p3", 1))]
+    )
+    assert ledger.claim(old[3][0], 4, "p3", [1]) == "ok"
+    assert ledger.commit_trained(["4/p3"], 4, 5) == []  # trained: never released
+    assert ledger.release_older(4, ["p0", "p1", "p2", "p3", "p9"], min_version=3) == {"p0", "p2"}
+    assert ledger.generated_ids(4, ["p0", "p1", "p2", "p3"]) == {"p1", "p3"}
+    assert ledger.release_older(4, ["p0", "p1"], min_version=3) == set()  # nothing left to release
+    # drawn again: the new entry owns the id, the old one is refused as a duplicate
+    ledger.submit(4, ["p0", "p2"])
+    new = ledger.append_groups([_sample_group("run", 4, p, version=3) for p in ("p0", "p2")])
+    assert [first for _, first in new] == [True, True]
+    assert ledger.claim(old[0][0], 4, "p0", [2]) == f"duplicate:{new[0][0]}"
+    assert ledger.claim(new[0][0], 4, "p0", [3]) == "ok"
+    result = ledger.audit(finished_step=3)
+    assert (result.stale_redrawn, result.resubmitted, result.duplicates_refused) == (2, 2, 1)
+    assert result.lost == 0 and result.generated == 4

@@ -346,3 +346,42 @@ def test_a_step_repeated_after_a_crash_cuts_what_the_crash_left_submitted(redis_
     audit = GroupLedger(redis_client, "run-k").audit(finished_step=0)
     assert (audit.submitted, audit.generated, audit.cut) == (2, 2, 1)
     assert audit.lost_ids == sorted(f"0/{p}" for p in kept)
+
+
+def test_asynchronous_mode_draws_again_the_groups_an_earlier_attempt_drew_with_too_old_a_version(
+    redis_client, checkpoint
+):
+    receivers = Receivers()
+    service = RolloutService(redis_records(redis_client), receivers)
+    service.configure_run(task_config("run-redraw", checkpoint, max_staleness=1))
+    first = service.generate(request("run-redraw", 3, prompts=(), num_groups=2))  # drawn with version 0
+    assert first.num_groups == 2 and first.policy_version == 0
+    # a recovery: the engines now serve version 2; a group drawn with 0 is too old for this request
+    receivers.made["run-redraw-engine-0"].apply(2, unique_state(tiny_model(5)))
+    again = service.generate(request("run-redraw", 3, prompts=(), num_groups=2, min_policy_version=2))
+    assert (again.num_groups, again.num_groups_resumed, again.num_samples) == (2, 0, 4)
+    assert again.policy_version == 2
+    groups = read_groups(redis_client, "run-redraw")
+    assert [g.prompt_id for g in groups[2:]] == [g.prompt_id for g in groups[:2]]
+    assert {s.policy_version for g in groups[2:] for s in g.samples} == {2}
+    ledger = GroupLedger(redis_client, "run-redraw")
+    entries = [e.decode() for e, _ in redis_client.xrange(stream_key("run-redraw"))]
+    for group, old, new in zip(groups[:2], entries[:2], entries[2:]):
+        # the new entry owns the id; the trainer refuses the old one as a duplicate
+        assert ledger.claim(old, 3, group.prompt_id, [0]) == f"duplicate:{new}"
+    audit = ledger.audit(finished_step=2)
+    assert (audit.stale_redrawn, audit.resubmitted, audit.generated) == (2, 2, 2)
+    # groups recent enough are kept
+    kept = service.generate(request("run-redraw", 3, prompts=(), num_groups=2, min_policy_version=2))
+    assert (kept.num_groups_resumed, kept.num_samples) == (2, 0)
+
+
+def test_a_synchronous_run_keeps_the_groups_an_earlier_attempt_drew(redis_client, checkpoint):
+    receivers = Receivers()
+    service = RolloutService(redis_records(redis_client), receivers)
+    service.configure_run(task_config("run-keep", checkpoint))
+    service.generate(request("run-keep", 3, prompts=(), num_groups=2))
+    receivers.made["run-keep-engine-0"].apply(2, unique_state(tiny_model(5)))
+    again = service.generate(request("run-keep", 3, prompts=(), num_groups=2, min_policy_version=2))
+    assert (again.num_groups, again.num_groups_resumed, again.num_samples) == (2, 2, 0)
+    assert GroupLedger(redis_client, "run-keep").audit().stale_redrawn == 0

@@ -89,3 +89,33 @@ def test_entries_read_by_a_failed_call_are_read_again(redis_url):
     client.xadd(stream_key("r5"), {STREAM_FIELD: make_group("r5", "p3").encode()})
     reader.ack(batch.entry_ids)
     assert [g.prompt_id for g in reader.read(1, timeout_s=5).groups] == ["p3"]
+
+
+def test_a_step_reads_only_its_own_groups_and_later_steps_wait_for_theirs(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    client.delete(stream_key("r-ahead"))
+    reader = SampleReader(client, "r-ahead", "trainer-0")
+
+    def write(step: int, prompt_id: str) -> None:
+        group = make_group("r-ahead", prompt_id)
+        group = SampleGroup(run_id=group.run_id, step=step, prompt_id=prompt_id, samples=group.samples)
+        client.xadd(stream_key("r-ahead"), {STREAM_FIELD: group.encode()})
+
+    # asynchronous mode after a recovery: step 3 was generated before the rest of step 2
+    for step, prompt_id in ((2, "a"), (3, "b"), (3, "c"), (2, "d"), (4, "e")):
+        write(step, prompt_id)
+    step2 = reader.read(2, timeout_s=5, only_step=2)
+    assert [(g.step, g.prompt_id) for g in step2.groups] == [(2, "a"), (2, "d")]
+    reader.ack(step2.entry_ids)
+    step3 = reader.read(2, timeout_s=5, only_step=3)
+    assert [(g.step, g.prompt_id) for g in step3.groups] == [(3, "b"), (3, "c")]
+    reader.ack(step3.entry_ids)
+    with pytest.raises(TimeoutError, match="0 of 1 sample groups"):
+        reader.read(1, timeout_s=0.3, only_step=3)  # step 4's group is not step 3's
+    # a restarted trainer finds the later step's group pending
+    restarted = SampleReader(client, "r-ahead", "trainer-0")
+    step4 = restarted.read(1, timeout_s=5, only_step=4)
+    assert [(g.step, g.prompt_id) for g in step4.groups] == [(4, "e")]
+    # without only_step the next groups are read whatever their step
+    write(9, "f")
+    assert [g.prompt_id for g in reader.read(2, timeout_s=5).groups] == ["e", "f"]

@@ -98,16 +98,18 @@ class ConfigureRunResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., num_parameters: _Optional[int] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("run_id", "step", "num_groups", "timeout_s")
+    __slots__ = ("run_id", "step", "num_groups", "timeout_s", "step_groups_only")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_GROUPS_ONLY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     num_groups: int
     timeout_s: float
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., num_groups: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    step_groups_only: bool
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., num_groups: _Optional[int] = ..., timeout_s: _Optional[float] = ..., step_groups_only: _Optional[bool] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("run_id", "step", "loss", "policy_version", "num_samples", "num_groups", "step_seconds", "metrics")

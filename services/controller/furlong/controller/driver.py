@@ -1,4 +1,4 @@
-"""The synchronous RL loop of one run, driven through the services' own clients (`services`).
+"""The RL loop of one run, driven through the services' own clients (`services`).
 
     configure: rollout.ConfigureRun -> trainer.ConfigureRun            (starting)
     each step: rollout.Generate -> trainer.TrainStep
@@ -17,6 +17,12 @@
     recovery:  a step that fails because a service or Redis went away (see `run_recovery`) resumes
                the run from its last checkpoint, at most `recovery.max_attempts` times per run;
                `resume` does the same for a run a previous controller process left active.
+    asynchronous mode (`rollout.max_staleness` K > 0): the same calls, but a worker thread issues
+               rollout.Generate for steps s+1 .. s+K (in step order, each with at least the
+               version committed when it is issued) while this thread trains, publishes and
+               records step s (`core.step_pacing`), so no trained sample is more than K versions
+               old; engines take each new version between generations. A generation in flight
+               ends before an evaluation, a recovery or the teardown.
 
 Rollout owns a step's groups: it draws the prompts, decides which groups are written (over-sampling,
 dynamic sampling, the groups an earlier attempt at the step wrote) and records them in the run's
@@ -33,11 +39,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from furlong.controller.config import DriverTimeouts
 from furlong.controller.core.eval_metrics import PASS_AT_1, PASS_AT_K, REWARD_MEAN, SECONDS, eval_metrics
 from furlong.controller.core.run_state import PolicyRef, Run, RunState
+from furlong.controller.core.step_pacing import steps_to_generate
 from furlong.controller.core.step_record import StepRecord
 from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.run_recovery import RecoveryFailed, RecoveryStopped, RunRecovery, recoverable
@@ -51,6 +60,8 @@ from furlong.controller.run_requests import (
 from furlong.controller.run_store import RunStore
 from furlong.controller.services import Services
 from furlong.core.errors import ConflictError, FurlongError, NotFoundError, UnavailableError
+from furlong.rollout.api import GenerateResult
+from furlong.trainer.api import STALENESS_MAX, STALENESS_MEAN
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +81,16 @@ class _PhaseFailed(Exception):
         super().__init__(f"{phase}: {type(cause).__name__}: {cause}")
         self.phase = phase
         self.cause = cause
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """When a step started and its generation was in hand (controller clock), and how long
+    generating it took (asynchronous mode: while earlier steps trained)."""
+
+    started: float
+    generated: float
+    generate_seconds: float
 
 
 class RunDriver:
@@ -149,8 +170,11 @@ class RunDriver:
                         self._check_stop(run.run_id, "after configure")
                         self._store.transition(run.run_id, RunState.RUNNING)
                         self._metrics.entered(RunState.RUNNING.value)
-                    for current in range(step + 1, run.spec.steps + 1):
-                        version = self._step(run, current, version)
+                    if run.spec.rollout.max_staleness:
+                        version = self._steps_overlapped(run, step, version)
+                    else:
+                        for current in range(step + 1, run.spec.steps + 1):
+                            version = self._step(run, current, version)
                     return RunState.SUCCEEDED, ""
                 except (_PhaseFailed, UnavailableError) as exc:
                     cause = exc.cause if isinstance(exc, _PhaseFailed) else exc
@@ -245,14 +269,71 @@ class RunDriver:
         return trainer.policy_version
 
     def _step(self, run: Run, step: int, version: int) -> int:
-        spec, t, rid = run.spec, self._timeouts, run.run_id
-        where = f"step {step}"
-        self._between_steps(rid, where)
+        """One step of the synchronous loop: generate with `version`, train, publish, record."""
+        self._between_steps(run.run_id, f"step {step}")
         started = self._clock()
-        # Rollout draws the step's prompts and decides which groups are written; after a recovery
-        # the groups an earlier attempt wrote count (num_groups_resumed) and are not drawn again.
+        gen = self._generate(run, step, version)
+        generated = self._clock()
+        return self._train_step(run, step, version, gen, _Timing(started, generated, generated - started))
+
+    def _steps_overlapped(self, run: Run, done: int, version: int) -> int:
+        """The steps after `done` in asynchronous mode (`rollout.max_staleness` K > 0): one worker
+        thread generates the steps in order, up to K steps ahead of the one being trained
+        (`core.step_pacing`), each with at least the version committed when it was requested; this
+        thread trains, publishes and records them. Returns the last committed version."""
+        spec, rid = run.spec, run.run_id
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"generate-{rid}")
+        requested: dict[int, Future[tuple[GenerateResult, float]]] = {}
+        next_unrequested = done + 1
+        try:
+            for step in range(done + 1, spec.steps + 1):
+                self._between_steps(rid, f"step {step}")
+                started = self._clock()
+                window = steps_to_generate(step, next_unrequested, spec.steps, spec.rollout.max_staleness)
+                for ahead in window:
+                    requested[ahead] = pool.submit(self._timed_generate, run, ahead, version)
+                    next_unrequested = ahead + 1
+                gen, generate_s = requested.pop(step).result()
+                generated = self._clock()
+                self._check_staleness(run, step, version, gen)
+                if spec.eval.evaluates_at(step, spec.steps):
+                    # rollout evaluates between generations, not during one
+                    wait(requested.values())
+                version = self._train_step(run, step, version, gen, _Timing(started, generated, generate_s))
+            return version
+        finally:
+            for future in requested.values():
+                future.cancel()
+            pool.shutdown(wait=True)  # a generation in flight ends (or fails) before recovery or teardown
+
+    def _timed_generate(self, run: Run, step: int, min_version: int) -> tuple[GenerateResult, float]:
+        started = self._clock()
+        gen = self._generate(run, step, min_version)
+        return gen, self._clock() - started
+
+    def _check_staleness(self, run: Run, step: int, version: int, gen: GenerateResult) -> None:
+        """The step's newly drawn samples are at most `rollout.max_staleness` versions behind the
+        version that trains them (`version`, the trainer's now)."""
+        limit = run.spec.rollout.max_staleness
+        if gen.num_samples and version - gen.policy_version > limit:
+            raise _PhaseFailed(
+                f"step {step} rollout.Generate",
+                ConflictError(
+                    f"samples drawn with version {gen.policy_version} would be trained with version "
+                    f"{version}, {version - gen.policy_version} versions later "
+                    f"(rollout.max_staleness {limit})"
+                ),
+            )
+
+    def _generate(self, run: Run, step: int, min_version: int) -> GenerateResult:
+        """Rollout draws the step's prompts and decides which groups are written; after a recovery
+        the groups an earlier attempt wrote count (num_groups_resumed) and are not drawn again
+        (in asynchronous mode: unless drawn with a version older than `min_version`)."""
+        spec, where = run.spec, f"step {step}"
         gen = self._call(
-            f"{where} rollout.Generate", self._rollout.generate, generate_request(rid, spec, step, version, t)
+            f"{where} rollout.Generate",
+            self._rollout.generate,
+            generate_request(run.run_id, spec, step, min_version, self._timeouts),
         )
         if gen.num_groups == 0:
             raise _PhaseFailed(
@@ -267,13 +348,19 @@ class RunDriver:
                     )
                 ),
             )
-        generated = self._clock()
+        return gen
+
+    def _train_step(self, run: Run, step: int, version: int, gen: GenerateResult, timing: _Timing) -> int:
+        """Train the step's groups with `version`, publish and commit the new version, evaluate and
+        export when due, record the step; returns the new version."""
+        spec, t, rid = run.spec, self._timeouts, run.run_id
+        where = f"step {step}"
         # "during step N": step N did not complete, so the reason never names it as done
         self._check_stop(rid, f"during {where} (after rollout.Generate; last completed step {step - 1})")
         train = self._call(
             f"{where} trainer.TrainStep",
             self._trainer.train_step,
-            train_request(rid, step, gen.num_groups, t),
+            train_request(rid, spec, step, gen.num_groups, t),
         )
         if train.policy_version <= version:
             raise _PhaseFailed(
@@ -284,42 +371,67 @@ class RunDriver:
         self._check_stop(rid, f"during {where} (after trainer.TrainStep; last completed step {step - 1})")
         new_version = train.policy_version
         self._call(f"{where} trainer.PublishWeights", self._trainer.publish_weights, rid, new_version)
-        status = self._call(
-            f"{where} broker.WaitCommitted", self._broker.wait_committed, rid, new_version, t.commit_s
-        )
-        if status.committed_version < new_version:
-            raise _PhaseFailed(
-                f"{where} broker.WaitCommitted",
-                TimeoutError(
-                    f"version {new_version} not committed (committed {status.committed_version}, "
-                    f"pending engines {list(status.pending_engine_ids)})"
-                ),
-            )
+        self._wait_committed(rid, step, new_version)
         self._call(f"{where} ledger", self._store.ledger(rid).record_committed, new_version)
         synced = self._clock()
         evaluated = self._evaluate(run, step, new_version) if spec.eval.evaluates_at(step, spec.steps) else {}
         fresh = gen.num_samples > 0  # else every group was written by an earlier attempt
+        sampled = gen.policy_version if fresh else version
         record = StepRecord(
             step=step,
             reward_mean=gen.reward_mean if fresh else train.metrics.get("reward_mean", 0.0),
             loss=train.loss,
             policy_version=new_version,
             samples=gen.num_samples if fresh else train.num_samples,
-            step_seconds=synced - started,
-            generate_seconds=generated - started,
-            train_seconds=trained - generated,
+            step_seconds=synced - timing.started,
+            generate_seconds=timing.generate_seconds,
+            train_seconds=trained - timing.generated,
             sync_seconds=synced - trained,
             num_tokens=gen.num_tokens,
-            sampled_policy_version=gen.policy_version if fresh else version,
+            sampled_policy_version=sampled,
             trainer_metrics=dict(train.metrics),
             reward_failures=gen.num_reward_failures,
             eval_metrics=evaluated,
+            # a trainer that does not report them: the oldest sample the step drew bounds both
+            staleness_mean=train.metrics.get(STALENESS_MEAN, float(version - sampled)),
+            staleness_max=int(train.metrics.get(STALENESS_MAX, version - sampled)),
         )
         self._store.record_step(rid, record)
         self._observe(rid, record)
         if spec.checkpoint.exports_at(step, spec.steps):
             self._export(rid, step, spec.checkpoint.export_max_shard_bytes)
         return new_version
+
+    def _wait_committed(self, run_id: str, step: int, version: int) -> None:
+        """Wait until every engine acknowledged `version`. When it fails, the engines may have lost
+        their source: a trainer killed after PublishWeights answered and before the engines pulled
+        the weights. Asking the trainer for the same version again tells: a trainer that still holds
+        the run refuses it (the version is published) or ignores it, and the failure stands; a
+        restarted one does not know the run (NotFoundError) and a dead one cannot be reached
+        (UnavailableError), and that recoverable error is the step's failure instead."""
+        phase = f"step {step} broker.WaitCommitted"
+        try:
+            status = self._call(phase, self._broker.wait_committed, run_id, version, self._timeouts.commit_s)
+            if status.committed_version < version:
+                raise _PhaseFailed(
+                    phase,
+                    TimeoutError(
+                        f"version {version} not committed (committed {status.committed_version}, "
+                        f"pending engines {list(status.pending_engine_ids)})"
+                    ),
+                )
+        except _PhaseFailed as failed:
+            if recoverable(failed.cause):
+                raise
+            try:
+                self._trainer.publish_weights(run_id, version)
+            except Exception as probe:  # noqa: BLE001 - only a recoverable answer changes the outcome
+                if recoverable(probe):
+                    log.warning(
+                        "run %s: version %d failed and the trainer is gone: %s", run_id, version, probe
+                    )
+                    raise _PhaseFailed(f"{phase} (trainer.PublishWeights)", probe) from failed
+            raise
 
     def _evaluate(self, run: Run, step: int, version: int) -> dict[str, float]:
         """The metrics of the committed policy `version` on the run's evaluation rows."""
@@ -371,6 +483,8 @@ class RunDriver:
         m.reward_mean.labels(run_id=run_id).set(record.reward_mean)
         m.loss.labels(run_id=run_id).set(record.loss)
         m.policy_version.labels(run_id=run_id).set(record.policy_version)
+        m.staleness_mean.labels(run_id=run_id).set(record.staleness_mean)
+        m.staleness_max.labels(run_id=run_id).set(record.staleness_max)
         if record.eval_metrics:
             m.eval_reward_mean.labels(run_id=run_id).set(record.eval_metrics[REWARD_MEAN])
             m.eval_pass_at_1.labels(run_id=run_id).set(record.eval_metrics[PASS_AT_1])

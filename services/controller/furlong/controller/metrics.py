@@ -21,6 +21,8 @@ TOKENS_PER_SECOND = "furlong_controller_tokens_per_second"
 EVAL_REWARD_MEAN = "furlong_controller_eval_reward_mean"
 EVAL_PASS_AT_1 = "furlong_controller_eval_pass_at_1"
 EVAL_PASS_AT_K = "furlong_controller_eval_pass_at_k"
+STALENESS_MEAN = "furlong_controller_staleness_mean_versions"
+STALENESS_MAX = "furlong_controller_staleness_max_versions"
 
 _STEP_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -57,6 +59,20 @@ class ControllerMetrics:
         self.tokens_per_second = Gauge(
             TOKENS_PER_SECOND,
             "Generated tokens per second of the run's latest Generate phase",
+            ["run_id"],
+            registry=r,
+        )
+        self.staleness_mean = Gauge(
+            STALENESS_MEAN,
+            "Mean versions the trained policy was ahead of the policy that drew the run's latest "
+            "step's samples",
+            ["run_id"],
+            registry=r,
+        )
+        self.staleness_max = Gauge(
+            STALENESS_MAX,
+            "Most versions the trained policy was ahead of the policy that drew a sample of the "
+            "run's latest step (at most rollout.max_staleness)",
             ["run_id"],
             registry=r,
         )

@@ -46,6 +46,7 @@ from furlong.controller.run_store import RunStore
 from furlong.controller.services import Services
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.ledger.group_ledger import RECOVERIES
+from furlong.trainer.api import STALENESS_MAX, STALENESS_MEAN
 
 log = logging.getLogger(__name__)
 
@@ -188,4 +189,6 @@ def _restored_record(
         num_tokens=int(result.get("num_tokens", 0)),
         sampled_policy_version=int(result.get("sampled_policy_version", 0)),
         trainer_metrics=metrics,
+        staleness_mean=metrics.get(STALENESS_MEAN, 0.0),
+        staleness_max=int(metrics.get(STALENESS_MAX, 0.0)),
     )

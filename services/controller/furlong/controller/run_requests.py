@@ -80,5 +80,15 @@ def evaluate_request(
     )
 
 
-def train_request(run_id: str, step: int, num_groups: int, timeouts: DriverTimeouts) -> TrainStepRequest:
-    return TrainStepRequest(run_id=run_id, step=step, num_groups=num_groups, timeout_s=timeouts.train_s)
+def train_request(
+    run_id: str, spec: RunSpec, step: int, num_groups: int, timeouts: DriverTimeouts
+) -> TrainStepRequest:
+    """In asynchronous mode the stream holds groups of the steps generated ahead: the step reads
+    only its own."""
+    return TrainStepRequest(
+        run_id=run_id,
+        step=step,
+        num_groups=num_groups,
+        timeout_s=timeouts.train_s,
+        step_groups_only=spec.rollout.max_staleness > 0,
+    )

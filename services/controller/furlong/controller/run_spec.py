@@ -158,6 +158,13 @@ class RunSpec:
                 "eval.every_steps",
                 f"{self.eval.every_steps} evaluates on the evaluation rows, but data.eval is not set",
             )
+        if self.rollout.max_staleness and self.algorithm.off_policy == "none":
+            raise SettingError(
+                "rollout.max_staleness",
+                f"{self.rollout.max_staleness} (asynchronous mode) trains on samples drawn by older "
+                "policy versions and requires algorithm.off_policy (tis or mis), got "
+                f"algorithm.off_policy {self.algorithm.off_policy!r}",
+            )
         if self.rollout.max_refill_rounds and self.samples_per_prompt < 2:
             raise SettingError(
                 "rollout.max_refill_rounds",

@@ -19,6 +19,11 @@ from furlong.v1 import trainer_pb2
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name  # also its health name
 
+# Keys of TrainStepResult.metrics: versions the trained policy is ahead of the policy that drew each
+# trained sample, as the mean and the maximum over the step's samples (0 in the synchronous loop).
+STALENESS_MEAN = "staleness_mean"
+STALENESS_MAX = "staleness_max"
+
 
 @dataclass(frozen=True)
 class TrainerRunConfig:
@@ -49,6 +54,8 @@ class TrainStepRequest:
     step: int  # 1-based; must be the trainer's next step
     num_groups: int  # groups to read from the run's stream
     timeout_s: float  # how long to wait for them to arrive
+    # Asynchronous mode: only groups of `step`; later steps' groups stay pending for their own step.
+    step_groups_only: bool = False
 
 
 @dataclass(frozen=True)

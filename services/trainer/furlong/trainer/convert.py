@@ -76,13 +76,21 @@ def run_from_proto(msg: pb.ConfigureRunResponse) -> TrainerRun:
 
 def step_request_to_proto(request: TrainStepRequest) -> pb.TrainStepRequest:
     return pb.TrainStepRequest(
-        run_id=request.run_id, step=request.step, num_groups=request.num_groups, timeout_s=request.timeout_s
+        run_id=request.run_id,
+        step=request.step,
+        num_groups=request.num_groups,
+        timeout_s=request.timeout_s,
+        step_groups_only=request.step_groups_only,
     )
 
 
 def step_request_from_proto(msg: pb.TrainStepRequest) -> TrainStepRequest:
     return TrainStepRequest(
-        run_id=msg.run_id, step=msg.step, num_groups=msg.num_groups, timeout_s=msg.timeout_s
+        run_id=msg.run_id,
+        step=msg.step,
+        num_groups=msg.num_groups,
+        timeout_s=msg.timeout_s,
+        step_groups_only=msg.step_groups_only,
     )
 
 

@@ -93,14 +93,16 @@ class SampleReader:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def read(self, num_groups: int, timeout_s: float) -> StreamBatch:
+    def read(self, num_groups: int, timeout_s: float, only_step: int | None = None) -> StreamBatch:
         """Block until num_groups valid groups were read (pending ones first), or TimeoutError.
 
-        If the call fails, what it read stays pending and the next call reads it again."""
+        With `only_step`, only groups of that step count: a group of a later step (asynchronous
+        mode generates ahead) is left pending, unclaimed, and a later read returns it. If the call
+        fails, what it read stays pending and the next call reads it again."""
         if num_groups <= 0:
             raise ValueError(f"num_groups must be positive, got {num_groups}")
         try:
-            batch = self._read(num_groups, timeout_s)
+            batch = self._read(num_groups, timeout_s, only_step)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             self._replay_pending = True
             raise UnavailableError(f"run {self._run_id}: redis: {exc}") from exc
@@ -110,10 +112,11 @@ class SampleReader:
         self._held.update(batch.entry_ids)
         return batch
 
-    def _read(self, num_groups: int, timeout_s: float) -> StreamBatch:
+    def _read(self, num_groups: int, timeout_s: float, only_step: int | None) -> StreamBatch:
         groups: list[SampleGroup] = []
         ids: list[bytes] = []
         rejected = refused = 0
+        left_ahead = False  # a later step's group was left pending: the next read replays it
         deadline = time.monotonic() + timeout_s
         replay_from = b"0"
         while len(groups) < num_groups:
@@ -156,11 +159,16 @@ class SampleReader:
                 if group is None:
                     rejected += 1
                     continue
+                if only_step is not None and group.step > only_step:
+                    left_ahead = True
+                    continue
                 if not self._claim(entry_id, group, fields):
                     refused += 1
                     continue
                 groups.append(group)
                 ids.append(entry_id)
+        if left_ahead:
+            self._replay_pending = True
         return StreamBatch(groups=groups, entry_ids=ids, num_rejected=rejected, num_refused=refused)
 
     def _claim(self, entry_id: bytes, group: SampleGroup, fields: dict[bytes, bytes]) -> bool:

@@ -57,6 +57,8 @@ from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_STEPS
 from furlong.core.weights import WeightLayout
 from furlong.ledger.group_ledger import GroupLedger
 from furlong.trainer.api import (
+    STALENESS_MAX,
+    STALENESS_MEAN,
     CheckpointResult,
     Offloaded,
     PolicyExport,
@@ -344,7 +346,7 @@ class TrainerService:
             if timeout_s <= 0:
                 raise ValueError(f"timeout_s must be positive, got {timeout_s}")
             started = time.perf_counter()
-            batch = run.reader.read(num_groups, timeout_s)
+            batch = run.reader.read(num_groups, timeout_s, step if request.step_groups_only else None)
             trainer_version = run.learner.version
             try:
                 with self._on_ranks(TrainCommand(run_id, batch.groups, trainer_version)):
@@ -353,7 +355,11 @@ class TrainerService:
                 run.reader.release(batch.entry_ids)
                 raise
             run.ledger.add(batch)
-            summary = _step_summary(stats, batch.groups, trainer_version)
+            staleness = [
+                trainer_version - sample.policy_version for group in batch.groups for sample in group.samples
+            ]
+            metrics = {**stats.as_metrics(), **_staleness_metrics(staleness)}
+            summary = _step_summary(stats, batch.groups, trainer_version, metrics)
             cursor = run.ledger.cursor(step, summary)
             if run.checkpoints is None:  # nothing becomes more durable than this
                 run.ledger.commit(step, run.learner.version, run.reader, durable=False)
@@ -370,9 +376,7 @@ class TrainerService:
             num_rejected=batch.num_rejected,
             seconds=seconds,
             policy_version=run.learner.version,
-            staleness_versions=(
-                trainer_version - sample.policy_version for group in batch.groups for sample in group.samples
-            ),
+            staleness_versions=staleness,
         )
         self._observe_queue_depth(run_id)
         return TrainStepResult(
@@ -383,7 +387,7 @@ class TrainerService:
             num_samples=stats.num_samples,
             num_groups=stats.num_groups,
             step_seconds=stats.step_seconds,
-            metrics=stats.as_metrics(),
+            metrics=metrics,
         )
 
     def _observe_queue_depth(self, run_id: str) -> None:
@@ -544,7 +548,20 @@ class TrainerService:
                 log.warning("run %s: the other ranks did not end it: %s", run_id, exc)
 
 
-def _step_summary(stats: StepStats, groups: list[SampleGroup], trainer_version: int) -> dict[str, Any]:
+def _staleness_metrics(staleness_versions: list[int]) -> dict[str, float]:
+    """A step's staleness: how many versions the trained policy is ahead of the policy that drew
+    each trained sample (0 in the synchronous loop), as its mean and maximum over the samples."""
+    if not staleness_versions:
+        return {STALENESS_MEAN: 0.0, STALENESS_MAX: 0.0}
+    return {
+        STALENESS_MEAN: sum(staleness_versions) / len(staleness_versions),
+        STALENESS_MAX: float(max(staleness_versions)),
+    }
+
+
+def _step_summary(
+    stats: StepStats, groups: list[SampleGroup], trainer_version: int, metrics: dict[str, float]
+) -> dict[str, Any]:
     """What a checkpoint keeps of its step for the controller's record of it (`trained_groups`)."""
     versions = [sample.policy_version for group in groups for sample in group.samples]
     return {
@@ -553,7 +570,7 @@ def _step_summary(stats: StepStats, groups: list[SampleGroup], trainer_version: 
         "num_tokens": stats.num_tokens,
         "train_seconds": stats.step_seconds,
         "sampled_policy_version": min(versions, default=trainer_version),
-        "metrics": stats.as_metrics(),
+        "metrics": metrics,
     }
 
 

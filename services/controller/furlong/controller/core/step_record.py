@@ -40,6 +40,11 @@ class StepRecord:
     # The evaluation of the step's policy (`eval/reward_mean`, `eval/pass@1`, ...; see
     # core.eval_metrics); empty on steps without one.
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    # Versions the trained policy was ahead of the policy that drew each trained sample: mean and
+    # maximum over the step's samples. 0 in the synchronous loop; at most rollout.max_staleness in
+    # asynchronous mode.
+    staleness_mean: float = 0.0
+    staleness_max: int = 0
 
     def __post_init__(self) -> None:
         if self.step < 1:
@@ -72,6 +77,8 @@ class StepRecord:
             "trainer_metrics": dict(self.trainer_metrics),
             "reward_failures": self.reward_failures,
             "eval_metrics": dict(self.eval_metrics),
+            "staleness_mean": self.staleness_mean,
+            "staleness_max": self.staleness_max,
         }
 
     @classmethod

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_STALENESS = 64
+from furlong.core.settings.rollout import MAX_STALENESS
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,17 @@ are cut. Rollout is the one owner of these decisions.
 Without explicit prompts the step's prompts come from the run's task or its dataset rows (the rows
 the step number assigns, core.data_source): `RolloutSettings.prompts_to_draw` of them
 (over-sampling), less those whose group an earlier attempt at the step already wrote (so a step
-repeated after a crash generates only what was lost). Every sample gets a deterministic id
-(`<prompt id>/<index>`); the engines generate, the run's reward scores each group as soon as it is
-complete, while the others are still generated (core.group_scoring, under a deadline per response);
-a group whose reward fails is left out, or drawn again (`ActiveRun.reward_resamples`), and counted;
-zero-variance groups are drawn again (dynamic sampling) and only
-the groups the step needs are kept, the first to complete (over-sampling, see core.groups). The
-kept groups are appended to the run's sample stream and recorded generated in one atomic call
-(`GroupBook.append_groups`); the drawn prompts that were not kept are recorded cut in the group
-ledger and their samples closed as surplus in the sample ledger.
+repeated after a crash generates only what was lost; in asynchronous mode, `max_staleness` > 0, a
+group so written with a version older than the request's `min_policy_version` is released in the
+group ledger and drawn again, so no trained sample is staler than the run allows). Every sample
+gets a deterministic id (`<prompt id>/<index>`); the engines generate, the run's reward scores each
+group as soon as it is complete, while the others are still generated (core.group_scoring, under
+a deadline per response); a group whose reward fails is left out, or drawn again
+(`ActiveRun.reward_resamples`), and counted; zero-variance groups are drawn again (dynamic
+sampling) and only the groups the step needs are kept, the first to complete (over-sampling, see
+core.groups). The kept groups are appended to the run's sample stream and recorded generated in
+one atomic call (`GroupBook.append_groups`); the drawn prompts that were not kept are recorded cut
+in the group ledger and their samples closed as surplus in the sample ledger.
 
 A run with an environment draws each sample as a multi-turn episode (core.episodes): turn t of a
 request is generated under the ledger request `<request id>/t<t>` (turn 0 under the request id
@@ -27,6 +29,7 @@ layout give the same samples. Knows nothing about gRPC or Redis.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +54,8 @@ from furlong.rollout.core.groups import DynamicSampling, GroupOutcome, OverSampl
 from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
 from furlong.rollout.core.types import GenerateRequest, GenerateResult, Prompt, RolloutObserver, RunRecords
 from furlong.rollout.rewards import RewardError
+
+log = logging.getLogger(__name__)
 
 
 def engine_seed(run_seed: int, request_seed: int, share: int, round_: int = 0, turn: int = 0) -> int:
@@ -279,6 +284,20 @@ class StepGeneration:
                 Prompt(prompt_id=str(p.prompt_id), text=str(p.text), answer=str(p.answer)) for p in drawn
             ]
         done = run.records.groups.generated_ids(request.step, [p.prompt_id for p in candidates])
+        if done and run.rollout.max_staleness:
+            # Asynchronous mode: a group an earlier attempt wrote with a policy older than this
+            # request allows would be trained more than max_staleness versions late; draw it again.
+            stale = run.records.groups.release_older(request.step, sorted(done), request.min_policy_version)
+            if stale:
+                log.info(
+                    "run %s step %d: %d groups written by an earlier attempt were drawn with a version "
+                    "older than %d; drawing them again",
+                    run.run_id,
+                    request.step,
+                    len(stale),
+                    request.min_policy_version,
+                )
+            done -= stale
         missing = [p for p in candidates if p.prompt_id not in done]
         need -= len(done)
         if need <= 0 or not missing:

@@ -208,6 +208,11 @@ class GroupBook(Protocol):
     def generated_ids(self, step: int, prompt_ids: Sequence[str]) -> set[str]:
         """The prompt ids of step that already have a group in the stream."""
 
+    def release_older(self, step: int, prompt_ids: Sequence[str], min_version: int) -> set[str]:
+        """Of these generated prompt ids of step, those whose group holds a sample drawn with a
+        version older than min_version (and is not trained) stop being generated, so they are drawn
+        again; returns them."""
+
     def submit(self, step: int, prompt_ids: Sequence[str]) -> None: ...
 
     def cut(self, step: int, prompt_ids: Sequence[str]) -> None:
