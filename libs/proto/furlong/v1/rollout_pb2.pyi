@@ -20,14 +20,18 @@ ENGINE_STATE_DRAINING: EngineState
 ENGINE_STATE_DRAINED: EngineState
 
 class RolloutConfig(_message.Message):
-    __slots__ = ("num_engines", "max_refill_rounds", "over_sampling")
+    __slots__ = ("num_engines", "max_refill_rounds", "over_sampling", "engine", "engine_urls")
     NUM_ENGINES_FIELD_NUMBER: _ClassVar[int]
     MAX_REFILL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     OVER_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_URLS_FIELD_NUMBER: _ClassVar[int]
     num_engines: int
     max_refill_rounds: int
     over_sampling: float
-    def __init__(self, num_engines: _Optional[int] = ..., max_refill_rounds: _Optional[int] = ..., over_sampling: _Optional[float] = ...) -> None: ...
+    engine: str
+    engine_urls: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_engines: _Optional[int] = ..., max_refill_rounds: _Optional[int] = ..., over_sampling: _Optional[float] = ..., engine: _Optional[str] = ..., engine_urls: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ConfigureRolloutRequest(_message.Message):
     __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward", "precision", "data", "reward_config", "environment", "agent")
