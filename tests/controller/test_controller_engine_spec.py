@@ -35,7 +35,11 @@ def test_sglang_launched_and_attached():
     [
         ({"engine": "vllm"}, "rollout.engine", "'vllm'"),
         ({"engine": 3}, "rollout.engine", "3"),
-        ({"engine_urls": ["http://h:1"]}, "rollout.engine_urls", "needs engine 'sglang', got engine 'builtin'"),
+        (
+            {"engine_urls": ["http://h:1"]},
+            "rollout.engine_urls",
+            "needs engine 'sglang', got engine 'builtin'",
+        ),
         ({"engine": "sglang", "engine_urls": ["h:30000"]}, "rollout.engine_urls", "'h:30000'"),
         ({"engine": "sglang", "engine_urls": ["ftp://h:1"]}, "rollout.engine_urls", "'ftp://h:1'"),
         ({"engine": "sglang", "engine_urls": ["http://h"]}, "rollout.engine_urls", "'http://h'"),

@@ -4,6 +4,7 @@ here."""
 from __future__ import annotations
 
 import argparse
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ class RolloutServerConfig:
     tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
     device: str = "cpu"  # where runs' engines run: "cpu", "cuda" or "cuda:N"
     gateway_port: int | None = None  # the OpenAI-compatible gateway's HTTP port; None = off, 0 = free
+    sglang_command: tuple[str, ...] = ()  # starts one SGLang server; () = python -m sglang.launch_server
+    sglang_args: tuple[str, ...] = ()  # extra flags for every SGLang server the service launches
 
     def __post_init__(self) -> None:
         try:
@@ -86,6 +89,10 @@ class RolloutServerConfig:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         if not self.reward_timeout_s > 0:
             raise ValueError(f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        for name in ("sglang_command", "sglang_args"):
+            value = getattr(self, name)
+            if not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"{name} must hold non-empty strings, got {list(value)!r}")
         if self.reward_workers < 1:
             raise ValueError(f"reward_workers must be >= 1, got {self.reward_workers}")
         names = [name for name, _ in self.user_rewards]
@@ -147,6 +154,22 @@ class RolloutServerConfig:
             help="where runs' engines run: cpu, cuda or cuda:N (default cpu); a run's precision "
             "(run spec) sets their dtype",
         )
+        parser.add_argument(
+            "--sglang-command",
+            default="",
+            help="runs with rollout.engine sglang: the command that starts one SGLang server, split "
+            "like a shell would (default: this Python's -m sglang.launch_server); the pool appends "
+            "--model-path, --host, --port, --skip-tokenizer-init, --enable-deterministic-inference "
+            "and --dtype",
+        )
+        parser.add_argument(
+            "--sglang-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help="one more argument for every SGLang server launched (repeatable), e.g. "
+            "--sglang-arg=--mem-fraction-static --sglang-arg=0.8",
+        )
         parser.add_argument("--engine-threads", type=int, default=cls.engine_threads)
         parser.add_argument("--engine-max-batch-size", type=int, default=cls.engine_max_batch_size)
         parser.add_argument("--chunk-rows", type=int, default=cls.chunk_rows)
@@ -179,6 +202,8 @@ class RolloutServerConfig:
             engine_work_dir=args.engine_work_dir,
             device=args.device,
             gateway_port=args.gateway_port,
+            sglang_command=tuple(shlex.split(args.sglang_command)),
+            sglang_args=tuple(args.sglang_arg),
             **credential_fields(args),
         )
 

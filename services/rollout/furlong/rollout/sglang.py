@@ -17,7 +17,7 @@ It speaks SGLang's HTTP API with token ids only (servers run with `--skip-tokeni
   `weight_version` (the version that drew the row: it is the sample's policy version when it is a
   decimal number, else — SGLang says "default" before any update — the version of the adapter's
   last weight update).
-- `GET /health_generate`; `POST /pause_generation`, `/continue_generation`, `/flush_cache`;
+- `GET /health`, `/health_generate`; `POST /pause_generation`, `/continue_generation`, `/flush_cache`;
   `POST /update_weights_from_disk` (`model_path`, `weight_version`) and `/update_weight_version`.
 - `POST /update_weights_from_tensor` (`serialized_named_tensors`: one entry per TP rank, each the
   base64 text of `tensor_payload.payload_of`: shared memory / CUDA IPC handles, so the server must
@@ -39,10 +39,10 @@ ValueError here); Furlong's engine server also serves top_k 0. The field names a
 source version they were read from.
 
 Every response is checked before it becomes a `Generation` (lengths agree, each token lies in its
-support, a support lists no id twice, log-probs are finite and <= 0); anything else is an error naming the request row, never a
-guess; response text is decoded here with the given tokenizer. HTTP 400 becomes ValueError (a bad
-request; the server is fine); unreachable servers and other failures become UnavailableError. Knows
-nothing about runs, rewards or Redis.
+support, a support lists no id twice, log-probs are finite and <= 0); anything else is an error
+naming the request row, never a guess; response text is decoded here with the given tokenizer.
+HTTP 400 becomes ValueError (a bad request; the server is fine); unreachable servers and other
+failures become UnavailableError. Knows nothing about runs, rewards or Redis.
 """
 
 from __future__ import annotations
@@ -135,6 +135,14 @@ class SGLangEngine:
             return json.loads(raw)
         except json.JSONDecodeError:
             return raw.decode(errors="replace")
+
+    def alive(self) -> bool:
+        """True when the server answers `/health` (cheap: generates nothing)."""
+        try:
+            self._request("GET", "/health")
+        except (UnavailableError, ValueError):
+            return False
+        return True
 
     def healthy(self) -> bool:
         """True when the server generates a token (`/health_generate`)."""

@@ -1,9 +1,9 @@
 """How a run's rollout is shaped: engines, dynamic sampling and over-sampling, as the REST run spec
 (`rollout`) declares them and the rollout service applies them. `engine` picks the engine type
 (`builtin`: Furlong's own engine; `sglang`: SGLang HTTP servers the rollout service launches, or
-the running servers listed in `engine_urls`, which it attaches to instead of launching). Rollout alone decides, from these,
-how many prompts to draw, which groups to redraw and which to cut. The proto form is
-`furlong.v1.RolloutConfig`.
+the running servers listed in `engine_urls`, which it attaches to instead of launching). Rollout
+alone decides, from these, how many prompts to draw, which groups to redraw and which to cut. The
+proto form is `furlong.v1.RolloutConfig`.
 """
 
 from __future__ import annotations
@@ -83,9 +83,7 @@ def _check_url(index: int, url: str) -> None:
     except ValueError:
         port = None
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
-        raise SettingError(
-            "engine_urls", f"entry {index} must be an http(s)://HOST:PORT URL, got {url!r}"
-        )
+        raise SettingError("engine_urls", f"entry {index} must be an http(s)://HOST:PORT URL, got {url!r}")
     if parts.query or parts.fragment or parts.path not in ("", "/"):
         raise SettingError(
             "engine_urls", f"entry {index} must be a server's base URL (no path or query), got {url!r}"
