@@ -32,6 +32,9 @@ from furlong.core.settings.rollout import ENGINE_BUILTIN, ENGINE_KINDS, ENGINE_S
 log = logging.getLogger(__name__)
 
 SGLANG_MODULE = "sglang.launch_server"
+# The SGLang release the deploy image pins (services/rollout/Dockerfile): released after
+# sgl-project/sglang#27408 (sampling masks on /generate), which the adapter needs.
+SGLANG_RELEASE = "v0.5.20"
 SGLANG_FLAGS = ("--skip-tokenizer-init", "--enable-deterministic-inference")
 SGLANG_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}  # Furlong dtype -> SGLang --dtype
 
