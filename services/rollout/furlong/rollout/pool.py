@@ -22,8 +22,10 @@ Furlong's `engine_server` or SGLang's `launch_server`, each in its own process g
 - **Ledger**: with a sample ledger (`SampleLedger`), every sample is recorded pending → in flight on
   an engine → done, and a result for a sample already done is refused (counted in
   `duplicates_refused`), so no sample is lost or delivered twice.
-- **Weights**: `update_weights(version, model_dir)` pauses, loads and resumes every healthy engine
-  and becomes the version restarted engines load.
+- **Weights**: `update_weights(version, model_dir, tensors)` pauses, loads and resumes every healthy
+  engine through the config's route (`weight_routes`: disk, tensor or distributed; `tensors` are
+  the version's parameters, needed by the last two) and makes `model_dir` the version restarted
+  engines load (from disk).
 - **Drain**: `drain(engine_id)` stops routing new chunks to an engine; the chunks it runs finish.
   It reports "draining" until its last chunk is done, then "drained".
 - **Early stop**: `generate(..., enough=f)` stops starting chunks once `f(results so far)` is true
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.rollout.core.engine import Generation
@@ -54,6 +57,14 @@ from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
 from furlong.rollout.core.types import EngineState, EngineStatus, SampleLedger, last_engine_message
 from furlong.rollout.engine_launch import LaunchSpec, start_process, stop_process
 from furlong.rollout.sglang import SGLangEngine
+from furlong.rollout.weight_routes import (
+    WEIGHT_ROUTE_AUTO,
+    WEIGHT_ROUTE_DISK,
+    WEIGHT_ROUTE_TENSOR,
+    choose_weight_route,
+    group_backend,
+)
+from furlong.rollout.weight_update_group import WeightUpdateGroup
 from furlong.service_main.ports import free_port
 
 log = logging.getLogger(__name__)
@@ -75,8 +86,16 @@ class PoolConfig:
     engine_urls: tuple[str, ...] = ()  # attach to these running servers instead of launching
     restart_backoff_s: float = 0.5  # first wait before restarting an engine that is down
     max_restart_backoff_s: float = 30.0
+    weight_route: str = WEIGHT_ROUTE_AUTO  # weight_routes.WEIGHT_ROUTES
+    weight_group_address: str = "127.0.0.1"  # distributed route: this host's address for the group
+
+    @property
+    def route(self) -> str:
+        """The weight route this pool's engines are updated through."""
+        return choose_weight_route(self.weight_route, self.launch.engine, bool(self.engine_urls), self.device)
 
     def __post_init__(self) -> None:
+        _ = self.route  # ValueError for an unknown or impossible route
         if self.engine_urls and len(self.engine_urls) != self.num_engines:
             raise ValueError(
                 f"num_engines {self.num_engines} must equal the number of engine_urls {len(self.engine_urls)}"
@@ -174,6 +193,7 @@ class EnginePool:
             for i, url in enumerate(urls)
         ]
         self._monitor = threading.Thread(target=self._watch, name=f"{name}-monitor", daemon=True)
+        self._group: WeightUpdateGroup | None = None  # the distributed route's group, once opened
         self.duplicates_refused = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -232,6 +252,7 @@ class EnginePool:
         self._stop.set()
         if self._monitor.is_alive():
             self._monitor.join(10)
+        self._close_group()
         with ThreadPoolExecutor(max_workers=max(1, len(self._engines))) as ex:
             list(ex.map(_EngineProcess.stop, self._engines))  # all at once: each takes a moment
 
@@ -406,21 +427,67 @@ class EnginePool:
 
     # -- weights and status ----------------------------------------------------------------------
 
-    def update_weights(self, version: int, model_dir: str) -> None:
-        """Every healthy engine loads `model_dir` as `version`; restarted engines load it too."""
+    def update_weights(
+        self, version: int, model_dir: str, tensors: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """Every healthy engine loads `version` through the pool's route (`tensors` for the tensor
+        and distributed routes, `model_dir` for disk); restarted engines load `model_dir`."""
+        route = self.config.route
+        if route != WEIGHT_ROUTE_DISK and not tensors:
+            raise ValueError(f"weight route {route!r} needs the version's tensors")
         with self._cond:
             if version < self._version:
                 raise ValueError(f"policy version {version} is older than the pool's {self._version}")
             self._version, self._weights_dir = version, model_dir
             engines = [e for e in self._engines if e.healthy]
-        for e in engines:
-            try:
-                e.engine.update_weights_from_disk(version, model_dir)
-            except UnavailableError as exc:
-                self._mark_dead(e, str(exc))  # the restart loads this version
+        log.info("policy version %d to %d engine(s) through route %s", version, len(engines), route)
+        if route == WEIGHT_ROUTE_DISK or route == WEIGHT_ROUTE_TENSOR:
+            for e in engines:
+                try:
+                    if route == WEIGHT_ROUTE_DISK:
+                        e.engine.update_weights_from_disk(version, model_dir)
+                    else:
+                        assert tensors is not None  # checked above
+                        e.engine.update_weights_from_tensor(version, tensors)
+                except UnavailableError as exc:
+                    self._mark_dead(e, str(exc))  # the restart loads this version
+        elif engines:
+            assert tensors is not None  # checked above
+            self._update_distributed(version, engines, tensors)
         with self._cond:
             self._served = max(self._served, version)
             self._cond.notify_all()
+
+    def _update_distributed(
+        self, version: int, engines: list[_EngineProcess], tensors: Mapping[str, torch.Tensor]
+    ) -> None:
+        """One broadcast to every engine of a group over `engines`, opened for this set of engines
+        and kept until it changes or breaks."""
+        members = [e.engine for e in engines]
+        if self._group is not None and self._group.engines != members:
+            self._close_group()
+        try:
+            if self._group is None:
+                self._group = WeightUpdateGroup(
+                    members,
+                    master_address=self.config.weight_group_address,
+                    backend=group_backend(self.config.device),
+                    timeout_s=self.config.request_timeout_s,
+                )
+            self._group.update(version, tensors)
+        except UnavailableError as exc:
+            self._close_group()
+            for e in engines:
+                if e.engine.policy_version < version:
+                    self._mark_dead(e, str(exc))  # the restart loads this version from disk
+
+    def _close_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            try:
+                group.close()
+            except Exception:
+                log.exception("closing the weight update group failed")
 
     @property
     def policy_version(self) -> int:

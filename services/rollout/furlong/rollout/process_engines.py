@@ -6,7 +6,10 @@ engine server (`builtin`) or an SGLang server (`sglang`, started with this confi
 servers instead of launching any. `engine_factory` routes each run to the factory of its engine
 type.
 
-Weights: the run has one weight receiver (named `<run>-pool` at the broker). Each version it
+Weights: the run has one weight receiver (named `<run>-pool` at the broker). The pool's route
+(`weight_routes`) carries each version to the engines: SGLang servers on a GPU get the tensors
+themselves (`tensor` on this host, `distributed` for attached servers); otherwise, and always on
+CPU, they load the directory below from disk. Each version it
 receives is written as a model directory `<work dir>/weights/v<version>` (`export_policy`: config,
 generation config and tokenizer files from the run's model directory, the received tensors as its
 weights), and the pool loads it into
@@ -47,6 +50,7 @@ from furlong.rollout.core.types import (
 )
 from furlong.rollout.engine_launch import LaunchSpec
 from furlong.rollout.pool import EnginePool, PoolConfig
+from furlong.rollout.weight_routes import WEIGHT_ROUTE_AUTO
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,8 @@ class ProcessEnginesConfig:
     work_root: str = ""  # "" = default_work_root()
     sglang_command: tuple[str, ...] = ()  # () = python -m sglang.launch_server
     sglang_args: tuple[str, ...] = ()  # appended to every SGLang command line
+    weight_route: str = WEIGHT_ROUTE_AUTO  # weight_routes: auto, disk, tensor or distributed
+    weight_group_address: str = "127.0.0.1"  # distributed route: this host, as attached servers reach it
 
     def pool(self, rollout: RolloutSettings, device: str = "cpu", dtype: str = "float32") -> PoolConfig:
         sglang = rollout.engine == ENGINE_SGLANG
@@ -85,6 +91,8 @@ class ProcessEnginesConfig:
                 self.sglang_args if sglang else (),
             ),
             engine_urls=rollout.engine_urls,
+            weight_route=self.weight_route,
+            weight_group_address=self.weight_group_address,
             max_batch_size=self.max_batch_size,
             num_threads=self.num_threads,
             chunk_rows=self.chunk_rows,
@@ -157,7 +165,9 @@ class ProcessEngines:
             # The run's model directory with the received weights, moved into place when complete:
             # engines never see a half-written directory.
             export_policy(tensors, self._model_dir, target)
-            self.pool.update_weights(version, str(target))
+            # the disk route loads this directory; the tensor and distributed routes send `tensors`
+            # and keep the directory for engines that restart later
+            self.pool.update_weights(version, str(target), tensors)
             for status in self.pool.status():
                 self._observer.version_applied(self._run_id, status.engine_id, status.policy_version)
             for old in weights.glob("v*"):
