@@ -6,6 +6,7 @@
         [--engines inprocess|process] [--engine-threads 1] [--engine-max-batch-size 64]
         [--chunk-rows 8] [--engine-work-dir DIR] [--gateway-port P]
         [--sglang-command CMD] [--sglang-arg ARG ...]
+        [--weight-route auto|disk|tensor|distributed] [--weight-group-address HOST]
         [--log-level INFO] [--shutdown-grace-s 10] [--auth-token-file F]
         [--tls-ca-file F --tls-cert-file F --tls-key-file F [--tls-server-name NAME]]
 
@@ -85,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         work_root=config.engine_work_dir,
         sglang_command=config.sglang_command,
         sglang_args=config.sglang_args,
+        weight_route=config.weight_route,
+        weight_group_address=config.weight_group_address,
     )
     builtin = (
         process_factory(processes, receivers, metrics)
