@@ -114,13 +114,15 @@ class SGLangEngine:
         with self._version_changed:
             return self._version_changed.wait_for(lambda: self._policy_version >= min_version, timeout_s)
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
         )
         try:
-            with urllib.request.urlopen(req, timeout=self._timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self._timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:500]
@@ -136,10 +138,10 @@ class SGLangEngine:
         except json.JSONDecodeError:
             return raw.decode(errors="replace")
 
-    def alive(self) -> bool:
-        """True when the server answers `/health` (cheap: generates nothing)."""
+    def alive(self, timeout_s: float = 5.0) -> bool:
+        """True when the server answers `/health` within `timeout_s` (cheap: generates nothing)."""
         try:
-            self._request("GET", "/health")
+            self._request("GET", "/health", timeout_s=timeout_s)
         except (UnavailableError, ValueError):
             return False
         return True
