@@ -10,10 +10,11 @@ The request and response field names are SGLang's, read from its source at commi
 `output_token_sampling_logprobs`, `output_token_sampling_mask_length`, `finish_reason`,
 `prompt_tokens`, `completion_tokens`, `weight_version`). Sampling masks came with
 sgl-project/sglang#27408 (merged 2026-06-06; v0.5.2, the former image pin, predates them) and need
-a finite `top_k` (#35205, opened 2026-08-17). The deploy image pins v0.5.20 (released 2026-09-18),
-the newest release named in the material read; that it returns these fields is untested here (it
-needs a GPU: `test_rollout_sglang_gpu.py`). Every check samples with a finite top_k for that reason; `check_unbounded_support_is_refused` holds the
-servers that enforce it (the real one, the strict stand-in) to it. Each takes a connected `SGLangEngine` (or several) and asserts on
+a finite `top_k` (#35205, opened 2026-08-17). The deploy image pins v0.5.20 (released 2026-09-18,
+a release tag named in the material read); that it returns these fields is untested here (it needs
+a GPU: `test_rollout_sglang_gpu.py`). Every check samples with a finite top_k for that reason;
+`check_unbounded_support_is_refused` holds the servers that enforce it (the real one, the strict
+stand-in) to it. Each takes a connected `SGLangEngine` (or several) and asserts on
 values. The weight-update checks compare generation after the update with `expected`, the
 `fingerprint` of what the same weights must generate (on CPU: a built-in engine loaded with them;
 on a GPU: the same server after loading them from disk)."""

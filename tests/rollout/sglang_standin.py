@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fake_sglang import StrictSGLang  # noqa: E402
+from fake_sglang import StrictSGLang
 
 
 def main() -> int:

@@ -113,20 +113,15 @@ class EngineHttpServer:
                 finish = {"type": "stop", "matched": g.stop_string}
             else:
                 finish = {"type": "length", "length": len(g.token_ids)}
-            out.append(
-                {
-                    "text": g.text,
-                    "output_ids": g.token_ids,
-                    "meta_info": {
-                        "prompt_tokens": len(p),
-                        "completion_tokens": len(g.token_ids),
-                        "finish_reason": finish,
-                        "weight_version": self._labels.get(g.policy_version, str(g.policy_version)),
-                        "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.token_ids)],
-                        **sampling_mask_fields(g.support, g.logprobs),
-                    },
-                }
-            )
+            meta: dict[str, Any] = {
+                "prompt_tokens": len(p),
+                "completion_tokens": len(g.token_ids),
+                "finish_reason": finish,
+                "weight_version": self._labels.get(g.policy_version, str(g.policy_version)),
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.token_ids)],
+            }
+            meta.update(sampling_mask_fields(g.support, g.logprobs))
+            out.append({"text": g.text, "output_ids": g.token_ids, "meta_info": meta})
         return 200, out[0] if single else out
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, object]:

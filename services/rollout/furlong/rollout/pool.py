@@ -277,7 +277,8 @@ class EnginePool:
         """The wait before restart attempt `failures` + 1 (0 before the first)."""
         if failures <= 0:
             return 0.0
-        return min(self.config.max_restart_backoff_s, self.config.restart_backoff_s * 2 ** (failures - 1))
+        doubled = self.config.restart_backoff_s * 2.0 ** (failures - 1)
+        return float(min(self.config.max_restart_backoff_s, doubled))
 
     def _restart(self, e: _EngineProcess) -> None:
         """Attempt after attempt, backing off, until the engine serves again or the pool closes."""
