@@ -212,3 +212,25 @@ def test_attached_servers_are_waited_for_and_never_stopped(tmp_path):
         for s in servers:
             os.killpg(s.pid, signal.SIGKILL)
             s.wait(10)
+
+
+def test_runs_go_to_the_factory_of_their_engine_type():
+    from furlong.rollout.core.engine_set import in_process_factory
+    from furlong.rollout.core.sampling import SupportBound
+    from furlong.rollout.core.types import NullObserver
+    from furlong.rollout.process_engines import engine_factory
+
+    calls = []
+
+    def recorder(kind):
+        return lambda *args: calls.append((kind, args[4].engine)) or kind
+
+    make = engine_factory(recorder("builtin-factory"), recorder("sglang-factory"))
+    assert make("r", "/m", None, None, RolloutSettings(engine="sglang"), None) == "sglang-factory"
+    assert make("r", "/m", None, None, RolloutSettings(), None) == "builtin-factory"
+    assert calls == [("sglang-factory", "sglang"), ("builtin-factory", "builtin")]
+    in_process = in_process_factory(
+        max_batch_size=4, support_bound=SupportBound(), receiver_factory=None, observer=NullObserver()
+    )
+    with pytest.raises(ValueError, match="rollout.engine: 'sglang' engines are not run inside"):
+        in_process("r", "/m", None, None, RolloutSettings(engine="sglang"), None)
