@@ -52,7 +52,14 @@ FULL = {
         "value_coef": 0.5,
         "value_clip": 0.2,
     },
-    "rollout": {"num_engines": 1, "max_refill_rounds": 0, "over_sampling": 1.0, "max_staleness": 0},
+    "rollout": {
+        "num_engines": 1,
+        "max_refill_rounds": 0,
+        "over_sampling": 1.0,
+        "max_staleness": 0,
+        "engine": "builtin",
+        "engine_urls": [],
+    },
     "checkpoint": {
         "every_steps": 1,
         "keep_last": 2,

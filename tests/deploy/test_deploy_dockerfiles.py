@@ -296,6 +296,16 @@ def test_gpu_variants_are_build_arguments():
     assert resolve(sglang.base, global_args).startswith("lmsysorg/sglang:v")
 
 
+@pytest.mark.unit
+def test_sglang_image_is_the_release_the_adapter_follows():
+    from furlong.rollout.engine_launch import SGLANG_RELEASE
+
+    global_args, stages = parse(ROOT / "services" / "rollout" / "Dockerfile")
+    sglang = next(s for s in stages if s.name == "sglang")
+    assert resolve(sglang.base, global_args) == f"lmsysorg/sglang:{SGLANG_RELEASE}"
+    assert SGLANG_RELEASE in (ROOT / "docs" / "rollout.md").read_text()
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_manifest_images_are_built_by_a_dockerfile(overlay):

@@ -1,5 +1,20 @@
 """Contract checks of the SGLang adapter, shared by the fake-server tests (CPU) and the GPU script
-against a real SGLang server. Each takes a connected `SGLangEngine` (or several) and asserts on
+against a real SGLang server.
+
+The request and response field names are SGLang's, read from its source at commit
+001067fffe33427bee0ed2f007fb7551a1d76b44 (sgl-project/sglang main; the snapshot read carried no
+`version.py`, so the release that commit belongs to is not pinned down here):
+`python/sglang/srt/managers/io_struct.py` (`GenerateReqInput`: `input_ids`, `sampling_params`,
+`return_logprob`, `return_sampling_mask`) and `python/sglang/srt/managers/tokenizer_manager.py`
+(`meta_info`: `output_token_logprobs`, `output_token_sampling_mask`,
+`output_token_sampling_logprobs`, `output_token_sampling_mask_length`, `finish_reason`,
+`prompt_tokens`, `completion_tokens`, `weight_version`). Sampling masks came with
+sgl-project/sglang#27408 (merged 2026-06-06; v0.5.2, the former image pin, predates them) and need
+a finite `top_k` (#35205, opened 2026-08-17). The deploy image pins v0.5.20 (released 2026-09-18,
+a release tag named in the material read); that it returns these fields is untested here (it needs
+a GPU: `test_rollout_sglang_gpu.py`). Every check samples with a finite top_k for that reason;
+`check_unbounded_support_is_refused` holds the servers that enforce it (the real one, the strict
+stand-in) to it. Each takes a connected `SGLangEngine` (or several) and asserts on
 values. The weight-update checks compare generation after the update with `expected`, the
 `fingerprint` of what the same weights must generate (on CPU: a built-in engine loaded with them;
 on a GPU: the same server after loading them from disk)."""
@@ -56,23 +71,30 @@ def check_greedy_is_singleton(engine: SGLangEngine) -> list[list[int]]:
 
 
 def check_ignore_eos_runs_to_the_limit(engine: SGLangEngine) -> None:
-    gens = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=5, seed=1), ignore_eos=True)
+    gens = engine.generate(PROMPTS, SamplingConfig(top_k=6, max_new_tokens=5, seed=1), ignore_eos=True)
     assert [len(g.token_ids) for g in gens] == [5, 5, 5]
     assert {g.finish_reason for g in gens} == {"length"}
 
 
 def check_bad_request_is_a_value_error(engine: SGLangEngine) -> None:
     with pytest.raises(ValueError, match="/generate"):
-        engine.generate([[1, engine.vocab_size + 5]], SamplingConfig(max_new_tokens=2))
+        engine.generate([[1, engine.vocab_size + 5]], SamplingConfig(top_k=4, max_new_tokens=2))
     assert engine.healthy()
-    assert len(engine.generate(PROMPTS[:1], SamplingConfig(max_new_tokens=2))) == 1
+    assert len(engine.generate(PROMPTS[:1], SamplingConfig(top_k=4, max_new_tokens=2))) == 1
+
+
+def check_unbounded_support_is_refused(engine: SGLangEngine) -> None:
+    """A server that returns sampling masks only for a finite top_k answers 400: a ValueError."""
+    with pytest.raises(ValueError, match="top_k"):
+        engine.generate(PROMPTS[:1], SamplingConfig(top_k=0, max_new_tokens=2))
+    assert engine.healthy()
 
 
 def check_pause_holds_generation_until_resumed(engine: SGLangEngine) -> None:
     engine.pause()
     done = threading.Event()
     worker = threading.Thread(
-        target=lambda: (engine.generate(PROMPTS[:1], SamplingConfig(max_new_tokens=2)), done.set())
+        target=lambda: (engine.generate(PROMPTS[:1], SamplingConfig(top_k=4, max_new_tokens=2)), done.set())
     )
     worker.start()
     try:

@@ -137,7 +137,7 @@ def test_bad_requests_fail_clearly_and_leave_a_concurrent_request_alone(redis_ur
                     run_id="busy2",
                     model_dir=checkpoint,
                     reward="no_such_reward",
-                    rollout=pb.RolloutConfig(num_engines=1, over_sampling=1.0),
+                    rollout=pb.RolloutConfig(num_engines=1, over_sampling=1.0, engine="builtin"),
                     precision=common_pb2.PrecisionConfig(dtype="float32"),
                 ),
                 timeout=60,

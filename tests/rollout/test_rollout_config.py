@@ -168,3 +168,22 @@ def test_engine_mode_flags():
         RolloutServerConfig(redis_url="redis://x", broker_address="h:1", engines="threads")
     with pytest.raises(ValueError, match="chunk_rows must be >= 1, got 0"):
         RolloutServerConfig(redis_url="redis://x", broker_address="h:1", chunk_rows=0)
+
+
+def test_sglang_and_weight_route_flags(capsys):
+    base = ["--port", "1", "--metrics-port", "2", "--redis-url", "redis://127.0.0.1:6379"]
+    base += ["--broker", "127.0.0.1:3"]
+    default = RolloutServerConfig.from_args(base)
+    assert (default.sglang_command, default.sglang_args, default.weight_route) == ((), (), "auto")
+    config = RolloutServerConfig.from_args(
+        base
+        + ["--sglang-command", "/opt/py/bin/python -m sglang.launch_server"]
+        + ["--sglang-arg=--mem-fraction-static", "--sglang-arg", "0.8"]
+        + ["--weight-route", "distributed", "--weight-group-address", "10.0.0.2"]
+    )
+    assert config.sglang_command == ("/opt/py/bin/python", "-m", "sglang.launch_server")
+    assert config.sglang_args == ("--mem-fraction-static", "0.8")
+    assert (config.weight_route, config.weight_group_address) == ("distributed", "10.0.0.2")
+    with pytest.raises(SystemExit):
+        RolloutServerConfig.from_args(base + ["--weight-route", "nixl"])
+    assert "invalid choice: 'nixl'" in capsys.readouterr().err

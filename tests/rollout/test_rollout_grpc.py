@@ -153,7 +153,7 @@ def test_invalid_requests_get_invalid_argument(stack):
                     run_id="run-j",
                     model_dir=stack["checkpoint"],
                     reward="nope",
-                    rollout=pb.RolloutConfig(num_engines=1, over_sampling=1.0),
+                    rollout=pb.RolloutConfig(num_engines=1, over_sampling=1.0, engine="builtin"),
                     precision=common_pb2.PrecisionConfig(dtype="float32"),
                 ),
                 timeout=30,
@@ -175,7 +175,7 @@ def test_invalid_requests_get_invalid_argument(stack):
                     run_id="run-j",
                     model_dir=stack["checkpoint"],
                     reward="addition_exact_match",
-                    rollout=pb.RolloutConfig(num_engines=1, over_sampling=1.0),
+                    rollout=pb.RolloutConfig(num_engines=1, over_sampling=1.0, engine="builtin"),
                 ),
                 timeout=30,
             )

@@ -59,6 +59,16 @@ def test_contract_against_the_fake_server(fake, tmp_path):
     assert body["sampling_params"]["sampling_seed"] == 7 and body["sampling_params"]["top_k"] == 6
 
 
+def test_strict_fake_refuses_unbounded_supports_as_sglang_does(tmp_path):
+    strict = FakeSGLang(str(write_checkpoint(tmp_path / "v0", seed=51)), strict=True)
+    try:
+        engine = adapter(strict)
+        contract.check_unbounded_support_is_refused(engine)
+        contract.check_generate_records_exact_draws(engine)
+    finally:
+        strict.close()
+
+
 def test_adapter_records_what_the_model_computes(fake):
     """Against the fake, the adapter's log-probs and supports equal a recomputation from the weights."""
     engine = adapter(fake)
@@ -74,22 +84,49 @@ def test_adapter_records_what_the_model_computes(fake):
             assert abs(g.logprobs[pos] - logps[t]) < 1e-4
 
 
-def test_malformed_responses_are_errors_not_guesses(fake, monkeypatch):
-    engine = adapter(fake)
+def _break(fake, monkeypatch, edit):
     original = fake.generate
 
     def broken(body):
         status, out = original(body)
-        out[0]["meta_info"]["output_sampling_mask"]["token_ids"][0] = (
-            out[0]["output_ids"][0] + 1
-        ) % fake.engine.vocab_size
+        edit(out[0]["meta_info"], out[0]["output_ids"])
         return status, out
 
     monkeypatch.setattr(fake, "generate", broken)
-    with pytest.raises(UnavailableError, match="row 0: token .* is not a finite draw from its support"):
+
+
+def _first_token_outside(meta, ids, vocab_size):
+    meta["output_token_sampling_mask"][0][0] = (ids[0] + 1) % vocab_size
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (None, "row 0: token .* is not a finite draw from its support"),
+        (lambda m, ids: m.pop("output_token_sampling_mask"), "missing 'output_token_sampling_mask'"),
+        (lambda m, ids: m.pop("output_token_sampling_logprobs"), "missing 'output_token_sampling_logprobs'"),
+        (lambda m, ids: m["output_token_sampling_logprobs"].append(-1.0), r"\d+ sampling log-probs do not"),
+        (lambda m, ids: m["output_token_sampling_mask"][0].append(ids[0]), "lists a token id twice"),
+        (lambda m, ids: m["output_token_sampling_mask"].__setitem__(0, []), "bad sampling mask"),
+        (lambda m, ids: m["output_token_sampling_logprobs"].__setitem__(0, 0.5), "not a finite draw"),
+    ],
+)
+def test_malformed_responses_are_errors_not_guesses(fake, monkeypatch, edit, words):
+    engine = adapter(fake)
+    vocab = fake.engine.vocab_size
+    _break(fake, monkeypatch, edit or (lambda m, ids: _first_token_outside(m, ids, vocab)))
+    with pytest.raises(UnavailableError, match=words):
         engine.generate(contract.PROMPTS, SamplingConfig(top_k=1, max_new_tokens=2))
     with pytest.raises(ValueError, match="base_url must be an http"):
-        SGLangEngine("127.0.0.1:1", fake.tokenizer, fake.engine.vocab_size)
+        SGLangEngine("127.0.0.1:1", fake.tokenizer, vocab)
+
+
+def test_full_vocabulary_rows_travel_as_the_extension_field(fake):
+    """top_k 0 (Furlong's engine server only): every row is the whole vocabulary, sent empty and
+    listed in output_token_sampling_mask_full_rows."""
+    engine = adapter(fake)
+    gens = engine.generate(contract.PROMPTS[:1], SamplingConfig(max_new_tokens=3, seed=2))
+    assert all(gens[0].support.row_is_implicit(i) for i in range(len(gens[0].token_ids)))
 
 
 def built_in_fingerprint(model_dir: str) -> list:

@@ -5,7 +5,8 @@ torch installed next to this repository's packages, with
     pytest tests/rollout/test_rollout_sglang_gpu.py -m gpu -q
 
 Each test writes a tiny Llama checkpoint (Hugging Face layout: config.json + model.safetensors),
-launches `python -m sglang.launch_server --model-path DIR --skip-tokenizer-init` on 127.0.0.1
+launches `python -m sglang.launch_server --model-path DIR` with the flags the engine pool passes
+(`engine_launch.SGLANG_FLAGS`: `--skip-tokenizer-init --enable-deterministic-inference`) on 127.0.0.1
 (log in the test's tmp dir), waits for /health_generate, and runs the same checks as the
 fake-server tests (sglang_contract.py):
 
@@ -15,8 +16,11 @@ fake-server tests (sglang_contract.py):
   process. What they must generate afterwards is what the same server generates after loading the
   same checkpoint from disk (`expected`), bit for bit.
 
-The server must return `meta_info.output_sampling_mask` for `return_sampling_mask: true` requests;
-a server without it fails `check_generate_records_exact_draws` with a message naming the field.
+The server must return `meta_info.output_token_sampling_mask` and `output_token_sampling_logprobs`
+for `return_sampling_mask: true` requests (SGLang with sgl-project/sglang#27408; the version and
+commit the field names were read from are in sglang_contract.py); a server without them fails
+`check_generate_records_exact_draws` with a message naming the missing field. These tests have
+not been run as part of this repository's CPU suite.
 Refused updates (unknown names, wrong shapes) are checked against the fake server only: what a real
 server does with them is up to its model loader.
 """
@@ -36,6 +40,7 @@ import torch
 from rollout_models import tokenizer, write_checkpoint
 
 from furlong.core.checkpoint import load_policy
+from furlong.rollout.engine_launch import SGLANG_FLAGS
 from furlong.rollout.sglang import SGLangEngine
 from furlong.rpc.ports import free_port
 
@@ -66,7 +71,7 @@ def sglang_server(tmp_path):
                 "127.0.0.1",
                 "--port",
                 str(port),
-                "--skip-tokenizer-init",
+                *SGLANG_FLAGS,
                 "--mem-fraction-static",
                 "0.2",
                 "--random-seed",
@@ -106,6 +111,7 @@ def test_contract_against_real_sglang(sglang_server, tmp_path):
     greedy = contract.check_greedy_is_singleton(engine)
     contract.check_ignore_eos_runs_to_the_limit(engine)
     contract.check_bad_request_is_a_value_error(engine)
+    contract.check_unbounded_support_is_refused(engine)
     contract.check_pause_holds_generation_until_resumed(engine)
     contract.check_weight_update_from_disk(engine, str(write_checkpoint(tmp_path / "v1", seed=52)), greedy)
     contract.check_unreachable_server(tok, tok.vocab_size)

@@ -20,16 +20,20 @@ ENGINE_STATE_DRAINING: EngineState
 ENGINE_STATE_DRAINED: EngineState
 
 class RolloutConfig(_message.Message):
-    __slots__ = ("num_engines", "max_refill_rounds", "over_sampling", "max_staleness")
+    __slots__ = ("num_engines", "max_refill_rounds", "over_sampling", "max_staleness", "engine", "engine_urls")
     NUM_ENGINES_FIELD_NUMBER: _ClassVar[int]
     MAX_REFILL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     OVER_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_URLS_FIELD_NUMBER: _ClassVar[int]
     num_engines: int
     max_refill_rounds: int
     over_sampling: float
     max_staleness: int
-    def __init__(self, num_engines: _Optional[int] = ..., max_refill_rounds: _Optional[int] = ..., over_sampling: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    engine: str
+    engine_urls: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_engines: _Optional[int] = ..., max_refill_rounds: _Optional[int] = ..., over_sampling: _Optional[float] = ..., max_staleness: _Optional[int] = ..., engine: _Optional[str] = ..., engine_urls: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ConfigureRolloutRequest(_message.Message):
     __slots__ = ("run_id", "model_dir", "task", "seed", "rollout", "reward", "precision", "data", "reward_config", "environment", "agent")

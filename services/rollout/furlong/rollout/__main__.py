@@ -5,6 +5,8 @@
         [--user-reward NAME=MODULE:FN ...] [--reward-timeout-s 60] [--reward-workers 4]
         [--engines inprocess|process] [--engine-threads 1] [--engine-max-batch-size 64]
         [--chunk-rows 8] [--engine-work-dir DIR] [--gateway-port P]
+        [--sglang-command CMD] [--sglang-arg ARG ...]
+        [--weight-route auto|disk|tensor|distributed] [--weight-group-address HOST]
         [--log-level INFO] [--shutdown-grace-s 10] [--auth-token-file F]
         [--tls-ca-file F --tls-cert-file F --tls-key-file F [--tls-server-name NAME]]
 
@@ -27,11 +29,12 @@ import torch
 
 from furlong.rollout.agents import agent_harness
 from furlong.rollout.config import ENGINES_PROCESS, RolloutServerConfig
+from furlong.rollout.core.engine_set import in_process_factory
 from furlong.rollout.core.sampling import SupportBound
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.environment_workers import environment_pool
 from furlong.rollout.metrics import RolloutMetrics
-from furlong.rollout.process_engines import ProcessEnginesConfig, process_factory
+from furlong.rollout.process_engines import ProcessEnginesConfig, engine_factory, process_factory
 from furlong.rollout.receivers import broker_receiver_factory
 from furlong.rollout.rewards import resolve_user_reward, reward_registry
 from furlong.rollout.run_records import redis_records
@@ -75,25 +78,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     metrics = RolloutMetrics(runtime.registry)
     receivers = broker_receiver_factory(broker)
-    engines = None
-    if config.engines == ENGINES_PROCESS:
-        engines = process_factory(
-            ProcessEnginesConfig(
-                max_batch_size=config.engine_max_batch_size,
-                num_threads=config.engine_threads,
-                chunk_rows=config.chunk_rows,
-                work_root=config.engine_work_dir,
-            ),
-            receivers,
-            metrics,
+    support_bound = SupportBound(max_size=config.max_support_size)
+    processes = ProcessEnginesConfig(
+        max_batch_size=config.engine_max_batch_size,
+        num_threads=config.engine_threads,
+        chunk_rows=config.chunk_rows,
+        work_root=config.engine_work_dir,
+        sglang_command=config.sglang_command,
+        sglang_args=config.sglang_args,
+        weight_route=config.weight_route,
+        weight_group_address=config.weight_group_address,
+    )
+    builtin = (
+        process_factory(processes, receivers, metrics)
+        if config.engines == ENGINES_PROCESS
+        else in_process_factory(
+            max_batch_size=config.max_batch_size,
+            support_bound=support_bound,
+            receiver_factory=receivers,
+            observer=metrics,
         )
+    )
+    # SGLang engines are always processes (or running servers), whatever --engines says
+    engines = engine_factory(builtin, process_factory(processes, receivers, metrics))
     service = RolloutService(
         redis_records(redis_client),
         receivers,
         engines=engines,
         max_batch_size=config.max_batch_size,
         observer=metrics,
-        support_bound=SupportBound(max_size=config.max_support_size),
+        support_bound=support_bound,
         rewards=rewards,
         reward_timeout_s=config.reward_timeout_s,
         reward_workers=config.reward_workers,

@@ -4,10 +4,12 @@ here."""
 from __future__ import annotations
 
 import argparse
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from furlong.core.devices import parse_device
+from furlong.rollout.weight_routes import WEIGHT_ROUTE_AUTO, WEIGHT_ROUTES
 from furlong.rpc.service_main import add_credential_flags, credential_fields
 from furlong.rpc.tls import TlsFiles
 from furlong.service_main import REQUIRED, ServiceCommand, ServiceFlags
@@ -48,6 +50,10 @@ class RolloutServerConfig:
     tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
     device: str = "cpu"  # where runs' engines run: "cpu", "cuda" or "cuda:N"
     gateway_port: int | None = None  # the OpenAI-compatible gateway's HTTP port; None = off, 0 = free
+    sglang_command: tuple[str, ...] = ()  # starts one SGLang server; () = python -m sglang.launch_server
+    sglang_args: tuple[str, ...] = ()  # extra flags for every SGLang server the service launches
+    weight_route: str = WEIGHT_ROUTE_AUTO  # how engine processes get versions (weight_routes)
+    weight_group_address: str = "127.0.0.1"  # distributed route: this host as engines reach it
 
     def __post_init__(self) -> None:
         try:
@@ -86,6 +92,14 @@ class RolloutServerConfig:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         if not self.reward_timeout_s > 0:
             raise ValueError(f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        for name in ("sglang_command", "sglang_args"):
+            value = getattr(self, name)
+            if not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"{name} must hold non-empty strings, got {list(value)!r}")
+        if self.weight_route not in WEIGHT_ROUTES:
+            raise ValueError(f"weight_route must be one of {list(WEIGHT_ROUTES)}, got {self.weight_route!r}")
+        if not self.weight_group_address:
+            raise ValueError("weight_group_address must not be empty")
         if self.reward_workers < 1:
             raise ValueError(f"reward_workers must be >= 1, got {self.reward_workers}")
         names = [name for name, _ in self.user_rewards]
@@ -147,6 +161,35 @@ class RolloutServerConfig:
             help="where runs' engines run: cpu, cuda or cuda:N (default cpu); a run's precision "
             "(run spec) sets their dtype",
         )
+        parser.add_argument(
+            "--sglang-command",
+            default="",
+            help="runs with rollout.engine sglang: the command that starts one SGLang server, split "
+            "like a shell would (default: this Python's -m sglang.launch_server); the pool appends "
+            "--model-path, --host, --port, --skip-tokenizer-init, --enable-deterministic-inference "
+            "and --dtype",
+        )
+        parser.add_argument(
+            "--sglang-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help="one more argument for every SGLang server launched (repeatable), e.g. "
+            "--sglang-arg=--mem-fraction-static --sglang-arg=0.8",
+        )
+        parser.add_argument(
+            "--weight-route",
+            default=cls.weight_route,
+            choices=WEIGHT_ROUTES,
+            help="how engine processes receive each policy version: auto (SGLang on a GPU: tensor "
+            "for launched servers, distributed for attached ones; else disk), disk, tensor or "
+            "distributed",
+        )
+        parser.add_argument(
+            "--weight-group-address",
+            default=cls.weight_group_address,
+            help="distributed route: this host's address as the engines reach it (default 127.0.0.1)",
+        )
         parser.add_argument("--engine-threads", type=int, default=cls.engine_threads)
         parser.add_argument("--engine-max-batch-size", type=int, default=cls.engine_max_batch_size)
         parser.add_argument("--chunk-rows", type=int, default=cls.chunk_rows)
@@ -179,6 +222,10 @@ class RolloutServerConfig:
             engine_work_dir=args.engine_work_dir,
             device=args.device,
             gateway_port=args.gateway_port,
+            sglang_command=tuple(shlex.split(args.sglang_command)),
+            sglang_args=tuple(args.sglang_arg),
+            weight_route=args.weight_route,
+            weight_group_address=args.weight_group_address,
             **credential_fields(args),
         )
 

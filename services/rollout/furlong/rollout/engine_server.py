@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from furlong.core.checkpoint import load_policy
+from furlong.core.sampling_mask import RolloutSamplingMask
 from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.engine_weight_updates import EngineWeightUpdates
@@ -112,23 +113,15 @@ class EngineHttpServer:
                 finish = {"type": "stop", "matched": g.stop_string}
             else:
                 finish = {"type": "length", "length": len(g.token_ids)}
-            out.append(
-                {
-                    "text": g.text,
-                    "output_ids": g.token_ids,
-                    "meta_info": {
-                        "prompt_tokens": len(p),
-                        "completion_tokens": len(g.token_ids),
-                        "finish_reason": finish,
-                        "weight_version": self._labels.get(g.policy_version, str(g.policy_version)),
-                        "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.token_ids)],
-                        # `full_rows`: rows that are the whole vocabulary, not listed
-                        "output_sampling_mask": {
-                            k: v for k, v in g.support.to_dict().items() if k != "vocab_size"
-                        },
-                    },
-                }
-            )
+            meta: dict[str, Any] = {
+                "prompt_tokens": len(p),
+                "completion_tokens": len(g.token_ids),
+                "finish_reason": finish,
+                "weight_version": self._labels.get(g.policy_version, str(g.policy_version)),
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.token_ids)],
+            }
+            meta.update(sampling_mask_fields(g.support, g.logprobs))
+            out.append({"text": g.text, "output_ids": g.token_ids, "meta_info": meta})
         return 200, out[0] if single else out
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, object]:
@@ -178,6 +171,22 @@ class EngineHttpServer:
             self.engine.generate([probe], SamplingConfig(top_k=1, max_new_tokens=1))
             return 200, {}
         return 404, {"error": {"message": f"no route {path}"}}
+
+
+def sampling_mask_fields(support: RolloutSamplingMask, logprobs: Sequence[float]) -> dict[str, Any]:
+    """SGLang's `meta_info` sampling-mask fields for one response: the support of each token as a
+    list of ids, each token's log-prob under its sampling distribution, the row count, and (a
+    Furlong extension) the rows that are the whole vocabulary, sent as empty lists."""
+    full = [i for i in range(support.num_rows) if support.row_is_implicit(i)]
+    rows = [[] if support.row_is_implicit(i) else support.row(i).tolist() for i in range(support.num_rows)]
+    fields: dict[str, Any] = {
+        "output_token_sampling_mask": rows,
+        "output_token_sampling_logprobs": list(logprobs),
+        "output_token_sampling_mask_length": len(rows),
+    }
+    if full:
+        fields["output_token_sampling_mask_full_rows"] = full
+    return fields
 
 
 def _stop_param(stop: object) -> Any:

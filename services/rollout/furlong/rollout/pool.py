@@ -1,5 +1,15 @@
-"""An engine pool: N built-in engines as separate processes (`furlong.rollout.engine_server`),
-driven through the SGLang adapter, with least-loaded routing, restarts and retries.
+"""An engine pool: N engine servers driven through the SGLang adapter, with least-loaded routing,
+restarts and retries. The servers are processes the pool launches (`engine_launch.LaunchSpec`:
+Furlong's `engine_server` or SGLang's `launch_server`, each in its own process group) or, with
+`engine_urls`, running servers it attaches to (it never starts or stops those).
+
+- **Health**: an engine takes work once `/health_generate` answers. The monitor polls every
+  `health_interval_s`: a launched engine whose process exited, or an attached one that stops
+  answering `/health`, is marked down.
+- **Restarts**: a launched engine that is down is killed (its whole process group) and started
+  again; an attached one is waited for. Attempts back off: `restart_backoff_s`, doubled after each
+  failed attempt up to `max_restart_backoff_s`, reset once the engine serves again. Its chunks in
+  flight fail over to other engines (below), so none is lost.
 
 - **Routing**: a request's rows are cut into chunks of `chunk_rows`; each chunk goes to the healthy
   engine with the fewest chunks in flight. A chunk's seed is derived from the request seed and the
@@ -12,8 +22,10 @@ driven through the SGLang adapter, with least-loaded routing, restarts and retri
 - **Ledger**: with a sample ledger (`SampleLedger`), every sample is recorded pending → in flight on
   an engine → done, and a result for a sample already done is refused (counted in
   `duplicates_refused`), so no sample is lost or delivered twice.
-- **Weights**: `update_weights(version, model_dir)` pauses, loads and resumes every healthy engine
-  and becomes the version restarted engines load.
+- **Weights**: `update_weights(version, model_dir, tensors)` pauses, loads and resumes every healthy
+  engine through the config's route (`weight_routes`: disk, tensor or distributed; `tensors` are
+  the version's parameters, needed by the last two) and makes `model_dir` the version restarted
+  engines load (from disk).
 - **Drain**: `drain(engine_id)` stops routing new chunks to an engine; the chunks it runs finish.
   It reports "draining" until its last chunk is done, then "drained".
 - **Early stop**: `generate(..., enough=f)` stops starting chunks once `f(results so far)` is true
@@ -28,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,12 +49,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.rollout.core.engine import Generation
 from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
 from furlong.rollout.core.types import EngineState, EngineStatus, SampleLedger, last_engine_message
+from furlong.rollout.engine_launch import LaunchSpec, start_process, stop_process
 from furlong.rollout.sglang import SGLangEngine
+from furlong.rollout.weight_routes import (
+    WEIGHT_ROUTE_AUTO,
+    WEIGHT_ROUTE_DISK,
+    WEIGHT_ROUTE_TENSOR,
+    choose_weight_route,
+    group_backend,
+)
+from furlong.rollout.weight_update_group import WeightUpdateGroup
 from furlong.service_main.ports import free_port
 
 log = logging.getLogger(__name__)
@@ -61,8 +82,29 @@ class PoolConfig:
     request_timeout_s: float = 300.0  # one HTTP call to an engine
     device: str = "cpu"  # where each engine process runs its model
     dtype: str = "float32"  # the engines' compute dtype (furlong.core.devices.DTYPES)
+    launch: LaunchSpec = LaunchSpec()  # what each engine process runs
+    engine_urls: tuple[str, ...] = ()  # attach to these running servers instead of launching
+    restart_backoff_s: float = 0.5  # first wait before restarting an engine that is down
+    max_restart_backoff_s: float = 30.0
+    weight_route: str = WEIGHT_ROUTE_AUTO  # weight_routes.WEIGHT_ROUTES
+    weight_group_address: str = "127.0.0.1"  # distributed route: this host's address for the group
+
+    @property
+    def route(self) -> str:
+        """The weight route this pool's engines are updated through."""
+        return choose_weight_route(self.weight_route, self.launch.engine, bool(self.engine_urls), self.device)
 
     def __post_init__(self) -> None:
+        _ = self.route  # ValueError for an unknown or impossible route
+        if self.engine_urls and len(self.engine_urls) != self.num_engines:
+            raise ValueError(
+                f"num_engines {self.num_engines} must equal the number of engine_urls {len(self.engine_urls)}"
+            )
+        if not 0 < self.restart_backoff_s <= self.max_restart_backoff_s:
+            raise ValueError(
+                f"need 0 < restart_backoff_s <= max_restart_backoff_s, got {self.restart_backoff_s!r}, "
+                f"{self.max_restart_backoff_s!r}"
+            )
         for name in ("num_engines", "max_batch_size", "num_threads", "chunk_rows", "max_attempts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -78,9 +120,11 @@ def chunk_seed(request_seed: int, chunk: int) -> int:
 
 
 class _EngineProcess:
-    def __init__(self, engine_id: str, log_path: Path) -> None:
+    def __init__(self, engine_id: str, log_path: Path, url: str | None = None) -> None:
         self.engine_id = engine_id
         self.log_path = log_path
+        self.url = url  # attached: the running server's base URL (the pool owns no process)
+        self.failures = 0  # restart attempts since it last served
         self.proc: subprocess.Popen[bytes] | None = None
         self.adapter: SGLangEngine | None = None
         self.healthy = False
@@ -108,14 +152,15 @@ class _EngineProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def up(self) -> bool:
+        """The process runs (launched) or the server answers /health (attached)."""
+        if self.url is not None:
+            return self.adapter is not None and self.adapter.alive()
+        return self.alive()
+
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
 
 
 class EnginePool:
@@ -142,11 +187,13 @@ class EnginePool:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         log_dir.mkdir(parents=True, exist_ok=True)
+        urls: Sequence[str | None] = config.engine_urls or [None] * config.num_engines
         self._engines = [
-            _EngineProcess(f"{name}-engine-{i}", log_dir / f"{name}-engine-{i}.log")
-            for i in range(config.num_engines)
+            _EngineProcess(f"{name}-engine-{i}", log_dir / f"{name}-engine-{i}.log", url)
+            for i, url in enumerate(urls)
         ]
         self._monitor = threading.Thread(target=self._watch, name=f"{name}-monitor", daemon=True)
+        self._group: WeightUpdateGroup | None = None  # the distributed route's group, once opened
         self.duplicates_refused = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -162,41 +209,36 @@ class EnginePool:
         self._monitor.start()
 
     def _spawn(self, e: _EngineProcess) -> None:
+        if e.url is not None:  # attached: nothing to start
+            e.adapter = self._adapter(e, e.url)
+            log.info("%s attached to %s", e.engine_id, e.url)
+            return
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "furlong.rollout.engine_server",
-            "--model-dir",
+        cmd = self.config.launch.command(
             self._model_dir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--max-batch-size",
-            str(self.config.max_batch_size),
-            "--num-threads",
-            str(self.config.num_threads),
-            "--device",
-            self.config.device,
-            "--dtype",
-            self.config.dtype,
-        ]
-        with open(e.log_path, "ab") as out:
-            e.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        e.adapter = SGLangEngine(
-            f"http://127.0.0.1:{port}",
+            port,
+            max_batch_size=self.config.max_batch_size,
+            num_threads=self.config.num_threads,
+            device=self.config.device,
+            dtype=self.config.dtype,
+        )
+        e.proc = start_process(cmd, e.log_path)
+        e.adapter = self._adapter(e, f"http://127.0.0.1:{port}")
+        log.info("%s started as pid %d on port %d: %s", e.engine_id, e.proc.pid, port, " ".join(cmd))
+
+    def _adapter(self, e: _EngineProcess, url: str) -> SGLangEngine:
+        return SGLangEngine(
+            url,
             self._tokenizer,
             self._vocab_size,
             timeout_s=self.config.request_timeout_s,
             name=e.engine_id,
         )
-        log.info("%s started as pid %d on port %d", e.engine_id, e.proc.pid, port)
 
     def _wait_ready(self, e: _EngineProcess) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while not e.engine.healthy():
-            if not e.alive():
+            if e.url is None and not e.alive():
                 raise UnavailableError(
                     f"{e.engine_id} exited with {e.process.returncode} while starting (log {e.log_path})"
                 )
@@ -210,55 +252,73 @@ class EnginePool:
         self._stop.set()
         if self._monitor.is_alive():
             self._monitor.join(10)
-        for e in self._engines:  # all at once: each takes a moment to shut down
-            if e.proc is not None and e.proc.poll() is None:
-                e.proc.terminate()
-        for e in self._engines:
-            e.stop()
+        self._close_group()
+        with ThreadPoolExecutor(max_workers=max(1, len(self._engines))) as ex:
+            list(ex.map(_EngineProcess.stop, self._engines))  # all at once: each takes a moment
 
     # -- health and restarts ---------------------------------------------------------------------
 
     def _watch(self) -> None:
         while not self._stop.wait(self.config.health_interval_s):
             for e in self._engines:
-                if e.healthy and not e.alive():
-                    self._mark_dead(e, f"process exited with {e.process.returncode}")
+                if e.healthy and not e.up():
+                    why = "no answer on /health" if e.url else f"process exited with {e.process.returncode}"
+                    self._mark_dead(e, why)
 
     def _mark_dead(self, e: _EngineProcess, why: str) -> None:
         with self._cond:
             if e.restarting or self._stop.is_set():
                 return
             e.healthy, e.restarting = False, True
-        log.warning("%s is down (%s); restarting", e.engine_id, why)
+        log.warning("%s is down (%s); %s", e.engine_id, why, "waiting for it" if e.url else "restarting")
         threading.Thread(target=self._restart, args=(e,), name=f"restart-{e.engine_id}", daemon=True).start()
 
+    def backoff_s(self, failures: int) -> float:
+        """The wait before restart attempt `failures` + 1 (0 before the first)."""
+        if failures <= 0:
+            return 0.0
+        doubled = self.config.restart_backoff_s * 2.0 ** (failures - 1)
+        return float(min(self.config.max_restart_backoff_s, doubled))
+
     def _restart(self, e: _EngineProcess) -> None:
-        try:
-            if e.proc is not None and e.proc.poll() is None:
-                e.proc.kill()
-                e.proc.wait(10)
-            self._spawn(e)
-            self._wait_ready(e)
-            while True:  # catch up with updates made while restarting
-                with self._cond:
-                    version, weights = self._version, self._weights_dir
-                if e.engine.policy_version >= version:
-                    break
-                e.engine.update_weights_from_disk(version, weights)
+        """Attempt after attempt, backing off, until the engine serves again or the pool closes."""
+        while not self._stop.wait(self.backoff_s(e.failures)):
+            try:
+                self._restart_once(e)
+                return
+            except Exception:
+                e.failures += 1
+                log.exception(
+                    "%s restart attempt %d failed; next in %.1fs",
+                    e.engine_id,
+                    e.failures,
+                    self.backoff_s(e.failures),
+                )
+        with self._cond:
+            e.restarting = False
+
+    def _restart_once(self, e: _EngineProcess) -> None:
+        if e.proc is not None:
+            stop_process(e.proc, grace_s=2.0)  # the whole group: an SGLang child may hold the port
+        self._spawn(e)
+        self._wait_ready(e)
+        while True:  # catch up with updates made while restarting
             with self._cond:
-                e.healthy, e.restarting = True, False
-                e.restarts += 1
-                self._cond.notify_all()
-            log.info(
-                "%s restarted (pid %d), serving version %d",
-                e.engine_id,
-                e.process.pid,
-                e.engine.policy_version,
-            )
-        except Exception:
-            log.exception("%s restart failed", e.engine_id)
-            with self._cond:
-                e.restarting = False
+                version, weights = self._version, self._weights_dir
+            if e.engine.policy_version >= version:
+                break
+            e.engine.update_weights_from_disk(version, weights)
+        with self._cond:
+            e.healthy, e.restarting = True, False
+            e.restarts += 1
+            e.failures = 0
+            self._cond.notify_all()
+        log.info(
+            "%s %s, serving version %d",
+            e.engine_id,
+            f"back at {e.url}" if e.url else f"restarted (pid {e.process.pid})",
+            e.engine.policy_version,
+        )
 
     # -- routing ---------------------------------------------------------------------------------
 
@@ -368,21 +428,67 @@ class EnginePool:
 
     # -- weights and status ----------------------------------------------------------------------
 
-    def update_weights(self, version: int, model_dir: str) -> None:
-        """Every healthy engine loads `model_dir` as `version`; restarted engines load it too."""
+    def update_weights(
+        self, version: int, model_dir: str, tensors: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """Every healthy engine loads `version` through the pool's route (`tensors` for the tensor
+        and distributed routes, `model_dir` for disk); restarted engines load `model_dir`."""
+        route = self.config.route
+        if route != WEIGHT_ROUTE_DISK and not tensors:
+            raise ValueError(f"weight route {route!r} needs the version's tensors")
         with self._cond:
             if version < self._version:
                 raise ValueError(f"policy version {version} is older than the pool's {self._version}")
             self._version, self._weights_dir = version, model_dir
             engines = [e for e in self._engines if e.healthy]
-        for e in engines:
-            try:
-                e.engine.update_weights_from_disk(version, model_dir)
-            except UnavailableError as exc:
-                self._mark_dead(e, str(exc))  # the restart loads this version
+        log.info("policy version %d to %d engine(s) through route %s", version, len(engines), route)
+        if route == WEIGHT_ROUTE_DISK or route == WEIGHT_ROUTE_TENSOR:
+            for e in engines:
+                try:
+                    if route == WEIGHT_ROUTE_DISK:
+                        e.engine.update_weights_from_disk(version, model_dir)
+                    else:
+                        assert tensors is not None  # checked above
+                        e.engine.update_weights_from_tensor(version, tensors)
+                except UnavailableError as exc:
+                    self._mark_dead(e, str(exc))  # the restart loads this version
+        elif engines:
+            assert tensors is not None  # checked above
+            self._update_distributed(version, engines, tensors)
         with self._cond:
             self._served = max(self._served, version)
             self._cond.notify_all()
+
+    def _update_distributed(
+        self, version: int, engines: list[_EngineProcess], tensors: Mapping[str, torch.Tensor]
+    ) -> None:
+        """One broadcast to every engine of a group over `engines`, opened for this set of engines
+        and kept until it changes or breaks."""
+        members = [e.engine for e in engines]
+        if self._group is not None and self._group.engines != members:
+            self._close_group()
+        try:
+            if self._group is None:
+                self._group = WeightUpdateGroup(
+                    members,
+                    master_address=self.config.weight_group_address,
+                    backend=group_backend(self.config.device),
+                    timeout_s=self.config.request_timeout_s,
+                )
+            self._group.update(version, tensors)
+        except UnavailableError as exc:
+            self._close_group()
+            for e in engines:
+                if e.engine.policy_version < version:
+                    self._mark_dead(e, str(exc))  # the restart loads this version from disk
+
+    def _close_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            try:
+                group.close()
+            except Exception:
+                log.exception("closing the weight update group failed")
 
     @property
     def policy_version(self) -> int:

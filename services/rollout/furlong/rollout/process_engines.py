@@ -1,6 +1,15 @@
 """A run's engines as separate processes: the `EngineSet` (core.engine_set) over the engine pool.
 
-Weights: the run has one weight receiver (named `<run>-pool` at the broker). Each version it
+The run's `rollout.engine` picks what each process runs (`engine_launch.LaunchSpec`): Furlong's
+engine server (`builtin`) or an SGLang server (`sglang`, started with this config's
+`sglang_command` and `sglang_args`); with `rollout.engine_urls` the pool attaches to those running
+servers instead of launching any. `engine_factory` routes each run to the factory of its engine
+type.
+
+Weights: the run has one weight receiver (named `<run>-pool` at the broker). The pool's route
+(`weight_routes`) carries each version to the engines: SGLang servers on a GPU get the tensors
+themselves (`tensor` on this host, `distributed` for attached servers); otherwise, and always on
+CPU, they load the directory below from disk. Each version it
 receives is written as a model directory `<work dir>/weights/v<version>` (`export_policy`: config,
 generation config and tokenizer files from the run's model directory, the received tensors as its
 weights), and the pool loads it into
@@ -27,6 +36,8 @@ from typing import Any
 import torch
 
 from furlong.core.checkpoint import export_policy
+from furlong.core.settings import RolloutSettings
+from furlong.core.settings.rollout import ENGINE_SGLANG
 from furlong.rollout.core.engine import Generation
 from furlong.rollout.core.engine_set import EngineSet, EngineSetFactory, Enough, Row, SeedOf
 from furlong.rollout.core.sampling import SamplingConfig
@@ -37,7 +48,9 @@ from furlong.rollout.core.types import (
     SampleLedger,
     WeightReceiverLike,
 )
+from furlong.rollout.engine_launch import LaunchSpec
 from furlong.rollout.pool import EnginePool, PoolConfig
+from furlong.rollout.weight_routes import WEIGHT_ROUTE_AUTO
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +74,25 @@ class ProcessEnginesConfig:
     health_interval_s: float = 0.5
     request_timeout_s: float = 300.0
     work_root: str = ""  # "" = default_work_root()
+    sglang_command: tuple[str, ...] = ()  # () = python -m sglang.launch_server
+    sglang_args: tuple[str, ...] = ()  # appended to every SGLang command line
+    weight_route: str = WEIGHT_ROUTE_AUTO  # weight_routes: auto, disk, tensor or distributed
+    weight_group_address: str = "127.0.0.1"  # distributed route: this host, as attached servers reach it
 
-    def pool(self, num_engines: int, device: str = "cpu", dtype: str = "float32") -> PoolConfig:
+    def pool(self, rollout: RolloutSettings, device: str = "cpu", dtype: str = "float32") -> PoolConfig:
+        sglang = rollout.engine == ENGINE_SGLANG
         return PoolConfig(
             device=device,
             dtype=dtype,
-            num_engines=num_engines,
+            num_engines=rollout.num_engines,
+            launch=LaunchSpec(
+                rollout.engine,
+                self.sglang_command if sglang else (),
+                self.sglang_args if sglang else (),
+            ),
+            engine_urls=rollout.engine_urls,
+            weight_route=self.weight_route,
+            weight_group_address=self.weight_group_address,
             max_batch_size=self.max_batch_size,
             num_threads=self.num_threads,
             chunk_rows=self.chunk_rows,
@@ -86,7 +112,7 @@ class ProcessEngines:
         model_dir: str,
         model: Any,
         tokenizer: Any,
-        num_engines: int,
+        rollout: RolloutSettings,
         ledger: SampleLedger,
         config: ProcessEnginesConfig,
         receiver_factory: ReceiverFactory | None,
@@ -104,7 +130,7 @@ class ProcessEngines:
             tokenizer,
             int(model.config.vocab_size),
             # The engines run where and in which dtype the service placed the run's model.
-            config.pool(num_engines, *_placement(model)),
+            config.pool(rollout, *_placement(model)),
             log_dir=self.work_dir / "logs",
             ledger=ledger,
             name=run_id,
@@ -123,9 +149,10 @@ class ProcessEngines:
             self.close()
             raise
         log.info(
-            "run %s: %d engine process(es) %s, work dir %s",
+            "run %s: %d %s engine(s) %s, work dir %s",
             run_id,
-            num_engines,
+            rollout.num_engines,
+            rollout.engine,
             self.pool.pids(),
             self.work_dir,
         )
@@ -138,7 +165,9 @@ class ProcessEngines:
             # The run's model directory with the received weights, moved into place when complete:
             # engines never see a half-written directory.
             export_policy(tensors, self._model_dir, target)
-            self.pool.update_weights(version, str(target))
+            # the disk route loads this directory; the tensor and distributed routes send `tensors`
+            # and keep the directory for engines that restart later
+            self.pool.update_weights(version, str(target), tensors)
             for status in self.pool.status():
                 self._observer.version_applied(self._run_id, status.engine_id, status.policy_version)
             for old in weights.glob("v*"):
@@ -188,10 +217,32 @@ def process_factory(
     config: ProcessEnginesConfig, receiver_factory: ReceiverFactory | None, observer: RolloutObserver
 ) -> EngineSetFactory:
     def make(
-        run_id: str, model_dir: str, model: Any, tokenizer: Any, num_engines: int, ledger: SampleLedger
+        run_id: str,
+        model_dir: str,
+        model: Any,
+        tokenizer: Any,
+        rollout: RolloutSettings,
+        ledger: SampleLedger,
     ) -> EngineSet:
         return ProcessEngines(
-            run_id, model_dir, model, tokenizer, num_engines, ledger, config, receiver_factory, observer
+            run_id, model_dir, model, tokenizer, rollout, ledger, config, receiver_factory, observer
         )
+
+    return make
+
+
+def engine_factory(builtin: EngineSetFactory, sglang: EngineSetFactory) -> EngineSetFactory:
+    """Each run's engines from the factory of its `rollout.engine`."""
+
+    def make(
+        run_id: str,
+        model_dir: str,
+        model: Any,
+        tokenizer: Any,
+        rollout: RolloutSettings,
+        ledger: SampleLedger,
+    ) -> EngineSet:
+        chosen = sglang if rollout.engine == ENGINE_SGLANG else builtin
+        return chosen(run_id, model_dir, model, tokenizer, rollout, ledger)
 
     return make

@@ -6,16 +6,18 @@ It speaks SGLang's HTTP API with token ids only (servers run with `--skip-tokeni
   max_new_tokens, sampling_seed, ignore_eos, and `stop` when the config has stop strings),
   `return_logprob: true` and
   `return_sampling_mask: true`; each result carries `output_ids` and, in `meta_info`,
-  `output_token_logprobs` ([log-prob, token id, _] per token, under the sampling distribution),
-  `output_sampling_mask` ({"token_ids", "offsets"}: the CSR support of every token, with optional
-  `full_rows`, the rows that are the whole vocabulary and list no ids, as Furlong's engine server
-  sends them) and
+  `output_token_logprobs` ([log-prob, token id, _] per token: its ids must be `output_ids`),
+  `output_token_sampling_mask` (per token, the list of token ids the sampler could have drawn:
+  its support), `output_token_sampling_logprobs` (per token, its log-prob renormalised over that
+  support: the log-prob recorded), optionally `output_token_sampling_mask_full_rows` (a Furlong
+  extension only its own engine server sends: the rows that are the whole vocabulary, sent as an
+  empty list) and
   `finish_reason` ({"type": "length"} or {"type": "stop", "matched": id or string}; a matched
   string must be one of the request's stop strings, and the text is cut before it) and
   `weight_version` (the version that drew the row: it is the sample's policy version when it is a
   decimal number, else — SGLang says "default" before any update — the version of the adapter's
   last weight update).
-- `GET /health_generate`; `POST /pause_generation`, `/continue_generation`, `/flush_cache`;
+- `GET /health`, `/health_generate`; `POST /pause_generation`, `/continue_generation`, `/flush_cache`;
   `POST /update_weights_from_disk` (`model_path`, `weight_version`) and `/update_weight_version`.
 - `POST /update_weights_from_tensor` (`serialized_named_tensors`: one entry per TP rank, each the
   base64 text of `tensor_payload.payload_of`: shared memory / CUDA IPC handles, so the server must
@@ -31,11 +33,16 @@ load, refuses a version older than the served one before calling the server, and
 `policy_version` only when the server answered `{"success": true}`; `{"success": false}` is a
 ValueError carrying the server's message.
 
+SGLang returns sampling supports only for a finite top_k (it answers HTTP 400 otherwise, a
+ValueError here); Furlong's engine server also serves top_k 0. The field names are SGLang's
+(`io_struct.GenerateReqInput`, `tokenizer_manager`); `tests/rollout/sglang_contract.py` names the
+source version they were read from.
+
 Every response is checked before it becomes a `Generation` (lengths agree, each token lies in its
-support, log-probs are finite and <= 0); anything else is an error naming the request row, never a
-guess; response text is decoded here with the given tokenizer. HTTP 400 becomes ValueError (a bad
-request; the server is fine); unreachable servers and other failures become UnavailableError. Knows
-nothing about runs, rewards or Redis.
+support, a support lists no id twice, log-probs are finite and <= 0); anything else is an error
+naming the request row, never a guess; response text is decoded here with the given tokenizer.
+HTTP 400 becomes ValueError (a bad request; the server is fine); unreachable servers and other
+failures become UnavailableError. Knows nothing about runs, rewards or Redis.
 """
 
 from __future__ import annotations
@@ -107,13 +114,15 @@ class SGLangEngine:
         with self._version_changed:
             return self._version_changed.wait_for(lambda: self._policy_version >= min_version, timeout_s)
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
         )
         try:
-            with urllib.request.urlopen(req, timeout=self._timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self._timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:500]
@@ -128,6 +137,14 @@ class SGLangEngine:
             return json.loads(raw)
         except json.JSONDecodeError:
             return raw.decode(errors="replace")
+
+    def alive(self, timeout_s: float = 5.0) -> bool:
+        """True when the server answers `/health` within `timeout_s` (cheap: generates nothing)."""
+        try:
+            self._request("GET", "/health", timeout_s=timeout_s)
+        except (UnavailableError, ValueError):
+            return False
+        return True
 
     def healthy(self) -> bool:
         """True when the server generates a token (`/health_generate`)."""
@@ -308,13 +325,13 @@ class SGLangEngine:
         try:
             ids = [int(t) for t in item["output_ids"]]
             meta = item["meta_info"]
-            logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
             lp_ids = [int(entry[1]) for entry in meta["output_token_logprobs"]]
-            mask = meta["output_sampling_mask"]
-            if not isinstance(mask, dict):
-                raise TypeError("output_sampling_mask")
-            # `full_rows` (optional): rows that are the whole vocabulary, sent without their ids
-            support = RolloutSamplingMask.from_dict({**mask, "vocab_size": self.vocab_size})
+            logprobs = [float(lp) for lp in meta["output_token_sampling_logprobs"]]
+            support = support_of(
+                meta["output_token_sampling_mask"],
+                meta.get("output_token_sampling_mask_full_rows", ()),
+                self.vocab_size,
+            )
             finish = meta["finish_reason"]
             label = meta.get("weight_version")
             if isinstance(label, str) and label.isdecimal():  # the version that drew this row
@@ -322,11 +339,11 @@ class SGLangEngine:
         except (KeyError, TypeError, IndexError) as exc:
             raise UnavailableError(f"{where}: response is missing {exc}") from None
         except ValueError as exc:
-            raise UnavailableError(f"{where}: bad sampling mask: {exc}") from None
-        if not ids or lp_ids != ids or support.num_rows != len(ids):
+            raise UnavailableError(f"{where}: bad sampling mask or log-prob: {exc}") from None
+        if not ids or lp_ids != ids or support.num_rows != len(ids) or len(logprobs) != len(ids):
             raise UnavailableError(
                 f"{where}: {len(ids)} tokens, log-probs for {lp_ids[:8]}..., "
-                f"{support.num_rows} support rows do not agree"
+                f"{support.num_rows} support rows, {len(logprobs)} sampling log-probs do not agree"
             )
         for pos, (tok, lp) in enumerate(zip(ids, logprobs)):
             if not (math.isfinite(lp) and lp <= 0.0) or not support.contains(pos, tok):
@@ -363,3 +380,24 @@ class SGLangEngine:
                 )
             return FINISH_EOS if matched == self.eos_id and ids[-1] == self.eos_id else FINISH_STOP
         raise UnavailableError(f"{where}: unknown finish_reason {finish!r}")
+
+
+def support_of(rows: Any, full_rows: Any, vocab_size: int) -> RolloutSamplingMask:
+    """The CSR support of SGLang's `output_token_sampling_mask` (a list of token-id lists, one per
+    token); the rows in `full_rows` are the whole vocabulary and must be sent empty. ValueError for
+    anything else (not lists, an empty or repeating row, an id outside the vocabulary)."""
+    if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
+        raise ValueError("output_token_sampling_mask must be a list of token-id lists")
+    if not isinstance(full_rows, (list, tuple)):
+        raise ValueError(f"output_token_sampling_mask_full_rows must be a list, got {full_rows!r}")
+    full = set(full_rows)
+    offsets = [0]
+    flat: list[int] = []
+    for i, row in enumerate(rows):
+        if len(set(row)) != len(row):
+            raise ValueError(f"row {i} lists a token id twice")
+        flat.extend(row)
+        offsets.append(len(flat))
+    return RolloutSamplingMask.from_dict(
+        {"token_ids": flat, "offsets": offsets, "vocab_size": vocab_size, "full_rows": sorted(full)}
+    )

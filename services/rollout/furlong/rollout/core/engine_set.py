@@ -22,6 +22,8 @@ from typing import Any, Protocol
 import torch
 
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
+from furlong.core.settings import RolloutSettings
+from furlong.core.settings.rollout import ENGINE_BUILTIN
 from furlong.rollout.core.checks import split_evenly
 from furlong.rollout.core.engine import Engine, Generation
 from furlong.rollout.core.sampling import SamplingConfig, SupportBound
@@ -75,8 +77,10 @@ class EngineSet(Protocol):
     def close(self) -> None: ...
 
 
-# factory(run_id, model_dir, model, tokenizer, num_engines, ledger) -> a started EngineSet
-EngineSetFactory = Callable[[str, str, Any, Any, int, SampleLedger], EngineSet]
+# factory(run_id, model_dir, model, tokenizer, the run's rollout settings, ledger) -> a started
+# EngineSet of rollout.num_engines engines of type rollout.engine; ValueError naming
+# `rollout.engine` for a type the factory does not build
+EngineSetFactory = Callable[[str, str, Any, Any, RolloutSettings, SampleLedger], EngineSet]
 
 
 @dataclasses.dataclass
@@ -252,13 +256,23 @@ def in_process_factory(
     observer: RolloutObserver,
 ) -> EngineSetFactory:
     def make(
-        run_id: str, model_dir: str, model: Any, tokenizer: Any, num_engines: int, ledger: SampleLedger
+        run_id: str,
+        model_dir: str,
+        model: Any,
+        tokenizer: Any,
+        rollout: RolloutSettings,
+        ledger: SampleLedger,
     ) -> EngineSet:
+        if rollout.engine != ENGINE_BUILTIN:
+            raise ValueError(
+                f"rollout.engine: {rollout.engine!r} engines are not run inside the rollout service; "
+                f"this service was started without engine processes for them"
+            )
         return InProcessEngines(
             run_id,
             model,
             tokenizer,
-            num_engines,
+            rollout.num_engines,
             ledger,
             max_batch_size=max_batch_size,
             support_bound=support_bound,

@@ -238,7 +238,7 @@ class RolloutService:
             records = self._records(run_id)
             try:
                 engines = self._engines(
-                    run_id, config.model_dir, model, tokenizer, num_engines, records.samples
+                    run_id, config.model_dir, model, tokenizer, config.rollout, records.samples
                 )
             except BaseException:
                 self._observer.run_ended(run_id, [f"{run_id}-engine-{i}" for i in range(num_engines)])
