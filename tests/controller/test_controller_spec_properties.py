@@ -74,15 +74,18 @@ def strategy(cls: type) -> st.SearchStrategy[dict]:
 EXTERNAL_REWARDS = ("code", "python", "http")
 
 
-# Likewise an environment or agent (a user's class or function, worker processes), and the
-# trainer's ranks (a trainer of that world size).
+# Likewise an environment or agent (a user's class or function, worker processes), the
+# trainer's ranks (a trainer of that world size) and SGLang engines (servers to launch or attach to).
 EXTERNAL_SECTIONS = ("data", "environment", "agent", "trainer")
+EXTERNAL_ROLLOUT = ("engine", "engine_urls")
 
 
 def _internal(d: dict) -> dict:
     d = {k: v for k, v in d.items() if k not in EXTERNAL_SECTIONS}
     if "reward" in d:
         d["reward"] = {k: v for k, v in d["reward"].items() if k not in EXTERNAL_REWARDS}
+    if "rollout" in d:
+        d["rollout"] = {k: v for k, v in d["rollout"].items() if k not in EXTERNAL_ROLLOUT}
     return d
 
 

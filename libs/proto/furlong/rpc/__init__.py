@@ -273,10 +273,26 @@ def rpc_errors(
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method.__qualname__)
             context.abort(
-                code, f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc)
+                code,
+                clip_details(
+                    f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc)
+                ),
             )
 
     return wrapper
+
+
+MAX_DETAILS_CHARS = 800
+
+
+def clip_details(message: str) -> str:
+    """A status message short enough for gRPC's trailing metadata (8 KiB by default, percent-encoded):
+    a message that echoes a huge bad value keeps its start and end and says how much was cut.
+    Without this the client sees RESOURCE_EXHAUSTED instead of the status the server sent."""
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    head, tail = message[: MAX_DETAILS_CHARS // 2], message[-MAX_DETAILS_CHARS // 4 :]
+    return f"{head} ... ({len(message) - len(head) - len(tail)} characters cut) ... {tail}"
 
 
 def error_from_rpc(err: grpc.RpcError) -> Exception:

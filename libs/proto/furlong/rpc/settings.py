@@ -25,6 +25,7 @@ from furlong.core.settings import (
     SettingError,
 )
 from furlong.core.settings.fields import settings_fields
+from furlong.core.settings.rollout import ENGINE_BUILTIN
 from furlong.v1 import common_pb2, rollout_pb2, trainer_pb2
 
 S = TypeVar("S")
@@ -89,6 +90,11 @@ def rollout_to_proto(settings: RolloutSettings) -> rollout_pb2.RolloutConfig:
 
 
 def rollout_from_proto(message: rollout_pb2.RolloutConfig) -> RolloutSettings:
+    """An unset `engine` (proto3's empty string, as a client that predates the field sends it) is
+    the default engine."""
+    if message.engine == "":
+        message = rollout_pb2.RolloutConfig.FromString(message.SerializeToString())
+        message.engine = ENGINE_BUILTIN
     return from_proto(RolloutSettings, message, "rollout")
 
 
