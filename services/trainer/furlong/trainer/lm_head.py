@@ -38,7 +38,8 @@ def _scaled_logits(
 ) -> torch.Tensor:
     """A private work-dtype tensor of the logits of scored rows [a, b) divided by T."""
     rows = plan.select_rows(hidden2d, a, b).to(weight.dtype)
-    return (rows @ weight.T).to(plan.dtype).div_(plan.temperature)
+    x = (rows @ weight.T).to(plan.dtype)
+    return x if plan.temperature == 1.0 else x.div_(plan.temperature)
 
 
 class _HeadLogProbs(torch.autograd.Function):
@@ -101,7 +102,10 @@ class _HeadLogProbs(torch.autograd.Function):
                     plan.write_rows(grad_hidden, (g @ w).to(grad_hidden.dtype), a, b)
                 if grad_weight is not None:
                     rows = plan.select_rows(hidden2d, a, b).to(w.dtype)
-                    grad_weight.add_((g.T @ rows).to(accumulate))
+                    if g.dtype == accumulate:  # accumulated in place: no weight-sized temporary
+                        grad_weight.addmm_(g.T, rows)
+                    else:
+                        grad_weight.add_((g.T @ rows).to(accumulate))
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),

@@ -151,10 +151,14 @@ class ScoringPlan:
             dist.all_reduce(t, op=op, group=self.shard.group)
         return t
 
-    def full_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-sum-exp, entropy) of each row of x over the whole (possibly sharded) vocabulary."""
+    def full_stats(
+        self, x: torch.Tensor, work: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-sum-exp, entropy) of each row of x over the whole (possibly sharded) vocabulary.
+        `work`, shaped and typed like x, is scratch space (overwritten; a fresh tensor if None)."""
         top = self.allreduce(x.amax(dim=-1), dist.ReduceOp.MAX)
-        e = torch.exp(x - top.unsqueeze(-1))
+        e = torch.sub(x, top.unsqueeze(-1), out=work) if work is not None else x - top.unsqueeze(-1)
+        e.exp_()
         total = self.allreduce(e.sum(dim=-1), dist.ReduceOp.SUM)
         weighted = self.allreduce((e.mul_(x)).sum(dim=-1), dist.ReduceOp.SUM)
         lse = total.log() + top
@@ -202,9 +206,17 @@ class ChunkStats(NamedTuple):
     lse_support: torch.Tensor
 
 
-def _chunk_forward(plan: ScoringPlan, x: torch.Tensor, targets: torch.Tensor, a: int, b: int) -> ChunkStats:
-    """Log-probs, entropy and both log-sum-exps of rows [a, b), from x = their logits / T."""
-    lz, entropy = plan.full_stats(x)
+def _chunk_forward(
+    plan: ScoringPlan,
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    a: int,
+    b: int,
+    work: torch.Tensor | None = None,
+) -> ChunkStats:
+    """Log-probs, entropy and both log-sum-exps of rows [a, b), from x = their logits / T (`work`:
+    scratch space shaped like x)."""
+    lz, entropy = plan.full_stats(x, work)
     lse_full = lz
     local, own = plan.local_targets(targets[a:b])
     picked = plan.allreduce(_pick(x, local, own), dist.ReduceOp.SUM)
@@ -223,10 +235,21 @@ def _chunk_forward(plan: ScoringPlan, x: torch.Tensor, targets: torch.Tensor, a:
 def forward_chunks(
     plan: ScoringPlan, targets: torch.Tensor, scaled: Callable[[int, int], torch.Tensor]
 ) -> ChunkStats:
-    """Every chunk's `_chunk_forward`, written into (N,) tensors; `scaled(a, b)` gives x of rows [a, b)."""
+    """Every chunk's `_chunk_forward`, written into (N,) tensors; `scaled(a, b)` gives x of rows [a, b).
+    One scratch tensor of a chunk's size serves every chunk (a fresh large tensor per chunk costs
+    its page faults each time)."""
     out = ChunkStats(*(torch.empty(plan.n, dtype=plan.dtype, device=plan.device) for _ in range(4)))
+    work: torch.Tensor | None = None
     for a, b in plan.chunks():
-        for whole, part in zip(out, _chunk_forward(plan, scaled(a, b), targets, a, b)):
+        x = scaled(a, b)
+        if (
+            work is None
+            or work.dtype != x.dtype
+            or work.shape[1:] != x.shape[1:]
+            or work.shape[0] < x.shape[0]
+        ):
+            work = torch.empty_like(x)
+        for whole, part in zip(out, _chunk_forward(plan, x, targets, a, b, work[: x.shape[0]])):
             whole[a:b] = part
     return out
 
@@ -242,7 +265,17 @@ def chunk_grad(
     grad_entropy: torch.Tensor | None,
 ) -> torch.Tensor:
     """The gradient w.r.t. the (untempered) logits of rows [a, b), from x = their logits / T
-    (x is overwritten)."""
+    (x is overwritten; the log-prob-only gradient of rows whose support is the full vocabulary is
+    computed in x itself and returned)."""
+    if grad_entropy is None and grad_logp is not None:
+        coords = plan.support_coords(a, b) if plan.support is not None else None
+        if coords is None:
+            # dlogp/dx = onehot(target) - p, p = exp(x - lse) <= 1, in place
+            gl = grad_logp[a:b].to(plan.dtype)
+            g = x.sub_(saved.lse_full[a:b].unsqueeze(-1)).exp_().mul_(gl.neg().unsqueeze(-1))
+            local, own = plan.local_targets(targets[a:b])
+            g.scatter_add_(-1, local.unsqueeze(-1), torch.where(own, gl, torch.zeros_like(gl)).unsqueeze(-1))
+            return g if plan.temperature == 1.0 else g.div_(plan.temperature)
     g = torch.zeros_like(x)
     if grad_entropy is not None:
         # dH/dx = -p * (log p + H), p the full tempered distribution
