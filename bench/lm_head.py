@@ -21,7 +21,8 @@ Both sides compute d(sum log-probs + 0.01 sum entropy) w.r.t. the hidden states 
   4096 tokens in chunks of 128 (2048 in chunks of 64 with --quick). `analytic_ratio_at_32k` is
   the memory model below at 32k tokens in chunks of 1024.
 - `max_grad_diff_vs_unchunked`: max |grad chunked - grad unchunked| over the hidden states' and
-  the weight's gradients at `measured_tokens` (float32, sums taken in another order).
+  the weight's gradients at `measured_tokens` (float32, sums taken in another order);
+  `max_grad_rel_diff_vs_unchunked` is that over max |grad unchunked|.
 - `chunked_vs_unchunked_tokens_per_s`: forward + backward throughput ratio (the chunked side
   recomputes each chunk's logits in backward: one matmul more; it keeps none for backward, as the
   trainer keeps none of chunks this large at 32k tokens).
@@ -157,6 +158,7 @@ def main() -> None:
         "unchunked_tokens_per_s": tokens / t_plain,
         "max_grad_diff_vs_unchunked": grad_diff,
         "max_abs_grad": grad_scale,
+        "max_grad_rel_diff_vs_unchunked": grad_diff / grad_scale,
         "analytic_ratio_at_32k": analytic_ratio(LONG_TOKENS, vocab, hidden, CHUNK_AT_32K),
         "analytic_ratio_at_measured_tokens": analytic_ratio(tokens, vocab, hidden, chunk),
     }
