@@ -38,8 +38,7 @@ def _scaled_logits(
 ) -> torch.Tensor:
     """A private work-dtype tensor of the logits of scored rows [a, b) divided by T."""
     rows = plan.select_rows(hidden2d, a, b).to(weight.dtype)
-    x = (rows @ weight.T).to(plan.dtype)
-    return x if plan.temperature == 1.0 else x.div_(plan.temperature)
+    return plan.divide_by_temperature((rows @ weight.T).to(plan.dtype))
 
 
 class _HeadLogProbs(torch.autograd.Function):

@@ -112,8 +112,11 @@ class ScoringPlan:
 
     def scaled(self, logits2d: torch.Tensor, a: int, b: int) -> torch.Tensor:
         """A private work-dtype copy of rows [a, b) divided by T (safe to modify in place)."""
-        out = self.select_rows(logits2d, a, b).to(self.dtype, copy=True)
-        return out.div_(self.temperature)
+        return self.divide_by_temperature(self.select_rows(logits2d, a, b).to(self.dtype, copy=True))
+
+    def divide_by_temperature(self, t: torch.Tensor) -> torch.Tensor:
+        """t divided by T in place (untouched when T is 1)."""
+        return t if self.temperature == 1.0 else t.div_(self.temperature)
 
     def write_rows(self, out: torch.Tensor, rows: torch.Tensor, a: int, b: int) -> None:
         """Store (or, for repeated positions, add) the values of scored rows [a, b) into `out`,
@@ -242,12 +245,7 @@ def forward_chunks(
     work: torch.Tensor | None = None
     for a, b in plan.chunks():
         x = scaled(a, b)
-        if (
-            work is None
-            or work.dtype != x.dtype
-            or work.shape[1:] != x.shape[1:]
-            or work.shape[0] < x.shape[0]
-        ):
+        if work is None or work.shape[0] < x.shape[0]:  # the same dtype and width in every chunk
             work = torch.empty_like(x)
         for whole, part in zip(out, _chunk_forward(plan, x, targets, a, b, work[: x.shape[0]])):
             whole[a:b] = part
@@ -267,15 +265,13 @@ def chunk_grad(
     """The gradient w.r.t. the (untempered) logits of rows [a, b), from x = their logits / T
     (x is overwritten; the log-prob-only gradient of rows whose support is the full vocabulary is
     computed in x itself and returned)."""
-    if grad_entropy is None and grad_logp is not None:
-        coords = plan.support_coords(a, b) if plan.support is not None else None
-        if coords is None:
-            # dlogp/dx = onehot(target) - p, p = exp(x - lse) <= 1, in place
-            gl = grad_logp[a:b].to(plan.dtype)
-            g = x.sub_(saved.lse_full[a:b].unsqueeze(-1)).exp_().mul_(gl.neg().unsqueeze(-1))
-            local, own = plan.local_targets(targets[a:b])
-            g.scatter_add_(-1, local.unsqueeze(-1), torch.where(own, gl, torch.zeros_like(gl)).unsqueeze(-1))
-            return g if plan.temperature == 1.0 else g.div_(plan.temperature)
+    gl = None if grad_logp is None else grad_logp[a:b].to(plan.dtype)
+    coords = plan.support_coords(a, b) if gl is not None and plan.support is not None else None
+    if gl is not None and grad_entropy is None and coords is None:
+        # dlogp/dx = onehot(target) - p, p = exp(x - lse) <= 1, computed in x itself
+        g = x.sub_(saved.lse_full[a:b].unsqueeze(-1)).exp_().mul_(gl.neg().unsqueeze(-1))
+        _add_at_targets(plan, g, targets[a:b], gl)
+        return plan.divide_by_temperature(g)
     g = torch.zeros_like(x)
     if grad_entropy is not None:
         # dH/dx = -p * (log p + H), p the full tempered distribution
@@ -284,10 +280,8 @@ def chunk_grad(
         g.addcmul_(p, logp_full.add_(saved.entropy[a:b].unsqueeze(-1)), value=-1.0)
         g.mul_(grad_entropy[a:b].to(plan.dtype).unsqueeze(-1))
         del p, logp_full
-    if grad_logp is not None:
+    if gl is not None:
         # dlogp/dx = onehot(target) - q, q the distribution renormalised over the support
-        gl = grad_logp[a:b].to(plan.dtype)
-        coords = plan.support_coords(a, b) if plan.support is not None else None
         full_rows = gl
         if coords is not None:
             partial, rows, ids = coords
@@ -298,9 +292,14 @@ def chunk_grad(
         q = torch.exp(x.sub_(saved.lse_full[a:b].unsqueeze(-1)))  # <= 1: no overflow on partial rows
         g.addcmul_(q, full_rows.unsqueeze(-1), value=-1.0)
         del q
-        local, own = plan.local_targets(targets[a:b])
-        g.scatter_add_(-1, local.unsqueeze(-1), torch.where(own, gl, torch.zeros_like(gl)).unsqueeze(-1))
-    return g.div_(plan.temperature)
+        _add_at_targets(plan, g, targets[a:b], gl)
+    return plan.divide_by_temperature(g)
+
+
+def _add_at_targets(plan: ScoringPlan, g: torch.Tensor, targets: torch.Tensor, values: torch.Tensor) -> None:
+    """g[i, targets[i]] += values[i] for the targets in this shard's part of the vocabulary."""
+    local, own = plan.local_targets(targets)
+    g.scatter_add_(-1, local.unsqueeze(-1), torch.where(own, values, torch.zeros_like(values)).unsqueeze(-1))
 
 
 class _SupportLogProbs(torch.autograd.Function):
