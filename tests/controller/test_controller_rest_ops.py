@@ -298,7 +298,13 @@ def test_engines_of_the_active_or_a_named_run(env):
     assert listed == {
         "run_id": run_id,
         "engines": [
-            {"engine_id": f"{run_id}-engine-{i}", "policy_version": 0, "healthy": True, "state": "serving"}
+            {
+                "engine_id": f"{run_id}-engine-{i}",
+                "policy_version": 0,
+                "healthy": True,
+                "state": "serving",
+                "in_flight": 0,
+            }
             for i in range(2)
         ],
     }

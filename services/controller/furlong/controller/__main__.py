@@ -24,9 +24,15 @@ from furlong.controller.config import ControllerConfig
 from furlong.controller.metrics import ControllerMetrics
 from furlong.controller.run_store import RunStore
 from furlong.controller.server import HttpServer, build_controller
-from furlong.controller.services import BROKER_SERVICE, ROLLOUT_SERVICE, TRAINER_SERVICE, connect
+from furlong.controller.services import (
+    BROKER_SERVICE,
+    ROLLOUT_SERVICE,
+    TRAINER_SERVICE,
+    connect,
+    replica_names,
+    rollout_clients,
+)
 from furlong.core.errors import FurlongError
-from furlong.rollout import client as rollout_client
 from furlong.rollout.client import RolloutDeadlines
 from furlong.rpc.service_main import add_credential_flags, credential_fields, install_credentials
 from furlong.service_main import REQUIRED, ServiceCommand, ServiceFlags, start
@@ -41,7 +47,13 @@ def command() -> ServiceCommand:
     p = cmd.parser
     p.add_argument("--redis-url", required=True)
     p.add_argument("--trainer", required=True, help="host:port of the trainer")
-    p.add_argument("--rollout", required=True, help="host:port of the rollout service")
+    p.add_argument(
+        "--rollout",
+        required=True,
+        action="append",
+        help="host:port of the rollout service; repeated: of each rollout replica (each step is "
+        "spread over the live ones)",
+    )
     p.add_argument("--broker", required=True, help="host:port of the weight broker")
     p.add_argument(
         "--token-file",
@@ -118,7 +130,8 @@ def load_config(args: argparse.Namespace, flags: ServiceFlags | None = None) -> 
         port=flags.port,
         redis_url=args.redis_url,
         trainer=args.trainer,
-        rollout=args.rollout,
+        rollout=args.rollout[0],
+        rollout_replicas=tuple(args.rollout[1:]),
         broker=args.broker,
         token=token,
         viewer_token=viewer,
@@ -135,15 +148,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd.check(lambda: install_credentials(config.auth_token_file, config.tls))
     tokens = ApiTokens(admin=(config.token,), viewer=(config.viewer_token,) if config.viewer_token else ())
     store = RunStore.from_url(config.redis_url)
-    services = connect(config.trainer, config.rollout, config.broker, config.timeouts)
+    services = connect(config.trainer, config.rollouts, config.broker, config.timeouts)
     # /v1/engines answers within a few seconds even while rollout is busy generating
-    engines = rollout_client.make_client(config.rollout, RolloutDeadlines(call_s=ENGINE_STATUS_TIMEOUT_S))
+    engines = rollout_clients(config.rollouts, RolloutDeadlines(call_s=ENGINE_STATUS_TIMEOUT_S))
 
     def readiness() -> dict[str, bool]:
         return {
             "redis": store.ping(),
             "trainer": rpc.check_health(config.trainer, TRAINER_SERVICE),
-            "rollout": rpc.check_health(config.rollout, ROLLOUT_SERVICE),
+            **{
+                name: rpc.check_health(address, ROLLOUT_SERVICE)
+                for name, address in zip(replica_names(len(config.rollouts)), config.rollouts)
+            },
             "broker": rpc.check_health(config.broker, BROKER_SERVICE),
         }
 

@@ -158,6 +158,7 @@ class Engine(BaseModel):
     policy_version: int
     healthy: bool
     state: Literal["serving", "draining", "drained"]
+    in_flight: int = 0  # chunks of work the engine is running now
 
 
 class EnginesPage(BaseModel):

@@ -180,6 +180,7 @@ def _engine_json(e: EngineStatus) -> dict[str, Any]:
         "policy_version": e.policy_version,
         "healthy": e.healthy,
         "state": e.state.value,
+        "in_flight": e.in_flight,
     }
 
 

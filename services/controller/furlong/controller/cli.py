@@ -166,6 +166,7 @@ def _config(args: argparse.Namespace, state: StateDir, owned: bool) -> StackConf
         torch_threads=args.torch_threads,
         device=_device(args.device),
         trainer_ranks=args.trainer_ranks or 1,
+        rollout_replicas=args.rollout_replicas,
         redis_binary=args.redis_server or "",
         owned=owned,
     )
@@ -416,6 +417,14 @@ def _start_options(p: argparse.ArgumentParser, this_starts: str) -> None:
         help=f"ranks of the trainer{this_starts}: N > 1 starts it under torchrun with N processes "
         "(runs need trainer.parallel.world_size N; `furlong run` takes N from its spec when not "
         "given; default 1)",
+    )
+    p.add_argument(
+        "--rollout-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help=f"rollout service replicas{this_starts}: each step is spread over them, and the work of "
+        "one that goes away goes to the others (default 1)",
     )
     p.add_argument(
         "--redis-server",

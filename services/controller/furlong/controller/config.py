@@ -61,6 +61,7 @@ class ControllerConfig:
     cors_origins: tuple[str, ...] = ()  # () = CORS off
     auth_token_file: str = ""  # "" = gRPC to the services unauthenticated; else the token's file
     tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC to the services; else mutual TLS
+    rollout_replicas: tuple[str, ...] = ()  # host:port of further rollout replicas (after `rollout`)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -70,6 +71,10 @@ class ControllerConfig:
             raise ValueError(f"redis_url must be a redis:// URL, got {self.redis_url!r}")
         for name in ("trainer", "rollout", "broker"):
             check_address(name, getattr(self, name))
+        for address in self.rollout_replicas:
+            check_address("rollout", address)
+        if len(set(self.rollouts)) != len(self.rollouts):
+            raise ValueError(f"rollout: the same address twice in {list(self.rollouts)}")
         if len(self.token) < 16 or any(c.isspace() for c in self.token):
             raise ValueError(
                 f"token must be at least 16 characters without whitespace (got {len(self.token)} characters)"
@@ -85,10 +90,15 @@ class ControllerConfig:
             if origin != "*" and not origin.startswith(("http://", "https://")):
                 raise ValueError(f"cors_origins: {origin!r} is not an http(s) origin or '*'")
 
+    @property
+    def rollouts(self) -> tuple[str, ...]:
+        """Every rollout replica's host:port, the first `rollout`."""
+        return (self.rollout, *self.rollout_replicas)
+
     def __repr__(self) -> str:  # the token must never reach a log line
         return (
             f"ControllerConfig(host={self.host!r}, port={self.port}, redis_url={self.redis_url!r}, "
-            f"trainer={self.trainer!r}, rollout={self.rollout!r}, broker={self.broker!r}, "
+            f"trainer={self.trainer!r}, rollout={self.rollouts!r}, broker={self.broker!r}, "
             f"token=<redacted>, viewer_token=<{'redacted' if self.viewer_token else 'none'}>, "
             f"cors_origins={self.cors_origins!r}, auth_token_file={self.auth_token_file!r}, "
             f"tls={self.tls!r}, "

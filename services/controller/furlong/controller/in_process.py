@@ -13,6 +13,8 @@ engines, inside this process). `torch_threads` sets torch's intra-op threads as 
 for its trainer and rollout processes, so both give the same numbers. Exported policies go under
 `policy_dir` (`<policy_dir>/<run_id>/final`, as the trainer's --policy-dir); without one, under a
 fresh temporary directory (logged, `stack.policy_dir`), which outlives the stack.
+`rollout_replicas` N > 1 runs N rollout services (replica ids 0 .. N-1, `stack.rollouts`) behind
+one `ReplicatedRollout`, as a controller with N `--rollout` addresses drives them.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from furlong.controller.config import DriverTimeouts
 from furlong.controller.core.run_state import Run
 from furlong.controller.driver import RunDriver
 from furlong.controller.metrics import ControllerMetrics
+from furlong.controller.rollout_replicas import ReplicatedRollout
 from furlong.controller.run_spec import RunSpec
 from furlong.controller.run_store import RunStore
-from furlong.controller.services import Services, in_process
+from furlong.controller.services import Services, in_process, replica_names
+from furlong.rollout import client as rollout_client
 from furlong.rollout.agents import agent_harness
 from furlong.rollout.core.service import RolloutService
 from furlong.rollout.receivers import broker_receiver_factory
@@ -57,19 +61,27 @@ class InProcessStack:
         torch_threads: int = 1,
         timeouts: DriverTimeouts = DriverTimeouts(),
         metrics: ControllerMetrics | None = None,
+        rollout_replicas: int = 1,
     ) -> None:
         if torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {torch_threads}")
+        if rollout_replicas < 1:
+            raise ValueError(f"rollout_replicas must be >= 1, got {rollout_replicas}")
         torch.set_num_threads(torch_threads)
         self._redis = redis.Redis.from_url(redis_url)
         self._core = BrokerCore()
         self._broker = InProcessBrokerClient(self._core)  # the services' own broker client
-        self.rollout = RolloutService(
-            redis_records(self._redis),
-            broker_receiver_factory(self._broker),
-            run_rewards=build_run_reward,
-            run_agents=agent_harness,
-        )
+        self.rollouts = [
+            RolloutService(
+                redis_records(self._redis),
+                broker_receiver_factory(self._broker),
+                run_rewards=build_run_reward,
+                run_agents=agent_harness,
+                replica_id=k if rollout_replicas > 1 else None,
+            )
+            for k in range(rollout_replicas)
+        ]
+        self.rollout = self.rollouts[0]
         if policy_dir is None:  # every run exports its final policy: it must go somewhere
             policy_dir = tempfile.mkdtemp(prefix="furlong-policies-")
             log.info("exported policies go to %s (no policy_dir given)", policy_dir)
@@ -82,6 +94,10 @@ class InProcessStack:
             policy_root=self.policy_dir,
         )
         self.services: Services = in_process(self.trainer, self.rollout, self._core)
+        if rollout_replicas > 1:
+            self.services.rollout = ReplicatedRollout(
+                [rollout_client.make_client(r) for r in self.rollouts], replica_names(rollout_replicas)
+            )
         self.store = RunStore.from_url(redis_url)
         self.driver = RunDriver(self.store, self.services, timeouts, metrics or ControllerMetrics())
 
@@ -92,7 +108,8 @@ class InProcessStack:
     def close(self) -> None:
         self.services.close()
         self.trainer.close()
-        self.rollout.close()
+        for rollout in self.rollouts:
+            rollout.close()
         self._broker.close()
         self._core.shutdown()
         self.store.close()

@@ -19,6 +19,12 @@ from furlong.core.settings.trainer import MAX_WORLD_SIZE
 
 SERVICES = ("redis", "weight_broker", "trainer", "rollout", "controller", "dashboard")
 GRPC_SERVICES = {"weight_broker": BROKER_SERVICE, "trainer": TRAINER_SERVICE, "rollout": ROLLOUT_SERVICE}
+MAX_ROLLOUT_REPLICAS = 16
+
+
+def service_kind(name: str) -> str:
+    """Which service a stack process runs: rollout replica k > 0 is named `rollout-<k>`."""
+    return "rollout" if name.startswith("rollout-") else name
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,9 @@ class StackConfig:
     # the trainer's ranks: more than 1 starts it under torchrun (`--nproc-per-node`), and runs
     # then need trainer.parallel.world_size equal to it
     trainer_ranks: int = 1
+    # rollout service replicas serving every run (the controller spreads each step over them):
+    # more than 1 starts rollout, rollout-1, ... with --replica-id 0, 1, ...
+    rollout_replicas: int = 1
     # an engine that has not acknowledged a version's current stage within this is fenced out of it
     broker_ack_timeout_s: float = 60.0
     # fault tests only: start the broker with --enable-fault-hooks (furlong.weight_broker.fault_hooks)
@@ -68,6 +77,14 @@ class StackConfig:
             raise ValueError(
                 f"trainer_ranks must be an integer in [1, {MAX_WORLD_SIZE}], got {self.trainer_ranks!r}"
             )
+        replicas = self.rollout_replicas
+        if not isinstance(replicas, int) or not 1 <= replicas <= MAX_ROLLOUT_REPLICAS:
+            raise ValueError(
+                f"rollout_replicas must be an integer in [1, {MAX_ROLLOUT_REPLICAS}], "
+                f"got {self.rollout_replicas!r}"
+            )
+        if self.rollout_replicas > 1 and "rollout" not in self.services:
+            raise ValueError("rollout_replicas > 1 needs rollout among the services the stack starts")
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):

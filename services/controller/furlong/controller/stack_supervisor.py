@@ -49,7 +49,8 @@ from furlong import rpc
 from furlong.controller import stack_events
 from furlong.controller.redis_server import RedisServer, ping
 from furlong.controller.run_store import RunStore
-from furlong.controller.stack_config import GRPC_SERVICES, StackConfig
+from furlong.controller.services import ROLLOUT_SERVICE
+from furlong.controller.stack_config import GRPC_SERVICES, StackConfig, service_kind
 from furlong.controller.stack_events import StackEvent, StackEventKind, ended_words, how_it_ended
 from furlong.controller.stack_file import StackInfo, stack_file, write_stack
 from furlong.controller.stack_processes import ServiceProcess, adopt, log_tail, spawn, terminate
@@ -187,12 +188,22 @@ class Supervisor:
                 gateway_port = free_port()
                 argv += ["--gateway-port", str(gateway_port)]
                 changes["gateway_url"] = f"http://127.0.0.1:{gateway_port}/v1"
+                if self.config.rollout_replicas > 1:
+                    argv += ["--replica-id", "0"]
             self._add(
                 ServiceProcess(name, 0, 0.0, port, str(logs / f"{name}.log"), tuple(argv), metrics_port),
                 **changes,
             )
+        rollouts = [addresses["rollout"]] if "rollout" in addresses else []
+        for k in range(1, self.config.rollout_replicas):  # each replica with a gateway of its own
+            name, port, metrics_port = f"rollout-{k}", free_port(), free_port()
+            argv = self._grpc_service_argv("rollout", port, metrics_port, addresses)
+            argv += ["--gateway-port", str(free_port()), "--replica-id", str(k)]
+            rollouts.append(f"127.0.0.1:{port}")
+            log_path = str(logs / f"{name}.log")
+            self._add(ServiceProcess(name, 0, 0.0, port, log_path, tuple(argv), metrics_port))
         port = free_port()
-        argv = self._controller_argv(port, addresses)
+        argv = self._controller_argv(port, addresses, rollouts)
         self._add(
             ServiceProcess("controller", 0, 0.0, port, str(logs / "controller.log"), tuple(argv)),
             rest_url=f"http://127.0.0.1:{port}",
@@ -275,8 +286,9 @@ class Supervisor:
             argv += ["--policy-dir", str(Path(info.state_dir) / "policies")]
         return argv
 
-    def _controller_argv(self, port: int, addresses: dict[str, str]) -> list[str]:
+    def _controller_argv(self, port: int, addresses: dict[str, str], rollouts: list[str]) -> list[str]:
         info = self.info
+        replicas = [arg for address in rollouts[1:] for arg in ("--rollout", address)]
         return [
             self.config.python,
             "-m",
@@ -291,6 +303,7 @@ class Supervisor:
             addresses["trainer"],
             "--rollout",
             addresses["rollout"],
+            *replicas,
             "--broker",
             addresses["weight_broker"],
             "--token-file",
@@ -471,9 +484,9 @@ class Supervisor:
     # -- stopping ----------------------------------------------------------------------------------
 
     def stop_all(self) -> None:
-        by_name = {p.name: p for p in self.info.processes}
         for wave in STOP_WAVES:
-            killed = terminate([by_name[n] for n in wave if n in by_name], self.config.stop_timeout_s)
+            members = [p for p in self.info.processes if service_kind(p.name) in wave]
+            killed = terminate(members, self.config.stop_timeout_s)
             if killed:
                 log.warning("killed after the stop deadline: %s", killed)
         for proc in self._children.values():
@@ -515,8 +528,7 @@ def _health_check(sp: ServiceProcess) -> Callable[[], bool]:
     if "--gateway-port" in sp.argv:  # rollout is healthy once its gateway answers as well
         gateway = f"http://127.0.0.1:{sp.argv[sp.argv.index('--gateway-port') + 1]}/v1/models"
         return lambda: (
-            rpc.check_health(f"127.0.0.1:{sp.port}", GRPC_SERVICES[sp.name], timeout_s=1.0)
-            and _http_ok(gateway)
+            rpc.check_health(f"127.0.0.1:{sp.port}", ROLLOUT_SERVICE, timeout_s=1.0) and _http_ok(gateway)
         )
     if sp.name in GRPC_SERVICES:
         return lambda: rpc.check_health(f"127.0.0.1:{sp.port}", GRPC_SERVICES[sp.name], timeout_s=1.0)

@@ -6,7 +6,7 @@
         [--engines inprocess|process] [--engine-threads 1] [--engine-max-batch-size 64]
         [--chunk-rows 8] [--engine-work-dir DIR] [--gateway-port P]
         [--sglang-command CMD] [--sglang-arg ARG ...]
-        [--weight-route auto|disk|tensor|distributed] [--weight-group-address HOST]
+        [--weight-route auto|disk|tensor|distributed] [--weight-group-address HOST] [--replica-id K]
         [--log-level INFO] [--shutdown-grace-s 10] [--auth-token-file F]
         [--tls-ca-file F --tls-cert-file F --tls-key-file F [--tls-server-name NAME]]
 
@@ -88,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sglang_args=config.sglang_args,
         weight_route=config.weight_route,
         weight_group_address=config.weight_group_address,
+        replica_id=config.replica_id,
     )
     builtin = (
         process_factory(processes, receivers, metrics)
@@ -97,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             support_bound=support_bound,
             receiver_factory=receivers,
             observer=metrics,
+            replica_id=config.replica_id,
         )
     )
     # SGLang engines are always processes (or running servers), whatever --engines says
@@ -115,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_rewards=build_run_reward,
         run_environments=environment_pool,
         run_agents=agent_harness,
+        replica_id=config.replica_id,
     )
     metrics.watch_engines(service.status)
     metrics_endpoint = runtime.serve_metrics()

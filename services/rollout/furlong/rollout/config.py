@@ -18,6 +18,7 @@ from furlong.service_main.ports import check_port
 ENGINES_IN_PROCESS = "inprocess"  # engines inside the rollout service (the default)
 ENGINES_PROCESS = "process"  # one process per engine behind the engine pool
 ENGINE_MODES = (ENGINES_IN_PROCESS, ENGINES_PROCESS)
+MAX_REPLICA_ID = 1023  # rollout replicas of one deployment: ids 0 .. MAX_REPLICA_ID
 
 
 def _user_reward(value: str) -> tuple[str, str]:
@@ -54,6 +55,7 @@ class RolloutServerConfig:
     sglang_args: tuple[str, ...] = ()  # extra flags for every SGLang server the service launches
     weight_route: str = WEIGHT_ROUTE_AUTO  # how engine processes get versions (weight_routes)
     weight_group_address: str = "127.0.0.1"  # distributed route: this host as engines reach it
+    replica_id: int | None = None  # one of several replicas serving the same runs; None = the only one
 
     def __post_init__(self) -> None:
         try:
@@ -100,6 +102,8 @@ class RolloutServerConfig:
             raise ValueError(f"weight_route must be one of {list(WEIGHT_ROUTES)}, got {self.weight_route!r}")
         if not self.weight_group_address:
             raise ValueError("weight_group_address must not be empty")
+        if self.replica_id is not None and not 0 <= self.replica_id <= MAX_REPLICA_ID:
+            raise ValueError(f"--replica-id must be in [0, {MAX_REPLICA_ID}], got {self.replica_id}")
         if self.reward_workers < 1:
             raise ValueError(f"reward_workers must be >= 1, got {self.reward_workers}")
         names = [name for name, _ in self.user_rewards]
@@ -146,6 +150,14 @@ class RolloutServerConfig:
             default=None,
             help="also serve the OpenAI-compatible gateway over the runs' engines on this HTTP port "
             "(0 = any free port; default: no gateway)",
+        )
+        parser.add_argument(
+            "--replica-id",
+            type=int,
+            default=None,
+            help="this service is replica K of several serving the same runs (the controller "
+            "spreads each step over them): its engines are named <run>-rK-engine-<i> "
+            "(default: the only replica, engines <run>-engine-<i>)",
         )
         add_credential_flags(parser)
         parser.add_argument(
@@ -222,6 +234,7 @@ class RolloutServerConfig:
             engine_work_dir=args.engine_work_dir,
             device=args.device,
             gateway_port=args.gateway_port,
+            replica_id=args.replica_id,
             sglang_command=tuple(shlex.split(args.sglang_command)),
             sglang_args=tuple(args.sglang_arg),
             weight_route=args.weight_route,

@@ -95,6 +95,8 @@ def request_to_proto(request: GenerateRequest) -> pb.GenerateRequest:
         min_policy_version=request.min_policy_version,
         timeout_s=request.timeout_s,
         num_groups=request.num_groups,
+        share=request.share,
+        num_shares=request.num_shares,
     )
 
 
@@ -110,6 +112,8 @@ def request_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
         min_policy_version=msg.min_policy_version,
         timeout_s=msg.timeout_s,
         prompts=tuple(prompt_from_proto(p) for p in msg.prompts),
+        share=msg.share,
+        num_shares=msg.num_shares or 1,
     )
 
 

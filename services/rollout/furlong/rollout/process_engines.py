@@ -39,7 +39,14 @@ from furlong.core.checkpoint import export_policy
 from furlong.core.settings import RolloutSettings
 from furlong.core.settings.rollout import ENGINE_SGLANG
 from furlong.rollout.core.engine import Generation
-from furlong.rollout.core.engine_set import EngineSet, EngineSetFactory, Enough, Row, SeedOf
+from furlong.rollout.core.engine_set import (
+    EngineSet,
+    EngineSetFactory,
+    Enough,
+    Row,
+    SeedOf,
+    engine_prefix,
+)
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.types import (
     EngineStatus,
@@ -78,6 +85,7 @@ class ProcessEnginesConfig:
     sglang_args: tuple[str, ...] = ()  # appended to every SGLang command line
     weight_route: str = WEIGHT_ROUTE_AUTO  # weight_routes: auto, disk, tensor or distributed
     weight_group_address: str = "127.0.0.1"  # distributed route: this host, as attached servers reach it
+    replica_id: int | None = None  # this rollout replica's id (engine ids `<run>-r<k>-engine-<i>`)
 
     def pool(self, rollout: RolloutSettings, device: str = "cpu", dtype: str = "float32") -> PoolConfig:
         sglang = rollout.engine == ENGINE_SGLANG
@@ -133,7 +141,7 @@ class ProcessEngines:
             config.pool(rollout, *_placement(model)),
             log_dir=self.work_dir / "logs",
             ledger=ledger,
-            name=run_id,
+            name=engine_prefix(run_id, config.replica_id),
         )
         self.engine_ids = [s.engine_id for s in self.pool.status()]
         self.max_positions: int | None = int(model.config.max_position_embeddings)
@@ -143,7 +151,9 @@ class ProcessEngines:
             for engine_id in self.engine_ids:
                 observer.version_applied(run_id, engine_id, 0)
             if receiver_factory is not None:
-                self._receiver = receiver_factory(run_id, f"{run_id}-pool", self._apply)
+                self._receiver = receiver_factory(
+                    run_id, f"{engine_prefix(run_id, config.replica_id)}-pool", self._apply
+                )
                 self._receiver.start()
         except BaseException:
             self.close()

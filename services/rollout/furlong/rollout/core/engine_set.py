@@ -110,19 +110,21 @@ class InProcessEngines:
         support_bound: SupportBound,
         receiver_factory: ReceiverFactory | None,
         observer: RolloutObserver,
+        replica_id: int | None = None,
     ) -> None:
         self._run_id = run_id
+        prefix = engine_prefix(run_id, replica_id)
         self._ledger = ledger
         self._observer = observer
         self._lock = threading.Lock()
         self._slots = [
             _Slot(
-                engine_id=f"{run_id}-engine-{i}",
+                engine_id=f"{prefix}-engine-{i}",
                 engine=Engine(
                     model if i == 0 else copy.deepcopy(model),
                     tokenizer,
                     max_batch_size,
-                    name=f"{run_id}-engine-{i}",
+                    name=f"{prefix}-engine-{i}",
                     support_bound=support_bound,
                 ),
             )
@@ -248,12 +250,20 @@ class InProcessEngines:
             slot.receiver = None
 
 
+def engine_prefix(run_id: str, replica_id: int | None = None) -> str:
+    """What a run's engine ids start with: `<run>` (engine i: `<run>-engine-<i>`), or for rollout
+    replica k (`--replica-id k`) `<run>-r<k>`, so that the engines of replicas serving one run have
+    distinct ids at the broker."""
+    return run_id if replica_id is None else f"{run_id}-r{replica_id}"
+
+
 def in_process_factory(
     *,
     max_batch_size: int,
     support_bound: SupportBound,
     receiver_factory: ReceiverFactory | None,
     observer: RolloutObserver,
+    replica_id: int | None = None,
 ) -> EngineSetFactory:
     def make(
         run_id: str,
@@ -278,6 +288,7 @@ def in_process_factory(
             support_bound=support_bound,
             receiver_factory=receiver_factory,
             observer=observer,
+            replica_id=replica_id,
         )
 
     return make

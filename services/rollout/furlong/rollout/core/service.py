@@ -32,7 +32,12 @@ from furlong.rollout.core.agent_sessions import RunAgent
 from furlong.rollout.core.checks import check_id, check_int, check_timeout
 from furlong.rollout.core.data_source import DataSource
 from furlong.rollout.core.engine import Engine
-from furlong.rollout.core.engine_set import EngineSetFactory, InProcessEngines, in_process_factory
+from furlong.rollout.core.engine_set import (
+    EngineSetFactory,
+    InProcessEngines,
+    engine_prefix,
+    in_process_factory,
+)
 from furlong.rollout.core.episodes import EpisodeRunner, RunEnvironmentsFactory
 from furlong.rollout.core.evaluation import evaluate
 from furlong.rollout.core.group_scoring import RunReward, RunRewardFactory, Scorer
@@ -139,6 +144,7 @@ class RolloutService:
         data_reader: Callable[[str, DataSettings], DataFile] = read_data_file,
         run_environments: RunEnvironmentsFactory | None = None,
         run_agents: RunAgentFactory | None = None,
+        replica_id: int | None = None,
     ) -> None:
         check_int("max_batch_size", max_batch_size, 1)
         checked = parse_device(device)  # ValueError naming a bad or missing device
@@ -150,6 +156,7 @@ class RolloutService:
                 f"cannot carry a truncated flag), got {support_bound!r}"
             )
         self._records = records
+        self._replica_id = replica_id  # names the engines the default factory builds
         self._loader = policy_loader
         self._observer = observer or NullObserver()
         self._reward_timeout_s = check_timeout("reward_timeout_s", reward_timeout_s)
@@ -160,6 +167,7 @@ class RolloutService:
             support_bound=support_bound,
             receiver_factory=receiver_factory,
             observer=self._observer,
+            replica_id=replica_id,
         )
         self._rewards = None if rewards is None else reward_registry(rewards, include_builtin=False)
         self._run_rewards = run_rewards
@@ -241,7 +249,8 @@ class RolloutService:
                     run_id, config.model_dir, model, tokenizer, config.rollout, records.samples
                 )
             except BaseException:
-                self._observer.run_ended(run_id, [f"{run_id}-engine-{i}" for i in range(num_engines)])
+                prefix = engine_prefix(run_id, self._replica_id)
+                self._observer.run_ended(run_id, [f"{prefix}-engine-{i}" for i in range(num_engines)])
                 raise
             runner = None
             if renderer is not None:

@@ -21,6 +21,11 @@ request is generated under the ledger request `<request id>/t<t>` (turn 0 under 
 itself), the environment's rewards score the episodes, and a group with an episode whose
 environment failed is treated like a group whose reward failed (left out, or drawn again).
 
+A request may be one share of its step (rollout replicas split a step between them): share k of
+n generates the prompts at positions k, k + n, ... of those the step draws and keeps its part of the
+step's groups (`share_of`), under a request seed of its own (`share_seed`); every ledger decision
+above is per prompt, so the same share sent again, to any replica, resumes it.
+
 Sampling seeds: share (in-process) or chunk (engine pool) i of a request samples with a seed derived
 from (run seed, request seed, i, refill round, turn), so the same run seed, request, weights and engine
 layout give the same samples. Knows nothing about gRPC or Redis.
@@ -52,7 +57,14 @@ from furlong.rollout.core.episodes import EpisodeResult, EpisodeRunner
 from furlong.rollout.core.group_scoring import GroupScorer, RewardFailure, Scorer
 from furlong.rollout.core.groups import DynamicSampling, GroupOutcome, OverSampling, zero_variance
 from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
-from furlong.rollout.core.types import GenerateRequest, GenerateResult, Prompt, RolloutObserver, RunRecords
+from furlong.rollout.core.types import (
+    GenerateRequest,
+    GenerateResult,
+    Prompt,
+    RolloutObserver,
+    RunRecords,
+    share_of,
+)
 from furlong.rollout.rewards import RewardError
 
 log = logging.getLogger(__name__)
@@ -65,6 +77,12 @@ def engine_seed(run_seed: int, request_seed: int, share: int, round_: int = 0, t
         [run_seed, request_seed, share] + ([round_] if round_ or turn else []) + ([turn] if turn else [])
     )
     words = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint32)
+    return ((int(words[0]) << 32) | int(words[1])) & MAX_SEED
+
+
+def share_seed(request_seed: int, share: int, num_shares: int) -> int:
+    """The request seed of share `share` of `num_shares` of a request seeded `request_seed`."""
+    words = np.random.SeedSequence([request_seed, num_shares, share]).generate_state(2, dtype=np.uint32)
     return ((int(words[0]) << 32) | int(words[1])) & MAX_SEED
 
 
@@ -143,6 +161,9 @@ class StepGeneration:
         """TimeoutError when an engine does not reach min_policy_version within timeout_s;
         ValueError naming a bad field; NotFoundError when the run ended meanwhile."""
         _check_request(request)
+        if request.num_shares > 1:  # each share samples with its own seed
+            seed = share_seed(request.sampling.seed, request.share, request.num_shares)
+            request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, seed=seed))
         started = time.perf_counter()
         choice = self._choose(run, request)
         if not choice.prompts:  # an earlier attempt wrote every group the step needs
@@ -265,10 +286,14 @@ class StepGeneration:
         return _Rounds(by_prompt, failed, order, failures, refills, num_tokens)
 
     def _choose(self, run: ActiveRun, request: GenerateRequest) -> _Choice:
+        k, shares = request.share, request.num_shares
         if request.prompts:
             prompts = check_prompts(request.prompts)
             check_int("num_groups", request.num_groups, 0, len(prompts))
-            return _Choice(prompts=prompts, keep=request.num_groups, resumed=0, from_task=False)
+            keep = share_of(request.num_groups, k, shares) if request.num_groups else 0
+            if request.num_groups and not keep:  # this share keeps nothing of the step
+                return _Choice(prompts=[], keep=0, resumed=0, from_task=False)
+            return _Choice(prompts=prompts[k::shares], keep=keep, resumed=0, from_task=False)
         if run.task is None and run.data is None:
             raise ValueError(f"run {run.run_id} has no task: a Generate request must carry its prompts")
         assert run.task is not None or run.data is not None
@@ -283,6 +308,10 @@ class StepGeneration:
             candidates = [
                 Prompt(prompt_id=str(p.prompt_id), text=str(p.text), answer=str(p.answer)) for p in drawn
             ]
+        if shares > 1:  # this share's prompts and part of the step's groups
+            candidates, need = candidates[k::shares], share_of(need, k, shares)
+            if not need:
+                return _Choice(prompts=[], keep=0, resumed=0, from_task=True)
         done = run.records.groups.generated_ids(request.step, [p.prompt_id for p in candidates])
         if done and run.rollout.max_staleness:
             # Asynchronous mode: a group an earlier attempt wrote with a policy older than this
@@ -556,6 +585,8 @@ def _check_request(request: GenerateRequest) -> None:
         raise ValueError(f"sampling must be a SamplingConfig, got {type(request.sampling).__name__}")
     check_int("min_policy_version", request.min_policy_version, 0)
     check_timeout("timeout_s", request.timeout_s)
+    check_int("num_shares", request.num_shares, 1, MAX_PROMPTS_PER_STEP)
+    check_int("share", request.share, 0, request.num_shares - 1)
 
 
 def _complete(

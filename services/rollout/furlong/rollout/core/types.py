@@ -69,7 +69,9 @@ class GenerateRequest:
     """One step's groups (see the Generate contract in proto/furlong/v1/rollout.proto). Without
     `prompts`, rollout draws the step's prompts from the run's task and decides which groups are
     written; with `prompts`, it generates those and keeps the first `num_groups` to complete
-    (0 = all)."""
+    (0 = all). With `num_shares` > 1 it is share `share` of the step (rollout replicas): the
+    prompts at positions share, share + num_shares, ... and that part of `num_groups`
+    (`share_of`)."""
 
     run_id: str
     step: int
@@ -79,6 +81,14 @@ class GenerateRequest:
     min_policy_version: int = 0  # wait until every engine serves at least this version
     timeout_s: float = 60.0
     prompts: tuple[Prompt, ...] = ()
+    share: int = 0
+    num_shares: int = 1
+
+
+def share_of(total: int, share: int, num_shares: int) -> int:
+    """Share `share`'s part of `total` split into `num_shares` parts: total // num_shares, one more
+    for each of the first total % num_shares shares (the parts sum to total)."""
+    return total // num_shares + (1 if share < total % num_shares else 0)
 
 
 @dataclass(frozen=True)
