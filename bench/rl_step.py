@@ -21,7 +21,8 @@ the same prompts in the same order.
   controller's own clients, in the order its run driver calls them: rollout.Generate (generate +
   reward -> Redis stream) -> trainer.TrainStep -> trainer.PublishWeights -> broker.WaitCommitted
   (every engine serves the new version). The run is configured as the REST API's run spec makes it
-  (`data.train` = the JSONL, `reward.regex`, `precision.dtype`).
+  (`data.train` = the JSONL, `reward.regex`, `precision.dtype`), with `rollout.num_engines` equal
+  to the torch threads: the engines' shares run at once, one thread each (core.engine_set).
 - TRL: `GRPOTrainer` (trl, benchmark-only dependency) on the same CPU, one optimizer step per
   generation batch, `beta=0`, the same dtype (`bf16=True` for bfloat16).
 
@@ -69,6 +70,7 @@ from furlong.core.settings import (
     DataSettings,
     PrecisionSettings,
     RewardSettings,
+    RolloutSettings,
     SamplingSettings,
 )
 from furlong.core.settings.reward import RegexReward
@@ -175,6 +177,7 @@ def run_ours(
                 precision=precision,
                 data=DataSettings(train=str(data), shuffle=False),
                 reward_config=RewardSettings(regex=RegexReward(weight=1.0, pattern=PATTERN)),
+                rollout=RolloutSettings(num_engines=torch_threads),
             )
         )
         version = trainer.configure_run(
@@ -389,7 +392,8 @@ def main() -> None:
     notes = (
         "ours: Redis, weight broker, trainer, rollout and controller as processes (local_stack), steps "
         f"driven over authenticated gRPC (Generate, TrainStep, PublishWeights, WaitCommitted), "
-        f"{args.torch_threads} torch thread(s) per trainer/rollout process and for TRL; TRL: GRPOTrainer "
+        f"{args.torch_threads} torch thread(s) per trainer/rollout process (rollout.num_engines "
+        f"{args.torch_threads}, one thread each) and for TRL; TRL: GRPOTrainer "
         f"in one process, same weights, prompts, reward and sampling, dtype {args.dtype} on both sides; "
         "medians after one warm-up step; start-up excluded; model FLOPs from the mean measured lengths"
     )

@@ -57,7 +57,7 @@ def replicated(redis_url, tmp_path):
         model_dir=str(write_checkpoint(tmp_path / "policy", seed=9)),
         seed=4,
         task="addition",
-        rollout=RolloutSettings(num_engines=1),
+        rollout=RolloutSettings(num_engines=2),
     )
     yield client, services, red, config
     client.close()
@@ -84,7 +84,7 @@ def shares(client: ReplicatedRollout) -> list[int]:
 def test_a_step_is_split_over_the_replicas_and_merged(replicated):
     client, services, red, config = replicated
     info = client.configure_run(config)
-    assert info.engine_ids == [f"{RUN}-r0-engine-0", f"{RUN}-r1-engine-0"]
+    assert info.engine_ids == [f"{RUN}-r{k}-engine-{i}" for k in range(2) for i in range(2)]
     result = client.generate(request(1, 5))
     assert (result.num_groups, result.num_samples) == (5, 10)
     assert shares(client) == [1, 1]

@@ -46,6 +46,7 @@ from furlong.controller.run_data import check_run_data
 from furlong.controller.run_follow import FollowOptions, Interrupts, follow_run, place_policies, summary_table
 from furlong.controller.run_preflight import preflight
 from furlong.controller.run_spec import parse_run_spec
+from furlong.controller.stack_config import MAX_ROLLOUT_REPLICAS
 from furlong.controller.stack_events import StackEventTail
 from furlong.controller.stack_file import StackState, stack_status
 from furlong.controller.state_dir import StateDir, resolve_state_dir
@@ -160,6 +161,10 @@ def _trainer_ranks(args: argparse.Namespace, spec: dict[str, Any] | None) -> int
 
 
 def _config(args: argparse.Namespace, state: StateDir, owned: bool) -> StackConfig:
+    if not 1 <= args.rollout_replicas <= MAX_ROLLOUT_REPLICAS:
+        raise UsageError(
+            f"--rollout-replicas must be in [1, {MAX_ROLLOUT_REPLICAS}], got {args.rollout_replicas}"
+        )
     return StackConfig(
         state_dir=state.path,
         ready_timeout_s=args.ready_timeout_s,

@@ -55,6 +55,7 @@ T = TypeVar("T")
 # The errors that mean "this replica went away (or restarted and lost the run)": its work goes to
 # another replica.
 GONE = (UnavailableError, NotFoundError, TimeoutError)
+PROBE_RUN_ID = "replica-probe"  # asked for when no run is configured: any answer but UNAVAILABLE is up
 
 
 @dataclass
@@ -279,7 +280,16 @@ class ReplicatedRollout:
 
 
 def _configures(client: RolloutClient, configs: Sequence[RolloutRunConfig]) -> bool:
-    """Whether `client` took every one of `configs` (the first failure stops)."""
+    """Whether `client` took every one of `configs` (the first failure stops); without any, whether
+    it answers at all (a status call for a run it does not know)."""
+    if not configs:
+        try:
+            client.status(PROBE_RUN_ID)
+        except (UnavailableError, TimeoutError):
+            return False
+        except Exception:  # noqa: BLE001 - any answer (NotFoundError above all) means it is up
+            return True
+        return True
     for config in configs:
         try:
             client.configure_run(config)

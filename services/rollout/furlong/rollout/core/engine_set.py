@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import torch
@@ -95,8 +96,12 @@ class _Slot:
 
 class InProcessEngines:
     """`num_engines` replicas of one model in this process. A request's rows are split evenly over
-    the serving (not drained) engines, which take their shares one after another: on a CPU host
-    each already uses all torch threads. Share i samples with `seed_of(i)`."""
+    the serving (not drained) engines. With T torch threads and E engines taking shares, min(E, T)
+    shares run at once, each on T // min(E, T) torch threads of its own (on a CPU host two 1-thread
+    engines decode faster together than one 2-thread engine: the small decode matmuls do not split
+    well); with one thread they run one after another. Either way the results are taken in share
+    order, and once `enough` is satisfied the later shares' results are not recorded (one after
+    another, those shares do not even start). Share i samples with `seed_of(i)`."""
 
     def __init__(
         self,
@@ -173,32 +178,95 @@ class InProcessEngines:
         if not serving:
             raise UnavailableError(f"run {self._run_id}: every engine is drained")
         self._ledger.open(request_id, [sid for sid, _ in rows])
+        shares = [
+            (share, serving[share], list(rows[start:end]))
+            for share, (start, end) in enumerate(split_evenly(len(rows), len(serving)))
+            if end > start
+        ]
+        threads = torch.get_num_threads()
+        at_once = min(len(shares), threads)
+        if at_once <= 1:
+            return self._one_after_another(request_id, shares, sampling, seed_of, enough)
+        return self._at_once(request_id, shares, sampling, seed_of, enough, at_once, threads // at_once)
+
+    def _one_after_another(
+        self,
+        request_id: str,
+        shares: list[tuple[int, _Slot, list[Row]]],
+        sampling: SamplingConfig,
+        seed_of: SeedOf,
+        enough: Enough | None,
+    ) -> dict[str, Generation]:
         out: dict[str, Generation] = {}
-        for share, (start, end) in enumerate(split_evenly(len(rows), len(serving))):
+        for share, slot, part in shares:
             if enough is not None and enough(out):
                 break
-            slot, part = serving[share], list(rows[start:end])
-            if not part:
-                continue
-            self._ledger.dispatch(request_id, [sid for sid, _ in part], slot.engine_id)
-            config = dataclasses.replace(sampling, seed=seed_of(share))
-            with self._lock:
-                slot.in_flight += 1
-            try:
-                gens = slot.engine.generate([ids for _, ids in part], config)
-            except ValueError:
-                raise  # a request the engine cannot serve (prompt too long): the engine is fine
-            except Exception:
-                slot.healthy = False
-                raise
-            finally:
-                with self._lock:
-                    slot.in_flight -= 1
-            slot.healthy = True
-            for (sid, _), g in zip(part, gens):
-                if self._ledger.finish(request_id, sid):
-                    out[sid] = g
+            self._finish(
+                request_id, part, self._run_share(request_id, slot, part, sampling, seed_of(share)), out
+            )
         return out
+
+    def _at_once(
+        self,
+        request_id: str,
+        shares: list[tuple[int, _Slot, list[Row]]],
+        sampling: SamplingConfig,
+        seed_of: SeedOf,
+        enough: Enough | None,
+        at_once: int,
+        threads_each: int,
+    ) -> dict[str, Generation]:
+        """The shares on `at_once` threads of `threads_each` torch threads each; their results are
+        taken in share order (as one after another would), and once `enough` is satisfied the
+        later shares' results are left unrecorded (the caller closes those rows)."""
+
+        def run(share: int, slot: _Slot, part: list[Row]) -> list[Generation]:
+            torch.set_num_threads(threads_each)  # this worker thread's own setting
+            return self._run_share(request_id, slot, part, sampling, seed_of(share))
+
+        out: dict[str, Generation] = {}
+        with ThreadPoolExecutor(max_workers=at_once, thread_name_prefix=f"{self._run_id}-share") as pool:
+            futures = [pool.submit(run, *share) for share in shares]
+            errors: list[BaseException] = []
+            for (_, _, part), future in zip(shares, futures):
+                try:
+                    gens = future.result()  # every share ends before this call returns
+                except Exception as exc:  # noqa: BLE001 - raised below, after the other shares
+                    errors.append(exc)
+                    continue
+                if errors or (enough is not None and enough(out)):
+                    continue
+                self._finish(request_id, part, gens, out)
+        if errors:
+            raise errors[0]
+        return out
+
+    def _run_share(
+        self, request_id: str, slot: _Slot, part: list[Row], sampling: SamplingConfig, seed: int
+    ) -> list[Generation]:
+        self._ledger.dispatch(request_id, [sid for sid, _ in part], slot.engine_id)
+        config = dataclasses.replace(sampling, seed=seed)
+        with self._lock:
+            slot.in_flight += 1
+        try:
+            gens = slot.engine.generate([ids for _, ids in part], config)
+        except ValueError:
+            raise  # a request the engine cannot serve (prompt too long): the engine is fine
+        except Exception:
+            slot.healthy = False
+            raise
+        finally:
+            with self._lock:
+                slot.in_flight -= 1
+        slot.healthy = True
+        return gens
+
+    def _finish(
+        self, request_id: str, part: list[Row], gens: list[Generation], out: dict[str, Generation]
+    ) -> None:
+        for (sid, _), g in zip(part, gens):
+            if self._ledger.finish(request_id, sid):
+                out[sid] = g
 
     def engine(self, engine_id: str) -> Engine:
         """The engine itself (its model, for checks against other replicas)."""
