@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from k8s_render import OVERLAYS, ROOT, K8S, find, pod_template, pods_selected, render_dir, render_overlay
+from k8s_render import K8S, OVERLAYS, ROOT, find, pod_template, pods_selected, render_dir, render_overlay
 from test_deploy_render import validate_object
 from test_deploy_security import render_with_mtls
 from test_deploy_workloads import FAKE_FIELDS, POD_INDEX, expanded_args, flag_value, flag_values
