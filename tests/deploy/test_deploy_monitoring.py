@@ -248,6 +248,9 @@ def test_monitors_find_their_targets_and_carry_the_release_label(overlay):
         if selector_matches(o["spec"]["selector"], s["metadata"]["labels"])
     }
     assert scraped == {"furlong-controller", "furlong-trainer", "furlong-rollout", "furlong-weight-broker"}
+    for name in scraped:  # each has endpoints: the pods behind it (every rollout replica's included)
+        service = find(objects, "Service", name)
+        assert pods_selected({"matchLabels": service["spec"]["selector"]}, objects) == {name}, name
     pod_monitor = find(objects, "PodMonitor", "furlong-dashboard")
     assert pods_selected(pod_monitor["spec"]["selector"], objects) == {"furlong-dashboard"}
     dashboard = find(objects, "DaemonSet", "furlong-dashboard")

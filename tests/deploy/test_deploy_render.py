@@ -72,7 +72,8 @@ def test_overlay_renders_the_whole_stack_into_one_namespace(overlay):
         ("Service", "furlong-trainer-ranks"),
         ("PersistentVolumeClaim", "furlong-trainer-checkpoints"),
         ("StatefulSet", "furlong-weight-broker"),
-        ("Deployment", "furlong-rollout"),
+        ("StatefulSet", "furlong-rollout"),
+        ("Service", "furlong-rollout"),
         ("StatefulSet", "furlong-redis"),
         ("DaemonSet", "furlong-dashboard"),
         ("ServiceMonitor", "furlong-services"),
@@ -89,7 +90,7 @@ def test_overlay_renders_the_whole_stack_into_one_namespace(overlay):
 @pytest.mark.integration
 def test_headless_services_govern_their_statefulsets():
     objects = render_overlay("prod")
-    for name in ("furlong-weight-broker", "furlong-redis"):
+    for name in ("furlong-weight-broker", "furlong-redis", "furlong-rollout"):
         sts = find(objects, "StatefulSet", name)
         svc = find(objects, "Service", sts["spec"]["serviceName"])
         assert svc["spec"]["clusterIP"] == "None"
@@ -134,13 +135,13 @@ def test_rdma_component_renders_on_top_of_prod(tmp_path):
     )
     objects = render_dir(overlay)
     validate_object(find(objects, "JobSet", "furlong-trainer"))
-    validate_object(find(objects, "Deployment", "furlong-rollout"))
+    validate_object(find(objects, "StatefulSet", "furlong-rollout"))
     pods = [
         pod_template(w)
         for w in workloads(objects)
         if w["metadata"]["name"] in ("furlong-trainer", "furlong-rollout")
     ]
-    assert len(pods) == 3  # trainer leader and workers, rollout
+    assert len(pods) == 3  # trainer leader and workers, rollout (one template for its replicas)
     gpus = {"furlong-rollout": 1, "furlong-trainer": 4}
     for workload in workloads(objects):
         name = workload["metadata"]["name"]

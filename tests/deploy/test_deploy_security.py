@@ -35,7 +35,7 @@ TLS_SECRET = "furlong-internal-tls"
 API_SERVICES = {
     "controller": ("Deployment", "furlong-controller"),
     "trainer": ("JobSet", "furlong-trainer"),  # its leader pod: rank 0
-    "rollout": ("Deployment", "furlong-rollout"),
+    "rollout": ("StatefulSet", "furlong-rollout"),
     "weight-broker": ("StatefulSet", "furlong-weight-broker"),
 }
 GRPC_NAMES = {

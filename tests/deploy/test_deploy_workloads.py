@@ -52,10 +52,12 @@ def component_of(workload: dict) -> str:
     return pod_template(workload)["metadata"]["labels"][COMPONENT]
 
 
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"  # a StatefulSet pod's ordinal
 FAKE_FIELDS = {
     "metadata.name": "furlong-controller-5d8f9c7b6-x2x7q",
     "spec.nodeName": "node-1",
     "metadata.labels['jobset.sigs.k8s.io/job-index']": "0",
+    POD_INDEX: "0",
 }
 TORCHRUN = ["python", "-m", "torch.distributed.run"]
 
@@ -106,6 +108,11 @@ def expanded_args(container: dict, fields: dict[str, str] = FAKE_FIELDS) -> list
 def flag_value(args: list[str], flag: str) -> str:
     assert args.count(flag) == 1, f"{flag} must appear once in {args}"
     return args[args.index(flag) + 1]
+
+
+def flag_values(args: list[str], flag: str) -> list[str]:
+    """The values of a flag given any number of times, in order."""
+    return [args[i + 1] for i, a in enumerate(args) if a == flag]
 
 
 def declared_flags(module: str) -> tuple[set[str], set[str]]:
@@ -212,7 +219,7 @@ def test_images_are_pinned(overlay):
 def test_hardware_variant_images_and_devices(overlay, trainer_tag, rollout_tag, gpu):
     objects = render_overlay(overlay)
     pods = [
-        (find(objects, "Deployment", "furlong-rollout"), rollout_tag, 1),
+        (find(objects, "StatefulSet", "furlong-rollout"), rollout_tag, 1),  # per replica
         *((job, trainer_tag, 4) for job in replicated_jobs(find(objects, "JobSet", "furlong-trainer"))),
     ]
     assert len(pods) == 3
@@ -293,13 +300,14 @@ def test_service_parsers_accept_the_manifest_args(monkeypatch):
     assert trainer.consumer_name == "furlong-trainer"  # fixed: stable across restarts
     assert trainer.num_threads == 8
     assert (trainer.device, trainer.checkpoint_dir) == ("cuda", "/var/lib/furlong/checkpoints")
-    rollout = RolloutServerConfig.from_args(args_of("Deployment", "furlong-rollout"))
+    rollout = RolloutServerConfig.from_args(args_of("StatefulSet", "furlong-rollout"))
     assert (rollout.port, rollout.metrics_port, rollout.num_threads) == (50051, 9090, 8)
-    assert rollout.device == "cuda"
+    assert (rollout.device, rollout.replica_id) == ("cuda", 0)
     broker = BrokerConfig.from_args(args_of("StatefulSet", "furlong-weight-broker"))
     assert (broker.host, broker.port, broker.metrics_port) == ("0.0.0.0", 50051, 9090)
     controller = controller_args(args_of("Deployment", "furlong-controller"))
     assert (controller.host, controller.port) == ("0.0.0.0", 8080)
+    assert len(controller.rollout) == find(objects, "StatefulSet", "furlong-rollout")["spec"]["replicas"]
 
 
 def resolve_address(objects: list[dict], address: str) -> tuple[dict, int]:
@@ -333,16 +341,18 @@ def test_addresses_in_args_resolve_to_services_of_the_stack(overlay):
     for _workload, container in all_containers(overlay):
         args = expanded_args(container)
         for flag, component in expected_target.items():
-            if flag not in args:
-                continue
-            value = flag_value(args, flag)
-            if flag == "--redis-url":
-                assert value.startswith("redis://") and value.endswith("/0")
-                value = value[len("redis://") : -len("/0")]
-            service, _ = resolve_address(objects, value)
-            assert service["spec"]["selector"][COMPONENT] == component
-            checked += 1
-    assert checked == 10  # controller: 4, trainer leader and workers: 2 each, rollout: 2
+            values = flag_values(args, flag)
+            assert flag == "--rollout" or len(values) <= 1, f"{flag} given {len(values)} times"
+            for value in values:
+                if flag == "--redis-url":
+                    assert value.startswith("redis://") and value.endswith("/0")
+                    value = value[len("redis://") : -len("/0")]
+                service, _ = resolve_address(objects, value)
+                assert service["spec"]["selector"][COMPONENT] == component
+                checked += 1
+    # controller: 3 + one --rollout per rollout replica, trainer leader and workers: 2 each, rollout: 2
+    replicas = find(objects, "StatefulSet", "furlong-rollout")["spec"]["replicas"]
+    assert checked == 3 + replicas + 2 + 2 + 2
 
 
 @pytest.mark.integration
@@ -359,7 +369,10 @@ def test_stateful_pieces_have_budgets_accounts_and_storage(overlay):
         if workload["kind"] in ("Deployment", "StatefulSet", "JobSet"):
             matching = [b for b in budgets if selector_matches(b["spec"]["selector"], labels)]
             assert len(matching) == 1, f"{workload['metadata']['name']}: {len(matching)} budgets"
-            if workload["kind"] == "StatefulSet":  # holds run state: no voluntary eviction
+            if workload["metadata"]["name"] == "furlong-rollout":
+                # replicas: one may go at a time (its share of a step goes to another replica)
+                assert matching[0]["spec"]["maxUnavailable"] == 1 < workload["spec"]["replicas"]
+            elif workload["kind"] == "StatefulSet":  # holds run state: no voluntary eviction
                 assert matching[0]["spec"]["maxUnavailable"] == 0
             if workload["kind"] == "JobSet":  # the same, as the integer minAvailable pods of a JobSet take
                 jobs = replicated_jobs(find(objects, "JobSet", workload["metadata"]["name"]))
