@@ -91,6 +91,7 @@ def test_drain_an_engine_over_rest(stack):
         "policy_version": 0,
         "healthy": True,
         "state": "drained",
+        "in_flight": 0,
     }  # nothing was in flight
     assert admin.post(target, params={"run_id": RUN}).json()["state"] == "drained"  # idempotent
     listed = httpx.get(url + "/v1/engines", params={"run_id": RUN}, headers=viewer).json()
