@@ -66,6 +66,7 @@ def _worker(rank, world, port, tmp, results):
             return Learner(tiny_model(seed=7), _config(), data_parallel_group=group, data_parallel=mode)
 
         straight = Learner(tiny_model(), _config(), data_parallel_group=group, data_parallel="fsdp2")
+        save_training_checkpoint(straight, tmp / "untrained", step=0)  # AdamW holds no state yet
         losses = _steps(straight, sampler, K)
         save_training_checkpoint(straight, tmp / "dcp", step=K, data_cursor=CURSOR)
         at_k = _full_state(straight)
@@ -166,6 +167,17 @@ def test_a_one_process_checkpoint_resumes_on_two_fsdp2_ranks(sharded):
         assert _max_diff(params, params_k) == 0.0 and _max_diff(optim, optim_k) == 0.0
         assert loss == pytest.approx(one_losses[K], abs=1e-5)
         assert _max_diff(params_next, params_after) <= 1e-6
+
+
+def test_a_checkpoint_before_the_first_step_holds_no_optimizer_state(sharded):
+    path = sharded["tmp"] / "untrained"
+    assert json.loads((path / "manifest.json").read_text())["optimizer"] == {"state": False, "in": "dcp"}
+    resumed = Learner(tiny_model(seed=7), _config())
+    assert load_training_checkpoint(resumed, path).step == 0
+    params, optim = _full_state(resumed)
+    assert optim == {} and _max_diff(params, _full_state(Learner(tiny_model(), _config()))[0]) == 0.0
+    # and it trains on as a fresh learner does
+    assert _steps(resumed, tiny_model(), 1)[0] == pytest.approx(sharded[(0, "straight")][0][0], abs=1e-5)
 
 
 def test_a_missing_or_corrupted_shard_is_refused_naming_the_file(sharded, tmp_path):
