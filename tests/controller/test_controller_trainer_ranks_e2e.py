@@ -3,7 +3,9 @@ addition example (shortened) with `trainer.parallel: {strategy: ddp, world_size:
 trainer as `torchrun --nproc-per-node 2` and trains every step over both ranks; its per-step losses
 equal the one-rank run's with the same seed within 1e-5, and so do its training checkpoints. A
 checkpoint written at world size 2 resumes on a one-rank trainer and trains on. With `fsdp2` the
-losses agree within 1e-4 and the exported final policy (gathered from the shards) within 1e-5.
+losses agree within 1e-4 and the exported final policy (gathered from the shards) within 1e-5; its
+training checkpoints are sharded (torch.distributed.checkpoint, every rank its shards) and the last
+one resumes on a one-rank trainer with the exported policy's weights.
 When `furlong run` returns, no process of its stack (torchrun's agent, a rank) is left.
 """
 
@@ -35,6 +37,7 @@ from furlong.rollout.receivers import broker_receiver_factory
 from furlong.rollout.run_records import redis_records
 from furlong.trainer.api import TrainStepRequest
 from furlong.trainer.service import TrainerService
+from furlong.trainer.train_checkpoint import DCP_FORMAT, MANIFEST
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
 
@@ -96,8 +99,13 @@ def runs(tmp_path_factory) -> dict[int, dict]:
     return {ws: furlong_run(ws, tmp_path_factory.mktemp(f"ranks-{ws}")) for ws in (1, 2)}
 
 
-def test_two_fsdp2_ranks_train_the_one_rank_losses_and_export_its_policy(runs, tmp_path):
-    one, sharded = runs[1], furlong_run(2, tmp_path, "fsdp2")
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory) -> dict:
+    return furlong_run(2, tmp_path_factory.mktemp("ranks-fsdp2"), "fsdp2")
+
+
+def test_two_fsdp2_ranks_train_the_one_rank_losses_and_export_its_policy(runs, sharded_run):
+    one, sharded = runs[1], sharded_run
     assert "fsdp2 over 2 ranks" in sharded["log"] and "rank 1 of 2 follows rank 0" in sharded["log"]
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(one["steps"], sharded["steps"], strict=True)]
     assert max(diffs) <= 1e-4, diffs
@@ -135,6 +143,34 @@ def test_two_rank_checkpoints_hold_the_one_rank_weights(runs):
         assert one.keys() == two.keys()
         worst = max(float((one[k].double() - two[k].double()).abs().max()) for k in one)
         assert worst <= 1e-5, (name, worst)
+
+
+def test_two_fsdp2_ranks_write_sharded_checkpoints_that_resume_on_one_rank(sharded_run, tmp_path, redis_url):
+    sharded = sharded_run
+    run_id = sharded["run"]["run_id"]
+    for step in range(1, STEPS + 1):
+        manifest = json.loads((checkpoint(sharded, step) / MANIFEST).read_text())
+        assert (manifest["format"], manifest["step"], manifest["world_size"]) == (DCP_FORMAT, step, 2)
+        assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(manifest["sha256"])
+    root = tmp_path / "checkpoints"
+    shutil.copytree(checkpoint(sharded, STEPS), root / run_id / f"step-{STEPS}")
+    parsed = parse_run_spec({**spec(2, "fsdp2"), "trainer": {"parallel": to_mapping(ParallelSettings())}})
+    client = redis.Redis.from_url(redis_url)
+    broker = InProcessBrokerClient(BrokerCore())
+    service = TrainerService(client, broker, "trainer-0", checkpoint_root=root)
+    try:
+        resumed = service.configure_run(trainer_config(run_id, parsed))
+        assert resumed.policy_version == STEPS
+        exported = service.export_policy(run_id, str(tmp_path / "resumed"))
+        written = load_file(Path(exported.path) / "model.safetensors")
+        final = load_file(sharded["out"] / "final" / "model.safetensors")
+        assert written.keys() == final.keys()
+        for name, tensor in final.items():
+            assert torch.equal(written[name], tensor), name
+    finally:
+        service.close()
+        broker.close()
+        client.close()
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank(runs, tmp_path, redis_url):

@@ -4,9 +4,10 @@ the process) turns true between commands; a command under way is finished first.
 
 A follower holds one `Learner` per configured run, built like rank 0's (`run_learner`) over the
 trainer's process group, and trains its slice of the batch rank 0 read from Redis. It never reads
-Redis, serves gRPC, publishes weights or writes checkpoints and exports: with ddp every rank holds
-the whole policy and rank 0 writes it; with fsdp2 a follower joins the gathers of the full tensors
-(`GatherCommand`) and drops the result.
+Redis, serves gRPC, publishes weights or writes exports: with ddp every rank holds the whole policy
+and rank 0 writes it and its training checkpoints; with fsdp2 a follower joins the gathers of the
+full tensors (`GatherCommand`) and drops the result, and writes its own shards of each training
+checkpoint (`CheckpointCommand`; rank 0 writes the manifest).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from furlong.trainer.core.learner import Learner
 from furlong.trainer.ranks import (
+    CheckpointCommand,
     ConfigureCommand,
     EndCommand,
     GatherCommand,
@@ -28,7 +30,7 @@ from furlong.trainer.ranks import (
     TrainerRanks,
 )
 from furlong.trainer.run_learner import LearnerMemory, build_learner, check_world_size
-from furlong.trainer.train_checkpoint import load_training_checkpoint
+from furlong.trainer.train_checkpoint import load_training_checkpoint, save_training_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,8 @@ class RankFollower:
             learner.train_step(command.groups)
         elif isinstance(command, GatherCommand):
             self._learner(command.run_id).state_dict()
+        elif isinstance(command, CheckpointCommand):
+            save_training_checkpoint(self._learner(command.run_id), command.directory, command.step)
         elif isinstance(command, EndCommand):
             self._learners.pop(command.run_id, None)
         else:

@@ -2,13 +2,14 @@
 
 `torchrun --nproc-per-node N -m furlong.trainer ...` starts N processes. Rank 0 serves gRPC as a
 one-rank trainer does; every call that needs the other ranks (configure a run, train a step, end a
-run, gather an FSDP2-sharded state dict) is posted by rank 0 as a `RankCommand` and executed by the
-others' `furlong.trainer.rank_follower` loop while rank 0 executes its own part. Commands travel
+run, gather an FSDP2-sharded state dict, write an FSDP2-sharded training checkpoint) is posted by
+rank 0 as a `RankCommand` and executed by the others' `furlong.trainer.rank_follower` loop while
+rank 0 executes its own part. Commands travel
 through the rendezvous store (a key per command, numbered in order), not through collectives, so an
 idle follower waits on the store without a collective timeout; the collectives themselves (DDP's
-gradient all-reduce, FSDP2's gathers) run on the group's process group. Each follower reports the
-outcome of every command under a key of its own, and rank 0 raises `RanksFailed` naming the ranks
-that failed and why.
+gradient all-reduce, FSDP2's gathers, DCP's checkpoint writes) run on the group's process group.
+Each follower reports the outcome of every command under a key of its own, and rank 0 raises
+`RanksFailed` naming the ranks that failed and why.
 
 Knows nothing of gRPC or Redis: commands carry plain values (sample groups read by rank 0, the
 run's config). One command at a time across all runs (`command` holds a lock), since two runs'
@@ -76,6 +77,16 @@ class GatherCommand:
 
 
 @dataclass(frozen=True)
+class CheckpointCommand:
+    """Write the run's sharded training checkpoint of `step` to `directory` (FSDP2: every rank
+    writes its shards; rank 0 the manifest)."""
+
+    run_id: str
+    directory: str
+    step: int
+
+
+@dataclass(frozen=True)
 class EndCommand:
     run_id: str
 
@@ -85,7 +96,9 @@ class ShutdownCommand:
     """The follower loop returns."""
 
 
-RankCommand = ConfigureCommand | TrainCommand | GatherCommand | EndCommand | ShutdownCommand
+RankCommand = (
+    ConfigureCommand | TrainCommand | GatherCommand | CheckpointCommand | EndCommand | ShutdownCommand
+)
 
 
 class TrainerRanks:

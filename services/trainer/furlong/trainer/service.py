@@ -20,8 +20,10 @@ dtype of the run's `precision` (see `core.learner`).
 Under torchrun (`ranks`), this object runs on rank 0 and drives the other ranks: configuring a
 run, training a step (on the groups rank 0 read) and ending a run are posted to them as commands
 (`ranks.TrainerRanks.command`), and each rank trains its slice of the batch over the trainer's
-process group (`run.parallel`: ddp or fsdp2). Publishing, checkpoints and exports are rank 0's
-alone; with fsdp2 the full tensors are gathered on every rank first (`GatherCommand`). A run whose
+process group (`run.parallel`: ddp or fsdp2). Publishing and exports are rank 0's alone; with fsdp2
+the full tensors are gathered on every rank first (`GatherCommand`). Training checkpoints are rank
+0's with ddp; with fsdp2 every rank writes its shards of the sharded format (`CheckpointCommand`,
+see `train_checkpoint`), and a run resumes from either format at any world size. A run whose
 `trainer.parallel.world_size` is not the trainer's is refused (ConflictError). Offload and restore
 need one rank.
 
@@ -73,6 +75,7 @@ from furlong.trainer.lm_head import DEFAULT_CHUNK_TOKENS
 from furlong.trainer.metrics import TrainerMetrics
 from furlong.trainer.offload import Offloader, learner_offloader
 from furlong.trainer.ranks import (
+    CheckpointCommand,
     ConfigureCommand,
     EndCommand,
     GatherCommand,
@@ -91,6 +94,7 @@ from furlong.trainer.run_learner import (
 )
 from furlong.trainer.sample_reader import SampleReader
 from furlong.trainer.train_checkpoint import (
+    CheckpointInfo,
     load_training_checkpoint,
     save_training_checkpoint,
 )
@@ -208,18 +212,7 @@ class TrainerService:
         with self._lock:
             if run_id in self._runs:
                 raise ConflictError(f"run {run_id} is already configured on this trainer")
-        sharded = config.parallel.strategy == "fsdp2" and self.world_size > 1
         checkpoints = self._checkpoints(run_id, config.checkpoint.keep_last)
-        if sharded and checkpoints is not None:
-            # Training checkpoints hold whole tensors and fsdp2 shards the optimizer state: the
-            # run is trained as on a trainer without a checkpoint root.
-            log.warning(
-                "run %s: trainer.parallel.strategy 'fsdp2' over %d ranks writes no training "
-                "checkpoints; a restarted trainer starts the run over (use 'ddp' to resume)",
-                run_id,
-                self.world_size,
-            )
-            checkpoints = None
         resume = None if checkpoints is None else checkpoints.latest()
         configure = ConfigureCommand(config, None if resume is None else str(resume))
         with self._on_ranks(configure):
@@ -292,12 +285,13 @@ class TrainerService:
                 "offload and restore need one rank"
             )
 
-    def _require_whole_tensors(self, run: _Run, action: str) -> None:
-        if run.parallel.strategy == "fsdp2" and self.world_size > 1:
-            raise ConflictError(
-                f"run {run.run_id}: cannot {action}: trainer.parallel.strategy 'fsdp2' shards the "
-                "optimizer state over the ranks; training checkpoints need strategy 'ddp'"
-            )
+    def _save_checkpoint(self, run: _Run, target: Path, step: int, cursor: Any) -> CheckpointInfo:
+        """Write the run's training checkpoint; with fsdp2 over several ranks every rank writes its
+        shards (`CheckpointCommand`) and rank 0 the manifest."""
+        if self._ranks is None or run.parallel.strategy != "fsdp2":
+            return save_training_checkpoint(run.learner, target, step, cursor)
+        with self._ranks.command(CheckpointCommand(run.run_id, str(target), step)):
+            return save_training_checkpoint(run.learner, target, step, cursor)
 
     def _checkpoints(self, run_id: str, keep_last: int) -> RunCheckpoints | None:
         return (
@@ -364,7 +358,7 @@ class TrainerService:
             if run.checkpoints is None:  # nothing becomes more durable than this
                 run.ledger.commit(step, run.learner.version, run.reader, durable=False)
             elif run.ledger.due(step, run.total_steps):  # durable before ledger and acknowledgement
-                save_training_checkpoint(run.learner, run.checkpoints.path_for(step), step, cursor)
+                self._save_checkpoint(run, run.checkpoints.path_for(step), step, cursor)
                 run.ledger.commit(step, run.learner.version, run.reader, result=summary)
                 run.checkpoints.prune()
             run.last_step = step
@@ -458,7 +452,6 @@ class TrainerService:
         or with "" to the checkpoint root's `<root>/<run_id>/step-<N>` (what `configure_run` resumes
         from)."""
         run = self._run(run_id)
-        self._require_whole_tensors(run, "write a training checkpoint")
         if directory:
             target = Path(directory)
             if not target.is_absolute():
@@ -471,13 +464,13 @@ class TrainerService:
         with run.lock:
             _require_resident(run, "checkpoint")
             if directory:  # a snapshot: the resume point is unchanged
-                info = save_training_checkpoint(run.learner, Path(directory), run.last_step, run.data_cursor)
+                info = self._save_checkpoint(run, Path(directory), run.last_step, run.data_cursor)
             else:
                 assert run.checkpoints is not None
                 # The resume point: what it holds becomes durable, as after a step's own checkpoint.
                 cursor = run.ledger.cursor(run.last_step)
                 target = run.checkpoints.path_for(run.last_step)
-                info = save_training_checkpoint(run.learner, target, run.last_step, cursor)
+                info = self._save_checkpoint(run, target, run.last_step, cursor)
                 run.ledger.commit(run.last_step, run.learner.version, run.reader)
                 run.data_cursor = cursor
                 run.checkpoints.prune()

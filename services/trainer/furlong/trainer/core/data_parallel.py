@@ -9,8 +9,9 @@ is its share of the batch loss (the aggregation denominators are batch-wide), so
   the last run under `no_sync()`, so one all-reduce per optimizer step.
 - `fsdp2`: `torch.distributed.fsdp.fully_shard` on every decoder layer and on the root: parameters,
   gradients and AdamW state are sharded over the group (reduce-scatter, divide factor 1 = sum);
-  the published state dict is gathered (`full_state`). Not for PPO (its value model is not
-  sharded) and not with training checkpoints or offload, which expect whole tensors.
+  the published state dict is gathered (`full_state`); training checkpoints are written sharded
+  (`train_checkpoint`'s DCP format). Not for PPO (its value model is not sharded) and not with
+  offload, which expects whole tensors.
 - `allreduce`: no wrapper; the flattened gradients are all-reduced once before the optimizer step.
 
 DDP and FSDP2 run collectives inside forward/backward, so every rank must run the same number of

@@ -264,6 +264,16 @@ class Learner:
         )
 
     @property
+    def data_parallel(self) -> DataParallel | None:
+        """The learner's data-parallel group (None: one process)."""
+        return self._dp
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the policy and its AdamW state are sharded over more than one rank (fsdp2)."""
+        return self._dp is not None and self._dp.mode == "fsdp2" and self._dp.world > 1
+
+    @property
     def reference(self) -> torch.nn.Module | None:
         return self.scorer.reference
 
