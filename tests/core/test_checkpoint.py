@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from hf_models import FAMILIES, reference_logits, write_user_dir
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -146,6 +148,33 @@ def test_tied_embeddings_are_stored_once_and_stay_tied(tmp_path):
     loaded, _ = load_policy(tmp_path)
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_loads_in_several_threads_leave_model_construction_as_it_was(tmp_path):
+    # transformers' no-init context restores what it found on exit: two loads interleaved without
+    # a lock would leave its no-op init functions in place for every later model of the process.
+    model, tok = tiny_llama(tie=True), char_tokenizer(AdditionTask.ALPHABET)
+    save_policy(model, tok, tmp_path)
+    init_weights, normal = transformers.PreTrainedModel.init_weights, torch.nn.init.normal_
+    start, errors = threading.Barrier(3), []
+
+    def load_many() -> None:
+        start.wait()
+        try:
+            for _ in range(20):
+                loaded, _ = load_policy(tmp_path)
+                assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=load_many) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert transformers.PreTrainedModel.init_weights is init_weights
+    assert torch.nn.init.normal_ is normal
 
 
 def test_missing_tensor_is_named(saved):

@@ -5,19 +5,26 @@
   parameter wants the allocation only: transformers' own `initialization.no_init_weights` (5.x)
   skips the initialisation; buffers computed in `__init__` (rotary frequencies) are still computed.
   Because it also skips the weight tying of `post_init`, `tie_weights()` is called afterwards.
-  The context patches module-level functions for its duration: loads must not run concurrently
-  with another model's construction in the same process. Remove when transformers offers a public,
-  thread-safe way to build a model without initialising it.
+  The context patches module-level functions (torch's init functions, `PreTrainedModel.init_weights`)
+  for its duration and restores what it found on exit, so two such contexts interleaved by two
+  threads leave the no-op functions in place for the rest of the process: every later model is
+  built uninitialised and untied. `empty_model` therefore holds one process-wide lock around the
+  context; a model built elsewhere in the process while a load runs can still see the no-ops.
+  Remove when transformers offers a public, thread-safe way to build a model without
+  initialising it.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     import transformers
+
+_NO_INIT_LOCK = threading.Lock()
 
 
 def empty_model(config: transformers.PretrainedConfig, dtype: torch.dtype) -> transformers.PreTrainedModel:
@@ -31,7 +38,7 @@ def empty_model(config: transformers.PretrainedConfig, dtype: torch.dtype) -> tr
         raise RuntimeError(f"furlong needs transformers >= 5, found {transformers.__version__}")
     from transformers.initialization import no_init_weights
 
-    with no_init_weights():
+    with _NO_INIT_LOCK, no_init_weights():
         model: transformers.PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
             config, dtype=dtype, trust_remote_code=False
         )
