@@ -159,16 +159,16 @@ def test_trainer_ranks_that_contradict_the_spec_exit_2_naming_both(
 
 
 def test_the_trainer_is_started_under_torchrun_with_the_stack_s_ranks(tmp_path):
+    from furlong.controller.stack_argv import grpc_service_argv
     from furlong.controller.stack_config import StackConfig
     from furlong.controller.stack_file import StackInfo
-    from furlong.controller.stack_supervisor import Supervisor
 
     info = StackInfo(str(tmp_path), "", "", "redis://127.0.0.1:1/0", {}, (), 0.0, internal_token_file="t")
     addresses = {"weight_broker": "127.0.0.1:2"}
 
     def trainer_argv(ranks: int) -> list[str]:
         config = StackConfig(state_dir=tmp_path, trainer_ranks=ranks)
-        return Supervisor(config, info, None)._grpc_service_argv("trainer", 3, 4, addresses)
+        return grpc_service_argv(config, info, "trainer", 3, 4, addresses)
 
     one, two = trainer_argv(1), trainer_argv(2)
     assert one[1:3] == ["-m", "furlong.trainer"]

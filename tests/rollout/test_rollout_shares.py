@@ -14,9 +14,9 @@ from furlong.core import tasks
 from furlong.core.samples import STREAM_FIELD, SampleGroup, stream_key
 from furlong.core.settings import RolloutSettings
 from furlong.ledger.group_ledger import audit
+from furlong.rollout.core.active_run import share_seed
 from furlong.rollout.core.sampling import SamplingConfig
 from furlong.rollout.core.service import RolloutService
-from furlong.rollout.core.step_generation import share_seed
 from furlong.rollout.core.types import GenerateRequest, Prompt, RolloutRunConfig, share_of
 from furlong.rollout.run_records import redis_records
 

@@ -43,14 +43,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import httpx
-
-from furlong import rpc
 from furlong.controller import stack_events
 from furlong.controller.redis_server import RedisServer, ping
 from furlong.controller.run_store import RunStore
-from furlong.controller.services import ROLLOUT_SERVICE
-from furlong.controller.stack_config import GRPC_SERVICES, StackConfig, service_kind
+from furlong.controller.stack_argv import controller_argv, dashboard_argv, grpc_service_argv, health_check
+from furlong.controller.stack_config import StackConfig, service_kind
 from furlong.controller.stack_events import StackEvent, StackEventKind, ended_words, how_it_ended
 from furlong.controller.stack_file import StackInfo, stack_file, write_stack
 from furlong.controller.stack_processes import ServiceProcess, adopt, log_tail, spawn, terminate
@@ -181,7 +178,7 @@ class Supervisor:
             if name not in self.config.services:
                 continue
             port, metrics_port = free_port(), free_port()
-            argv = self._grpc_service_argv(name, port, metrics_port, addresses)
+            argv = grpc_service_argv(self.config, self.info, name, port, metrics_port, addresses)
             addresses[name] = f"127.0.0.1:{port}"
             changes: dict[str, Any] = {"addresses": dict(addresses)}
             if name == "rollout":  # its OpenAI-compatible gateway, on a port kept across restarts
@@ -197,20 +194,20 @@ class Supervisor:
         rollouts = [addresses["rollout"]] if "rollout" in addresses else []
         for k in range(1, self.config.rollout_replicas):  # each replica with a gateway of its own
             name, port, metrics_port = f"rollout-{k}", free_port(), free_port()
-            argv = self._grpc_service_argv("rollout", port, metrics_port, addresses)
+            argv = grpc_service_argv(self.config, self.info, "rollout", port, metrics_port, addresses)
             argv += ["--gateway-port", str(free_port()), "--replica-id", str(k)]
             rollouts.append(f"127.0.0.1:{port}")
             log_path = str(logs / f"{name}.log")
             self._add(ServiceProcess(name, 0, 0.0, port, log_path, tuple(argv), metrics_port))
         port = free_port()
-        argv = self._controller_argv(port, addresses, rollouts)
+        argv = controller_argv(self.config, self.info, port, addresses, rollouts)
         self._add(
             ServiceProcess("controller", 0, 0.0, port, str(logs / "controller.log"), tuple(argv)),
             rest_url=f"http://127.0.0.1:{port}",
         )
         if "dashboard" in self.config.services:
             port = free_port()
-            argv = self._dashboard_argv(port)
+            argv = dashboard_argv(self.config, self.info, port)
             self._add(
                 ServiceProcess("dashboard", 0, 0.0, port, str(logs / "dashboard.log"), tuple(argv)),
                 dashboard_url=f"http://127.0.0.1:{port}",
@@ -230,110 +227,8 @@ class Supervisor:
                 raise StartFailed(f"redis not answering on port {redis.port}", "redis", sp.log_path)
             self._sleep(0.05)
 
-    def _grpc_service_argv(
-        self, name: str, port: int, metrics_port: int, addresses: dict[str, str]
-    ) -> list[str]:
-        c, info = self.config, self.info
-        argv = [c.python]
-        if name == "trainer" and c.trainer_ranks > 1:
-            # torchrun's agent (this process) starts the ranks, each in a session of its own; on
-            # SIGTERM it stops them (rank 0 shuts the others down) and exits. Its rendezvous store
-            # (which the ranks share) gets a port chosen here like every other one: with
-            # --standalone it would pick one itself, possibly one handed to a service not yet bound.
-            argv += [
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "1",
-                "--nproc-per-node",
-                str(c.trainer_ranks),
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{free_port()}",
-                "--max-restarts",
-                "0",
-            ]
-        argv += [
-            "-m",
-            f"furlong.{name}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(metrics_port),
-            "--auth-token-file",
-            info.internal_token_file,
-        ]
-        if name != "weight_broker":
-            argv += [
-                "--redis-url",
-                info.redis_url,
-                "--broker",
-                addresses["weight_broker"],
-                "--num-threads",
-                str(c.torch_threads),
-            ]
-        if name in ("trainer", "rollout"):
-            argv += ["--device", c.device]
-        if name == "weight_broker":
-            argv += ["--ack-timeout-s", repr(float(c.broker_ack_timeout_s))]
-            if c.broker_fault_hooks:
-                argv.append("--enable-fault-hooks")
-        if name == "trainer":
-            argv += ["--checkpoint-dir", str(Path(info.state_dir) / "checkpoints")]
-            argv += ["--policy-dir", str(Path(info.state_dir) / "policies")]
-        return argv
-
-    def _controller_argv(self, port: int, addresses: dict[str, str], rollouts: list[str]) -> list[str]:
-        info = self.info
-        replicas = [arg for address in rollouts[1:] for arg in ("--rollout", address)]
-        return [
-            self.config.python,
-            "-m",
-            "furlong.controller",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--redis-url",
-            info.redis_url,
-            "--trainer",
-            addresses["trainer"],
-            "--rollout",
-            addresses["rollout"],
-            *replicas,
-            "--broker",
-            addresses["weight_broker"],
-            "--token-file",
-            info.token_file,
-            "--viewer-token-file",
-            info.viewer_token_file,
-            "--auth-token-file",
-            info.internal_token_file,
-        ]
-
-    def _dashboard_argv(self, port: int) -> list[str]:
-        argv = [
-            self.config.python,
-            "-m",
-            "furlong.dashboard",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--controller-url",
-            self.info.rest_url,
-            "--controller-token-file",
-            self.info.viewer_token_file,
-        ]
-        # stack.json lists every process with its current pid (rewritten after each restart)
-        argv += ["--watch-pids-from", str(stack_file(Path(self.info.state_dir)))]
-        return argv
-
     def _wait_healthy(self) -> None:
-        waiting = {sp.name: (sp, _health_check(sp)) for sp in self.info.processes if sp.name != "redis"}
+        waiting = {sp.name: (sp, health_check(sp)) for sp in self.info.processes if sp.name != "redis"}
         deadline = time.monotonic() + self.config.ready_timeout_s
         while waiting:
             self._check_stop()
@@ -449,7 +344,7 @@ class Supervisor:
         self.info = replace(self.info, processes=tuple(processes))
         self._write()
         self._unhealthy[name] = (
-            (lambda: ping("127.0.0.1", new.port)) if name == "redis" else _health_check(new)
+            (lambda: ping("127.0.0.1", new.port)) if name == "redis" else health_check(new)
         )
         self.emit(
             StackEvent(
@@ -515,24 +410,6 @@ def _service_event_fields(event: StackEvent) -> dict[str, Any]:
         "log_tail": event.log_tail,
         "message": event.message,
     }
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _health_check(sp: ServiceProcess) -> Callable[[], bool]:
-    if "--gateway-port" in sp.argv:  # rollout is healthy once its gateway answers as well
-        gateway = f"http://127.0.0.1:{sp.argv[sp.argv.index('--gateway-port') + 1]}/v1/models"
-        return lambda: (
-            rpc.check_health(f"127.0.0.1:{sp.port}", ROLLOUT_SERVICE, timeout_s=1.0) and _http_ok(gateway)
-        )
-    if sp.name in GRPC_SERVICES:
-        return lambda: rpc.check_health(f"127.0.0.1:{sp.port}", GRPC_SERVICES[sp.name], timeout_s=1.0)
-    return lambda: _http_ok(f"http://127.0.0.1:{sp.port}/healthz")
 
 
 def run_supervisor(config: StackConfig, info: StackInfo, owner: OwnerWatch | None) -> int:

@@ -16,11 +16,11 @@ import time
 
 from furlong.core.errors import UnavailableError
 from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_SAMPLES_PER_PROMPT, MAX_SAMPLES_PER_STEP
+from furlong.rollout.core.active_run import ActiveRun, engine_seed, sample_id
 from furlong.rollout.core.checks import check_id, check_int, check_timeout
 from furlong.rollout.core.data_source import DataSource
 from furlong.rollout.core.group_scoring import GroupScorer, RewardFailure
 from furlong.rollout.core.sampling import SamplingConfig
-from furlong.rollout.core.step_generation import ActiveRun, engine_seed, sample_id
 from furlong.rollout.core.types import EvalGroup, EvaluateRequest, EvaluateResult
 from furlong.rollout.rewards import RewardError
 

@@ -28,6 +28,7 @@ from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.core.settings import AgentSettings, DataSettings, PrecisionSettings, RolloutSettings
 from furlong.core.settings.run_shape import MAX_RUN_SEED
 from furlong.core.task_data import DataFile, read_data_file
+from furlong.rollout.core.active_run import ActiveRun
 from furlong.rollout.core.agent_sessions import RunAgent
 from furlong.rollout.core.checks import check_id, check_int, check_timeout
 from furlong.rollout.core.data_source import DataSource
@@ -42,7 +43,7 @@ from furlong.rollout.core.episodes import EpisodeRunner, RunEnvironmentsFactory
 from furlong.rollout.core.evaluation import evaluate
 from furlong.rollout.core.group_scoring import RunReward, RunRewardFactory, Scorer
 from furlong.rollout.core.sampling import OVERFLOW_ERROR, SupportBound
-from furlong.rollout.core.step_generation import ActiveRun, StepGeneration
+from furlong.rollout.core.step_generation import StepGeneration
 from furlong.rollout.core.trajectory import ChatRenderer
 from furlong.rollout.core.types import (
     EngineState,

@@ -28,7 +28,8 @@ above is per prompt, so the same share sent again, to any replica, resumes it.
 
 Sampling seeds: share (in-process) or chunk (engine pool) i of a request samples with a seed derived
 from (run seed, request seed, i, refill round, turn), so the same run seed, request, weights and engine
-layout give the same samples. Knows nothing about gRPC or Redis.
+layout give the same samples (core.active_run, with the sample ids); which prompts a request
+generates is core.step_prompts. Knows nothing about gRPC or Redis.
 """
 
 from __future__ import annotations
@@ -37,79 +38,30 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
 from furlong.core.errors import NotFoundError, UnavailableError
 from furlong.core.samples import Sample, SampleGroup
-from furlong.core.settings import RolloutSettings
-from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_SAMPLES_PER_PROMPT
-from furlong.core.tasks import Task
+from furlong.rollout.core.active_run import ActiveRun, engine_seed, sample_id, share_seed
 from furlong.rollout.core.agent_sessions import RunAgent
-from furlong.rollout.core.checks import check_id, check_int, check_prompts, check_timeout
-from furlong.rollout.core.data_source import DataSource
 from furlong.rollout.core.engine import Generation
-from furlong.rollout.core.engine_set import EngineSet
 from furlong.rollout.core.environment import EnvironmentFailure
 from furlong.rollout.core.episodes import EpisodeResult, EpisodeRunner
-from furlong.rollout.core.group_scoring import GroupScorer, RewardFailure, Scorer
+from furlong.rollout.core.group_scoring import GroupScorer, RewardFailure
 from furlong.rollout.core.groups import DynamicSampling, GroupOutcome, OverSampling, zero_variance
-from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
+from furlong.rollout.core.sampling import SamplingConfig
+from furlong.rollout.core.step_prompts import Choice, check_request, choose_prompts
 from furlong.rollout.core.types import (
     GenerateRequest,
     GenerateResult,
     Prompt,
     RolloutObserver,
-    RunRecords,
-    share_of,
 )
 from furlong.rollout.rewards import RewardError
 
 log = logging.getLogger(__name__)
-
-
-def engine_seed(run_seed: int, request_seed: int, share: int, round_: int = 0, turn: int = 0) -> int:
-    """The sampling seed of share `share` of a request in refill round `round_`, episode turn
-    `turn` (63 bits)."""
-    entropy = (
-        [run_seed, request_seed, share] + ([round_] if round_ or turn else []) + ([turn] if turn else [])
-    )
-    words = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint32)
-    return ((int(words[0]) << 32) | int(words[1])) & MAX_SEED
-
-
-def share_seed(request_seed: int, share: int, num_shares: int) -> int:
-    """The request seed of share `share` of `num_shares` of a request seeded `request_seed`."""
-    words = np.random.SeedSequence([request_seed, num_shares, share]).generate_state(2, dtype=np.uint32)
-    return ((int(words[0]) << 32) | int(words[1])) & MAX_SEED
-
-
-def sample_id(prompt_id: str, index: int) -> str:
-    """The deterministic id of sample `index` of a prompt's group (also its ledger field)."""
-    return f"{prompt_id}/{index}"
-
-
-@dataclass
-class ActiveRun:
-    """A configured run as its requests need it."""
-
-    run_id: str
-    seed: int
-    rollout: RolloutSettings
-    task: Task | None
-    reward_name: str
-    score: Scorer  # (response_text, prompt) -> reward; raises on failure
-    tokenizer: Any
-    engines: EngineSet
-    records: RunRecords
-    data: DataSource | None = None
-    reward_timeout_s: float | None = None  # one response's reward; None: the service's
-    reward_resamples: int = 0  # rounds a group whose reward failed is drawn again; 0: left out
-    environment: EpisodeRunner | None = None  # multi-turn episodes; None: one generation per sample
-    agent: RunAgent | None = None  # every sample a session of the run's agent (core.agent_sessions)
-    ended: bool = field(default=False)
 
 
 @dataclass
@@ -135,20 +87,6 @@ class _Rounds:
     num_tokens: int
 
 
-@dataclass(frozen=True)
-class _Choice:
-    """The prompts a request generates, how many groups it keeps (0 = all) and how many groups an
-    earlier attempt at the step already wrote. `unneeded`: drawn prompts left without a group when
-    an earlier attempt wrote every group the step needs (that attempt may have crashed before
-    recording them cut)."""
-
-    prompts: list[Prompt]
-    keep: int
-    resumed: int
-    from_task: bool
-    unneeded: tuple[str, ...] = ()
-
-
 class StepGeneration:
     """Runs Generate requests for runs; thread-safe (no state of its own besides its settings)."""
 
@@ -160,12 +98,12 @@ class StepGeneration:
     def generate(self, run: ActiveRun, request: GenerateRequest) -> GenerateResult:
         """TimeoutError when an engine does not reach min_policy_version within timeout_s;
         ValueError naming a bad field; NotFoundError when the run ended meanwhile."""
-        _check_request(request)
+        check_request(request)
         if request.num_shares > 1:  # each share samples with its own seed
             seed = share_seed(request.sampling.seed, request.share, request.num_shares)
             request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, seed=seed))
         started = time.perf_counter()
-        choice = self._choose(run, request)
+        choice = choose_prompts(run, request)
         if not choice.prompts:  # an earlier attempt wrote every group the step needs
             if choice.unneeded:
                 run.records.groups.cut(request.step, list(choice.unneeded))
@@ -285,57 +223,6 @@ class StepGeneration:
             order = [p for p in order if p in by_prompt and p not in again.groups] + list(again.groups)
         return _Rounds(by_prompt, failed, order, failures, refills, num_tokens)
 
-    def _choose(self, run: ActiveRun, request: GenerateRequest) -> _Choice:
-        k, shares = request.share, request.num_shares
-        if request.prompts:
-            prompts = check_prompts(request.prompts)
-            check_int("num_groups", request.num_groups, 0, len(prompts))
-            keep = share_of(request.num_groups, k, shares) if request.num_groups else 0
-            if request.num_groups and not keep:  # this share keeps nothing of the step
-                return _Choice(prompts=[], keep=0, resumed=0, from_task=False)
-            return _Choice(prompts=prompts[k::shares], keep=keep, resumed=0, from_task=False)
-        if run.task is None and run.data is None:
-            raise ValueError(f"run {run.run_id} has no task: a Generate request must carry its prompts")
-        assert run.task is not None or run.data is not None
-        need = check_int("num_groups", request.num_groups, 1, MAX_PROMPTS_PER_STEP)
-        count = run.rollout.prompts_to_draw(need)
-        if run.data is not None:
-            check_int("step", request.step, 1)  # the read position is derived from the step
-            candidates = run.data.prompts(request.step, count)
-        else:
-            assert run.task is not None
-            drawn = run.task.prompts(run.seed, request.step, count)
-            candidates = [
-                Prompt(prompt_id=str(p.prompt_id), text=str(p.text), answer=str(p.answer)) for p in drawn
-            ]
-        if shares > 1:  # this share's prompts and part of the step's groups
-            candidates, need = candidates[k::shares], share_of(need, k, shares)
-            if not need:
-                return _Choice(prompts=[], keep=0, resumed=0, from_task=True)
-        done = run.records.groups.generated_ids(request.step, [p.prompt_id for p in candidates])
-        if done and run.rollout.max_staleness:
-            # Asynchronous mode: a group an earlier attempt wrote with a policy older than this
-            # request allows would be trained more than max_staleness versions late; draw it again.
-            stale = run.records.groups.release_older(request.step, sorted(done), request.min_policy_version)
-            if stale:
-                log.info(
-                    "run %s step %d: %d groups written by an earlier attempt were drawn with a version "
-                    "older than %d; drawing them again",
-                    run.run_id,
-                    request.step,
-                    len(stale),
-                    request.min_policy_version,
-                )
-            done -= stale
-        missing = [p for p in candidates if p.prompt_id not in done]
-        need -= len(done)
-        if need <= 0 or not missing:
-            unneeded = tuple(p.prompt_id for p in missing)
-            return _Choice(prompts=[], keep=0, resumed=len(done), from_task=True, unneeded=unneeded)
-        return _Choice(
-            prompts=missing, keep=need if len(missing) > need else 0, resumed=len(done), from_task=True
-        )
-
     def _result(
         self,
         run: ActiveRun,
@@ -343,7 +230,7 @@ class StepGeneration:
         groups: list[SampleGroup],
         num_tokens: int,
         started: float,
-        choice: _Choice,
+        choice: Choice,
         outcome: GroupOutcome,
         surplus: list[int],
         request_id: str,
@@ -573,20 +460,6 @@ class StepGeneration:
                 f"run {run.run_id}: engines did not reach min_policy_version {min_version} within "
                 f"{timeout_s}s (serving {versions})"
             )
-
-
-def _check_request(request: GenerateRequest) -> None:
-    if not isinstance(request, GenerateRequest):
-        raise ValueError(f"expected a GenerateRequest, got {type(request).__name__}")
-    check_id("run_id", request.run_id)
-    check_int("step", request.step, 0)
-    check_int("samples_per_prompt", request.samples_per_prompt, 1, MAX_SAMPLES_PER_PROMPT)
-    if not isinstance(request.sampling, SamplingConfig):
-        raise ValueError(f"sampling must be a SamplingConfig, got {type(request.sampling).__name__}")
-    check_int("min_policy_version", request.min_policy_version, 0)
-    check_timeout("timeout_s", request.timeout_s)
-    check_int("num_shares", request.num_shares, 1, MAX_PROMPTS_PER_STEP)
-    check_int("share", request.share, 0, request.num_shares - 1)
 
 
 def _complete(
