@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 from furlong.core.weights import Manifest
 
-MEMORY_KINDS = ("DRAM", "VRAM")
+MEMORY_DRAM = "DRAM"  # host memory
+MEMORY_VRAM = "VRAM"  # the memory of a GPU
+MEMORY_KINDS = (MEMORY_DRAM, MEMORY_VRAM)
 NO_VERSION = -1
 
 # The transports an engine pulls a version over (furlong.transfer.lanes); declared here because an

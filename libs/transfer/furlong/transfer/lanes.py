@@ -1,9 +1,13 @@
-"""The engine side of the three transports ("lanes") behind one interface: read a byte range of a
-publisher's staging bucket into a local host buffer.
+"""The engine side of the transports ("lanes") behind one interface: read a byte range of a
+publisher's staging bucket into a local buffer (host memory, or CUDA memory).
 
-- `nixl`: a one-sided NIXL (UCX) READ into a buffer registered with the engine's agent.
+- `nixl`: a one-sided NIXL (UCX) READ into a buffer registered with the engine's agent; the
+  bucket and the buffer may each be host (DRAM) or CUDA (VRAM) memory.
 - `shm`: the bucket is a POSIX shared-memory object on this host; map it and copy.
 - `grpc`: stream the range from the publisher's WeightStream server (slowest; works anywhere).
+
+shm and grpc read host memory: for a source whose bucket is VRAM, `connect_lane` skips them with
+that reason (nothing is staged through host memory).
 
 `nixl` and `shm` also offer `read_hashed`: the pull and the checksum of what landed at once (shm:
 each piece hashed right after it is copied, furlong.core.block_checksum.copy_checksum; nixl: each
@@ -29,7 +33,14 @@ import torch
 from furlong.core.block_checksum import RangeHasher, copy_checksum
 from furlong.core.errors import UnavailableError
 from furlong.core.weight_shards import PieceCopy, copy_rows
-from furlong.core.weight_versions import LANE_GRPC, LANE_NAMES, LANE_NIXL, LANE_SHM, WeightSourceInfo
+from furlong.core.weight_versions import (
+    LANE_GRPC,
+    LANE_NAMES,
+    LANE_NIXL,
+    LANE_SHM,
+    MEMORY_DRAM,
+    WeightSourceInfo,
+)
 from furlong.rpc import channel, error_from_rpc
 from furlong.transfer.nixl_transport import NixlEndpoint
 from furlong.transfer.shm import SharedBuffer
@@ -297,7 +308,11 @@ class GrpcStreamLane:
                         f"bytes at {chunk.offset_bytes}, expected offset "
                         f"{src_offset_bytes + filled}"
                     )
-                dst[at : at + len(chunk.data)].numpy()[:] = np.frombuffer(chunk.data, dtype=np.uint8)
+                piece = np.frombuffer(chunk.data, dtype=np.uint8)
+                if dst.device.type == "cpu":
+                    dst[at : at + len(chunk.data)].numpy()[:] = piece
+                else:  # a CUDA destination: from a host copy of the chunk
+                    dst[at : at + len(chunk.data)].copy_(torch.from_numpy(piece.copy()))
                 filled += len(chunk.data)
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
@@ -339,6 +354,11 @@ def connect_lane(
     reasons = []
     for name in preference:
         try:
+            if name in (LANE_SHM, LANE_GRPC) and source.memory_kind != MEMORY_DRAM:
+                raise UnavailableError(
+                    f"the bucket of {source.agent_name} is {source.memory_kind} memory (device "
+                    f"{source.device_id}); the {name} lane reads host memory"
+                )
             if name == LANE_NIXL:
                 if endpoint is None:
                     raise UnavailableError("no NIXL agent on this side")
