@@ -4,9 +4,11 @@ POSIX shared-memory object, served by a WeightStream gRPC server). It is never r
 registered: the size comes from the bucket plan, which already grew it to the largest tensor.
 
 The bucket is host memory (device "cpu", advertised as memory_kind "DRAM") or the memory of a CUDA
-device ("cuda[:N]", advertised as "VRAM" with the device's index): a CUDA bucket is offered over
-the nixl lane only (NIXL registers it as VRAM); the shm and grpc lanes read host memory, so they
-are left out for it, with the reason logged. Nothing is staged through host memory.
+device ("cuda[:N]", advertised as "VRAM" with the device's index). A CUDA bucket is offered over
+the nixl lane (NIXL registers it as VRAM) and the cuda_ipc lane (a CUDA IPC share of it, for
+engines on this host, furlong.transfer.cuda_ipc); the shm and grpc lanes read host memory, so they
+are left out for it, with the reason logged; nothing is staged through host memory. A host bucket
+is not offered over cuda_ipc.
 
 Knows nothing about versions or the broker; the publisher (and the relay) decide what is in it.
 """
@@ -19,8 +21,16 @@ from collections.abc import Iterator, Sequence
 import grpc
 import torch
 
-from furlong.core.weight_versions import LANE_GRPC, LANE_NAMES, LANE_NIXL, LANE_SHM, WeightSourceInfo
+from furlong.core.weight_versions import (
+    LANE_CUDA_IPC,
+    LANE_GRPC,
+    LANE_NAMES,
+    LANE_NIXL,
+    LANE_SHM,
+    WeightSourceInfo,
+)
 from furlong.rpc import rpc_errors, start_server
+from furlong.transfer.cuda_ipc import export_share
 from furlong.transfer.device_memory import check_device, memory_of, settle, zeroed_buffer
 from furlong.transfer.host_memory import host_buffer
 from furlong.transfer.nixl_transport import NixlEndpoint
@@ -135,6 +145,7 @@ class StagingBucket:
                 shm_name=self._shm.name if self._shm is not None else "",
                 stream_address=stream_address,
                 holds_all_rounds=holds_all_rounds,
+                cuda_ipc=export_share(tensor) if LANE_CUDA_IPC in lanes else None,
             )
         except BaseException:
             self.close()
@@ -174,23 +185,25 @@ class StagingBucket:
 
 
 def offered_lanes(agent_name: str, lanes: Sequence[str], device: str) -> tuple[str, ...]:
-    """The lanes a bucket on `device` is offered over: all of `lanes` for host memory; for CUDA
-    memory those that can read it (logging why the others are left out). ValueError if none is
-    left."""
+    """The lanes a bucket on `device` is offered over, in the order given: a host bucket is not
+    offered over cuda_ipc, a CUDA bucket not over shm and grpc (they read host memory); why a lane
+    is left out is logged. ValueError if none is left."""
     if device == "cpu":
-        return tuple(lanes)
-    host_only = [lane for lane in lanes if lane in (LANE_SHM, LANE_GRPC)]
-    kept = tuple(lane for lane in lanes if lane not in host_only)
-    if host_only:
-        log.info(
-            "bucket %s: lanes %s are not offered: they read host memory and the bucket is on %s",
-            agent_name,
-            host_only,
-            device,
-        )
+        left_out, why = [lane for lane in lanes if lane == LANE_CUDA_IPC], "it shares CUDA memory"
+    else:
+        left_out, why = [lane for lane in lanes if lane in (LANE_SHM, LANE_GRPC)], "they read host memory"
+    kept = tuple(lane for lane in lanes if lane not in left_out)
     if not kept:
         raise ValueError(
             f"bucket {agent_name}: lanes {list(lanes)} cannot serve a bucket on {device} "
-            f"(shm and grpc read host memory; use nixl)"
+            f"(shm and grpc read host memory, cuda_ipc shares CUDA memory)"
+        )
+    if left_out:
+        log.info(
+            "bucket %s: lanes %s are not offered: %s and the bucket is on %s",
+            agent_name,
+            left_out,
+            why,
+            device,
         )
     return kept
