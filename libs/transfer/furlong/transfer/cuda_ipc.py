@@ -60,14 +60,14 @@ def export_share(bucket: torch.Tensor) -> CudaIpcShare:
         ref_counter_offset,
         event_handle,
         event_sync_required,
-    ) = storage._share_cuda_()
+    ) = storage._share_cuda_()  # type: ignore[no-untyped-call]  # torch's binding is unannotated
     return CudaIpcShare(
         host_id=host_id(),
         device_uuid=device_uuid(int(device)),
         handle=bytes(handle),
         storage_size_bytes=int(storage_size_bytes),
         storage_offset_bytes=int(storage_offset_bytes),
-        offset_bytes=bucket.storage_offset(),  # uint8: elements are bytes
+        offset_bytes=int(bucket.storage_offset()),  # uint8: elements are bytes
         ref_counter_handle=bytes(ref_counter_handle),
         ref_counter_offset=int(ref_counter_offset),
         event_handle=bytes(event_handle or b""),
