@@ -21,7 +21,11 @@ What it checks, against transformers' own modeling code on the CPU in float32 as
 3. a weight update: the trainer's new state dict is written to safetensors, a float32 engine and a
    bfloat16 engine on the device load it in-process; the bf16 engine holds exactly the weights
    rounded to bfloat16, and the float32 engine's log-probs are the new weights' (transformers,
-   within 1e-4) and no longer the old ones'.
+   within 1e-4) and no longer the old ones';
+4. weight transfers out of GPU memory (tests/gpu/gpu_transfer_checks.py): a VRAM NIXL transfer
+   into GPU and host buffers (skipped, with the reason printed, where `nixl` is not importable;
+   between host buffers with FURLONG_GPU_DEVICE=cpu), and a CUDA-IPC update read by a child process
+   on the same GPU (skipped on the CPU).
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-for source in ("libs/core", "services/rollout", "services/trainer", "tests/rollout"):
+for source in ("libs/core", "libs/transfer", "services/rollout", "services/trainer", "tests/rollout"):
     if str(ROOT / source) not in sys.path:  # the GPU machine has the tree, not installed packages
         sys.path.insert(0, str(ROOT / source))
 
 import torch  # noqa: E402
 from family_models import VOCAB, family_model, family_prompts, hf_greedy, hf_logprobs  # noqa: E402
+from gpu_transfer_checks import Skipped, check_cuda_ipc_update, check_nixl_vram  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from furlong.core.samples import Sample, SampleGroup  # noqa: E402
@@ -197,6 +202,8 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("engine parity qwen3", lambda: check_engine_parity("qwen3")),
     ("engine parity deepseek_v3", lambda: check_engine_parity("deepseek_v3")),
     ("bf16 train step and weight update", check_bf16_train_step_and_weight_update),
+    ("VRAM NIXL transfer", lambda: check_nixl_vram(DEVICE)),
+    ("CUDA-IPC update", lambda: check_cuda_ipc_update(DEVICE)),
 ]
 
 
@@ -212,6 +219,21 @@ def test_bf16_train_step_and_weight_update():
     print(check_bf16_train_step_and_weight_update())
 
 
+def _transfer_check(check: Callable[[str], str]) -> None:
+    try:
+        print(check(DEVICE))
+    except Skipped as exc:
+        pytest.skip(str(exc))
+
+
+def test_vram_nixl_transfer():
+    _transfer_check(check_nixl_vram)
+
+
+def test_cuda_ipc_update():
+    _transfer_check(check_cuda_ipc_update)
+
+
 def main() -> int:
     if not HAVE_DEVICE:
         print(f"SKIPPED: {DEVICE} is not available on this machine")
@@ -224,6 +246,9 @@ def main() -> int:
         started = time.perf_counter()
         try:
             detail = check()
+        except Skipped as exc:
+            print(f"skip {label}: {exc}")
+            continue
         except AssertionError as exc:
             failed += 1
             print(f"FAIL {label}: {exc}")

@@ -106,7 +106,7 @@ BROKER_BASES = _broker_bases()
 STRINGS = {
     "run_id": [RUN],
     "engine_id": [ENGINE],
-    "lane": ["nixl", "shm", "grpc"],
+    "lane": ["cuda_ipc", "nixl", "shm", "grpc"],
     "dtype": ["float32", "bfloat16", "int32", "float8_e4m3fn", "complex128", "torch.float32"],
     "checksum_algorithm": ["xxh3-128/8MiB-blocks"],
     "memory_kind": ["DRAM", "VRAM"],

@@ -224,7 +224,7 @@ def test_config_validation_and_arguments():
         5001,
         False,
     )
-    assert config.relay_lanes == ("nixl", "shm", "grpc")
+    assert config.relay_lanes == ("cuda_ipc", "nixl", "shm", "grpc")
     assert BrokerConfig.from_args(
         ["--port", "1", "--metrics-port", "2", "--relay-lanes", "nixl"]
     ).relay_lanes == ("nixl",)

@@ -11,9 +11,12 @@ import enum
 import math
 from dataclasses import dataclass
 
+from furlong.core.cuda_ipc_share import CudaIpcShare
 from furlong.core.weights import Manifest
 
-MEMORY_KINDS = ("DRAM", "VRAM")
+MEMORY_DRAM = "DRAM"  # host memory
+MEMORY_VRAM = "VRAM"  # the memory of a GPU
+MEMORY_KINDS = (MEMORY_DRAM, MEMORY_VRAM)
 NO_VERSION = -1
 
 # The transports an engine pulls a version over (furlong.transfer.lanes); declared here because an
@@ -21,15 +24,20 @@ NO_VERSION = -1
 LANE_NIXL = "nixl"
 LANE_SHM = "shm"
 LANE_GRPC = "grpc"
-LANE_NAMES = (LANE_NIXL, LANE_SHM, LANE_GRPC)  # every lane, in the default order of preference
+LANE_CUDA_IPC = "cuda_ipc"
+# every lane, in the default order of preference: a CUDA IPC share first (same host, GPU to GPU,
+# offered only by a CUDA bucket), then NIXL, shared memory (same host, host memory), the gRPC stream
+LANE_NAMES = (LANE_CUDA_IPC, LANE_NIXL, LANE_SHM, LANE_GRPC)
 
 
 @dataclass(frozen=True)
 class WeightSourceInfo:
     """Where a version's staging bucket can be read (WeightSource): a NIXL agent and the memory
-    region it registered, and optionally the same bucket as a POSIX shared-memory object and behind a
-    WeightStream gRPC server. agent_metadata empty means "no NIXL lane". holds_all_rounds: the region
-    holds the whole layout at logical offsets (a relay), not one round at offset 0."""
+    region it registered (memory_kind "DRAM": host memory, device_id 0; "VRAM": the memory of GPU
+    device_id), and optionally the same bucket as a POSIX shared-memory object, behind a
+    WeightStream gRPC server, or as a CUDA IPC share (a VRAM bucket, for engines on its host).
+    agent_metadata empty means "no NIXL lane". holds_all_rounds: the region holds the whole layout
+    at logical offsets (a relay), not one round at offset 0."""
 
     agent_name: str
     agent_metadata: bytes
@@ -40,13 +48,15 @@ class WeightSourceInfo:
     shm_name: str = ""
     stream_address: str = ""
     holds_all_rounds: bool = False
+    cuda_ipc: CudaIpcShare | None = None
 
     def __post_init__(self) -> None:
         if not self.agent_name:
             raise ValueError("weight source with an empty agent_name")
-        if not (self.agent_metadata or self.shm_name or self.stream_address):
+        if not (self.agent_metadata or self.shm_name or self.stream_address or self.cuda_ipc):
             raise ValueError(
-                f"weight source {self.agent_name!r}: no lane (NIXL metadata, shared memory or stream address)"
+                f"weight source {self.agent_name!r}: no lane (NIXL metadata, shared memory, "
+                f"stream address or CUDA IPC share)"
             )
         if self.agent_metadata and self.base_address <= 0:
             raise ValueError(
@@ -61,6 +71,16 @@ class WeightSourceInfo:
             )
         if self.device_id < 0:
             raise ValueError(f"weight source {self.agent_name!r}: device_id {self.device_id} < 0")
+        if self.cuda_ipc is not None:
+            if self.memory_kind != MEMORY_VRAM:
+                raise ValueError(
+                    f"weight source {self.agent_name!r}: a CUDA IPC share of a "
+                    f"{self.memory_kind!r} bucket (only a VRAM bucket can be shared over CUDA IPC)"
+                )
+            try:
+                self.cuda_ipc.check_holds(self.size_bytes)
+            except ValueError as exc:
+                raise ValueError(f"weight source {self.agent_name!r}: {exc}") from None
 
 
 class EventKind(enum.Enum):

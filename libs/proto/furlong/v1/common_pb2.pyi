@@ -47,7 +47,7 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class WeightSource(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "base_address", "size_bytes", "memory_kind", "device_id", "shm_name", "stream_address", "holds_all_rounds")
+    __slots__ = ("agent_name", "agent_metadata", "base_address", "size_bytes", "memory_kind", "device_id", "shm_name", "stream_address", "holds_all_rounds", "cuda_ipc")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class WeightSource(_message.Message):
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     STREAM_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOLDS_ALL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     base_address: int
@@ -66,7 +67,32 @@ class WeightSource(_message.Message):
     shm_name: str
     stream_address: str
     holds_all_rounds: bool
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., stream_address: _Optional[str] = ..., holds_all_rounds: _Optional[bool] = ...) -> None: ...
+    cuda_ipc: CudaIpcShare
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., shm_name: _Optional[str] = ..., stream_address: _Optional[str] = ..., holds_all_rounds: _Optional[bool] = ..., cuda_ipc: _Optional[_Union[CudaIpcShare, _Mapping]] = ...) -> None: ...
+
+class CudaIpcShare(_message.Message):
+    __slots__ = ("host_id", "device_uuid", "handle", "storage_size_bytes", "storage_offset_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    device_uuid: str
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class BucketRound(_message.Message):
     __slots__ = ("index", "offset_bytes", "size_bytes", "names", "checksum", "bucket_offset_bytes")

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from furlong.core.weight_versions import LANE_NAMES
+from furlong.transfer.device_memory import check_device
 
 
 def check_lanes(name: str, lanes: tuple[str, ...]) -> None:
@@ -22,7 +23,11 @@ class TransferConfig:
 
     lanes: for a publisher, the lanes its bucket is offered on; for a receiver, the lanes it tries,
     in order (see furlong.transfer.lanes). bucket_size_bytes bounds the publisher's staging
-    memory: a larger model goes in rounds (a larger single tensor grows the bucket to its size)."""
+    memory: a larger model goes in rounds (a larger single tensor grows the bucket to its size).
+    device: where the memory lives ("cpu", "cuda" or "cuda:N"): for a publisher, its staging
+    bucket (a CUDA bucket is offered over the nixl lane only, see furlong.transfer.bucket); for a
+    receiver, its receive buffer (an engine that offers its parameters pulls into them, wherever
+    they are)."""
 
     backends: tuple[str, ...] = ("UCX",)
     lanes: tuple[str, ...] = LANE_NAMES
@@ -36,6 +41,7 @@ class TransferConfig:
     double_buffer: bool = False  # publisher: stage the next round in the other half of the
     # bucket while engines pull the current one (needs spare
     # cores: on 2 cores it slowed switches, see the docs)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not self.backends or any(not b for b in self.backends):
@@ -51,5 +57,6 @@ class TransferConfig:
             raise ValueError(f"stream_chunk_bytes {self.stream_chunk_bytes} not in [1, 4 MiB]")
         if not (math.isfinite(self.pull_lock_wait_s) and self.pull_lock_wait_s >= 0):
             raise ValueError(f"pull_lock_wait_s {self.pull_lock_wait_s} is not a finite number >= 0")
+        check_device("device", self.device)
         if self.stream_workers < 1:
             raise ValueError(f"stream_workers {self.stream_workers} < 1")

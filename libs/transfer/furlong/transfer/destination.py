@@ -11,7 +11,11 @@
 
 Both are built once, on the first version; their memory is registered with the NIXL endpoint
 once and reused, as are the lanes' prepared requests. Receive buffers are huge-page host memory
-(furlong.transfer.host_memory). Knows nothing about the broker.
+(furlong.transfer.host_memory) or, with device "cuda[:N]", CUDA memory; an engine's parameters may
+be host or CUDA tensors (all on one device). Checksums are taken on the host: a destination in
+CUDA memory is verified by copying each round's bytes to host memory and hashing them there (and
+does not use a lane's hash-while-copying `read_hashed`, which reads host memory). Knows nothing
+about the broker.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from furlong.core.weight_shards import (
     plan_shards,
 )
 from furlong.core.weights import BucketRound, Manifest, WeightLayout, checksum
+from furlong.transfer.device_memory import check_device, is_host, zeroed_buffer
 from furlong.transfer.host_memory import host_buffer
 from furlong.transfer.lanes import Lane, ReadHashed
 from furlong.transfer.nixl_transport import NixlEndpoint
@@ -55,12 +60,23 @@ def _region_offset(manifest_round: BucketRound, holds_all_rounds: bool) -> int:
     return manifest_round.offset_bytes - manifest_round.bucket_offset_bytes
 
 
-class BufferDestination:
-    """A receive buffer laid out like the published layout."""
+def receive_buffer(size_bytes: int, device: str) -> torch.Tensor:
+    """A zero-filled 1-D uint8 receive buffer on device ("cpu": huge-page host memory)."""
+    check_device("receive buffer device", device)
+    return host_buffer(size_bytes) if device == "cpu" else zeroed_buffer(size_bytes, device)
 
-    def __init__(self, layout: WeightLayout, endpoint: NixlEndpoint | None) -> None:
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor itself in host memory, else a host copy of it (to hash it)."""
+    return tensor if is_host(tensor) else tensor.cpu()
+
+
+class BufferDestination:
+    """A receive buffer laid out like the published layout, on device."""
+
+    def __init__(self, layout: WeightLayout, endpoint: NixlEndpoint | None, device: str = "cpu") -> None:
         self.layout = layout
-        self.buffer = host_buffer(layout.total_bytes)
+        self.buffer = receive_buffer(layout.total_bytes, device)
         if endpoint is not None:
             endpoint.register(self.buffer)
 
@@ -79,7 +95,7 @@ class BufferDestination:
     ) -> tuple[float, str]:
         dst = self.buffer[rnd.offset_bytes : rnd.end_bytes]
         src_offset = rnd.offset_bytes if holds_all_rounds else rnd.bucket_offset_bytes
-        read_hashed: ReadHashed | None = getattr(lane, "read_hashed", None)
+        read_hashed: ReadHashed | None = getattr(lane, "read_hashed", None) if is_host(dst) else None
         if read_hashed is not None:
             return read_hashed(
                 rnd.size_bytes, [(0, src_offset, dst)], timeout_s, ("round", rnd.index, holds_all_rounds)
@@ -87,7 +103,9 @@ class BufferDestination:
         return lane.read(src_offset, dst, timeout_s), ""
 
     def digest(self, rnd: BucketRound) -> str:
-        return checksum(self.buffer, rnd.size_bytes, rnd.offset_bytes)
+        if is_host(self.buffer):
+            return checksum(self.buffer, rnd.size_bytes, rnd.offset_bytes)
+        return checksum(_host(self.buffer[rnd.offset_bytes : rnd.end_bytes]), rnd.size_bytes)
 
     def expected(self, manifest: Manifest, rnd: BucketRound) -> str:
         return rnd.checksum
@@ -103,8 +121,9 @@ def identity_layout(layout: WeightLayout) -> ShardLayout:
 
 class PieceDestination:
     """Piece copies straight into destination tensors: `params` (the engine's own, contiguous,
-    host) or, without them, views of a receive buffer laid out for the shard layout.
-    shard_layout None: the published tensors as published (verified against round checksums)."""
+    host or CUDA, all on one device) or, without them, views of a receive buffer on device laid
+    out for the shard layout. shard_layout None: the published tensors as published (verified
+    against round checksums)."""
 
     def __init__(
         self,
@@ -112,13 +131,14 @@ class PieceDestination:
         shard_layout: ShardLayout | None,
         params: Mapping[str, torch.Tensor] | None,
         endpoint: NixlEndpoint | None,
+        device: str = "cpu",
     ) -> None:
         self._own_layout = shard_layout is not None
         layout = shard_layout or identity_layout(manifest.layout)
         self.plan = plan_shards(manifest.layout, manifest.bucket_plan, layout)
         self._key = self._plan_key(manifest)
         if params is None:
-            self._buffer = host_buffer(max(1, self.plan.layout.total_bytes))
+            self._buffer = receive_buffer(max(1, self.plan.layout.total_bytes), device)
             self._typed = self.plan.layout.views(self._buffer)
             registered: list[torch.Tensor] = [self._buffer]
         else:
@@ -126,6 +146,7 @@ class PieceDestination:
             self._typed = {name: params[name] for name in (s.name for s in self.plan.layout.slots)}
             registered = [t for t in self._typed.values() if t.numel()]
         self._raw = {name: t.detach().reshape(-1).view(torch.uint8) for name, t in self._typed.items()}
+        self._on_host = all(is_host(t) for t in self._raw.values())
         if endpoint is not None and registered:
             endpoint.register(registered)
 
@@ -153,7 +174,7 @@ class PieceDestination:
     ) -> tuple[float, str]:
         copies = self.plan.rounds[rnd.index].copies
         region = _region_offset(rnd, holds_all_rounds)
-        read_hashed: ReadHashed | None = getattr(lane, "read_hashed", None)
+        read_hashed: ReadHashed | None = getattr(lane, "read_hashed", None) if self._on_host else None
         whole = not self._own_layout and all(c.num_rows == 1 for c in copies)
         if read_hashed is not None and whole:
             # whole published tensors, one contiguous piece each: hashed like the round checksum
@@ -172,9 +193,10 @@ class PieceDestination:
 
     def digest(self, rnd: BucketRound) -> str:
         copies = self.plan.rounds[rnd.index].copies
+        raw = self._raw if self._on_host else {c.dst_name: _host(self._raw[c.dst_name]) for c in copies}
         if self._own_layout:
-            return digest_copies(copies, self._raw)
-        return _round_digest(rnd, copies, self._raw)
+            return digest_copies(copies, raw)
+        return _round_digest(rnd, copies, raw)
 
     def expected(self, manifest: Manifest, rnd: BucketRound) -> str:
         if not self._own_layout:
@@ -210,13 +232,16 @@ def _check_params(layout: WeightLayout, params: Mapping[str, torch.Tensor]) -> N
     missing = sorted(s.name for s in layout.slots if s.name not in params)
     if missing:
         raise ValueError(f"the engine's parameters lack tensors {missing} it must receive")
+    devices = sorted({str(params[s.name].device) for s in layout.slots})
+    if len(devices) > 1:
+        raise ValueError(f"the engine's parameters must be on one device to be pulled into, got {devices}")
     for slot in layout.slots:
         tensor = params[slot.name]
         if (
             tensor.dtype != slot.dtype
             or tuple(tensor.shape) != slot.shape
             or not tensor.is_contiguous()
-            or tensor.device.type != "cpu"
+            or tensor.device.type not in ("cpu", "cuda")
         ):
             raise ValueError(
                 f"parameter {slot.name!r} ({tensor.dtype}, {tuple(tensor.shape)}, "

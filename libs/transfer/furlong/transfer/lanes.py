@@ -1,9 +1,17 @@
-"""The engine side of the three transports ("lanes") behind one interface: read a byte range of a
-publisher's staging bucket into a local host buffer.
+"""The engine side of the transports ("lanes") behind one interface: read a byte range of a
+publisher's staging bucket into a local buffer (host memory, or CUDA memory).
 
-- `nixl`: a one-sided NIXL (UCX) READ into a buffer registered with the engine's agent.
+- `nixl`: a one-sided NIXL (UCX) READ into a buffer registered with the engine's agent; the
+  bucket and the buffer may each be host (DRAM) or CUDA (VRAM) memory.
 - `shm`: the bucket is a POSIX shared-memory object on this host; map it and copy.
 - `grpc`: stream the range from the publisher's WeightStream server (slowest; works anywhere).
+- `cuda_ipc`: the bucket is CUDA memory on this host, shared over CUDA IPC (furlong.transfer.
+  cuda_ipc); open the share and copy GPU to GPU (or to host memory).
+
+shm and grpc read host memory: for a source whose bucket is VRAM, `connect_lane` skips them with
+that reason (nothing is staged through host memory); cuda_ipc is skipped for any source that offers
+no share (a host bucket) or whose share cannot be opened here (another host, no CUDA, a GPU this
+process does not see, a handle CUDA refuses).
 
 `nixl` and `shm` also offer `read_hashed`: the pull and the checksum of what landed at once (shm:
 each piece hashed right after it is copied, furlong.core.block_checksum.copy_checksum; nixl: each
@@ -11,8 +19,9 @@ checksum block hashed as soon as its READ landed, while the next block is read).
 it when a lane has it.
 
 `connect_lane` picks the first lane of a preference list that can reach a source and logs the
-choice and why the others could not. Knows nothing about versions or rounds, nor what a checksum
-should be (only how to take it while pulling).
+choice and why the others could not (as a warning when a lane the source offers failed; lanes the
+source does not offer at all are normal and logged at info). Knows nothing about versions or
+rounds, nor what a checksum should be (only how to take it while pulling).
 """
 
 from __future__ import annotations
@@ -29,8 +38,18 @@ import torch
 from furlong.core.block_checksum import RangeHasher, copy_checksum
 from furlong.core.errors import UnavailableError
 from furlong.core.weight_shards import PieceCopy, copy_rows
-from furlong.core.weight_versions import LANE_GRPC, LANE_NAMES, LANE_NIXL, LANE_SHM, WeightSourceInfo
+from furlong.core.weight_versions import (
+    LANE_CUDA_IPC,
+    LANE_GRPC,
+    LANE_NAMES,
+    LANE_NIXL,
+    LANE_SHM,
+    MEMORY_DRAM,
+    WeightSourceInfo,
+)
 from furlong.rpc import channel, error_from_rpc
+from furlong.transfer.cuda_ipc import open_share
+from furlong.transfer.device_memory import settle
 from furlong.transfer.nixl_transport import NixlEndpoint
 from furlong.transfer.shm import SharedBuffer
 from furlong.v1 import weight_broker_pb2 as pb
@@ -82,6 +101,11 @@ def _check_copies(copies: Sequence[PieceCopy], dst: Mapping[str, torch.Tensor]) 
             )
 
 
+class LaneNotOffered(UnavailableError):
+    """The source does not offer the lane at all (no NIXL agent, no shared memory, no stream, no
+    CUDA IPC share, or memory the lane cannot read): a normal case, not a failure."""
+
+
 class NixlLane:
     """NIXL READs into buffers registered with `endpoint` (owned by the caller)."""
 
@@ -89,7 +113,7 @@ class NixlLane:
 
     def __init__(self, endpoint: NixlEndpoint, source: WeightSourceInfo) -> None:
         if not source.agent_metadata:
-            raise UnavailableError(f"source {source.agent_name} offers no NIXL agent")
+            raise LaneNotOffered(f"source {source.agent_name} offers no NIXL agent")
         self._endpoint = endpoint
         self._source = source
         # Descriptor lists by cache_key: the same pieces land in the same memory every version.
@@ -201,7 +225,7 @@ class ShmLane:
 
     def __init__(self, source: WeightSourceInfo) -> None:
         if not source.shm_name:
-            raise UnavailableError(f"source {source.agent_name} offers no shared memory")
+            raise LaneNotOffered(f"source {source.agent_name} offers no shared memory")
         try:
             self._shm = SharedBuffer.open(source.shm_name, source.size_bytes)
         except (FileNotFoundError, PermissionError, ValueError) as exc:
@@ -276,7 +300,7 @@ class GrpcStreamLane:
 
     def __init__(self, source: WeightSourceInfo, chunk_bytes: int) -> None:
         if not source.stream_address:
-            raise UnavailableError(f"source {source.agent_name} offers no weight stream")
+            raise LaneNotOffered(f"source {source.agent_name} offers no weight stream")
         self._address = source.stream_address
         self._chunk_bytes = chunk_bytes
         self._channel = channel(source.stream_address)
@@ -297,7 +321,11 @@ class GrpcStreamLane:
                         f"bytes at {chunk.offset_bytes}, expected offset "
                         f"{src_offset_bytes + filled}"
                     )
-                dst[at : at + len(chunk.data)].numpy()[:] = np.frombuffer(chunk.data, dtype=np.uint8)
+                piece = np.frombuffer(chunk.data, dtype=np.uint8)
+                if dst.device.type == "cpu":
+                    dst[at : at + len(chunk.data)].numpy()[:] = piece
+                else:  # a CUDA destination: from a host copy of the chunk
+                    dst[at : at + len(chunk.data)].copy_(torch.from_numpy(piece.copy()))
                 filled += len(chunk.data)
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
@@ -331,14 +359,81 @@ class GrpcStreamLane:
         self._channel.close()
 
 
+class CudaIpcLane:
+    """Copies out of the source's CUDA bucket, mapped into this process over CUDA IPC (same host
+    only). Every read returns once its copies finished on the GPU; timeout_s is not applied (a
+    device copy cannot be abandoned halfway)."""
+
+    name = LANE_CUDA_IPC
+
+    def __init__(self, source: WeightSourceInfo) -> None:
+        if source.cuda_ipc is None:
+            raise LaneNotOffered(
+                f"source {source.agent_name} offers no CUDA IPC share (its bucket is "
+                f"{source.memory_kind} memory)"
+            )
+        self._owner = source.agent_name
+        self._src: torch.Tensor | None = open_share(source.cuda_ipc, source.size_bytes, source.agent_name)
+
+    def _bucket(self) -> torch.Tensor:
+        if self._src is None:
+            raise UnavailableError(f"the CUDA IPC share of {self._owner} is closed")
+        return self._src
+
+    def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
+        src = self._bucket()
+        if src_offset_bytes < 0 or src_offset_bytes + dst.numel() > src.numel():
+            raise ValueError(
+                f"read of {dst.numel()} bytes at {src_offset_bytes} exceeds the "
+                f"{src.numel()}-byte CUDA bucket of {self._owner}"
+            )
+        started = time.perf_counter()
+        dst.copy_(src[src_offset_bytes : src_offset_bytes + dst.numel()])
+        self._settle(src, dst)
+        return time.perf_counter() - started
+
+    def read_copies(
+        self,
+        region_offset_bytes: int,
+        copies: Sequence[PieceCopy],
+        dst: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        cache_key: Hashable | None = None,
+    ) -> float:
+        """One strided torch copy per piece, straight from the shared bucket into dst."""
+        src = self._bucket()
+        _check_copies(copies, dst)
+        started = time.perf_counter()
+        for copy in copies:
+            copy_rows(src, region_offset_bytes, copy, dst[copy.dst_name])
+        self._settle(src, *(dst[c.dst_name] for c in copies))
+        return time.perf_counter() - started
+
+    @staticmethod
+    def _settle(src: torch.Tensor, *dst: torch.Tensor) -> None:
+        """The copies have finished: the publisher may rewrite the bucket once the round is acked."""
+        settle(src)
+        for device_tensor in {t.device: t for t in dst if t.device != src.device}.values():
+            settle(device_tensor)
+
+    def close(self) -> None:
+        self._src = None  # the last reference: torch closes the mapping and counts the share down
+
+
 def connect_lane(
     source: WeightSourceInfo, preference: Sequence[str], endpoint: NixlEndpoint | None, chunk_bytes: int
 ) -> Lane:
     """The first lane in preference order that reaches source. UnavailableError naming every
     lane's reason when none does."""
     reasons = []
+    failed = False  # a lane the source offers could not be used (else they were not offered)
     for name in preference:
         try:
+            if name in (LANE_SHM, LANE_GRPC) and source.memory_kind != MEMORY_DRAM:
+                raise LaneNotOffered(
+                    f"the bucket of {source.agent_name} is {source.memory_kind} memory (device "
+                    f"{source.device_id}); the {name} lane reads host memory"
+                )
             if name == LANE_NIXL:
                 if endpoint is None:
                     raise UnavailableError("no NIXL agent on this side")
@@ -347,13 +442,17 @@ def connect_lane(
                 lane = ShmLane(source)
             elif name == LANE_GRPC:
                 lane = GrpcStreamLane(source, chunk_bytes)
+            elif name == LANE_CUDA_IPC:
+                lane = CudaIpcLane(source)
             else:
                 raise ValueError(f"unknown lane {name!r}; known: {LANE_NAMES}")
         except UnavailableError as exc:
             reasons.append(f"{name}: {exc}")
+            failed = failed or not isinstance(exc, LaneNotOffered)
             continue
         if reasons:
-            log.warning("source %s: using lane %s because %s", source.agent_name, name, "; ".join(reasons))
+            level = logging.WARNING if failed else logging.INFO
+            log.log(level, "source %s: using lane %s because %s", source.agent_name, name, "; ".join(reasons))
         else:
             log.info("source %s: using lane %s", source.agent_name, name)
         return lane

@@ -1,4 +1,9 @@
-"""One NIXL agent with its registered host buffers, and one-sided READs from a peer's registered region.
+"""One NIXL agent with its registered buffers, and one-sided READs from a peer's registered region.
+
+Buffers are host tensors (NIXL memory kind "DRAM", device 0) or CUDA tensors ("VRAM", the CUDA
+device's index), registered as descriptors (address, bytes, device) built here from the tensor's
+device (furlong.transfer.device_memory). The local side of a READ is described with the memory
+kind and device of the registered buffer it lands in; one READ lands in one kind of memory.
 
 Descriptors of the remote region are built from plain numbers (address, length, device) carried by
 the broker; nothing received from a peer is unpickled. The agent is used from one thread at a time
@@ -26,6 +31,7 @@ from nixl._api import nixl_agent, nixl_agent_config
 
 from furlong.core.errors import UnavailableError
 from furlong.core.weight_versions import WeightSourceInfo
+from furlong.transfer.device_memory import memory_of
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,7 @@ class NixlEndpoint:
         if not agent_name:
             raise ValueError("empty NIXL agent name")
         self.agent_name = agent_name
+        self._backends = tuple(backends)
         self._agent = _new_agent(agent_name, backends)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
@@ -89,6 +96,8 @@ class NixlEndpoint:
                 f"(plugins: {self._agent.get_plugin_list()})"
             )
         self._registrations: list[tuple[list[torch.Tensor], object]] = []
+        # every registered region: (start address, end address, memory kind, device id)
+        self._regions: list[tuple[int, int, str, int]] = []
         self._peers: dict[str, tuple[bytes, str | bytes]] = {}  # name -> (metadata, NIXL peer id)
         self._handles: dict[_RequestKey, object] = {}  # reusable READ requests (read_descs cache_key)
         self._closed = False
@@ -100,17 +109,61 @@ class NixlEndpoint:
         return metadata
 
     def register(self, buffers: torch.Tensor | Sequence[torch.Tensor]) -> None:
-        """Register contiguous host tensors (one, or a list in one registration) for the
-        endpoint's lifetime."""
+        """Register contiguous host or CUDA tensors (one, or a list) for the endpoint's lifetime:
+        one NIXL registration per memory kind among them, each tensor a descriptor (address,
+        bytes, device id of its memory). ValueError naming the tensor NIXL cannot register, or a
+        memory kind the agent's backends do not support."""
         tensors = [buffers] if isinstance(buffers, torch.Tensor) else list(buffers)
-        for buffer in tensors:
-            if not buffer.is_contiguous() or buffer.device.type != "cpu":
+        rows: dict[str, list[tuple[int, int, int]]] = {}
+        for i, buffer in enumerate(tensors):
+            if not buffer.is_contiguous():
                 raise ValueError(
-                    f"NIXL agent {self.agent_name}: can only register contiguous "
-                    f"host tensors, got device {buffer.device}"
+                    f"NIXL agent {self.agent_name}: tensor {i} of the registration is not contiguous"
                 )
-        descs = self._agent.register_memory(tensors[0] if len(tensors) == 1 else tensors)
-        self._registrations.append((tensors, descs))
+            kind, device_id = memory_of(buffer)
+            rows.setdefault(kind, []).append(
+                (buffer.data_ptr(), buffer.numel() * buffer.element_size(), device_id)
+            )
+        for kind in rows:
+            supported = [
+                m.removesuffix("_SEG") for b in self._backends for m in self._agent.get_backend_mem_types(b)
+            ]
+            if kind not in supported:
+                raise ValueError(
+                    f"NIXL agent {self.agent_name}: backends {list(self._backends)} cannot "
+                    f"register {kind} memory (they support {supported})"
+                )
+        for kind, kind_rows in rows.items():
+            descs = self._agent.register_memory(np.array(kind_rows, dtype=np.uint64), kind)
+            if descs is None:  # NIXL's Python layer logs and returns None for input it refuses
+                raise ValueError(f"NIXL agent {self.agent_name}: NIXL refused to register {kind_rows}")
+            self._registrations.append((tensors, descs))
+            self._regions.extend((start, start + size, kind, device) for start, size, device in kind_rows)
+        self._regions.sort()
+
+    def local_memory(self, local: np.ndarray) -> tuple[str, np.ndarray]:
+        """The memory kind of the registered buffers that rows of `local` (address, bytes, device;
+        Nx3 uint64) land in, and `local` with each row's device id set to its buffer's. ValueError
+        when a row lies outside every registered buffer or the rows span two memory kinds."""
+        starts = np.array([r[0] for r in self._regions], dtype=np.uint64)
+        index = np.searchsorted(starts, local[:, 0], side="right").astype(np.int64) - 1
+        kinds: set[str] = set()
+        out = local.copy()
+        for row, at in enumerate(index.tolist()):
+            address, size = int(local[row, 0]), int(local[row, 1])
+            region = self._regions[at] if at >= 0 else None
+            if region is None or address + size > region[1]:
+                raise ValueError(
+                    f"NIXL agent {self.agent_name}: local piece [{address:#x}, {address + size:#x}) "
+                    f"lies in no buffer registered here"
+                )
+            kinds.add(region[2])
+            out[row, 2] = region[3]
+        if len(kinds) != 1:
+            raise ValueError(
+                f"NIXL agent {self.agent_name}: one READ lands in one kind of memory, got {sorted(kinds)}"
+            )
+        return kinds.pop(), out
 
     def read_descs(
         self,
@@ -201,10 +254,11 @@ class NixlEndpoint:
         handle = self._handles.get(key) if cache_key is not None else None
         num_bytes = int(local[:, 1].sum())
         if handle is None:
+            local_kind, local = self.local_memory(local)
             try:
                 handle = self._agent.initialize_xfer(
                     "READ",
-                    self._agent.get_xfer_descs(local, "DRAM"),
+                    self._agent.get_xfer_descs(local, local_kind),
                     self._agent.get_xfer_descs(remote, source.memory_kind),
                     peer,
                 )
@@ -333,4 +387,5 @@ class NixlEndpoint:
         for _buffer, descs in self._registrations:
             self._agent.deregister_memory(descs)
         self._registrations.clear()
+        self._regions.clear()
         del self._agent

@@ -1,5 +1,6 @@
 """Trainer side of weight transfer: stage a policy version, round by round, in one fixed-size staging
-bucket and announce each round to the broker. Engines read the bucket directly (NIXL, shared memory
+bucket (host memory, or CUDA memory with config.device "cuda[:N]") and announce each round to the
+broker. Engines read the bucket directly (NIXL, shared memory
 or the gRPC stream); the broker never sees the bytes.
 
 Memory: the bucket (sized by the bucket plan, allocated and registered once) is the only copy of
@@ -74,6 +75,7 @@ class WeightPublisher:
             config.lanes,
             backends=config.backends,
             stream_workers=config.stream_workers,
+            device=config.device,
         )
         self._lock = threading.Lock()
         self._shard_plans: dict[str, ShardPlan] = {}  # by layout id; the source plan never changes
@@ -211,6 +213,7 @@ class WeightPublisher:
                     )
                 if staged_ahead != rnd.index:
                     stage_round(self._layout, rnd, state_dict, bucket)
+                self._bucket.settle()  # a CUDA bucket's copies have landed before engines read
                 self._broker.stage_round(self._run_id, manifest.version, rnd.index)
                 following = rounds[rnd.index + 1] if rnd.index + 1 < len(rounds) else None
                 if following is not None and following.bucket_offset_bytes != rnd.bucket_offset_bytes:

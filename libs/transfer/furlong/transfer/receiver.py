@@ -33,6 +33,7 @@ from furlong.core.weight_shards import ShardLayout
 from furlong.core.weight_versions import (
     LANE_NIXL,
     LANE_SHM,
+    MEMORY_DRAM,
     NO_VERSION,
     EventKind,
     RoundAck,
@@ -324,7 +325,7 @@ class WeightReceiver:
         if (
             self._pull_lock is None
             or incoming.lane.name not in (LANE_NIXL, LANE_SHM)
-            or incoming.source.memory_kind != "DRAM"
+            or incoming.source.memory_kind != MEMORY_DRAM
         ):
             return contextlib.nullcontext()
         return self._pull_lock.held(time.monotonic() + self._config.pull_lock_wait_s)
@@ -409,10 +410,10 @@ class WeightReceiver:
         """Built (and registered with NIXL) on the first version, reused after."""
         if self._destination is None:
             if self._shard_layout is None and self._params is None:
-                self._destination = BufferDestination(manifest.layout, self._endpoint)
+                self._destination = BufferDestination(manifest.layout, self._endpoint, self._config.device)
             else:
                 self._destination = PieceDestination(
-                    manifest, self._shard_layout, self._params, self._endpoint
+                    manifest, self._shard_layout, self._params, self._endpoint, self._config.device
                 )
         self._destination.check(manifest)
         return self._destination

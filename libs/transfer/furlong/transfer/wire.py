@@ -8,6 +8,7 @@ or the broker's rules.
 from __future__ import annotations
 
 from furlong.core.block_checksum import CHECKSUM_ALGORITHM
+from furlong.core.cuda_ipc_share import CudaIpcShare
 from furlong.core.weight_shards import ShardLayout, ShardPiece, ShardTensor
 from furlong.core.weight_versions import (
     EventKind,
@@ -144,6 +145,36 @@ def shard_layout_from_proto(msg: pb.ShardLayout) -> ShardLayout:
     )
 
 
+def cuda_ipc_share_to_proto(share: CudaIpcShare) -> common_pb2.CudaIpcShare:
+    return common_pb2.CudaIpcShare(
+        host_id=share.host_id,
+        device_uuid=share.device_uuid,
+        handle=share.handle,
+        storage_size_bytes=share.storage_size_bytes,
+        storage_offset_bytes=share.storage_offset_bytes,
+        offset_bytes=share.offset_bytes,
+        ref_counter_handle=share.ref_counter_handle,
+        ref_counter_offset=share.ref_counter_offset,
+        event_handle=share.event_handle,
+        event_sync_required=share.event_sync_required,
+    )
+
+
+def cuda_ipc_share_from_proto(msg: common_pb2.CudaIpcShare) -> CudaIpcShare:
+    return CudaIpcShare(
+        host_id=msg.host_id,
+        device_uuid=msg.device_uuid,
+        handle=msg.handle,
+        storage_size_bytes=msg.storage_size_bytes,
+        storage_offset_bytes=msg.storage_offset_bytes,
+        offset_bytes=msg.offset_bytes,
+        ref_counter_handle=msg.ref_counter_handle,
+        ref_counter_offset=msg.ref_counter_offset,
+        event_handle=msg.event_handle,
+        event_sync_required=msg.event_sync_required,
+    )
+
+
 def source_to_proto(source: WeightSourceInfo) -> common_pb2.WeightSource:
     return common_pb2.WeightSource(
         agent_name=source.agent_name,
@@ -155,6 +186,7 @@ def source_to_proto(source: WeightSourceInfo) -> common_pb2.WeightSource:
         shm_name=source.shm_name,
         stream_address=source.stream_address,
         holds_all_rounds=source.holds_all_rounds,
+        cuda_ipc=None if source.cuda_ipc is None else cuda_ipc_share_to_proto(source.cuda_ipc),
     )
 
 
@@ -169,6 +201,7 @@ def source_from_proto(msg: common_pb2.WeightSource) -> WeightSourceInfo:
         shm_name=msg.shm_name,
         stream_address=msg.stream_address,
         holds_all_rounds=msg.holds_all_rounds,
+        cuda_ipc=cuda_ipc_share_from_proto(msg.cuda_ipc) if msg.HasField("cuda_ipc") else None,
     )
 
 

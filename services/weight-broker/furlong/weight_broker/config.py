@@ -75,7 +75,7 @@ class BrokerConfig:
             "--relay-lanes",
             default=",".join(cls.relay_lanes),
             help="comma-separated lanes a relay pulls over and serves on, in order "
-            "(default nixl,shm,grpc; without shm its bucket gets huge pages)",
+            "(default cuda_ipc,nixl,shm,grpc; without shm its bucket gets huge pages)",
         )
         add_credential_flags(parser)
         parser.add_argument(

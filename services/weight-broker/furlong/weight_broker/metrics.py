@@ -2,7 +2,7 @@
 observer of the broker core that keeps them up to date.
 
 Transfer figures come from the engines' acknowledgements, so they count bytes engines really pulled,
-labelled with the lane that carried them (nixl, shm, grpc): a silent fall to a slow lane shows.
+labelled with the lane that carried them (cuda_ipc, nixl, shm, grpc): a silent fall to a slow lane shows.
 """
 
 from __future__ import annotations
