@@ -148,6 +148,17 @@ class MegatronCausalLM(torch.nn.Module):
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._tp_world = parallel_state.get_tensor_model_parallel_world_size()
+        pad = getattr(config, "pad_token_id", None)
+        if isinstance(pad, int) and 0 <= pad < config.vocab_size:
+            self._pad_id = pad
+            gpt.embedding.word_embeddings.register_forward_hook(self._detach_pad_lookups)
+
+    def _detach_pad_lookups(self, module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
+        """transformers' input embedding has `padding_idx`: no gradient flows into the pad token's
+        row from its lookups (a tied output layer's still does). Megatron's has none; the same
+        values, with the pad ids' lookups cut from the graph, give the same gradients."""
+        mask = (inputs[0] == self._pad_id).unsqueeze(-1)  # [b, s, h] out: no sequence parallelism
+        return torch.where(mask, output.detach(), output)
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module) -> MegatronCausalLM:
