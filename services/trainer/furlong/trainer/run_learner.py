@@ -136,10 +136,3 @@ def _megatron_policy(config: TrainerRunConfig, model: torch.nn.Module) -> torch.
         config.megatron.pipeline_parallel,
     )
     return module
-
-
-def load_model_config(model_dir: Path) -> object:
-    """The transformers config of a model directory (no weights read)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(model_dir))

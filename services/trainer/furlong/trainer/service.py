@@ -55,7 +55,7 @@ import redis
 import torch
 from prometheus_client import CollectorRegistry
 
-from furlong.core.checkpoint import export_policy
+from furlong.core.checkpoint import export_policy, read_model_config
 from furlong.core.devices import parse_device
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
 from furlong.core.samples import TRAINER_GROUP, SampleGroup, stream_key
@@ -98,7 +98,6 @@ from furlong.trainer.run_learner import (
     check_megatron_run,
     check_world_size,
     learner_config,
-    load_model_config,
 )
 from furlong.trainer.sample_reader import SampleReader
 from furlong.trainer.train_checkpoint import (
@@ -227,7 +226,7 @@ class TrainerService:
             raise ValueError(f"model_dir {model_dir!r} is not a directory")
         tensor_parallel = config.megatron.tensor_parallel if config.backend == "megatron" else 1
         if config.backend == "megatron":
-            check_megatron_run(config, load_model_config(path))
+            check_megatron_run(config, read_model_config(path))
             if tensor_parallel > 1 and self._checkpoint_root is not None:
                 raise ConflictError(_NO_TP_CHECKPOINTS.format(run_id=run_id, tp=tensor_parallel))
         with self._lock:

@@ -227,10 +227,10 @@ class MegatronCausalLM(torch.nn.Module):
         """torch.nn.utils.clip_grad_norm_ over the whole (tensor-parallel) model: the squares of
         split parameters' gradients are summed over the ranks, whole ones counted once (every rank
         holds the same gradient of a whole parameter)."""
-        params = [p for p in params if p.grad is not None]
+        grads = [(p, p.grad.detach()) for p in params if p.grad is not None]
         split, whole = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        for p in params:
-            squares = p.grad.detach().double().pow(2).sum().cpu()
+        for p, grad in grads:
+            squares = grad.double().pow(2).sum().cpu()
             if getattr(p, "tensor_model_parallel", False) and self._tp_world > 1:
                 split += squares
             else:
@@ -240,8 +240,8 @@ class MegatronCausalLM(torch.nn.Module):
         norm = (split + whole).sqrt()
         if math.isfinite(max_norm):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for p in params:
-                p.grad.detach().mul_(coef.to(p.grad.dtype))
+            for _, grad in grads:
+                grad.mul_(coef.to(grad.dtype))
         return norm.float()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> SimpleNamespace:
