@@ -73,7 +73,11 @@ FULL = {
     "environment": to_mapping(EnvironmentSettings()),
     "eval": to_mapping(EvalSettings()),
     "agent": to_mapping(AgentSettings()),
-    "trainer": {"parallel": {"strategy": "ddp", "world_size": 2}},
+    "trainer": {
+        "parallel": {"strategy": "ddp", "world_size": 2},
+        "backend": "torch",
+        "megatron": {"tensor_parallel": 1, "pipeline_parallel": 1},
+    },
 }
 
 

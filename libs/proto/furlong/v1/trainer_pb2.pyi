@@ -56,7 +56,7 @@ class AlgorithmConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., clip_eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., epochs_per_batch: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., adam_beta1: _Optional[float] = ..., adam_beta2: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., loss_aggregation: _Optional[str] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., kl_mode: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., off_policy: _Optional[str] = ..., is_low: _Optional[float] = ..., is_high: _Optional[float] = ..., gamma: _Optional[float] = ..., gae_lambda: _Optional[float] = ..., value_coef: _Optional[float] = ..., value_clip: _Optional[float] = ...) -> None: ...
 
 class ConfigureRunRequest(_message.Message):
-    __slots__ = ("run_id", "model_dir", "algorithm", "seed", "total_steps", "sampling_temperature", "checkpoint_every_steps", "precision", "checkpoint_keep_last", "parallel")
+    __slots__ = ("run_id", "model_dir", "algorithm", "seed", "total_steps", "sampling_temperature", "checkpoint_every_steps", "precision", "checkpoint_keep_last", "parallel", "backend", "megatron")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class ConfigureRunRequest(_message.Message):
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MEGATRON_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     model_dir: str
     algorithm: AlgorithmConfig
@@ -77,7 +79,17 @@ class ConfigureRunRequest(_message.Message):
     precision: _common_pb2.PrecisionConfig
     checkpoint_keep_last: int
     parallel: ParallelConfig
-    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., algorithm: _Optional[_Union[AlgorithmConfig, _Mapping]] = ..., seed: _Optional[int] = ..., total_steps: _Optional[int] = ..., sampling_temperature: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ..., checkpoint_keep_last: _Optional[int] = ..., parallel: _Optional[_Union[ParallelConfig, _Mapping]] = ...) -> None: ...
+    backend: str
+    megatron: MegatronConfig
+    def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., algorithm: _Optional[_Union[AlgorithmConfig, _Mapping]] = ..., seed: _Optional[int] = ..., total_steps: _Optional[int] = ..., sampling_temperature: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ..., checkpoint_keep_last: _Optional[int] = ..., parallel: _Optional[_Union[ParallelConfig, _Mapping]] = ..., backend: _Optional[str] = ..., megatron: _Optional[_Union[MegatronConfig, _Mapping]] = ...) -> None: ...
+
+class MegatronConfig(_message.Message):
+    __slots__ = ("tensor_parallel", "pipeline_parallel")
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    tensor_parallel: int
+    pipeline_parallel: int
+    def __init__(self, tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ...) -> None: ...
 
 class ParallelConfig(_message.Message):
     __slots__ = ("strategy", "world_size")

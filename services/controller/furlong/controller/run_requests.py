@@ -24,6 +24,8 @@ def trainer_config(run_id: str, spec: RunSpec) -> TrainerRunConfig:
         checkpoint=spec.checkpoint,
         precision=spec.precision,
         parallel=spec.trainer.parallel,
+        backend=spec.trainer.backend,
+        megatron=spec.trainer.megatron,
     )
 
 

@@ -11,8 +11,11 @@ from typing import Protocol
 from furlong.core.settings import (
     AlgorithmSettings,
     CheckpointSettings,
+    MegatronSettings,
     ParallelSettings,
     PrecisionSettings,
+    SettingError,
+    TrainerSettings,
 )
 from furlong.core.settings.checkpoint import DEFAULT_EXPORT_SHARD_BYTES
 from furlong.v1 import trainer_pb2
@@ -39,6 +42,25 @@ class TrainerRunConfig:
     precision: PrecisionSettings = field(default_factory=PrecisionSettings)
     # Data parallelism over the trainer's ranks; world_size must be the trainer's own.
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    # What the policy is trained as (`trainer.backend`) and the megatron backend's model parallelism.
+    backend: str = "torch"
+    megatron: MegatronSettings = field(default_factory=MegatronSettings)
+
+    @property
+    def gathers_state(self) -> bool:
+        """Whether the policy's whole state dict is a collective every rank joins: fsdp2 shards,
+        or megatron's tensor-parallel shards."""
+        return self.parallel.strategy == "fsdp2" or (
+            self.backend == "megatron" and self.megatron.tensor_parallel > 1
+        )
+
+    @property
+    def trainer(self) -> TrainerSettings:
+        """The run's `trainer` settings, checked together (SettingError naming the field)."""
+        try:
+            return TrainerSettings(parallel=self.parallel, backend=self.backend, megatron=self.megatron)
+        except SettingError as err:  # named under the run spec's section
+            raise err.under("trainer") from None
 
 
 @dataclass(frozen=True)

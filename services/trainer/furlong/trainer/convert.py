@@ -3,7 +3,7 @@ the server and the gRPC client, each written once. Free of torch."""
 
 from __future__ import annotations
 
-from furlong.core.settings import CheckpointSettings, ParallelSettings
+from furlong.core.settings import CheckpointSettings, MegatronSettings, ParallelSettings
 from furlong.rpc.settings import (
     algorithm_from_proto,
     algorithm_to_proto,
@@ -37,12 +37,14 @@ def config_to_proto(config: TrainerRunConfig) -> pb.ConfigureRunRequest:
         checkpoint_keep_last=config.checkpoint.keep_last,
         precision=precision_to_proto(config.precision),
         parallel=to_proto(config.parallel, pb.ParallelConfig()),
+        backend=config.backend,
+        megatron=to_proto(config.megatron, pb.MegatronConfig()),
     )
 
 
 def config_from_proto(msg: pb.ConfigureRunRequest) -> TrainerRunConfig:
     """ValueError (a SettingError) naming the bad field."""
-    return TrainerRunConfig(
+    config = TrainerRunConfig(
         run_id=msg.run_id,
         model_dir=msg.model_dir,
         algorithm=algorithm_from_proto(msg.algorithm),
@@ -61,7 +63,15 @@ def config_from_proto(msg: pb.ConfigureRunRequest) -> TrainerRunConfig:
             if msg.HasField("parallel")
             else ParallelSettings()
         ),
+        backend=msg.backend or "torch",  # "": an older client
+        megatron=(
+            from_proto(MegatronSettings, msg.megatron, "trainer.megatron")
+            if msg.HasField("megatron")
+            else MegatronSettings()
+        ),
     )
+    config.trainer  # noqa: B018  # the trainer settings checked together
+    return config
 
 
 def run_to_proto(run: TrainerRun) -> pb.ConfigureRunResponse:

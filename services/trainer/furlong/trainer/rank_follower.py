@@ -7,7 +7,8 @@ trainer's process group, and trains its slice of the batch rank 0 read from Redi
 Redis, serves gRPC, publishes weights or writes exports: with ddp every rank holds the whole policy
 and rank 0 writes it and its training checkpoints; with fsdp2 a follower joins the gathers of the
 full tensors (`GatherCommand`) and drops the result, and writes its own shards of each training
-checkpoint (`CheckpointCommand`; rank 0 writes the manifest).
+checkpoint (`CheckpointCommand`; rank 0 writes the manifest). With the megatron backend over
+tensor-parallel ranks a follower holds its shards and joins every gather of the whole tensors.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class RankFollower:
             learner = build_learner(config, self._device, self._ranks.group, self._memory)
             if command.resume is not None:
                 load_training_checkpoint(learner, command.resume)
-            if config.parallel.strategy == "fsdp2":
+            if config.gathers_state:
                 learner.state_dict()  # rank 0 gathers the run's layout: a collective
             self._learners[config.run_id] = learner
         elif isinstance(command, TrainCommand):

@@ -1,6 +1,8 @@
 """A run's learner as every rank builds it: the policy loaded from the run's model directory on the
 rank's device, its family contract checked, and a `Learner` over the trainer's process group when
-the run asks for data parallelism (`trainer.parallel`).
+the run asks for data parallelism (`trainer.parallel`); with `trainer.backend: megatron` the
+policy is a megatron-core GPTModel built from it (`megatron.gpt.MegatronCausalLM`), split over the
+trainer's ranks when `trainer.megatron.tensor_parallel` > 1.
 
 Rank 0 (`service`) and the follower ranks (`rank_follower`) build it with the same code, the same
 seed and the same files, so their learners agree before the first step (DDP also broadcasts rank
@@ -91,8 +93,46 @@ def build_learner(
         checked.rope.theta,
         f", release {checked.spec.name}" if checked.spec else "",
     )
+    if config.backend == "megatron":
+        return Learner(_megatron_policy(config, model), lconfig)
     parallel = config.parallel
     if group is None or not parallel.data_parallel:
         return Learner(model, lconfig)
     log.info("run %s: %s over %d ranks", config.run_id, parallel.strategy, parallel.world_size)
     return Learner(model, lconfig, data_parallel_group=group, data_parallel=parallel.strategy)
+
+
+def check_megatron_run(config: TrainerRunConfig, model_config: object) -> None:
+    """ValueError naming the setting when the megatron backend cannot train this run's model or
+    algorithm (before any rank builds it)."""
+    from furlong.trainer.megatron.spec import check_megatron_config
+
+    check_megatron_config(model_config, config.megatron.tensor_parallel)
+    if config.algorithm.name == "ppo":
+        raise ValueError(
+            "trainer.backend megatron: algorithm ppo needs a value model over the policy's body, "
+            "which the megatron backend does not build; use trainer.backend torch"
+        )
+    if config.precision.gradient_checkpointing:
+        raise ValueError(
+            "trainer.backend megatron: precision.gradient_checkpointing is not built for the "
+            "megatron backend; set it to false or use trainer.backend torch"
+        )
+
+
+def _megatron_policy(config: TrainerRunConfig, model: torch.nn.Module) -> torch.nn.Module:
+    """The run's policy as a megatron-core GPTModel holding `model`'s weights (this rank's shards)."""
+    from furlong.trainer.megatron.gpt import MegatronCausalLM, init_model_parallel
+
+    check_megatron_run(config, model.config)
+    init_model_parallel(tensor_parallel=config.megatron.tensor_parallel)
+    policy = MegatronCausalLM.from_hf_state(model.config, model.state_dict())
+    device = next(model.parameters()).device
+    module: torch.nn.Module = policy.to(device)
+    log.info(
+        "run %s: megatron backend, tensor_parallel %d, pipeline_parallel %d",
+        config.run_id,
+        config.megatron.tensor_parallel,
+        config.megatron.pipeline_parallel,
+    )
+    return module

@@ -27,6 +27,12 @@ see `train_checkpoint`), and a run resumes from either format at any world size.
 `trainer.parallel.world_size` is not the trainer's is refused (ConflictError). Offload and restore
 need one rank.
 
+With `trainer.backend: megatron` every rank's learner trains a megatron-core GPTModel
+(`run_learner`); with `trainer.megatron.tensor_parallel` > 1 each rank holds its shards of the split
+layers, publishing and exports gather the whole tensors under the Hugging Face names on every rank
+first (`GatherCommand`), and training checkpoints are not built: a trainer with a checkpoint root
+refuses such a run (ConflictError), and so does `checkpoint`.
+
 `offload` releases a run's tensors (policy, reference, value model, optimizer state) for a
 colocated rollout engine and `restore` brings them back bit for bit (`offload.Offloader`). While a
 run is offloaded, `train_step`, `publish_weights`, `checkpoint` and `export_policy` raise
@@ -49,7 +55,7 @@ import redis
 import torch
 from prometheus_client import CollectorRegistry
 
-from furlong.core.checkpoint import export_policy
+from furlong.core.checkpoint import export_policy, read_model_config
 from furlong.core.devices import parse_device
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
 from furlong.core.samples import TRAINER_GROUP, SampleGroup, stream_key
@@ -89,6 +95,7 @@ from furlong.trainer.run_learner import (
     DEFAULT_MICRO_BATCH_TOKENS,
     LearnerMemory,
     build_learner,
+    check_megatron_run,
     check_world_size,
     learner_config,
 )
@@ -105,6 +112,11 @@ from furlong.transfer.publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
 
+_NO_TP_CHECKPOINTS = (
+    "run {run_id}: trainer.megatron.tensor_parallel {tp}: training checkpoints of a tensor-parallel "
+    "megatron policy are not built; start the trainer without --checkpoint-dir or use "
+    "tensor_parallel 1"
+)
 EQUALITY_RUN_INFIX = "~equality-"  # the equality check's run on the broker: <run_id>~equality-<hex>
 
 
@@ -125,6 +137,8 @@ class _Run:
     data_cursor: Any = None  # what the last step consumed (a checkpoint's data cursor)
     offloader: Offloader | None = None  # set while the run's tensors are offloaded
     parallel: ParallelSettings = ParallelSettings()  # how the run's learner spans the ranks
+    gathers_state: bool = False  # its whole state dict is a collective of every rank (see api)
+    tensor_parallel: int = 1  # megatron's tensor-parallel ranks (1: the torch backend's too)
 
     @property
     def offloaded(self) -> bool:
@@ -205,10 +219,16 @@ class TrainerService:
             or not 1 <= total_steps <= MAX_STEPS
         ):
             raise ValueError(f"total_steps must be an integer in [1, {MAX_STEPS}], got {total_steps!r}")
+        config.trainer  # noqa: B018  # the trainer settings, checked together
         learner_config(config, self._memory)  # a bad setting fails before any rank loads the model
         path = Path(model_dir)
         if not path.is_dir():
             raise ValueError(f"model_dir {model_dir!r} is not a directory")
+        tensor_parallel = config.megatron.tensor_parallel if config.backend == "megatron" else 1
+        if config.backend == "megatron":
+            check_megatron_run(config, read_model_config(path))
+            if tensor_parallel > 1 and self._checkpoint_root is not None:
+                raise ConflictError(_NO_TP_CHECKPOINTS.format(run_id=run_id, tp=tensor_parallel))
         with self._lock:
             if run_id in self._runs:
                 raise ConflictError(f"run {run_id} is already configured on this trainer")
@@ -252,6 +272,8 @@ class TrainerService:
             ledger=ledger,
             checkpoints=checkpoints,
             parallel=config.parallel,
+            gathers_state=config.gathers_state,
+            tensor_parallel=tensor_parallel,
         )
         with self._lock:
             if run_id in self._runs:
@@ -273,7 +295,7 @@ class TrainerService:
 
     def _state_dict(self, run: _Run) -> dict[str, torch.Tensor]:
         """The run's full policy state dict; with fsdp2 over several ranks a gather every rank joins."""
-        if self._ranks is None or run.parallel.strategy != "fsdp2":
+        if self._ranks is None or not run.gathers_state:
             return run.learner.state_dict()
         with self._ranks.command(GatherCommand(run.run_id)):
             return run.learner.state_dict()
@@ -288,6 +310,8 @@ class TrainerService:
     def _save_checkpoint(self, run: _Run, target: Path, step: int, cursor: Any) -> CheckpointInfo:
         """Write the run's training checkpoint; with fsdp2 over several ranks every rank writes its
         shards (`CheckpointCommand`) and rank 0 the manifest."""
+        if run.tensor_parallel > 1:
+            raise ConflictError(_NO_TP_CHECKPOINTS.format(run_id=run.run_id, tp=run.tensor_parallel))
         if self._ranks is None or run.parallel.strategy != "fsdp2":
             return save_training_checkpoint(run.learner, target, step, cursor)
         with self._ranks.command(CheckpointCommand(run.run_id, str(target), step)):

@@ -15,7 +15,7 @@ from furlong.core.settings.precision import PrecisionSettings
 from furlong.core.settings.reward import RewardSettings
 from furlong.core.settings.rollout import RolloutSettings
 from furlong.core.settings.sampling import SamplingSettings
-from furlong.core.settings.trainer import ParallelSettings, TrainerSettings
+from furlong.core.settings.trainer import MegatronSettings, ParallelSettings, TrainerSettings
 
 __all__ = [
     "AgentSettings",
@@ -24,6 +24,7 @@ __all__ = [
     "PrecisionSettings",
     "DataSettings",
     "EnvironmentSettings",
+    "MegatronSettings",
     "ParallelSettings",
     "EvalSettings",
     "RewardSettings",

@@ -5,6 +5,15 @@ furlong.trainer`). `world_size` must equal the number of ranks of the trainer th
 the trainer refuses a run that asks for another. `ddp` replicates the policy on every rank and sums
 gradients; `fsdp2` shards parameters, gradients and optimizer state over the ranks. The proto form
 is `furlong.v1.ParallelConfig`.
+
+`backend`: what the policy is trained as. `torch` (the default) trains the transformers model
+itself; `megatron` trains a megatron-core GPTModel built from the model's config (Llama, Qwen2 and
+Qwen3 architectures; the trainer refuses another model naming its model_type and what megatron
+cannot express) and publishes it under the Hugging Face names. `megatron.tensor_parallel` splits
+every layer over that many ranks; `megatron.pipeline_parallel` must be 1 (pipeline stages are not
+built). A megatron run lays its ranks out itself: strategy `none`, and tensor_parallel x
+pipeline_parallel equal to `parallel.world_size`. The proto forms are
+`ConfigureRunRequest.backend` and `furlong.v1.MegatronConfig`.
 """
 
 from __future__ import annotations
@@ -14,7 +23,9 @@ from dataclasses import dataclass
 from furlong.core.settings.fields import SettingError, check_fields, setting
 
 STRATEGIES = ("none", "ddp", "fsdp2")
+BACKENDS = ("torch", "megatron")
 MAX_WORLD_SIZE = 1024
+BUILT_PIPELINE_PARALLEL = (1,)  # megatron pipeline sizes the trainer can build
 
 
 @dataclass(frozen=True)
@@ -30,12 +41,7 @@ class ParallelSettings:
     )
 
     def __post_init__(self) -> None:
-        check_fields(self)
-        if self.strategy == "none" and self.world_size != 1:
-            raise SettingError(
-                "world_size",
-                f"{self.world_size} ranks need a strategy (ddp or fsdp2), got strategy 'none'",
-            )
+        check_fields(self)  # strategy "none" over several ranks: see TrainerSettings
 
     @property
     def data_parallel(self) -> bool:
@@ -44,8 +50,77 @@ class ParallelSettings:
 
 
 @dataclass(frozen=True)
-class TrainerSettings:
-    parallel: ParallelSettings = setting(default_factory=ParallelSettings)
+class MegatronSettings:
+    tensor_parallel: int = setting(
+        1,
+        ge=1,
+        le=MAX_WORLD_SIZE,
+        doc="ranks each layer is split over (megatron tensor parallelism; vocabulary, attention "
+        "heads, key/value heads and the MLP width must divide by it)",
+    )
+    pipeline_parallel: int = setting(
+        1, ge=1, le=MAX_WORLD_SIZE, doc="pipeline stages; only 1 is supported (no pipeline stages are built)"
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.pipeline_parallel not in BUILT_PIPELINE_PARALLEL:
+            raise SettingError(
+                "pipeline_parallel",
+                f"{self.pipeline_parallel} is not supported: only 1 (the megatron backend builds no "
+                "pipeline stages; split the model with tensor_parallel instead)",
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    parallel: ParallelSettings = setting(default_factory=ParallelSettings)
+    backend: str = setting(
+        "torch",
+        choices=BACKENDS,
+        doc="torch (the transformers model) or megatron (a megatron-core GPTModel built from the "
+        "model's config; Llama, Qwen2 and Qwen3 architectures)",
+    )
+    megatron: MegatronSettings = setting(
+        default_factory=MegatronSettings,
+        doc="the megatron backend's model parallelism (backend megatron only)",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        parallel, megatron = self.parallel, self.megatron
+        if self.backend != "megatron":
+            if parallel.strategy == "none" and parallel.world_size != 1:
+                raise SettingError(
+                    "parallel.world_size",
+                    f"{parallel.world_size} ranks need a strategy (ddp or fsdp2), got strategy 'none' "
+                    "(or backend megatron with tensor_parallel x pipeline_parallel equal to it)",
+                )
+            if megatron != MegatronSettings():
+                raise SettingError(
+                    "megatron",
+                    f"set only with backend megatron, got backend {self.backend!r} and {megatron}",
+                )
+            return
+        if parallel.strategy != "none":
+            raise SettingError(
+                "parallel.strategy",
+                f"backend megatron lays its ranks out itself (megatron.tensor_parallel x "
+                f"pipeline_parallel); data parallelism over it is not built: set strategy 'none', "
+                f"got {parallel.strategy!r}",
+            )
+        if megatron.model_parallel_size != parallel.world_size:
+            raise SettingError(
+                "megatron.tensor_parallel",
+                f"tensor_parallel {megatron.tensor_parallel} x pipeline_parallel "
+                f"{megatron.pipeline_parallel} = {megatron.model_parallel_size} ranks, but "
+                f"parallel.world_size is {parallel.world_size}: they must be equal",
+            )
+
+    @property
+    def is_megatron(self) -> bool:
+        return self.backend == "megatron"

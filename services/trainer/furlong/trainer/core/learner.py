@@ -288,7 +288,13 @@ class Learner:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's tensors to publish, detached and contiguous. They alias the live parameters
         (no copy), so the next train_step changes them in place. With fsdp2 they are gathered
-        (a copy, and a collective: every rank must call this)."""
+        (a copy, and a collective: every rank must call this). A model that declares
+        `hf_state_dict()` (the megatron backend's) is published as that: its tensors under the
+        Hugging Face names, gathered from its tensor-parallel ranks (a collective too)."""
+        published = getattr(self.model, "hf_state_dict", None)
+        if published is not None:  # trained under other names (megatron): published under HF ones
+            state: dict[str, torch.Tensor] = published()
+            return {name: t.detach().contiguous() for name, t in state.items()}
         return {name: full_tensor(t.detach()).contiguous() for name, t in self.model.state_dict().items()}
 
     def train_step(self, groups: list[SampleGroup]) -> StepStats:
@@ -385,7 +391,9 @@ class Learner:
             loss_sum, value_loss_sum, trained_tokens = totals[-3], totals[-2], int(totals[-1])
         backward_done = time.perf_counter()
         max_norm = self.objective.max_grad_norm if self.objective.max_grad_norm > 0 else math.inf
-        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self._params, max_norm)))
+        # A tensor-parallel model measures its norm over every rank's shards (`clip_grad_norm_`).
+        clip = getattr(self.model, "clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
+        grad_norm = float(full_tensor(clip(self._params, max_norm)))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"gradient norm is {grad_norm} at version {self.version}; step skipped")

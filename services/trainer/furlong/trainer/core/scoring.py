@@ -10,7 +10,10 @@ soft-capping or scaling in its config) the body gives the final hidden states an
 `lm_head.weight`, so the (tokens x vocabulary) logits never exist; any other model runs its own
 forward and its logits are scored (the choice and its reason are logged once). A packed
 micro-batch passes its position ids and its block-diagonal mask (boolean for SDPA attention,
-additive float for eager). Knows nothing about objectives or optimizers.
+additive float for eager). A model whose logits hold a slice of the vocabulary (tensor
+parallelism: the megatron backend) declares it as `vocab_shard` (a `logprobs.VocabShard`), and its
+logits are scored with it (maxima, sums and targets all-reduced over the shard's group). Knows
+nothing about objectives or optimizers.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from furlong.core.settings import AlgorithmSettings
 from furlong.trainer.core.batch import MicroBatch
 from furlong.trainer.core.value import ValueModel
 from furlong.trainer.lm_head import DEFAULT_CHUNK_TOKENS, head_log_probs_with_support
-from furlong.trainer.logprobs import LogProbs, SupportViolation, log_probs_with_support
+from furlong.trainer.logprobs import LogProbs, SupportViolation, VocabShard, log_probs_with_support
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,8 @@ class Scorer:
         self._can_trim_logits = "logits_to_keep" in forward_params
         self._pass_use_cache = "use_cache" in forward_params
         self.head_chunk_tokens = head_chunk_tokens
+        shard = getattr(model, "vocab_shard", None)
+        self.vocab_shard: VocabShard | None = shard if isinstance(shard, VocabShard) else None
         reason = chunked_head_unsupported(model)
         # Whether the policy's forward may bypass its own head (a wrapper that must see the
         # whole forward, DDP or FSDP, turns this off through `use_policy_module`).
@@ -161,7 +166,12 @@ class Scorer:
             )
         logits = self._logits(model, mb)
         return log_probs_with_support(
-            logits, mb.targets, mb.support, self.temperature, positions=mb.positions(logits.shape[1])
+            logits,
+            mb.targets,
+            mb.support,
+            self.temperature,
+            positions=mb.positions(logits.shape[1]),
+            vocab_shard=self.vocab_shard,
         )
 
     def _logprobs(

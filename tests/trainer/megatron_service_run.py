@@ -1,0 +1,190 @@
+"""Run as a script (one process per trainer rank: megatron-core's parallel state is process-wide):
+a trainer service trains a tiny model for a few steps on fixed sample groups written to Redis, with
+the backend and tensor-parallel size given, and rank 0 prints one JSON line (per-step losses and
+gradient norms) and writes the policy it published after the last step to OUT/published.safetensors.
+
+    megatron_service_run.py BACKEND FAMILY TP RANK PORT MODEL_DIR OUT [--resume-check]
+
+Rank 0 serves the run; the other ranks follow it (`RankFollower`), as under torchrun.
+"""
+
+import json
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import redis
+import torch
+from safetensors.torch import save_file
+
+from furlong.core.samples import STREAM_FIELD, Sample, SampleGroup, stream_key
+from furlong.core.sampling_mask import RolloutSamplingMask
+from furlong.core.settings import AlgorithmSettings, CheckpointSettings, MegatronSettings, ParallelSettings
+from furlong.trainer.api import TrainerRunConfig, TrainStepRequest
+from furlong.trainer.rank_follower import RankFollower
+from furlong.trainer.ranks import join
+from furlong.trainer.service import TrainerService
+from furlong.transfer.publisher import WeightPublisher
+from furlong.weight_broker.client import InProcessBrokerClient
+from furlong.weight_broker.core import BrokerCore
+
+warnings.filterwarnings("ignore")
+VOCAB = 16
+STEPS = 3
+RUN = "mg"
+
+
+def write_model(directory: Path, family: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from furlong.core.checkpoint import save_policy
+    from furlong.core.tokenizer import char_tokenizer
+
+    tokenizer = char_tokenizer("0123456789+=-")  # 3 special tokens: VOCAB ids
+    assert tokenizer.vocab_size == VOCAB
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_id,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+    )
+    save_policy(AutoModelForCausalLM.from_config(config), tokenizer, directory)
+
+
+def groups(step: int) -> list[SampleGroup]:
+    """Two groups of four samples, the same for every backend: random tokens, distinct rewards, and
+    a sampling support of three ids (the target among them) on every other response token."""
+    gen = torch.Generator().manual_seed(100 + step)
+    out = []
+    for g in range(2):
+        prompt = torch.randint(0, VOCAB, (3,), generator=gen).tolist()
+        samples = []
+        for i in range(4):
+            response = torch.randint(0, VOCAB, (4,), generator=gen).tolist()
+            support = [
+                sorted({t, (t + 5) % VOCAB, (t + 11) % VOCAB}) if j % 2 else list(range(VOCAB))
+                for j, t in enumerate(response)
+            ]
+            samples.append(
+                Sample(
+                    sample_id=f"s{step}-{g}-{i}",
+                    prompt_token_ids=prompt,
+                    response_token_ids=response,
+                    response_logprobs=[-1.5] * 4,
+                    sampling_support=RolloutSamplingMask.from_lists(support, vocab_size=VOCAB),
+                    reward=float(i) - 1.5 * g,
+                    policy_version=step - 1,
+                    finish_reason="length",
+                )
+            )
+        out.append(SampleGroup(run_id=RUN, step=step, prompt_id=f"p{step}-{g}", samples=samples))
+    return out
+
+
+def run_config(model_dir: Path, backend: str, tp: int) -> TrainerRunConfig:
+    return TrainerRunConfig(
+        run_id=RUN,
+        model_dir=str(model_dir),
+        algorithm=AlgorithmSettings(learning_rate=1e-2, kl_coef=0.05, micro_batch_size=4),
+        sampling_temperature=0.8,
+        seed=3,
+        total_steps=STEPS + 1,
+        checkpoint=CheckpointSettings(every_steps=1),
+        parallel=ParallelSettings(world_size=tp),
+        backend=backend,
+        megatron=MegatronSettings(tensor_parallel=tp) if backend == "megatron" else MegatronSettings(),
+    )
+
+
+class RecordingPublisher(WeightPublisher):
+    """The real publisher, keeping what it was asked to publish last."""
+
+    last: dict[str, torch.Tensor] = {}
+
+    def publish(self, version, state):  # type: ignore[no-untyped-def]
+        RecordingPublisher.last = {k: v.detach().clone() for k, v in state.items()}
+        return super().publish(version, state)
+
+
+def main() -> None:
+    backend, family, tp, rank, port, model_dir, out = sys.argv[1:8]
+    tp_size, model, out_dir = int(tp), Path(model_dir), Path(out)
+    resume_check = "--resume-check" in sys.argv
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=tp)
+    ranks = join("gloo", timeout_s=300.0) if tp_size > 1 else None
+    if ranks is not None and not ranks.is_leader:
+        sys.exit(RankFollower(ranks, torch.device("cpu")).serve())
+    client = redis.Redis.from_url(os.environ["FURLONG_TEST_REDIS_URL"])
+    for pattern in (f"furlong:run:{RUN}:*", f"furlong:ledger:{RUN}:*"):  # an earlier run's stream and ledger
+        for key in client.scan_iter(pattern):
+            client.delete(key)
+    broker = InProcessBrokerClient(BrokerCore())
+    checkpoints = out_dir / "checkpoints" if tp_size == 1 else None
+    if checkpoints is not None:
+        shutil.rmtree(checkpoints, ignore_errors=True)  # an earlier run's: this one starts at step 1
+    trainer = TrainerService(
+        client,
+        broker,
+        consumer_name="trainer-0",
+        publisher_factory=RecordingPublisher,
+        checkpoint_root=checkpoints,
+        check_weight_update_equal=True,
+        ranks=ranks,
+    )
+    result: dict[str, object] = {"backend": backend, "family": family, "tensor_parallel": tp_size}
+    try:
+        trainer.configure_run(run_config(model, backend, tp_size))
+        losses, norms = [], []
+        for step in range(1, STEPS + 1):
+            for group in groups(step):
+                client.xadd(stream_key(RUN), {STREAM_FIELD: group.encode()})
+            stats = trainer.train_step(TrainStepRequest(run_id=RUN, step=step, num_groups=2, timeout_s=60))
+            losses.append(stats.loss)
+            norms.append(stats.metrics["grad_norm"])
+            trainer.publish_weights(RUN, stats.policy_version)
+        published = RecordingPublisher.last
+        save_file(published, out_dir / "published.safetensors")
+        result.update(losses=losses, grad_norms=norms, names=sorted(published))
+        learner = trainer._run(RUN).learner
+        mg = getattr(learner.model, "gpt", None)
+        if mg is not None and tp_size == 1:
+            from furlong.trainer.megatron.weights import hf_to_megatron
+
+            trained = {k: v for k, v in mg.state_dict().items() if not k.endswith("_extra_state")}
+            back = hf_to_megatron(published, learner.model.config)
+            result["published_equals_trained"] = set(back) == set(trained) and all(
+                torch.equal(back[k], trained[k]) for k in trained
+            )
+        if resume_check:
+            trainer.end_run(RUN)
+            trainer.configure_run(run_config(model, backend, tp_size))
+            resumed = trainer._run(RUN).learner.state_dict()
+            result["resumed_equals_published"] = set(resumed) == set(published) and all(
+                torch.equal(resumed[k], published[k]) for k in published
+            )
+            result["resumed_step"] = trainer._run(RUN).last_step
+    finally:
+        trainer.close()
+        if ranks is not None:
+            ranks.shutdown()
+        broker.close()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "write-model":
+        write_model(Path(sys.argv[3]), sys.argv[2])
+    else:
+        main()

@@ -1,0 +1,139 @@
+"""`trainer.backend` and `trainer.megatron` in the run spec: validation naming the field and the
+value, the trip to ConfigureRun and back, and the model configs the megatron backend refuses."""
+
+import pytest
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from furlong.controller.run_requests import trainer_config
+from furlong.controller.run_spec import parse_run_spec
+from furlong.core.settings import MegatronSettings, SettingError, TrainerSettings, from_mapping
+from furlong.trainer.convert import config_from_proto, config_to_proto
+from furlong.trainer.megatron.spec import check_megatron_config
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("trainer", "message"),
+    [
+        ({"backend": "jax"}, "backend: must be one of ['torch', 'megatron'], got 'jax'"),
+        (
+            {"backend": "megatron", "megatron": {"pipeline_parallel": 2}},
+            "megatron.pipeline_parallel: 2 is not supported: only 1",
+        ),
+        (
+            {"backend": "megatron", "megatron": {"tensor_parallel": 2}},
+            "megatron.tensor_parallel: tensor_parallel 2 x pipeline_parallel 1 = 2 ranks, but "
+            "parallel.world_size is 1",
+        ),
+        (
+            {"backend": "megatron", "parallel": {"strategy": "ddp", "world_size": 2}},
+            "parallel.strategy: backend megatron lays its ranks out itself",
+        ),
+        ({"megatron": {"tensor_parallel": 2}}, "megatron: set only with backend megatron"),
+        ({"parallel": {"world_size": 2}}, "parallel.world_size: 2 ranks need a strategy"),
+    ],
+)
+def test_bad_backend_settings_name_the_field_and_value(trainer, message):
+    with pytest.raises(SettingError) as info:
+        from_mapping(TrainerSettings, trainer)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_megatron_over_two_ranks_is_tensor_parallel_with_strategy_none():
+    settings = from_mapping(
+        TrainerSettings,
+        {"backend": "megatron", "parallel": {"world_size": 2}, "megatron": {"tensor_parallel": 2}},
+    )
+    assert settings.is_megatron and settings.megatron == MegatronSettings(tensor_parallel=2)
+    assert settings.parallel.strategy == "none"
+
+
+def test_the_run_spec_carries_the_backend_to_configure_run_and_back():
+    body = {"name": "r", "model": "/m", "task": "addition", "steps": 2}
+    spec = parse_run_spec(
+        {
+            **body,
+            "trainer": {
+                "backend": "megatron",
+                "parallel": {"world_size": 2},
+                "megatron": {"tensor_parallel": 2},
+            },
+        }
+    )
+    config = trainer_config("run-1", spec)
+    sent = config_to_proto(config)
+    megatron = sent.megatron
+    assert (sent.backend, megatron.tensor_parallel, megatron.pipeline_parallel) == ("megatron", 2, 1)
+    back = config_from_proto(sent)
+    assert (back.backend, back.megatron) == ("megatron", spec.trainer.megatron)
+    assert back.parallel == spec.trainer.parallel
+    assert back.gathers_state
+    # an older client sends neither field: the torch backend
+    sent.ClearField("backend")
+    sent.ClearField("megatron")
+    sent.parallel.world_size = 1
+    old = config_from_proto(sent)
+    assert (old.backend, old.megatron) == ("torch", MegatronSettings())
+    assert not old.gathers_state
+    # checked together on the trainer's side too, named under `trainer`
+    sent.backend = "megatron"
+    sent.megatron.tensor_parallel, sent.megatron.pipeline_parallel = 2, 1
+    with pytest.raises(SettingError, match=r"^trainer\.megatron\.tensor_parallel: tensor_parallel 2"):
+        config_from_proto(sent)
+    sent.megatron.tensor_parallel, sent.megatron.pipeline_parallel = 1, 4
+    with pytest.raises(SettingError, match=r"^trainer\.megatron\.pipeline_parallel: 4 is not supported"):
+        config_from_proto(sent)
+
+
+def _tiny(cls, **overrides):
+    fields = dict(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    return cls(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize("cls", [LlamaConfig, Qwen2Config, Qwen3Config])
+def test_llama_qwen2_and_qwen3_configs_are_built(cls):
+    family = check_megatron_config(_tiny(cls), tensor_parallel=2)
+    assert family.qkv_bias == (cls is Qwen2Config) and family.qk_norm == (cls is Qwen3Config)
+
+
+@pytest.mark.parametrize(
+    ("config", "tensor_parallel", "message"),
+    [
+        (_tiny(MistralConfig), 1, "model_type 'mistral' is not one the megatron backend builds"),
+        (
+            _tiny(LlamaConfig, attention_bias=True),
+            1,
+            "model_type 'llama' has attention_bias=True (the megatron backend needs False)",
+        ),
+        (_tiny(LlamaConfig, hidden_act="gelu"), 1, "model_type 'llama' has hidden_act='gelu'"),
+        (
+            _tiny(Qwen2Config, use_sliding_window=True, sliding_window=8),
+            1,
+            "model_type 'qwen2' has use_sliding_window=True",
+        ),
+        (
+            _tiny(LlamaConfig, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+            1,
+            "model_type 'llama' declares 'linear' RoPE",
+        ),
+        (_tiny(LlamaConfig, vocab_size=15), 2, "tensor_parallel 2: model_type 'llama' has vocab_size=15"),
+        (
+            _tiny(Qwen3Config, num_key_value_heads=1, num_attention_heads=4),
+            2,
+            "has num_key_value_heads=1",
+        ),
+    ],
+)
+def test_configs_megatron_cannot_express_are_refused_by_name(config, tensor_parallel, message):
+    with pytest.raises(ValueError, match="trainer.(backend megatron|megatron.tensor_parallel)") as info:
+        check_megatron_config(config, tensor_parallel)
+    assert message in str(info.value), str(info.value)
