@@ -1,5 +1,10 @@
 """Run as a script (its own process: megatron-core needs a torch.distributed group): builds a tiny
-Llama, converts it to a megatron-core GPTModel, and prints one JSON line comparing them."""
+model of a family the megatron backend takes (Llama; Qwen2 with its q/k/v bias; Qwen3 with its
+per-head q/k norms), converts it to a megatron-core GPTModel, and prints one JSON line comparing
+them.
+
+    python tests/trainer/megatron_parity.py {untied|tied} [llama|qwen2|qwen3]
+"""
 
 import copy
 import json
@@ -7,7 +12,7 @@ import sys
 import warnings
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from furlong.core.samples import SampleGroup
 from furlong.core.settings import AlgorithmSettings
@@ -22,8 +27,9 @@ warnings.filterwarnings("ignore")
 
 def main() -> None:
     tie = sys.argv[1] == "tied" if len(sys.argv) > 1 else False
+    family = sys.argv[2] if len(sys.argv) > 2 else "llama"
     torch.manual_seed(0)
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=15,
         hidden_size=32,
         intermediate_size=48,
@@ -34,7 +40,17 @@ def main() -> None:
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie,
     )
-    hf = LlamaForCausalLM(config).eval()
+    configs = {
+        "llama": lambda: LlamaConfig(**shape),
+        "qwen2": lambda: Qwen2Config(**shape),
+        "qwen3": lambda: Qwen3Config(**shape, head_dim=8),
+    }
+    hf = AutoModelForCausalLM.from_config(configs[family]()).eval()
+    if family == "qwen2":  # its q/k/v biases start at zero: give them values the conversion must carry
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("_proj.bias"):
+                    p.normal_(0.0, 0.5)
     init_model_parallel(free_port())
     mg = MegatronCausalLM.from_hf(copy.deepcopy(hf))
     ids = torch.randint(0, 15, (3, 11), generator=torch.Generator().manual_seed(1))
@@ -52,11 +68,13 @@ def main() -> None:
     s_hf = Learner(hf, LearnerConfig(AlgorithmSettings(learning_rate=1e-2))).train_step(groups)
     s_mg = Learner(mg, LearnerConfig(AlgorithmSettings(learning_rate=1e-2))).train_step(groups)
     trained = mg.hf_state_dict()
-    after = max(float((trained[k] - v).abs().max()) for k, v in hf.state_dict().items())
+    diffs = {k: float((trained[k] - v).abs().max()) for k, v in hf.state_dict().items()}
+    after = max(diffs.values())
     print(
         json.dumps(
             {
                 "megatron_core": megatron_version(),
+                "family": hf.config.model_type,
                 "logprob_max_abs_diff": float((a - b).abs().max()),
                 "num_tokens": int(targets.numel()),
                 "round_trip_exact": round_trip,
