@@ -151,6 +151,20 @@ def test_memory_flags_reach_the_config_and_bad_ones_exit_2(capsys):
     assert exc.value.code == 2 and "micro_batch_tokens must be >= 0, got -1" in capsys.readouterr().err
 
 
+def test_the_weight_bucket_device_flag_reaches_the_config_and_a_bad_one_exits_2(capsys):
+    base = ["--redis-url", "redis://127.0.0.1:1/0", "--broker", "127.0.0.1:2"]
+    assert parse_args(base).weight_bucket_device == "cpu"
+    assert parse_args([*base, "--weight-bucket-device", "cpu"]).weight_bucket_device == "cpu"
+    for bad in ("gpu", "cuda:x"):
+        with pytest.raises(SystemExit) as exc:
+            parse_args([*base, "--weight-bucket-device", bad])
+        assert exc.value.code == 2 and f"--weight-bucket-device {bad!r}" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:
+            parse_args([*base, "--weight-bucket-device", "cuda"])
+        assert exc.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_cuda_is_a_clear_error(capsys):
     with pytest.raises(SystemExit) as exc:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -43,6 +44,8 @@ from furlong.trainer.run_learner import DEFAULT_MICRO_BATCH_TOKENS, LearnerMemor
 from furlong.trainer.server import SERVICE_NAME, register
 from furlong.trainer.service import TrainerService
 from furlong.transfer.broker_client import GrpcBrokerClient
+from furlong.transfer.config import TransferConfig
+from furlong.transfer.publisher import WeightPublisher
 
 log = logging.getLogger("furlong.trainer")
 _PR_SET_PDEATHSIG = 1
@@ -77,6 +80,13 @@ def command() -> ServiceCommand:
         default="cpu",
         help="where runs' models train: cpu, cuda or cuda:N (default cpu); a run's precision "
         "(run spec) sets the compute dtype",
+    )
+    p.add_argument(
+        "--weight-bucket-device",
+        default="cpu",
+        help="where each run's weight staging bucket lives: cpu (default: host memory, offered on "
+        "every lane) or cuda / cuda:N (GPU memory, offered over the nixl and cuda_ipc lanes only; "
+        "cuda is this rank's device under torchrun)",
     )
     p.add_argument(
         "--lm-head-chunk-tokens",
@@ -115,6 +125,7 @@ def _config(args: argparse.Namespace, flags: ServiceFlags) -> TrainerServiceConf
         policy_dir=args.policy_dir,
         check_weight_update_equal=args.check_weight_update_equal,
         device=args.device,
+        weight_bucket_device=args.weight_bucket_device,
         lm_head_chunk_tokens=args.lm_head_chunk_tokens,
         micro_batch_tokens=args.micro_batch_tokens,
         **credential_fields(args),
@@ -174,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runtime = start("trainer", flags)
     cmd.check(lambda: install_credentials(config.auth_token_file, config.tls))
     torch.set_num_threads(config.num_threads)
+    # checked when parsed (parse_device: a CUDA device this machine has)
+    transfer = TransferConfig(device=str(rank_device(config.weight_bucket_device, os.environ)))
     redis_client = redis.Redis.from_url(config.redis_url)
     broker = GrpcBrokerClient(config.broker_address)
     service = TrainerService(
@@ -188,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ranks=ranks,
         lm_head_chunk_tokens=config.lm_head_chunk_tokens,
         micro_batch_tokens=config.micro_batch_tokens,
+        publisher_factory=functools.partial(WeightPublisher, config=transfer),
     )
     server = start_server([register(service)], [SERVICE_NAME], host=config.host, port=config.port)
     metrics = runtime.serve_metrics()

@@ -27,6 +27,9 @@ class TrainerServiceConfig:
     # mismatch fails it.
     check_weight_update_equal: bool = False
     device: str = "cpu"  # where runs' models train: "cpu", "cuda" or "cuda:N"
+    # Where each run's weight staging bucket lives: "cpu" (host memory, every lane) or "cuda" /
+    # "cuda:N" (GPU memory, offered over the nixl and cuda_ipc lanes only; furlong.transfer.bucket).
+    weight_bucket_device: str = "cpu"
     # Memory of the training forward (LearnerConfig): tokens per chunk of the chunked LM head, and
     # 0 for padded micro-batches (the default, run_learner.DEFAULT_MICRO_BATCH_TOKENS) or the token
     # budget of packed, token-balanced ones.
@@ -38,6 +41,10 @@ class TrainerServiceConfig:
             parse_device(self.device)
         except ValueError as exc:
             raise ValueError(f"--device {self.device!r}: {exc}") from None
+        try:
+            parse_device(self.weight_bucket_device)
+        except ValueError as exc:
+            raise ValueError(f"--weight-bucket-device {self.weight_bucket_device!r}: {exc}") from None
         check_port("port", self.port)
         check_port("metrics_port", self.metrics_port)
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
