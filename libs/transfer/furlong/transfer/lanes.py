@@ -218,7 +218,53 @@ class NixlLane:
         pass  # the endpoint outlives the lane; peers are reused across versions
 
 
-class ShmLane:
+class _MappedLane:
+    """A lane whose source bucket is a tensor mapped into this process (shared memory, a CUDA IPC
+    share): reads are torch copies out of it. Subclasses give the mapped tensor (`_source`), how it
+    is named in errors (`_what`), and what makes the copies final (`_settle`)."""
+
+    def _source(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _what(self) -> str:
+        raise NotImplementedError
+
+    def _settle(self, src: torch.Tensor, *dst: torch.Tensor) -> None:
+        """The copies into dst have finished (host copies are synchronous)."""
+
+    def _check_range(self, src: torch.Tensor, offset: int, num_bytes: int) -> None:
+        if offset < 0 or offset + num_bytes > src.numel():
+            raise ValueError(
+                f"read of {num_bytes} bytes at {offset} exceeds the {src.numel()}-byte {self._what()}"
+            )
+
+    def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
+        src = self._source()
+        self._check_range(src, src_offset_bytes, dst.numel())
+        started = time.perf_counter()
+        dst.copy_(src[src_offset_bytes : src_offset_bytes + dst.numel()])
+        self._settle(src, dst)
+        return time.perf_counter() - started
+
+    def read_copies(
+        self,
+        region_offset_bytes: int,
+        copies: Sequence[PieceCopy],
+        dst: Mapping[str, torch.Tensor],
+        timeout_s: float,
+        cache_key: Hashable | None = None,
+    ) -> float:
+        """One strided torch copy per piece, straight from the mapped bucket into dst."""
+        src = self._source()
+        _check_copies(copies, dst)
+        started = time.perf_counter()
+        for copy in copies:
+            copy_rows(src, region_offset_bytes, copy, dst[copy.dst_name])
+        self._settle(src, *(dst[c.dst_name] for c in copies))
+        return time.perf_counter() - started
+
+
+class ShmLane(_MappedLane):
     """Copies out of the source's shared-memory bucket (same host only)."""
 
     name = LANE_SHM
@@ -233,36 +279,14 @@ class ShmLane:
                 f"shared memory {source.shm_name} of {source.agent_name} is not reachable here: {exc}"
             ) from exc
 
-    def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
+    def _source(self) -> torch.Tensor:
         src = self._shm.tensor
         if src is None:
             raise UnavailableError(f"shared memory {self._shm.name} is closed")
-        if src_offset_bytes < 0 or src_offset_bytes + dst.numel() > src.numel():
-            raise ValueError(
-                f"read of {dst.numel()} bytes at {src_offset_bytes} exceeds the "
-                f"{src.numel()}-byte shared buffer {self._shm.name}"
-            )
-        started = time.perf_counter()
-        dst.copy_(src[src_offset_bytes : src_offset_bytes + dst.numel()])
-        return time.perf_counter() - started
+        return src
 
-    def read_copies(
-        self,
-        region_offset_bytes: int,
-        copies: Sequence[PieceCopy],
-        dst: Mapping[str, torch.Tensor],
-        timeout_s: float,
-        cache_key: Hashable | None = None,
-    ) -> float:
-        """One strided torch copy per piece, straight from the mapping into dst."""
-        src = self._shm.tensor
-        if src is None:
-            raise UnavailableError(f"shared memory {self._shm.name} is closed")
-        _check_copies(copies, dst)
-        started = time.perf_counter()
-        for copy in copies:
-            copy_rows(src, region_offset_bytes, copy, dst[copy.dst_name])
-        return time.perf_counter() - started
+    def _what(self) -> str:
+        return f"shared buffer {self._shm.name}"
 
     def read_hashed(
         self,
@@ -274,15 +298,9 @@ class ShmLane:
         """Copy `pieces` (offset within a range of size_bytes, offset in the bucket, destination:
         a contiguous 1-D uint8 host tensor) out of the bucket; returns the seconds it took and the
         checksum of the range as it landed (zeros between pieces), hashed while copying."""
-        src = self._shm.tensor
-        if src is None:
-            raise UnavailableError(f"shared memory {self._shm.name} is closed")
+        src = self._source()
         for _, src_offset, dst in pieces:
-            if src_offset < 0 or src_offset + dst.numel() > src.numel():
-                raise ValueError(
-                    f"read of {dst.numel()} bytes at {src_offset} exceeds the "
-                    f"{src.numel()}-byte shared buffer {self._shm.name}"
-                )
+            self._check_range(src, src_offset, dst.numel())
         started = time.perf_counter()
         digest = copy_checksum(
             size_bytes, [(offset, src[at : at + dst.numel()], dst) for offset, at, dst in pieces]
@@ -359,7 +377,7 @@ class GrpcStreamLane:
         self._channel.close()
 
 
-class CudaIpcLane:
+class CudaIpcLane(_MappedLane):
     """Copies out of the source's CUDA bucket, mapped into this process over CUDA IPC (same host
     only). Every read returns once its copies finished on the GPU; timeout_s is not applied (a
     device copy cannot be abandoned halfway)."""
@@ -375,42 +393,15 @@ class CudaIpcLane:
         self._owner = source.agent_name
         self._src: torch.Tensor | None = open_share(source.cuda_ipc, source.size_bytes, source.agent_name)
 
-    def _bucket(self) -> torch.Tensor:
+    def _source(self) -> torch.Tensor:
         if self._src is None:
             raise UnavailableError(f"the CUDA IPC share of {self._owner} is closed")
         return self._src
 
-    def read(self, src_offset_bytes: int, dst: torch.Tensor, timeout_s: float) -> float:
-        src = self._bucket()
-        if src_offset_bytes < 0 or src_offset_bytes + dst.numel() > src.numel():
-            raise ValueError(
-                f"read of {dst.numel()} bytes at {src_offset_bytes} exceeds the "
-                f"{src.numel()}-byte CUDA bucket of {self._owner}"
-            )
-        started = time.perf_counter()
-        dst.copy_(src[src_offset_bytes : src_offset_bytes + dst.numel()])
-        self._settle(src, dst)
-        return time.perf_counter() - started
+    def _what(self) -> str:
+        return f"CUDA bucket of {self._owner}"
 
-    def read_copies(
-        self,
-        region_offset_bytes: int,
-        copies: Sequence[PieceCopy],
-        dst: Mapping[str, torch.Tensor],
-        timeout_s: float,
-        cache_key: Hashable | None = None,
-    ) -> float:
-        """One strided torch copy per piece, straight from the shared bucket into dst."""
-        src = self._bucket()
-        _check_copies(copies, dst)
-        started = time.perf_counter()
-        for copy in copies:
-            copy_rows(src, region_offset_bytes, copy, dst[copy.dst_name])
-        self._settle(src, *(dst[c.dst_name] for c in copies))
-        return time.perf_counter() - started
-
-    @staticmethod
-    def _settle(src: torch.Tensor, *dst: torch.Tensor) -> None:
+    def _settle(self, src: torch.Tensor, *dst: torch.Tensor) -> None:
         """The copies have finished: the publisher may rewrite the bucket once the round is acked."""
         settle(src)
         for device_tensor in {t.device: t for t in dst if t.device != src.device}.values():
