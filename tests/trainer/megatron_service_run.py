@@ -8,11 +8,13 @@ gradient norms) and writes the policy it published after the last step to OUT/pu
 Rank 0 serves the run; the other ranks follow it (`RankFollower`), as under torchrun.
 """
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import redis
@@ -27,6 +29,7 @@ from furlong.trainer.rank_follower import RankFollower
 from furlong.trainer.ranks import join
 from furlong.trainer.service import TrainerService
 from furlong.transfer.publisher import WeightPublisher
+from furlong.transfer.round_tensors import WholeState
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
 
@@ -109,13 +112,26 @@ def run_config(model_dir: Path, backend: str, tp: int) -> TrainerRunConfig:
 
 
 class RecordingPublisher(WeightPublisher):
-    """The real publisher, keeping what it was asked to publish last."""
+    """The real publisher, keeping what it read from the state it was asked to publish last (a
+    whole state dict, or the rounds gathered one at a time from tensor-parallel ranks)."""
 
     last: dict[str, torch.Tensor] = {}
 
     def publish(self, version, state):  # type: ignore[no-untyped-def]
-        RecordingPublisher.last = {k: v.detach().clone() for k, v in state.items()}
-        return super().publish(version, state)
+        source = WholeState(state) if isinstance(state, Mapping) else state
+        read: dict[str, torch.Tensor] = {}
+
+        class Recording:
+            @contextlib.contextmanager
+            def round(self, names):  # type: ignore[no-untyped-def]
+                with source.round(names) as tensors:
+                    for name in names:
+                        read.setdefault(name, tensors[name].detach().clone())
+                    yield tensors
+
+        result = super().publish(version, Recording())
+        RecordingPublisher.last = read
+        return result
 
 
 def main() -> None:
