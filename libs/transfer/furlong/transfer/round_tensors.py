@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 
 from furlong.core.weights import BucketPlan
 
 
-@runtime_checkable
 class RoundTensors(Protocol):
     """A policy's tensors, one round at a time. Not thread-safe: one publish reads it.
 

@@ -288,9 +288,10 @@ class Learner:
         _validate([group], self.vocab_size, self.version)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's tensors to publish, detached and contiguous. They alias the live parameters
-        (no copy), so the next train_step changes them in place. With fsdp2 they are gathered
-        (a copy, and a collective: every rank must call this). A model that declares
+        """The policy's tensors as published, whole, detached and contiguous (exports; a publish of
+        a sharded policy gathers them round by round instead: `gathered_rounds`). They alias the
+        live parameters (no copy), so the next train_step changes them in place. With fsdp2 they
+        are gathered (a copy, and a collective: every rank must call this). A model that declares
         `hf_state_dict()` (the megatron backend's) is published as that: its tensors under the
         Hugging Face names, gathered from its tensor-parallel ranks (a collective too)."""
         published = getattr(self.model, "hf_state_dict", None)
