@@ -116,8 +116,10 @@ class RecordingPublisher(WeightPublisher):
     whole state dict, or the rounds gathered one at a time from tensor-parallel ranks)."""
 
     last: dict[str, torch.Tensor] = {}
+    round_by_round = False  # whether the last publish came from gathered rounds
 
     def publish(self, version, state):  # type: ignore[no-untyped-def]
+        RecordingPublisher.round_by_round = not isinstance(state, Mapping)
         source = WholeState(state) if isinstance(state, Mapping) else state
         read: dict[str, torch.Tensor] = {}
 
@@ -173,6 +175,12 @@ def main() -> None:
         published = RecordingPublisher.last
         save_file(published, out_dir / "published.safetensors")
         result.update(losses=losses, grad_norms=norms, names=sorted(published))
+        result["published_round_by_round"] = RecordingPublisher.round_by_round
+        if tp_size > 1:  # what the rounds gave the publisher is the whole gather, bit for bit
+            whole = trainer._state_dict(trainer._run(RUN))
+            result["published_equals_whole_gather"] = list(whole) == list(published) and all(
+                torch.equal(whole[k], published[k]) for k in whole
+            )
         learner = trainer._run(RUN).learner
         mg = getattr(learner.model, "gpt", None)
         if mg is not None and tp_size == 1:

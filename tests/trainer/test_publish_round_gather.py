@@ -156,7 +156,8 @@ def test_two_fsdp2_ranks_publish_round_by_round_the_bytes_of_the_whole_gather(pu
 @pytest.mark.integration
 def test_rank_0_holds_about_one_round_of_gathered_tensors_not_the_model(published):
     full, peak = published["full_gather_bytes"], published["round_gather_peak_bytes"]
-    print(f"full gather {full} bytes, round by round at most {peak} bytes at once: {peak / full:.3f}")
+    rounds = published["num_rounds"][0]
+    print(f"{rounds} rounds: full gather {full} bytes, round by round at most {peak} ({peak / full:.3f})")
     assert peak <= published["largest_round_bytes"]
     assert peak * 4 < full
     # every tensor gathered twice: once to hash its round, once to stage it
