@@ -8,11 +8,13 @@ gradient norms) and writes the policy it published after the last step to OUT/pu
 Rank 0 serves the run; the other ranks follow it (`RankFollower`), as under torchrun.
 """
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import redis
@@ -27,6 +29,7 @@ from furlong.trainer.rank_follower import RankFollower
 from furlong.trainer.ranks import join
 from furlong.trainer.service import TrainerService
 from furlong.transfer.publisher import WeightPublisher
+from furlong.transfer.round_tensors import WholeState
 from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
 
@@ -109,13 +112,28 @@ def run_config(model_dir: Path, backend: str, tp: int) -> TrainerRunConfig:
 
 
 class RecordingPublisher(WeightPublisher):
-    """The real publisher, keeping what it was asked to publish last."""
+    """The real publisher, keeping what it read from the state it was asked to publish last (a
+    whole state dict, or the rounds gathered one at a time from tensor-parallel ranks)."""
 
     last: dict[str, torch.Tensor] = {}
+    round_by_round = False  # whether the last publish came from gathered rounds
 
     def publish(self, version, state):  # type: ignore[no-untyped-def]
-        RecordingPublisher.last = {k: v.detach().clone() for k, v in state.items()}
-        return super().publish(version, state)
+        RecordingPublisher.round_by_round = not isinstance(state, Mapping)
+        source = WholeState(state) if isinstance(state, Mapping) else state
+        read: dict[str, torch.Tensor] = {}
+
+        class Recording:
+            @contextlib.contextmanager
+            def round(self, names):  # type: ignore[no-untyped-def]
+                with source.round(names) as tensors:
+                    for name in names:
+                        read.setdefault(name, tensors[name].detach().clone())
+                    yield tensors
+
+        result = super().publish(version, Recording())
+        RecordingPublisher.last = read
+        return result
 
 
 def main() -> None:
@@ -157,6 +175,12 @@ def main() -> None:
         published = RecordingPublisher.last
         save_file(published, out_dir / "published.safetensors")
         result.update(losses=losses, grad_norms=norms, names=sorted(published))
+        result["published_round_by_round"] = RecordingPublisher.round_by_round
+        if tp_size > 1:  # what the rounds gave the publisher is the whole gather, bit for bit
+            whole = trainer._state_dict(trainer._run(RUN))
+            result["published_equals_whole_gather"] = list(whole) == list(published) and all(
+                torch.equal(whole[k], published[k]) for k in whole
+            )
         learner = trainer._run(RUN).learner
         mg = getattr(learner.model, "gpt", None)
         if mg is not None and tp_size == 1:

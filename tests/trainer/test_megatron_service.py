@@ -105,6 +105,9 @@ def test_tensor_parallel_two_ranks_train_what_one_rank_does(model, tmp_path, red
     one = _run(redis_url, tmp_path / "tp1", model, "megatron", 1)
     two = _run(redis_url, tmp_path / "tp2", model, "megatron", 2)
     assert two["tensor_parallel"] == 2
+    # two ranks publish round by round what gathering the whole state gives, bit for bit
+    assert (one["published_round_by_round"], two["published_round_by_round"]) == (False, True)
+    assert two["published_equals_whole_gather"] is True
     assert two["losses"] == pytest.approx(one["losses"], abs=LOSS_ABS)
     assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
     # the gathered shards are whole Hugging Face tensors, equal to the one-rank run's

@@ -272,20 +272,25 @@ def shard_checksums(
 ) -> tuple[str, ...]:
     """Digest of each destination round, hashed from the source state dict (strided pieces through
     a scratch copy of at most 8 MiB, so hashing never holds a second copy of a tensor)."""
-    digests = []
-    for rnd in shard_plan.rounds:
-        hasher = xxhash.xxh3_128()
-        for copy in rnd.copies:
-            name = copy.src_name
-            rows = _source_rows(state_dict[name], copy, source.slot(name).offset_bytes)
-            if rows.is_contiguous():
-                hasher.update(rows.reshape(-1).numpy().data)
-                continue
-            step = max(1, _HASH_BLOCK_BYTES // copy.row_bytes)
-            for first in range(0, copy.num_rows, step):
-                hasher.update(rows[first : first + step].contiguous().reshape(-1).numpy().data)
-        digests.append(hasher.hexdigest())
-    return tuple(digests)
+    return tuple(shard_round_checksum(source, rnd, state_dict) for rnd in shard_plan.rounds)
+
+
+def shard_round_checksum(
+    source: WeightLayout, shard_round: ShardRound, tensors: Mapping[str, torch.Tensor]
+) -> str:
+    """Digest of one destination round, hashed from `tensors` (at least the source tensors of the
+    source round of the same index: one round's worth is enough, see `shard_checksums`)."""
+    hasher = xxhash.xxh3_128()
+    for copy in shard_round.copies:
+        name = copy.src_name
+        rows = _source_rows(tensors[name], copy, source.slot(name).offset_bytes)
+        if rows.is_contiguous():
+            hasher.update(rows.reshape(-1).numpy().data)
+            continue
+        step = max(1, _HASH_BLOCK_BYTES // copy.row_bytes)
+        for first in range(0, copy.num_rows, step):
+            hasher.update(rows[first : first + step].contiguous().reshape(-1).numpy().data)
+    return hasher.hexdigest()
 
 
 def digest_copies(copies: Sequence[PieceCopy], tensors: Mapping[str, torch.Tensor]) -> str:

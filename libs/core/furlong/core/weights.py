@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -158,8 +158,15 @@ class WeightLayout:
         extra = sorted(state_dict.keys() - names)
         if missing or extra:
             raise ValueError(f"state dict does not match the layout: missing {missing}, unexpected {extra}")
-        for slot in self.slots:
-            tensor = state_dict[slot.name]
+        self.check_tensors([slot.name for slot in self.slots], state_dict)
+
+    def check_tensors(self, names: Iterable[str], tensors: Mapping[str, torch.Tensor]) -> None:
+        """ValueError naming the first of `names` (layout tensors, looked up in `tensors`) whose
+        dtype or shape does not match the layout, or that `tensors` lacks."""
+        for name in names:
+            slot, tensor = self.slot(name), tensors.get(name)
+            if tensor is None:
+                raise ValueError(f"tensor {name!r} of the layout is missing")
             if tensor.dtype != slot.dtype:
                 raise ValueError(
                     f"tensor {slot.name!r}: dtype {dtype_name(tensor.dtype)} != layout "
@@ -362,13 +369,18 @@ def round_checksums(
     the state dict without staging it, each round's blocks on up to `workers` threads (default:
     every core, at most four)."""
     layout.check(state_dict)
-    return tuple(
-        range_checksum(
-            rnd.size_bytes,
-            [(offset, _host_bytes(state_dict[slot.name])) for offset, slot in _round_pieces(layout, rnd)],
-            workers,
-        )
-        for rnd in plan.rounds
+    return tuple(round_checksum(layout, rnd, state_dict, workers) for rnd in plan.rounds)
+
+
+def round_checksum(
+    layout: WeightLayout, rnd: BucketRound, tensors: Mapping[str, torch.Tensor], workers: int | None = None
+) -> str:
+    """The checksum of one round once staged, hashed from `tensors` (which must hold at least the
+    round's tensors: one round's worth is enough, see `round_checksums`)."""
+    return range_checksum(
+        rnd.size_bytes,
+        [(offset, _host_bytes(tensors[slot.name])) for offset, slot in _round_pieces(layout, rnd)],
+        workers,
     )
 
 

@@ -4,8 +4,11 @@ broker. Engines read the bucket directly (NIXL, shared memory
 or the gRPC stream); the broker never sees the bytes.
 
 Memory: the bucket (sized by the bucket plan, allocated and registered once) is the only copy of
-weights the publisher makes; checksums are hashed straight from the state dict.
-Knows nothing about models or optimizers: it takes a state dict that matches its layout.
+weights the publisher makes; checksums are hashed straight from the state dict. The state is a
+whole state dict or a `RoundTensors` source that hands out one round's tensors at a time (a
+sharded trainer gathers each round when it is read: `round_tensors.publish_order`), so nothing
+here needs the whole model in memory at once.
+Knows nothing about models or optimizers: it takes a state that matches its layout.
 """
 
 from __future__ import annotations
@@ -19,19 +22,21 @@ from dataclasses import dataclass
 import torch
 
 from furlong.core.errors import ConflictError, NotFoundError
-from furlong.core.weight_shards import ShardPlan, plan_shards, shard_checksums
+from furlong.core.weight_shards import ShardPlan, plan_shards, shard_round_checksum
 from furlong.core.weight_versions import WeightSourceInfo
 from furlong.core.weights import (
+    BucketRound,
     Manifest,
     WeightLayout,
     combine_checksums,
     plan_buckets,
-    round_checksums,
+    round_checksum,
     stage_round,
 )
 from furlong.transfer.broker_client import BrokerClient
 from furlong.transfer.bucket import StagingBucket
 from furlong.transfer.config import TransferConfig
+from furlong.transfer.round_tensors import RoundTensors, WholeState, publish_order
 
 log = logging.getLogger(__name__)
 
@@ -105,15 +110,27 @@ class WeightPublisher:
         return self._plan.bucket_size_bytes
 
     @property
+    def publish_order(self) -> tuple[tuple[str, ...], ...]:
+        """The rounds' tensor names in the order `publish` reads them from a `RoundTensors`
+        source (see `round_tensors.publish_order`); fixed for the publisher's lifetime."""
+        return publish_order(self._plan)
+
+    @property
     def last_version(self) -> int | None:
         with self._lock:
             return self._last_version
 
     def publish(
-        self, version: int, state_dict: Mapping[str, torch.Tensor], commit_timeout_s: float = 120.0
+        self,
+        version: int,
+        state_dict: Mapping[str, torch.Tensor] | RoundTensors,
+        commit_timeout_s: float = 120.0,
     ) -> PublishResult:
         """Stage `version` round by round and return once its last round is staged, without waiting
-        for its commit (engines may still be pulling the last round).
+        for its commit (engines may still be pulling the last round). `state_dict` is the whole
+        state, or a `RoundTensors` source read round by round in `publish_order` (each round's
+        tensors checked against the layout when it is read, all of them before anything is
+        announced to the broker).
 
         First waits up to commit_timeout_s for the previously published version to commit or fail
         (TimeoutError if it does neither). Between rounds, waits for the engines to pull the staged
@@ -121,7 +138,11 @@ class WeightPublisher:
         state_dict does not match the layout, ConflictError if version is not newer than the last
         one. A version that fails while being staged (every engine fenced) stops staging; the
         broker reports the failure to whoever waits for its commit."""
-        self._layout.check(state_dict)
+        if isinstance(state_dict, Mapping):
+            self._layout.check(state_dict)
+            source: RoundTensors = WholeState(state_dict)
+        else:
+            source = state_dict
         with self._lock:
             if self._closed:
                 raise ConflictError(f"run {self._run_id}: publisher {self.source.agent_name} is closed")
@@ -135,16 +156,17 @@ class WeightPublisher:
                 self._wait_previous(previous, commit_timeout_s)
             started = time.perf_counter()
             # Engines wait for the manifest meanwhile: rounds are hashed on every core.
-            digests = round_checksums(self._layout, self._plan, state_dict)
+            shard_plans = self._shard_plans_now()
+            digests, destinations = self._hash_rounds(source, shard_plans)
             manifest = Manifest(
                 version,
                 self._layout,
                 combine_checksums(digests),
                 self._plan.with_checksums(digests),
-                destinations=self._destination_checksums(state_dict),
+                destinations=destinations,
             )
             engines = self._broker.begin_version(self._run_id, manifest, self.source)
-            fenced = self._stage_rounds(manifest, state_dict)
+            fenced = self._stage_rounds(manifest, source)
             # Only a fully staged version counts: after a broker restart mid-publish (an
             # UnavailableError above), the same version can be published again.
             self._last_version = version
@@ -167,16 +189,32 @@ class WeightPublisher:
             fenced_engine_ids=tuple(fenced),
         )
 
-    def _destination_checksums(
-        self, state_dict: Mapping[str, torch.Tensor]
-    ) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """Round digests for every shard layout registered for the run, hashed from the state
-        dict. A layout that does not fit the published tensors is logged and left out: its engines
-        take no version until they register a layout that fits."""
+    def _hash_rounds(
+        self, source: RoundTensors, shard_plans: list[ShardPlan]
+    ) -> tuple[list[str], tuple[tuple[str, tuple[str, ...]], ...]]:
+        """Every round's checksum and, per shard plan, every destination round's digest, reading
+        the source one round at a time (a destination round takes bytes of the source round of
+        the same index only)."""
+        digests: list[str] = []
+        per_plan: list[list[str]] = [[] for _ in shard_plans]
+        whole = isinstance(source, WholeState)  # checked as a whole before
+        for rnd in self._plan.rounds:
+            with source.round(rnd.names) as tensors:
+                if not whole:
+                    self._layout.check_tensors(rnd.names, tensors)
+                digests.append(round_checksum(self._layout, rnd, tensors))
+                for plan, out in zip(shard_plans, per_plan):
+                    out.append(shard_round_checksum(self._layout, plan.rounds[rnd.index], tensors))
+        return digests, tuple((plan.layout_id, tuple(out)) for plan, out in zip(shard_plans, per_plan))
+
+    def _shard_plans_now(self) -> list[ShardPlan]:
+        """The shard plans of every shard layout registered for the run. A layout that does not
+        fit the published tensors is logged and left out: its engines take no version until they
+        register a layout that fits."""
         try:
             layouts = self._broker.destinations(self._run_id)
         except NotFoundError:
-            return ()
+            return []
         out = []
         for layout in layouts:
             plan = self._shard_plans.get(layout.layout_id)
@@ -192,10 +230,14 @@ class WeightPublisher:
                     )
                     continue
                 self._shard_plans[layout.layout_id] = plan
-            out.append((layout.layout_id, shard_checksums(self._layout, plan, state_dict)))
-        return tuple(out)
+            out.append(plan)
+        return out
 
-    def _stage_rounds(self, manifest: Manifest, state_dict: Mapping[str, torch.Tensor]) -> list[str]:
+    def _stage(self, rnd: BucketRound, source: RoundTensors, bucket: torch.Tensor) -> None:
+        with source.round(rnd.names) as tensors:
+            stage_round(self._layout, rnd, tensors, bucket)
+
+    def _stage_rounds(self, manifest: Manifest, source: RoundTensors) -> list[str]:
         """Stage and announce the rounds in order. Round i is announced once every engine pulled
         round i - 1 (the broker's rule). With a double-buffered plan, round i + 1 is copied into
         the other half of the bucket right after round i is announced, while the engines pull
@@ -212,12 +254,12 @@ class WeightPublisher:
                         self._run_id, manifest.version, rnd.index - 1, self._config.round_timeout_s
                     )
                 if staged_ahead != rnd.index:
-                    stage_round(self._layout, rnd, state_dict, bucket)
+                    self._stage(rnd, source, bucket)
                 self._bucket.settle()  # a CUDA bucket's copies have landed before engines read
                 self._broker.stage_round(self._run_id, manifest.version, rnd.index)
                 following = rounds[rnd.index + 1] if rnd.index + 1 < len(rounds) else None
                 if following is not None and following.bucket_offset_bytes != rnd.bucket_offset_bytes:
-                    stage_round(self._layout, following, state_dict, bucket)
+                    self._stage(following, source, bucket)
                     staged_ahead = following.index
             except ConflictError as exc:
                 # The version failed (every engine fenced): nobody reads further rounds. The

@@ -6,7 +6,8 @@ A follower holds one `Learner` per configured run, built like rank 0's (`run_lea
 trainer's process group, and trains its slice of the batch rank 0 read from Redis. It never reads
 Redis, serves gRPC, publishes weights or writes exports: with ddp every rank holds the whole policy
 and rank 0 writes it and its training checkpoints; with fsdp2 a follower joins the gathers of the
-full tensors (`GatherCommand`) and drops the result, and writes its own shards of each training
+full tensors (`GatherCommand`: for a publish one round at a time in the order rank 0's publisher
+reads them, for an export all of them) and drops the result, and writes its own shards of each training
 checkpoint (`CheckpointCommand`; rank 0 writes the manifest). With the megatron backend over
 tensor-parallel ranks a follower holds its shards and joins every gather of the whole tensors.
 """
@@ -97,15 +98,19 @@ class RankFollower:
             learner = build_learner(config, self._device, self._ranks.group, self._memory)
             if command.resume is not None:
                 load_training_checkpoint(learner, command.resume)
-            if config.gathers_state:
-                learner.state_dict()  # rank 0 gathers the run's layout: a collective
+            if config.gathers_state and command.gather_state:
+                learner.state_dict()  # rank 0's equality check gathers the whole state: a collective
             self._learners[config.run_id] = learner
         elif isinstance(command, TrainCommand):
             learner = self._learner(command.run_id)
             learner.version = command.version
             learner.train_step(command.groups)
         elif isinstance(command, GatherCommand):
-            self._learner(command.run_id).state_dict()
+            learner = self._learner(command.run_id)
+            if command.rounds is None:  # an export: the whole state dict
+                learner.state_dict()
+            else:  # a publish: the rounds in rank 0's publisher's order
+                learner.gathered_rounds(command.rounds).drain()
         elif isinstance(command, CheckpointCommand):
             save_training_checkpoint(self._learner(command.run_id), command.directory, command.step)
         elif isinstance(command, EndCommand):

@@ -2,9 +2,9 @@
 
 `torchrun --nproc-per-node N -m furlong.trainer ...` starts N processes. Rank 0 serves gRPC as a
 one-rank trainer does; every call that needs the other ranks (configure a run, train a step, end a
-run, gather an FSDP2-sharded state dict, write an FSDP2-sharded training checkpoint) is posted by
-rank 0 as a `RankCommand` and executed by the others' `furlong.trainer.rank_follower` loop while
-rank 0 executes its own part. Commands travel
+run, gather an FSDP2-sharded state dict whole or round by round for a publish, write an
+FSDP2-sharded training checkpoint) is posted by rank 0 as a `RankCommand` and executed by the
+others' `furlong.trainer.rank_follower` loop while rank 0 executes its own part. Commands travel
 through the rendezvous store (a key per command, numbered in order), not through collectives, so an
 idle follower waits on the store without a collective timeout; the collectives themselves (DDP's
 gradient all-reduce, FSDP2's gathers, DCP's checkpoint writes) run on the group's process group.
@@ -54,10 +54,13 @@ class RanksFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class ConfigureCommand:
-    """Build the run's learner over the group (and load `resume`, a training checkpoint, if set)."""
+    """Build the run's learner over the group (and load `resume`, a training checkpoint, if set).
+    `gather_state`: rank 0 gathers the whole state dict once (the weight-update equality check),
+    a collective every rank joins when the run's state is sharded."""
 
     config: TrainerRunConfig
     resume: str | None
+    gather_state: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,12 @@ class TrainCommand:
 
 @dataclass(frozen=True)
 class GatherCommand:
-    """Gather the run's full state dict (FSDP2: a collective every rank joins; only rank 0 keeps it)."""
+    """Gather the run's full state dict (FSDP2: a collective every rank joins; only rank 0 keeps it).
+    With `rounds` (a publish: `WeightPublisher.publish_order`), gather it one round at a time in
+    that order instead (`Learner.gathered_rounds`), never all of it at once."""
 
     run_id: str
+    rounds: tuple[tuple[str, ...], ...] | None = None
 
 
 @dataclass(frozen=True)

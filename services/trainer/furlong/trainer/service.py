@@ -21,7 +21,10 @@ Under torchrun (`ranks`), this object runs on rank 0 and drives the other ranks:
 run, training a step (on the groups rank 0 read) and ending a run are posted to them as commands
 (`ranks.TrainerRanks.command`), and each rank trains its slice of the batch over the trainer's
 process group (`run.parallel`: ddp or fsdp2). Publishing and exports are rank 0's alone; with fsdp2
-the full tensors are gathered on every rank first (`GatherCommand`). Training checkpoints are rank
+a publish gathers the tensors one staging round at a time as the publisher reads them, every rank
+in the publisher's order (`GatherCommand`), so rank 0 holds about one round of gathered tensors
+beyond its shards, never a second copy of the model; an export gathers them all first (the same
+command without rounds). Training checkpoints are rank
 0's with ddp; with fsdp2 every rank writes its shards of the sharded format (`CheckpointCommand`,
 see `train_checkpoint`), and a run resumes from either format at any world size. A run whose
 `trainer.parallel.world_size` is not the trainer's is refused (ConflictError). Offload and restore
@@ -29,9 +32,9 @@ need one rank.
 
 With `trainer.backend: megatron` every rank's learner trains a megatron-core GPTModel
 (`run_learner`); with `trainer.megatron.tensor_parallel` > 1 each rank holds its shards of the split
-layers, publishing and exports gather the whole tensors under the Hugging Face names on every rank
-first (`GatherCommand`), and training checkpoints are not built: a trainer with a checkpoint root
-refuses such a run (ConflictError), and so does `checkpoint`.
+layers, publishing gathers the whole tensors under the Hugging Face names round by round as fsdp2
+does, exports all of them first (`GatherCommand`), and training checkpoints are not built: a trainer
+with a checkpoint root refuses such a run (ConflictError), and so does `checkpoint`.
 
 `offload` releases a run's tensors (policy, reference, value model, optimizer state) for a
 colocated rollout engine and `restore` brings them back bit for bit (`offload.Offloader`). While a
@@ -108,7 +111,7 @@ from furlong.trainer.train_checkpoint import (
 from furlong.trainer.trained_groups import TrainedGroups
 from furlong.transfer.broker_client import BrokerClient
 from furlong.transfer.equality import check_weight_update_equal
-from furlong.transfer.publisher import WeightPublisher
+from furlong.transfer.publisher import PublishResult, WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -234,13 +237,16 @@ class TrainerService:
                 raise ConflictError(f"run {run_id} is already configured on this trainer")
         checkpoints = self._checkpoints(run_id, config.checkpoint.keep_last)
         resume = None if checkpoints is None else checkpoints.latest()
-        configure = ConfigureCommand(config, None if resume is None else str(resume))
+        check_equal = self._check_weight_update_equal
+        configure = ConfigureCommand(config, None if resume is None else str(resume), check_equal)
         with self._on_ranks(configure):
             learner = build_learner(
                 config, self.device, None if self._ranks is None else self._ranks.group, self._memory
             )
             info = None if resume is None else load_training_checkpoint(learner, resume)
-            state = learner.state_dict()  # fsdp2: gathered on every rank
+            meta = learner.state_meta()  # names, dtypes and whole shapes: nothing is gathered
+            # Only the equality check needs the whole state (fsdp2, megatron tp: gathered on every rank).
+            state = learner.state_dict() if check_equal else None
         last_step, cursor = 0, None
         ledger = TrainedGroups(GroupLedger(self._redis, run_id), config.checkpoint.every_steps)
         reader = SampleReader(
@@ -253,11 +259,12 @@ class TrainerService:
                 "run %s: resumed from %s at step %d, version %d", run_id, resume, info.step, info.version
             )
         learner.version = ledger.next_version(learner.version)
-        layout = WeightLayout.from_state_dict(state)
-        if self._check_weight_update_equal:
+        layout = WeightLayout.from_state_dict(meta)
+        if state is not None:
             _check_weight_update_equal(self._broker, run_id, state)
+            del state
         publisher = self._publisher_factory(self._broker, run_id, layout, f"{self._agent_prefix}-{run_id}")
-        num_parameters = sum(t.numel() for t in state.values())
+        num_parameters = sum(t.numel() for t in meta.values())
         run = _Run(
             run_id=run_id,
             model_dir=path,
@@ -293,8 +300,30 @@ class TrainerService:
         """Around rank 0's part of a command the other ranks execute too (nothing with one rank)."""
         return contextlib.nullcontext() if self._ranks is None else self._ranks.command(command)
 
+    def _publish(self, run: _Run, version: int) -> PublishResult:
+        """Publish the run's policy as `version`. With its state sharded over several ranks (fsdp2,
+        megatron tensor parallel) the publisher reads it round by round, each round gathered when
+        it is read and released after it (`Learner.gathered_rounds`; the other ranks gather the
+        same rounds in the same order, `GatherCommand`), so rank 0 never holds a whole extra copy
+        of the model: about one staging round's worth of gathered tensors beyond its shards."""
+        if self._ranks is None or not run.gathers_state:
+            return run.publisher.publish(version, run.learner.state_dict())
+        order = run.publisher.publish_order
+        with self._ranks.command(GatherCommand(run.run_id, order)):
+            with run.learner.gathered_rounds(order) as rounds:  # leaving it gathers what is unread
+                result = run.publisher.publish(version, rounds)
+        log.info(
+            "run %s: version %d gathered in %d collectives, at most %d bytes at once",
+            run.run_id,
+            version,
+            rounds.num_gathers,
+            rounds.peak_bytes,
+        )
+        return result
+
     def _state_dict(self, run: _Run) -> dict[str, torch.Tensor]:
-        """The run's full policy state dict; with fsdp2 over several ranks a gather every rank joins."""
+        """The run's full policy state dict (exports); with fsdp2 or megatron tensor parallel over
+        several ranks a gather every rank joins."""
         if self._ranks is None or not run.gathers_state:
             return run.learner.state_dict()
         with self._ranks.command(GatherCommand(run.run_id)):
@@ -434,7 +463,7 @@ class TrainerService:
                     f"version {run.published_version}"
                 )
             run.ledger.ledger.record_published(version)
-            result = run.publisher.publish(version, self._state_dict(run))
+            result = self._publish(run, version)
             run.published_version = version
         self.metrics.published(result.stage_seconds)
         return Published(

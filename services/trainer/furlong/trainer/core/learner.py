@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ from furlong.core.settings import AlgorithmSettings, PrecisionSettings
 from furlong.trainer.core._compat import enable_activation_checkpointing
 from furlong.trainer.core.batch import MicroBatch, build_micro_batch, split_per_row
 from furlong.trainer.core.data_parallel import DataParallel, full_tensor
+from furlong.trainer.core.round_gather import RoundGather, StateGatherer, TensorGatherer
 from furlong.trainer.core.scoring import Scorer
 from furlong.trainer.core.step import Denominators, StepMath, group_rows, plan_rows
 from furlong.trainer.lm_head import DEFAULT_CHUNK_TOKENS
@@ -286,9 +288,10 @@ class Learner:
         _validate([group], self.vocab_size, self.version)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's tensors to publish, detached and contiguous. They alias the live parameters
-        (no copy), so the next train_step changes them in place. With fsdp2 they are gathered
-        (a copy, and a collective: every rank must call this). A model that declares
+        """The policy's tensors as published, whole, detached and contiguous (exports; a publish of
+        a sharded policy gathers them round by round instead: `gathered_rounds`). They alias the
+        live parameters (no copy), so the next train_step changes them in place. With fsdp2 they
+        are gathered (a copy, and a collective: every rank must call this). A model that declares
         `hf_state_dict()` (the megatron backend's) is published as that: its tensors under the
         Hugging Face names, gathered from its tensor-parallel ranks (a collective too)."""
         published = getattr(self.model, "hf_state_dict", None)
@@ -296,6 +299,27 @@ class Learner:
             state: dict[str, torch.Tensor] = published()
             return {name: t.detach().contiguous() for name, t in state.items()}
         return {name: full_tensor(t.detach()).contiguous() for name, t in self.model.state_dict().items()}
+
+    def gathered_rounds(self, order: Sequence[tuple[str, ...]]) -> RoundGather:
+        """The tensors of `state_dict`, gathered one round of `order` at a time (a collective on
+        every rank, in that order: see `round_gather`) instead of all at once. A model that declares
+        `hf_gatherer()` (the megatron backend's) is gathered through it."""
+        hf_gatherer = getattr(self.model, "hf_gatherer", None)
+        gatherer: TensorGatherer = hf_gatherer() if hf_gatherer is not None else StateGatherer(self.model)
+        return RoundGather(gatherer, order)
+
+    def state_meta(self) -> dict[str, torch.Tensor]:
+        """The names, dtypes and whole shapes of `state_dict`'s tensors, in its order, as meta
+        tensors: nothing is gathered (no collective). A model that declares `hf_state_meta()` (the
+        megatron backend's) answers for itself."""
+        hf_meta = getattr(self.model, "hf_state_meta", None)
+        if hf_meta is not None:
+            meta: dict[str, torch.Tensor] = hf_meta()
+            return meta
+        return {
+            name: torch.empty(t.shape, dtype=t.dtype, device="meta")  # a DTensor's shape is whole
+            for name, t in self.model.state_dict().items()
+        }
 
     def train_step(self, groups: list[SampleGroup]) -> StepStats:
         started = time.perf_counter()

@@ -27,8 +27,11 @@ from furlong.trainer.megatron._compat import apply_cpu_shims
 from furlong.trainer.megatron.spec import HfConfig, check_megatron_config, head_layout, rope_theta
 from furlong.trainer.megatron.weights import (
     gather_tensor_parallel,
+    hf_sources,
+    hf_tensor,
     hf_to_megatron,
     megatron_to_hf,
+    split_dim,
     tensor_parallel_shard,
 )
 
@@ -223,6 +226,21 @@ class MegatronCausalLM(torch.nn.Module):
             }
         return megatron_to_hf(state, self.config)
 
+    def hf_gatherer(self) -> HfGatherer:
+        """The Hugging Face tensors of `hf_state_dict` one Megatron tensor at a time (a publish
+        gathers them round by round: `core.round_gather`)."""
+        return HfGatherer(self)
+
+    def hf_state_meta(self) -> dict[str, torch.Tensor]:
+        """`hf_state_dict`'s names, dtypes and whole shapes as meta tensors; nothing is gathered."""
+        whole = {}
+        for name, shard in _tensors(self.gpt.state_dict()).items():
+            shape, dim = list(shard.shape), split_dim(name)
+            if dim is not None:
+                shape[dim] *= self._tp_world
+            whole[name] = torch.empty(shape, dtype=shard.dtype, device="meta")
+        return {name: t.contiguous() for name, t in megatron_to_hf(whole, self.config).items()}
+
     def clip_grad_norm_(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole (tensor-parallel) model: the squares of
         split parameters' gradients are summed over the ranks, whole ones counted once (every rank
@@ -250,3 +268,26 @@ class MegatronCausalLM(torch.nn.Module):
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=input_ids.device), diagonal=1)
         logits = self.gpt(input_ids=input_ids, position_ids=positions, attention_mask=causal[None, None])
         return SimpleNamespace(logits=logits)
+
+
+class HfGatherer:
+    """`core.round_gather.TensorGatherer` of a `MegatronCausalLM`: each Hugging Face tensor from the
+    Megatron tensor it is made of (`weights.hf_sources`), gathered from the tensor-parallel ranks
+    (a collective every rank of the group joins) once for all the names a fused q|k|v or gate|up
+    is the source of. Not thread-safe."""
+
+    def __init__(self, model: MegatronCausalLM) -> None:
+        self._shards = _tensors(model.gpt.state_dict())  # this rank's: nothing is gathered
+        self._sources = hf_sources(self._shards, model.config)
+        self._config = model.config
+        self._group, self._world = model._tp_group, model._tp_world
+
+    def source_of(self, name: str) -> str:
+        return self._sources[name]
+
+    def gather(self, source: str) -> torch.Tensor:
+        shard = self._shards[source].detach()
+        return gather_tensor_parallel(source, shard, self._group) if self._world > 1 else shard
+
+    def derive(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        return hf_tensor(name, whole, self._config).contiguous()

@@ -5,11 +5,15 @@ Megatron fuses q/k/v into `linear_qkv`, interleaved per query group ([q of the g
 for each key/value head), and gate/up into `linear_fc1` ([gate; up]). Under tensor parallelism
 column-parallel weights (qkv, fc1, the embedding and the output layer) are split by rows and
 row-parallel ones (proj, fc2) by columns; fc1 is split as gate and up separately (each rank holds
-[its gate rows; its up rows]); norms are whole on every rank. Knows nothing about models or
-process groups beyond the shard arithmetic; `gather_tensor_parallel` runs the all-gather.
+[its gate rows; its up rows]); norms are whole on every rank. `hf_sources` names the Megatron
+tensor each Hugging Face tensor comes from and `hf_tensor` cuts it out, one name at a time (a
+publish gathers round by round). Knows nothing about models or process groups beyond the shard
+arithmetic; `gather_tensor_parallel` runs the all-gather.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -71,39 +75,61 @@ def hf_to_megatron(state: dict[str, torch.Tensor], config: HfConfig) -> dict[str
 def megatron_to_hf(state: dict[str, torch.Tensor], config: HfConfig) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron` on whole tensors (a tied model's `lm_head.weight` is the
     embedding, as transformers' own state dict lists it)."""
-    d, groups, per_group = head_layout(config)
-    out = {
-        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
-        "model.norm.weight": state["decoder.final_layernorm.weight"],
+    return {
+        name: hf_tensor(name, state[source], config) for name, source in hf_sources(state, config).items()
     }
-    out["lm_head.weight"] = state[
-        "embedding.word_embeddings.weight" if config.tie_word_embeddings else "output_layer.weight"
-    ]
+
+
+_EMBEDDING = "embedding.word_embeddings.weight"
+_QKV_PARTS = ("q_proj", "k_proj", "v_proj")
+
+
+def hf_sources(names: Iterable[str], config: HfConfig) -> dict[str, str]:
+    """Every Hugging Face name of the policy, in `megatron_to_hf`'s order, and the Megatron tensor
+    (one of `names`) it is made of: q, k and v come from one `linear_qkv`, gate and up from one
+    `linear_fc1`, a tied `lm_head.weight` from the embedding."""
+    present = set(names)
+    out = {
+        "model.embed_tokens.weight": _EMBEDDING,
+        "model.norm.weight": "decoder.final_layernorm.weight",
+        "lm_head.weight": _EMBEDDING if config.tie_word_embeddings else "output_layer.weight",
+    }
     for i in range(config.num_hidden_layers):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         for kind in ("weight", "bias"):
-            fused = state.get(mg + f"self_attention.linear_qkv.{kind}")
-            if fused is None:
-                continue
-            qkv = fused.reshape(groups, (per_group + 2) * d, -1)
-            parts = {
-                "q_proj": qkv[:, : per_group * d],
-                "k_proj": qkv[:, per_group * d : (per_group + 1) * d],
-                "v_proj": qkv[:, (per_group + 1) * d :],
-            }
-            for name, part in parts.items():
-                flat = part.reshape(-1, qkv.shape[-1])
-                out[hf + f"self_attn.{name}.{kind}"] = flat if kind == "weight" else flat.reshape(-1)
-        if mg + "self_attention.q_layernorm.weight" in state:
-            out[hf + "self_attn.q_norm.weight"] = state[mg + "self_attention.q_layernorm.weight"]
-            out[hf + "self_attn.k_norm.weight"] = state[mg + "self_attention.k_layernorm.weight"]
-        out[hf + "self_attn.o_proj.weight"] = state[mg + "self_attention.linear_proj.weight"]
-        out[hf + "input_layernorm.weight"] = state[mg + "input_layernorm.weight"]
-        out[hf + "post_attention_layernorm.weight"] = state[mg + "pre_mlp_layernorm.weight"]
-        gate, up = state[mg + _FC1].chunk(2)
-        out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
-        out[hf + "mlp.down_proj.weight"] = state[mg + "mlp.linear_fc2.weight"]
+            fused = mg + f"self_attention.linear_qkv.{kind}"
+            if fused in present:
+                out.update({hf + f"self_attn.{part}.{kind}": fused for part in _QKV_PARTS})
+        if mg + "self_attention.q_layernorm.weight" in present:
+            out[hf + "self_attn.q_norm.weight"] = mg + "self_attention.q_layernorm.weight"
+            out[hf + "self_attn.k_norm.weight"] = mg + "self_attention.k_layernorm.weight"
+        out[hf + "self_attn.o_proj.weight"] = mg + "self_attention.linear_proj.weight"
+        out[hf + "input_layernorm.weight"] = mg + "input_layernorm.weight"
+        out[hf + "post_attention_layernorm.weight"] = mg + "pre_mlp_layernorm.weight"
+        out[hf + "mlp.gate_proj.weight"] = mg + _FC1
+        out[hf + "mlp.up_proj.weight"] = mg + _FC1
+        out[hf + "mlp.down_proj.weight"] = mg + "mlp.linear_fc2.weight"
     return out
+
+
+def hf_tensor(name: str, source: torch.Tensor, config: HfConfig) -> torch.Tensor:
+    """Hugging Face tensor `name` from the whole Megatron tensor it is made of (`hf_sources`): its
+    slice of a fused q|k|v (interleaved per query group) or gate|up, or the tensor itself."""
+    part = name.rsplit(".", 2)[-2]  # "q_proj" of "model.layers.0.self_attn.q_proj.weight"
+    if ".self_attn." in name and part in _QKV_PARTS:
+        d, groups, per_group = head_layout(config)
+        qkv = source.reshape(groups, (per_group + 2) * d, -1)
+        start, stop = {
+            "q_proj": (0, per_group * d),
+            "k_proj": (per_group * d, (per_group + 1) * d),
+            "v_proj": ((per_group + 1) * d, (per_group + 2) * d),
+        }[part]
+        flat = qkv[:, start:stop].reshape(-1, qkv.shape[-1])
+        return flat if name.endswith(".weight") else flat.reshape(-1)
+    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        gate, up = source.chunk(2)
+        return gate if part == "gate_proj" else up
+    return source
 
 
 def tensor_parallel_shard(name: str, tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
