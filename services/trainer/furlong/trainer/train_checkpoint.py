@@ -22,6 +22,12 @@ calls `save_training_checkpoint`; `DCP_FORMAT` in the manifest):
 - `rng.safetensors` and `manifest.json` as above, written by rank 0 after every rank has written its
   shards; the manifest's SHA-256 cover every file, the shards included.
 
+A megatron policy (`megatron.gpt.MegatronCausalLM`) writes the whole-tensor format at any
+tensor-parallel size: with N > 1 ranks every rank calls `save_training_checkpoint` (a collective:
+its shards of the models and of AdamW's state are all-gathered, `megatron.checkpoint_shards`) and
+rank 0 writes the whole tensors, the files a one-rank run writes; the manifest adds
+`tensor_parallel`. On load every rank keeps its shards, so it resumes at any tensor-parallel size.
+
 `load_training_checkpoint` reads both formats into any learner: a sharded checkpoint resumes on any
 number of fsdp2 ranks (DCP reshards), on ddp ranks or on one process (each reads the whole tensors);
 a whole-tensor checkpoint resumes on fsdp2 ranks (each keeps its shard of the whole tensors).
@@ -120,7 +126,9 @@ def save_training_checkpoint(
     """Write the learner's full training state after `step` to `directory` (replaced atomically).
 
     A learner sharded over several ranks (fsdp2) writes the sharded format: every rank of its
-    group must call this (a collective); rank 0 writes the manifest and renames the directory."""
+    group must call this (a collective); rank 0 writes the manifest and renames the directory.
+    A megatron policy over several tensor-parallel ranks: every rank must call this (the gathers
+    of the whole tensors); rank 0 writes them, the other ranks write nothing."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     target = Path(directory)

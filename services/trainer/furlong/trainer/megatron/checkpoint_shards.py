@@ -42,7 +42,8 @@ def check_split_layout(model: torch.nn.Module, world: int) -> None:
     if world == 1:
         return
     for name, param in model.named_parameters():
-        megatron_dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+        split = getattr(param, "tensor_model_parallel", False)
+        megatron_dim = getattr(param, "partition_dim", None) if split else None
         if megatron_dim != split_dim(name):
             raise ValueError(
                 f"{name}: megatron splits it along dimension {megatron_dim}, the checkpoint layout "
