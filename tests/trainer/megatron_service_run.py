@@ -2,13 +2,20 @@
 a trainer service trains a tiny model for a few steps on fixed sample groups written to Redis, with
 the backend and tensor-parallel size given, and rank 0 prints one JSON line (per-step losses and
 gradient norms) and writes the policy it published after the last step to OUT/published.safetensors.
+Every step is checkpointed under OUT/checkpoints (the newest two are kept).
 
     megatron_service_run.py BACKEND FAMILY TP RANK PORT MODEL_DIR OUT [--resume-check]
+        [--resume-from CHECKPOINT [--refuse-tampered]]
+
+`--resume-from`: the run starts from a copy of that training checkpoint (`step-N`) and trains the
+steps after N; with `--refuse-tampered` it first tries two altered copies (a policy tensor and an
+optimizer state tensor of the wrong shape, the manifest's hashes updated) and records the errors.
 
 Rank 0 serves the run; the other ranks follow it (`RankFollower`), as under torchrun.
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -19,7 +26,7 @@ from pathlib import Path
 
 import redis
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from furlong.core.samples import STREAM_FIELD, Sample, SampleGroup, stream_key
 from furlong.core.sampling_mask import RolloutSamplingMask
@@ -136,10 +143,43 @@ class RecordingPublisher(WeightPublisher):
         return result
 
 
+def _rewrite(directory: Path, file: str, key: str) -> None:
+    """Replace tensor `key` of `directory/file` by one row short of it and update the manifest's
+    hash of the file: a consistent checkpoint of another shape, refused by the shape checks."""
+    tensors = load_file(directory / file)
+    tensors[key] = tensors[key][:-1].clone()
+    save_file(tensors, directory / file)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["sha256"][file] = hashlib.sha256((directory / file).read_bytes()).hexdigest()
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _refusals(trainer: TrainerService, config: TrainerRunConfig, source: Path, target: Path) -> list[str]:
+    """The errors of configuring the run from two altered copies of `source` at `target`."""
+    fc1 = "gpt.decoder.layers.0.mlp.linear_fc1.weight"
+    optimizer = load_file(source / "optimizer.safetensors")
+    exp_avg = next(k for k in sorted(optimizer, key=lambda k: int(k.split(".")[0])) if k.endswith("exp_avg"))
+    errors = []
+    for file, key in (("policy.safetensors", fc1), ("optimizer.safetensors", exp_avg)):
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(source, target)
+        _rewrite(target, file, key)
+        try:
+            trainer.configure_run(config)
+        except Exception as exc:  # noqa: BLE001 - the test asserts on the message
+            errors.append(f"{type(exc).__name__}: {exc}")
+        else:
+            errors.append("configured")
+            trainer.end_run(RUN)
+    shutil.rmtree(target)
+    return errors
+
+
 def main() -> None:
     backend, family, tp, rank, port, model_dir, out = sys.argv[1:8]
     tp_size, model, out_dir = int(tp), Path(model_dir), Path(out)
     resume_check = "--resume-check" in sys.argv
+    resume_from = Path(sys.argv[sys.argv.index("--resume-from") + 1]) if "--resume-from" in sys.argv else None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=tp)
     ranks = join("gloo", timeout_s=300.0) if tp_size > 1 else None
     if ranks is not None and not ranks.is_leader:
@@ -149,9 +189,8 @@ def main() -> None:
         for key in client.scan_iter(pattern):
             client.delete(key)
     broker = InProcessBrokerClient(BrokerCore())
-    checkpoints = out_dir / "checkpoints" if tp_size == 1 else None
-    if checkpoints is not None:
-        shutil.rmtree(checkpoints, ignore_errors=True)  # an earlier run's: this one starts at step 1
+    checkpoints = out_dir / "checkpoints"
+    shutil.rmtree(checkpoints, ignore_errors=True)  # an earlier run's: this one starts at step 1
     trainer = TrainerService(
         client,
         broker,
@@ -163,9 +202,16 @@ def main() -> None:
     )
     result: dict[str, object] = {"backend": backend, "family": family, "tensor_parallel": tp_size}
     try:
-        trainer.configure_run(run_config(model, backend, tp_size))
+        config = run_config(model, backend, tp_size)
+        if resume_from is not None:
+            target = checkpoints / RUN / resume_from.name
+            if "--refuse-tampered" in sys.argv:
+                result["refused"] = _refusals(trainer, config, resume_from, target)
+            shutil.copytree(resume_from, target)
+        trainer.configure_run(config)
+        first = trainer._run(RUN).last_step + 1
         losses, norms = [], []
-        for step in range(1, STEPS + 1):
+        for step in range(first, STEPS + 1):
             for group in groups(step):
                 client.xadd(stream_key(RUN), {STREAM_FIELD: group.encode()})
             stats = trainer.train_step(TrainStepRequest(run_id=RUN, step=step, num_groups=2, timeout_s=60))
@@ -174,7 +220,7 @@ def main() -> None:
             trainer.publish_weights(RUN, stats.policy_version)
         published = RecordingPublisher.last
         save_file(published, out_dir / "published.safetensors")
-        result.update(losses=losses, grad_norms=norms, names=sorted(published))
+        result.update(losses=losses, grad_norms=norms, names=sorted(published), first_step=first)
         result["published_round_by_round"] = RecordingPublisher.round_by_round
         if tp_size > 1:  # what the rounds gave the publisher is the whole gather, bit for bit
             whole = trainer._state_dict(trainer._run(RUN))

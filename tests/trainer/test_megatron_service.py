@@ -1,13 +1,16 @@
 """A run with `trainer.backend: megatron` through the trainer service (real Redis, the in-process
 broker, real NIXL publishing): per-step losses equal the torch backend's, the weights it publishes
-under the Hugging Face names equal the trained ones, a one-rank checkpoint resumes bit for bit, and
-tensor parallelism over two ranks (gloo) trains what one rank does.
+under the Hugging Face names equal the trained ones, a one-rank checkpoint resumes bit for bit,
+tensor parallelism over two ranks (gloo) trains what one rank does, and a training checkpoint
+written at tensor_parallel 2 resumes at 2 (bit for bit) and at 1, one written at 1 resumes at 2.
 
 Each run is its own process (`megatron_service_run.py`): megatron-core needs a torch.distributed
 group and process-wide parallel state. Measured on this machine over 3 AdamW steps at lr 1e-2:
 megatron vs torch losses agree to <= 2e-7 and the published tensors to 2.9e-5 (Adam's normalised
 update magnifies the float32 rounding differences of the gradients); two ranks vs one: losses to
-<= 1e-7, tensors below 1e-5. The tolerances leave a factor of 3-5."""
+<= 1e-7, tensors below 1e-5. The tolerances leave a factor of 3-5. Step 3 after resuming the
+checkpoint of step 2 at another tensor-parallel size: losses within 3e-8 of the uninterrupted run's,
+published tensors within 1.2e-7."""
 
 import json
 import os
@@ -20,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from furlong.rpc.ports import free_port
+from furlong.trainer.train_checkpoint import FORMAT
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -99,11 +103,20 @@ def test_megatron_run_trains_and_publishes_what_the_torch_backend_does(model, tm
     assert megatron["resumed_equals_published"] and megatron["resumed_step"] == 3
 
 
-def test_tensor_parallel_two_ranks_train_what_one_rank_does(model, tmp_path, redis_url):
+@pytest.fixture(scope="module")
+def straight_runs(model, tmp_path_factory, redis_server_url) -> dict[int, tuple[dict, Path]]:
+    """Uninterrupted megatron runs of the llama model at tensor_parallel 1 and 2 (their results and
+    output directories, each checkpointed after every step)."""
     if model.parent.name.startswith("qwen3"):
         pytest.skip("one family over two ranks keeps the suite short (llama)")
-    one = _run(redis_url, tmp_path / "tp1", model, "megatron", 1)
-    two = _run(redis_url, tmp_path / "tp2", model, "megatron", 2)
+    out = tmp_path_factory.mktemp("straight")
+    return {
+        tp: (_run(redis_server_url, out / f"tp{tp}", model, "megatron", tp), out / f"tp{tp}") for tp in (1, 2)
+    }
+
+
+def test_tensor_parallel_two_ranks_train_what_one_rank_does(straight_runs):
+    (one, _), (two, _) = straight_runs[1], straight_runs[2]
     assert two["tensor_parallel"] == 2
     # two ranks publish round by round what gathering the whole state gives, bit for bit
     assert (one["published_round_by_round"], two["published_round_by_round"]) == (False, True)
@@ -113,3 +126,42 @@ def test_tensor_parallel_two_ranks_train_what_one_rank_does(model, tmp_path, red
     # the gathered shards are whole Hugging Face tensors, equal to the one-rank run's
     assert two["names"] == one["names"]
     assert _max_weight_diff(two["published"], one["published"]) < WEIGHT_ABS_RANKS
+
+
+def _step_2(out: Path) -> Path:
+    return out / "checkpoints" / "mg" / "step-2"
+
+
+def test_tensor_parallel_checkpoint_resumes_at_any_tensor_parallel_size(
+    model, straight_runs, tmp_path, redis_url
+):
+    (one, one_dir), (two, two_dir) = straight_runs[1], straight_runs[2]
+    # the two-rank checkpoint is the whole-tensor format, gathered into the one-rank layout
+    manifest = json.loads((_step_2(two_dir) / "manifest.json").read_text())
+    assert manifest["format"] == FORMAT and manifest["tensor_parallel"] == 2 and manifest["step"] == 2
+    for name in ("policy.safetensors", "optimizer.safetensors"):
+        whole, gathered = load_file(_step_2(one_dir) / name), load_file(_step_2(two_dir) / name)
+        assert {k: v.shape for k, v in whole.items()} == {k: v.shape for k, v in gathered.items()}
+        assert _max_weight_diff(whole, gathered) < WEIGHT_ABS_RANKS
+    resume = ("--resume-from", str(_step_2(two_dir)))
+    at_two = _run(redis_url, tmp_path / "tp2-at-tp2", model, "megatron", 2, *resume, "--refuse-tampered")
+    at_one = _run(redis_url, tmp_path / "tp2-at-tp1", model, "megatron", 1, *resume)
+    one_at_two = _run(
+        redis_url, tmp_path / "tp1-at-tp2", model, "megatron", 2, "--resume-from", str(_step_2(one_dir))
+    )
+    for resumed in (at_two, at_one, one_at_two):
+        assert resumed["first_step"] == 3 and len(resumed["losses"]) == 1
+    # at the same size, bit for bit: the loss of step 3 and every published tensor
+    assert at_two["losses"] == two["losses"][2:]
+    assert at_two["grad_norms"] == two["grad_norms"][2:]
+    assert all(torch.equal(at_two["published"][k], two["published"][k]) for k in two["published"])
+    # at another size, what the uninterrupted run of that size trains
+    assert at_one["losses"] == pytest.approx(two["losses"][2:], abs=LOSS_ABS)
+    assert _max_weight_diff(at_one["published"], two["published"]) < WEIGHT_ABS_RANKS
+    assert one_at_two["losses"] == pytest.approx(one["losses"][2:], abs=LOSS_ABS)
+    assert _max_weight_diff(one_at_two["published"], one["published"]) < WEIGHT_ABS_RANKS
+    # a checkpoint whose tensors have other shapes than the model's is refused, naming file and tensor
+    policy, optimizer = at_two["refused"]
+    assert "policy.safetensors" in policy and "gpt.decoder.layers.0.mlp.linear_fc1.weight" in policy
+    assert "(127, 32) in the checkpoint, (128, 32) in the model" in policy
+    assert "optimizer.safetensors" in optimizer and "0.exp_avg (the state of gpt.embedding" in optimizer

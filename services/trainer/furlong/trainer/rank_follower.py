@@ -9,7 +9,9 @@ and rank 0 writes it and its training checkpoints; with fsdp2 a follower joins t
 full tensors (`GatherCommand`: for a publish one round at a time in the order rank 0's publisher
 reads them, for an export all of them) and drops the result, and writes its own shards of each training
 checkpoint (`CheckpointCommand`; rank 0 writes the manifest). With the megatron backend over
-tensor-parallel ranks a follower holds its shards and joins every gather of the whole tensors.
+tensor-parallel ranks a follower holds its shards and joins every gather of the whole tensors, a
+training checkpoint's too (`CheckpointCommand`: rank 0 writes the whole tensors), and on resume
+takes its shards of the checkpoint's whole tensors.
 """
 
 from __future__ import annotations

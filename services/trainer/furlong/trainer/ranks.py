@@ -84,8 +84,9 @@ class GatherCommand:
 
 @dataclass(frozen=True)
 class CheckpointCommand:
-    """Write the run's sharded training checkpoint of `step` to `directory` (FSDP2: every rank
-    writes its shards; rank 0 the manifest)."""
+    """Write the run's training checkpoint of `step` to `directory` (FSDP2: every rank writes its
+    shards, rank 0 the manifest; megatron tensor parallelism: every rank joins the gathers of the
+    whole tensors, rank 0 writes them)."""
 
     run_id: str
     directory: str

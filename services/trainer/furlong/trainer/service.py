@@ -33,8 +33,10 @@ need one rank.
 With `trainer.backend: megatron` every rank's learner trains a megatron-core GPTModel
 (`run_learner`); with `trainer.megatron.tensor_parallel` > 1 each rank holds its shards of the split
 layers, publishing gathers the whole tensors under the Hugging Face names round by round as fsdp2
-does, exports all of them first (`GatherCommand`), and training checkpoints are not built: a trainer
-with a checkpoint root refuses such a run (ConflictError), and so does `checkpoint`.
+does, exports all of them first (`GatherCommand`), and a training checkpoint gathers the policy's and
+AdamW's shards into the one-rank layout on every rank (`CheckpointCommand`), which rank 0 writes in
+the whole-tensor format; on resume every rank keeps its shards of it, so it resumes at any
+tensor-parallel size.
 
 `offload` releases a run's tensors (policy, reference, value model, optimizer state) for a
 colocated rollout engine and `restore` brings them back bit for bit (`offload.Offloader`). While a
@@ -115,11 +117,6 @@ from furlong.transfer.publisher import PublishResult, WeightPublisher
 
 log = logging.getLogger(__name__)
 
-_NO_TP_CHECKPOINTS = (
-    "run {run_id}: trainer.megatron.tensor_parallel {tp}: training checkpoints of a tensor-parallel "
-    "megatron policy are not built; start the trainer without --checkpoint-dir or use "
-    "tensor_parallel 1"
-)
 EQUALITY_RUN_INFIX = "~equality-"  # the equality check's run on the broker: <run_id>~equality-<hex>
 
 
@@ -141,7 +138,6 @@ class _Run:
     offloader: Offloader | None = None  # set while the run's tensors are offloaded
     parallel: ParallelSettings = ParallelSettings()  # how the run's learner spans the ranks
     gathers_state: bool = False  # its whole state dict is a collective of every rank (see api)
-    tensor_parallel: int = 1  # megatron's tensor-parallel ranks (1: the torch backend's too)
 
     @property
     def offloaded(self) -> bool:
@@ -227,11 +223,8 @@ class TrainerService:
         path = Path(model_dir)
         if not path.is_dir():
             raise ValueError(f"model_dir {model_dir!r} is not a directory")
-        tensor_parallel = config.megatron.tensor_parallel if config.backend == "megatron" else 1
         if config.backend == "megatron":
             check_megatron_run(config, read_model_config(path))
-            if tensor_parallel > 1 and self._checkpoint_root is not None:
-                raise ConflictError(_NO_TP_CHECKPOINTS.format(run_id=run_id, tp=tensor_parallel))
         with self._lock:
             if run_id in self._runs:
                 raise ConflictError(f"run {run_id} is already configured on this trainer")
@@ -280,7 +273,6 @@ class TrainerService:
             checkpoints=checkpoints,
             parallel=config.parallel,
             gathers_state=config.gathers_state,
-            tensor_parallel=tensor_parallel,
         )
         with self._lock:
             if run_id in self._runs:
@@ -338,10 +330,10 @@ class TrainerService:
 
     def _save_checkpoint(self, run: _Run, target: Path, step: int, cursor: Any) -> CheckpointInfo:
         """Write the run's training checkpoint; with fsdp2 over several ranks every rank writes its
-        shards (`CheckpointCommand`) and rank 0 the manifest."""
-        if run.tensor_parallel > 1:
-            raise ConflictError(_NO_TP_CHECKPOINTS.format(run_id=run.run_id, tp=run.tensor_parallel))
-        if self._ranks is None or run.parallel.strategy != "fsdp2":
+        shards (`CheckpointCommand`) and rank 0 the manifest; with megatron's tensor parallelism
+        every rank joins the gathers of the whole tensors (`CheckpointCommand`) and rank 0 writes
+        them."""
+        if self._ranks is None or not run.gathers_state:
             return save_training_checkpoint(run.learner, target, step, cursor)
         with self._ranks.command(CheckpointCommand(run.run_id, str(target), step)):
             return save_training_checkpoint(run.learner, target, step, cursor)

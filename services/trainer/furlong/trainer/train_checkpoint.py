@@ -22,6 +22,12 @@ calls `save_training_checkpoint`; `DCP_FORMAT` in the manifest):
 - `rng.safetensors` and `manifest.json` as above, written by rank 0 after every rank has written its
   shards; the manifest's SHA-256 cover every file, the shards included.
 
+A megatron policy (`megatron.gpt.MegatronCausalLM`) writes the whole-tensor format at any
+tensor-parallel size: with N > 1 ranks every rank calls `save_training_checkpoint` (a collective:
+its shards of the models and of AdamW's state are all-gathered, `megatron.checkpoint_shards`) and
+rank 0 writes the whole tensors, the files a one-rank run writes; the manifest adds
+`tensor_parallel`. On load every rank keeps its shards, so it resumes at any tensor-parallel size.
+
 `load_training_checkpoint` reads both formats into any learner: a sharded checkpoint resumes on any
 number of fsdp2 ranks (DCP reshards), on ddp ranks or on one process (each reads the whole tensors);
 a whole-tensor checkpoint resumes on fsdp2 ranks (each keeps its shard of the whole tensors).
@@ -58,6 +64,15 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from furlong.core.checkpoint import unique_state
 from furlong.trainer.core.learner import Learner
+from furlong.trainer.megatron.checkpoint_shards import (
+    check_split_layout,
+    gather_optimizer,
+    gather_state,
+    optimizer_parameters,
+    shard_optimizer_state,
+    take_shards,
+)
+from furlong.trainer.megatron.gpt import MegatronCausalLM
 
 log = logging.getLogger(__name__)
 MEMORY_SETTINGS = ("lm_head_chunk_tokens", "micro_batch_tokens")  # not compared on resume
@@ -111,22 +126,33 @@ def save_training_checkpoint(
     """Write the learner's full training state after `step` to `directory` (replaced atomically).
 
     A learner sharded over several ranks (fsdp2) writes the sharded format: every rank of its
-    group must call this (a collective); rank 0 writes the manifest and renames the directory."""
+    group must call this (a collective); rank 0 writes the manifest and renames the directory.
+    A megatron policy over several tensor-parallel ranks: every rank must call this (the gathers
+    of the whole tensors); rank 0 writes them, the other ranks write nothing."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     target = Path(directory)
     if learner.sharded:
         return _save_sharded(learner, target, step, data_cursor)
+    info = CheckpointInfo(step=step, version=learner.version, data_cursor=data_cursor, path=target)
+    models = {name: unique_state(model) for name, model in _models(learner).items()}
+    tensors, optim_meta = _optimizer_tensors(learner.optimizer)
+    megatron = _megatron(learner)
+    extra: dict[str, Any] = {}
+    if megatron is not None:
+        extra["tensor_parallel"] = megatron.tensor_parallel
+    if megatron is not None and megatron.tensor_parallel > 1:
+        # Every rank joins the gathers of the whole tensors; rank 0 alone writes them.
+        models, tensors = _gather_whole(learner, megatron, models, tensors)
+        if megatron.tensor_parallel_rank != 0:
+            return info
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     files = {}
-    for name, model in _models(learner).items():
-        save_file(
-            {k: v.detach().contiguous() for k, v in unique_state(model).items()}, tmp / f"{name}.safetensors"
-        )
+    for name, state in models.items():
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, tmp / f"{name}.safetensors")
         files[name] = f"{name}.safetensors"
-    tensors, optim_meta = _optimizer_tensors(learner.optimizer)
     save_file(tensors, tmp / "optimizer.safetensors")
     save_file({"torch_cpu": torch.get_rng_state()}, tmp / "rng.safetensors")
     manifest = {
@@ -137,12 +163,34 @@ def save_training_checkpoint(
         "config": dataclasses.asdict(learner.config),
         "optimizer": optim_meta,
         "models": files,
+        **extra,
         "sha256": {f.name: _sha256(f) for f in sorted(tmp.iterdir())},
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     _publish(tmp, target)
     log.info("checkpoint of step %d (version %d) written to %s", step, learner.version, target)
-    return CheckpointInfo(step=step, version=learner.version, data_cursor=data_cursor, path=target)
+    return info
+
+
+def _megatron(learner: Learner) -> MegatronCausalLM | None:
+    """The learner's policy when it is a megatron-core model (its tensors may be tensor-parallel
+    shards), else None."""
+    return learner.model if isinstance(learner.model, MegatronCausalLM) else None
+
+
+def _gather_whole(
+    learner: Learner,
+    megatron: MegatronCausalLM,
+    models: dict[str, dict[str, torch.Tensor]],
+    optimizer: dict[str, torch.Tensor],
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """The whole tensors (the one-rank layout) of this rank's shards of every model and of the
+    optimizer state: a collective every tensor-parallel rank joins."""
+    group = megatron.tensor_parallel_group
+    check_split_layout(megatron, megatron.tensor_parallel)
+    params = optimizer_parameters(megatron, learner.optimizer)
+    whole = {name: gather_state(state, group) for name, state in models.items()}
+    return whole, gather_optimizer(optimizer, params, group)
 
 
 def _files(directory: Path) -> list[Path]:
@@ -279,9 +327,17 @@ def load_training_checkpoint(learner: Learner, directory: str | Path) -> Checkpo
             if saved.get(k) != current.get(k)
         }
         raise ValueError(f"{path}: learner config differs from the checkpoint's: {diff}")
+    megatron = _megatron(learner)
+    if megatron is not None and manifest["format"] == DCP_FORMAT:
+        raise ValueError(f"{path}: a sharded (fsdp2) checkpoint cannot resume a megatron policy")
     for name, model in models.items():
         if name != "policy" or (manifest["format"] == FORMAT and not learner.sharded):
-            _load_into(model, load_file(path / manifest["models"][name]), name)
+            tensors = load_file(path / manifest["models"][name])
+            if megatron is not None:  # every rank keeps its shards of the whole tensors
+                file = path / manifest["models"][name]
+                rank, world = megatron.tensor_parallel_rank, megatron.tensor_parallel
+                tensors = take_shards(tensors, unique_state(model), rank, world, f"{file}: {name}")
+            _load_into(model, tensors, name)
     if manifest["format"] == DCP_FORMAT:
         _load_sharded(learner, path, manifest)
     else:
@@ -289,6 +345,11 @@ def load_training_checkpoint(learner: Learner, directory: str | Path) -> Checkpo
         if learner.sharded:
             _load_whole_into_sharded(learner, load_file(path / manifest["models"]["policy"]), state)
         else:
+            if megatron is not None:
+                params = optimizer_parameters(megatron, learner.optimizer)
+                rank, world = megatron.tensor_parallel_rank, megatron.tensor_parallel
+                file = path / "optimizer.safetensors"
+                state["state"] = shard_optimizer_state(state["state"], params, rank, world, str(file))
             learner.optimizer.load_state_dict(state)
     torch.set_rng_state(load_file(path / "rng.safetensors")["torch_cpu"])
     learner.version = int(manifest["version"])

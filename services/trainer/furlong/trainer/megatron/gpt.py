@@ -212,6 +212,17 @@ class MegatronCausalLM(torch.nn.Module):
     def tensor_parallel(self) -> int:
         return int(self._tp_world)
 
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This process's rank in the tensor-parallel group (0 with one rank)."""
+        return int(self._tp_rank)
+
+    @property
+    def tensor_parallel_group(self) -> dist.ProcessGroup:
+        """The process group the split layers' shards span (the gathers run over it)."""
+        group: dist.ProcessGroup = self._tp_group
+        return group
+
     def get_input_embeddings(self) -> torch.nn.Embedding:
         embeddings: torch.nn.Embedding = self.gpt.embedding.word_embeddings
         return embeddings
