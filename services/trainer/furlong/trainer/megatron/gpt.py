@@ -215,6 +215,11 @@ class MegatronCausalLM(torch.nn.Module):
         return VocabShard(group=self._tp_group, start=self._vocab_start, vocab_size=self.config.vocab_size)
 
     @property
+    def logits_vocab_size(self) -> int:
+        """The model's real vocabulary size (its embedding may hold padding rows beyond it)."""
+        return int(self.config.vocab_size)
+
+    @property
     def tensor_parallel(self) -> int:
         return int(self._tp_world)
 
