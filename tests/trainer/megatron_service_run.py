@@ -41,23 +41,23 @@ from furlong.weight_broker.client import InProcessBrokerClient
 from furlong.weight_broker.core import BrokerCore
 
 warnings.filterwarnings("ignore")
-VOCAB = 16
+ALPHABETS = {16: "0123456789+=-", 15: "0123456789+="}  # 3 special tokens each
 STEPS = 3
 RUN = "mg"
 
 
-def write_model(directory: Path, family: str) -> None:
+def write_model(directory: Path, family: str, vocab: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from furlong.core.checkpoint import save_policy
     from furlong.core.tokenizer import char_tokenizer
 
-    tokenizer = char_tokenizer("0123456789+=-")  # 3 special tokens: VOCAB ids
-    assert tokenizer.vocab_size == VOCAB
+    tokenizer = char_tokenizer(ALPHABETS[vocab])
+    assert tokenizer.vocab_size == vocab
     torch.manual_seed(0)
     config = AutoConfig.for_model(
         family,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -73,18 +73,18 @@ def write_model(directory: Path, family: str) -> None:
     save_policy(AutoModelForCausalLM.from_config(config), tokenizer, directory)
 
 
-def groups(step: int) -> list[SampleGroup]:
+def groups(step: int, vocab: int) -> list[SampleGroup]:
     """Two groups of four samples, the same for every backend: random tokens, distinct rewards, and
     a sampling support of three ids (the target among them) on every other response token."""
     gen = torch.Generator().manual_seed(100 + step)
     out = []
     for g in range(2):
-        prompt = torch.randint(0, VOCAB, (3,), generator=gen).tolist()
+        prompt = torch.randint(0, vocab, (3,), generator=gen).tolist()
         samples = []
         for i in range(4):
-            response = torch.randint(0, VOCAB, (4,), generator=gen).tolist()
+            response = torch.randint(0, vocab, (4,), generator=gen).tolist()
             support = [
-                sorted({t, (t + 5) % VOCAB, (t + 11) % VOCAB}) if j % 2 else list(range(VOCAB))
+                sorted({t, (t + 5) % vocab, (t + 11) % vocab}) if j % 2 else list(range(vocab))
                 for j, t in enumerate(response)
             ]
             samples.append(
@@ -93,7 +93,7 @@ def groups(step: int) -> list[SampleGroup]:
                     prompt_token_ids=prompt,
                     response_token_ids=response,
                     response_logprobs=[-1.5] * 4,
-                    sampling_support=RolloutSamplingMask.from_lists(support, vocab_size=VOCAB),
+                    sampling_support=RolloutSamplingMask.from_lists(support, vocab_size=vocab),
                     reward=float(i) - 1.5 * g,
                     policy_version=step - 1,
                     finish_reason="length",
@@ -178,6 +178,7 @@ def _refusals(trainer: TrainerService, config: TrainerRunConfig, source: Path, t
 def main() -> None:
     backend, family, tp, rank, port, model_dir, out = sys.argv[1:8]
     tp_size, model, out_dir = int(tp), Path(model_dir), Path(out)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     resume_check = "--resume-check" in sys.argv
     resume_from = Path(sys.argv[sys.argv.index("--resume-from") + 1]) if "--resume-from" in sys.argv else None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=tp)
@@ -212,7 +213,7 @@ def main() -> None:
         first = trainer._run(RUN).last_step + 1
         losses, norms = [], []
         for step in range(first, STEPS + 1):
-            for group in groups(step):
+            for group in groups(step, vocab):
                 client.xadd(stream_key(RUN), {STREAM_FIELD: group.encode()})
             stats = trainer.train_step(TrainStepRequest(run_id=RUN, step=step, num_groups=2, timeout_s=60))
             losses.append(stats.loss)
@@ -255,6 +256,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "write-model":
-        write_model(Path(sys.argv[3]), sys.argv[2])
+        write_model(Path(sys.argv[3]), sys.argv[2], int(sys.argv[4]))
     else:
         main()

@@ -71,10 +71,10 @@ def _run(redis_url, out: Path, model: Path, backend: str, tp: int = 1, *extra: s
     return result
 
 
-def _write_model(family: str, tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp(f"{family}-model") / "model"
+def _write_model(family: str, tmp_path_factory, vocab: int = 16) -> Path:
+    directory = tmp_path_factory.mktemp(f"{family}-vocab{vocab}") / "model"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "write-model", family, str(directory)],
+        [sys.executable, str(SCRIPT), "write-model", family, str(directory), str(vocab)],
         cwd=ROOT,
         check=True,
         capture_output=True,
@@ -175,3 +175,39 @@ def test_tensor_parallel_checkpoint_resumes_at_any_tensor_parallel_size(
     assert "policy.safetensors" in policy and "gpt.decoder.layers.0.mlp.linear_fc1.weight" in policy
     assert "(127, 32) in the checkpoint, (128, 32) in the model" in policy
     assert "optimizer.safetensors" in optimizer and "0.exp_avg (the state of gpt.embedding" in optimizer
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_model(tmp_path_factory) -> Path:
+    """A llama model of 15 ids, which two tensor-parallel ranks hold padded to 16."""
+    return _write_model("llama", tmp_path_factory, vocab=15)
+
+
+def test_a_vocabulary_two_ranks_cannot_split_trains_like_one_torch_rank_and_resumes_at_one(
+    odd_vocab_model, tmp_path, redis_url
+):
+    model = odd_vocab_model
+    torch_run = _run(redis_url, tmp_path / "torch", model, "torch")
+    two = _run(redis_url, tmp_path / "tp2", model, "megatron", 2)
+    assert two["losses"] == pytest.approx(torch_run["losses"], abs=LOSS_ABS)
+    assert two["grad_norms"] == pytest.approx(torch_run["grad_norms"], rel=1e-5)
+    # the padding is never published: the real vocabulary, under the Hugging Face names and shapes
+    assert two["names"] == torch_run["names"]
+    assert two["published"]["model.embed_tokens.weight"].shape == (15, 32)
+    assert two["published"]["lm_head.weight"].shape == (15, 32)
+    assert _max_weight_diff(two["published"], torch_run["published"]) < WEIGHT_ABS_BACKENDS
+    # nor checkpointed: the two-rank checkpoint holds the real vocabulary and resumes at one rank
+    policy = load_file(_step_2(tmp_path / "tp2") / "policy.safetensors")
+    assert policy["gpt.embedding.word_embeddings.weight"].shape == (15, 32)
+    at_one = _run(
+        redis_url,
+        tmp_path / "tp2-at-tp1",
+        model,
+        "megatron",
+        1,
+        "--resume-from",
+        str(_step_2(tmp_path / "tp2")),
+    )
+    assert at_one["first_step"] == 3
+    assert at_one["losses"] == pytest.approx(torch_run["losses"][2:], abs=LOSS_ABS)
+    assert _max_weight_diff(at_one["published"], torch_run["published"]) < WEIGHT_ABS_BACKENDS

@@ -125,7 +125,12 @@ def test_llama_qwen2_and_qwen3_configs_are_built(cls):
             1,
             "model_type 'llama' declares 'linear' RoPE",
         ),
-        (_tiny(LlamaConfig, vocab_size=15), 2, "tensor_parallel 2: model_type 'llama' has vocab_size=15"),
+        (
+            _tiny(LlamaConfig, vocab_size=5, num_key_value_heads=4),
+            4,
+            "tensor_parallel 4: model_type 'llama' has vocab_size=5, too few",
+        ),
+        (_tiny(LlamaConfig, intermediate_size=47), 2, "has intermediate_size=47, which 2 ranks cannot split"),
         (
             _tiny(Qwen3Config, num_key_value_heads=1, num_attention_heads=4),
             2,

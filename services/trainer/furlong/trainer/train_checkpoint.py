@@ -189,8 +189,9 @@ def _gather_whole(
     group = megatron.tensor_parallel_group
     check_split_layout(megatron, megatron.tensor_parallel)
     params = optimizer_parameters(megatron, learner.optimizer)
-    whole = {name: gather_state(state, group) for name, state in models.items()}
-    return whole, gather_optimizer(optimizer, params, group)
+    vocab_size = megatron.config.vocab_size
+    whole = {name: gather_state(state, group, vocab_size) for name, state in models.items()}
+    return whole, gather_optimizer(optimizer, params, group, vocab_size)
 
 
 def _files(directory: Path) -> list[Path]:
@@ -336,7 +337,8 @@ def load_training_checkpoint(learner: Learner, directory: str | Path) -> Checkpo
             if megatron is not None:  # every rank keeps its shards of the whole tensors
                 file = path / manifest["models"][name]
                 rank, world = megatron.tensor_parallel_rank, megatron.tensor_parallel
-                tensors = take_shards(tensors, unique_state(model), rank, world, f"{file}: {name}")
+                what, vocab_size = f"{file}: {name}", megatron.config.vocab_size
+                tensors = take_shards(tensors, unique_state(model), rank, world, what, vocab_size)
             _load_into(model, tensors, name)
     if manifest["format"] == DCP_FORMAT:
         _load_sharded(learner, path, manifest)
@@ -349,7 +351,9 @@ def load_training_checkpoint(learner: Learner, directory: str | Path) -> Checkpo
                 params = optimizer_parameters(megatron, learner.optimizer)
                 rank, world = megatron.tensor_parallel_rank, megatron.tensor_parallel
                 file = path / "optimizer.safetensors"
-                state["state"] = shard_optimizer_state(state["state"], params, rank, world, str(file))
+                state["state"] = shard_optimizer_state(
+                    state["state"], params, rank, world, str(file), megatron.config.vocab_size
+                )
             learner.optimizer.load_state_dict(state)
     torch.set_rng_state(load_file(path / "rng.safetensors")["torch_cpu"])
     learner.version = int(manifest["version"])

@@ -253,7 +253,12 @@ class Learner:
         )
         get_embeddings = getattr(model, "get_input_embeddings", None)  # a transformers model's
         embeddings = get_embeddings() if get_embeddings is not None else None
-        self.vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
+        # a model whose embedding holds more rows than its vocabulary (megatron's, padded for
+        # tensor parallelism) declares the vocabulary's size as `logits_vocab_size`
+        declared = getattr(model, "logits_vocab_size", None)
+        self.vocab_size: int | None = (
+            declared if declared is not None else getattr(embeddings, "num_embeddings", None)
+        )
         self._math = StepMath(self.objective)
         model.eval()
         if num_checkpointed:  # eval() cleared the checkpointed layers' flags: set them again

@@ -5,7 +5,9 @@ rank's shards taken back out of whole tensors on resume.
 The whole tensors are what a one-rank megatron learner holds under the same names (the split of
 `weights.tensor_parallel_shard`), so `train_checkpoint` writes them in its whole-tensor format and a
 checkpoint resumes at any tensor-parallel size: written at 2 ranks, it resumes at 1 and the other
-way round. AdamW's `exp_avg` and `exp_avg_sq` have their parameter's shape and are split like it;
+way round. A vocabulary the ranks cannot split evenly is padded on the ranks and has its real size
+in the checkpoint (`weights.padded_vocab_size`), whatever the rank count. AdamW's `exp_avg` and
+`exp_avg_sq` have their parameter's shape and are split like it;
 its `step` is a scalar, equal on every rank. Optimizer state is keyed by the parameter's index in
 the torch optimizer (its position over the param groups, in order), which names the parameter
 (`optimizer_parameters`) and so how its state is split.
@@ -20,18 +22,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from furlong.trainer.megatron.weights import gather_tensor_parallel, split_dim, tensor_parallel_shard
+from furlong.trainer.megatron.weights import (
+    gather_tensor_parallel,
+    is_vocab_rows,
+    padded_vocab_size,
+    split_dim,
+    tensor_parallel_shard,
+)
 
 # an optimizer index's parameter: its name in the policy's state dict and this rank's shape of it
 ParamShape = tuple[str, torch.Size]
 
 
-def whole_shape(name: str, shard_shape: torch.Size, world: int) -> tuple[int, ...]:
-    """The shape of the whole tensor `name` whose shard on each of `world` ranks is `shard_shape`."""
+def whole_shape(name: str, shard_shape: torch.Size, world: int, vocab_size: int) -> tuple[int, ...]:
+    """The shape of the whole tensor `name` whose shard on each of `world` ranks is `shard_shape`
+    (vocabulary rows: `vocab_size` of them, when the shards hold that vocabulary padded)."""
     shape = list(shard_shape)
     dim = split_dim(name)
     if dim is not None and world > 1:
         shape[dim] *= world
+        if is_vocab_rows(name) and shape[dim] == padded_vocab_size(vocab_size, world):
+            shape[dim] = vocab_size
     return tuple(shape)
 
 
@@ -66,14 +77,16 @@ def optimizer_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimize
     return out
 
 
-def gather_state(state: dict[str, torch.Tensor], group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
-    """The whole tensors of this rank's `state` (a model's state dict, Megatron names); a
-    collective every rank of `group` joins with the same names."""
-    return {name: gather_tensor_parallel(name, t.detach(), group) for name, t in state.items()}
+def gather_state(
+    state: dict[str, torch.Tensor], group: dist.ProcessGroup, vocab_size: int
+) -> dict[str, torch.Tensor]:
+    """The whole tensors of this rank's `state` (a model's state dict, Megatron names) of a model
+    of `vocab_size` ids; a collective every rank of `group` joins with the same names."""
+    return {name: gather_tensor_parallel(name, t.detach(), group, vocab_size) for name, t in state.items()}
 
 
 def gather_optimizer(
-    tensors: dict[str, torch.Tensor], params: list[ParamShape], group: dist.ProcessGroup
+    tensors: dict[str, torch.Tensor], params: list[ParamShape], group: dist.ProcessGroup, vocab_size: int
 ) -> dict[str, torch.Tensor]:
     """The whole optimizer state tensors of this rank's `tensors` (`<index>.<name>`, as
     `train_checkpoint` keys them): a state tensor of its parameter's shape is gathered like the
@@ -86,7 +99,7 @@ def gather_optimizer(
             raise ValueError(f"optimizer state {key}: the optimizer has {len(params)} parameters")
         name, shape = params[index]
         if value.shape == shape:
-            out[key] = gather_tensor_parallel(name, value, group)
+            out[key] = gather_tensor_parallel(name, value, group, vocab_size)
         elif value.dim() == 0:
             out[key] = value
         else:
@@ -98,7 +111,12 @@ def gather_optimizer(
 
 
 def take_shards(
-    whole: dict[str, torch.Tensor], local: dict[str, torch.Tensor], rank: int, world: int, what: str
+    whole: dict[str, torch.Tensor],
+    local: dict[str, torch.Tensor],
+    rank: int,
+    world: int,
+    what: str,
+    vocab_size: int,
 ) -> dict[str, torch.Tensor]:
     """Rank `rank`'s shards of the whole tensors of a checkpoint, each checked against the shape
     this rank's own tensor `local[name]` has on `world` ranks (ValueError naming `what` and the
@@ -109,7 +127,7 @@ def take_shards(
         if mine is None:
             out[name] = tensor
             continue
-        expected = whole_shape(name, mine.shape, world)
+        expected = whole_shape(name, mine.shape, world, vocab_size)
         if tuple(tensor.shape) != expected:
             raise ValueError(
                 f"{what}: {name} is {tuple(tensor.shape)} in the checkpoint, {expected} in the model "
@@ -120,7 +138,12 @@ def take_shards(
 
 
 def shard_optimizer_state(
-    state: dict[int, dict[str, Any]], params: list[ParamShape], rank: int, world: int, what: str
+    state: dict[int, dict[str, Any]],
+    params: list[ParamShape],
+    rank: int,
+    world: int,
+    what: str,
+    vocab_size: int,
 ) -> dict[int, dict[str, Any]]:
     """Rank `rank`'s shards of a whole-tensor optimizer state (by parameter index): every tensor of
     more than one element must have its parameter's whole shape (ValueError naming `what`, the
@@ -132,7 +155,7 @@ def shard_optimizer_state(
                 f"{what}: optimizer state of parameter {index}; the optimizer has {len(params)} parameters"
             )
         name, shape = params[index]
-        expected = whole_shape(name, shape, world)
+        expected = whole_shape(name, shape, world, vocab_size)
         out[index] = {}
         for entry, value in entries.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0:

@@ -7,7 +7,11 @@ model is built with the local (non-Transformer-Engine) layer spec, CPU initialis
 fusions off; training uses a plain torch optimizer (megatron's own allocates on CUDA). Requires
 torch.distributed and megatron's parallel state (`init_model_parallel`): with tensor parallelism
 over N ranks each rank holds its shards of the split layers and the logits of its slice of the
-vocabulary (`vocab_shard`); no sequence parallelism (gloo lacks reduce-scatter).
+vocabulary (`vocab_shard`); no sequence parallelism (gloo lacks reduce-scatter). A vocabulary the
+ranks cannot split evenly is padded to a multiple of the tensor-parallel size with zero rows
+(`weights.padded_vocab_size`) that nothing outside sees: the logits of the padded ids are cut off
+in `forward` (so they take no probability and their rows get no gradient), and whole tensors are
+gathered with the real vocabulary size.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 
 from furlong.trainer.logprobs import VocabShard
 from furlong.trainer.megatron._compat import apply_cpu_shims
+from furlong.trainer.megatron.checkpoint_shards import whole_shape
 from furlong.trainer.megatron.spec import HfConfig, check_megatron_config, head_layout, rope_theta
 from furlong.trainer.megatron.weights import (
     gather_tensor_parallel,
@@ -31,7 +36,7 @@ from furlong.trainer.megatron.weights import (
     hf_tensor,
     hf_to_megatron,
     megatron_to_hf,
-    split_dim,
+    padded_vocab_size,
     tensor_parallel_shard,
 )
 
@@ -119,7 +124,7 @@ def build_gpt_model(config: HfConfig, dtype: torch.dtype = torch.float32) -> Gpt
     return GPTModel(
         tconfig,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=family.qk_norm),
-        vocab_size=config.vocab_size,
+        vocab_size=padded_vocab_size(config.vocab_size, tensor_parallel),
         max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=theta,
@@ -151,6 +156,10 @@ class MegatronCausalLM(torch.nn.Module):
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._tp_world = parallel_state.get_tensor_model_parallel_world_size()
+        # this rank's slice of the padded vocabulary, and how many of its ids are real ones
+        self._vocab_per_rank = padded_vocab_size(config.vocab_size, self._tp_world) // self._tp_world
+        self._vocab_start = self._tp_rank * self._vocab_per_rank
+        self._vocab_real = min(self._vocab_per_rank, config.vocab_size - self._vocab_start)
         pad = getattr(config, "pad_token_id", None)
         if isinstance(pad, int) and 0 <= pad < config.vocab_size:
             self._pad_id = pad
@@ -203,10 +212,12 @@ class MegatronCausalLM(torch.nn.Module):
         """This rank's slice of the vocabulary the logits hold (None: the whole vocabulary)."""
         if self._tp_world == 1:
             return None
-        per_rank = self.config.vocab_size // self._tp_world
-        return VocabShard(
-            group=self._tp_group, start=self._tp_rank * per_rank, vocab_size=self.config.vocab_size
-        )
+        return VocabShard(group=self._tp_group, start=self._vocab_start, vocab_size=self.config.vocab_size)
+
+    @property
+    def logits_vocab_size(self) -> int:
+        """The model's real vocabulary size (its embedding may hold padding rows beyond it)."""
+        return int(self.config.vocab_size)
 
     @property
     def tensor_parallel(self) -> int:
@@ -233,7 +244,8 @@ class MegatronCausalLM(torch.nn.Module):
         state = _tensors(self.gpt.state_dict())
         if self._tp_world > 1:
             state = {
-                name: gather_tensor_parallel(name, t.detach(), self._tp_group) for name, t in state.items()
+                name: gather_tensor_parallel(name, t.detach(), self._tp_group, self.config.vocab_size)
+                for name, t in state.items()
             }
         return megatron_to_hf(state, self.config)
 
@@ -246,9 +258,7 @@ class MegatronCausalLM(torch.nn.Module):
         """`hf_state_dict`'s names, dtypes and whole shapes as meta tensors; nothing is gathered."""
         whole = {}
         for name, shard in _tensors(self.gpt.state_dict()).items():
-            shape, dim = list(shard.shape), split_dim(name)
-            if dim is not None:
-                shape[dim] *= self._tp_world
+            shape = whole_shape(name, shard.shape, self._tp_world, self.config.vocab_size)
             whole[name] = torch.empty(shape, dtype=shard.dtype, device="meta")
         return {name: t.contiguous() for name, t in megatron_to_hf(whole, self.config).items()}
 
@@ -278,6 +288,8 @@ class MegatronCausalLM(torch.nn.Module):
         positions = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=input_ids.device), diagonal=1)
         logits = self.gpt(input_ids=input_ids, position_ids=positions, attention_mask=causal[None, None])
+        if self._vocab_real < logits.shape[-1]:  # the padded ids: no probability, no gradient
+            logits = logits[..., : self._vocab_real]
         return SimpleNamespace(logits=logits)
 
 
@@ -292,13 +304,16 @@ class HfGatherer:
         self._sources = hf_sources(self._shards, model.config)
         self._config = model.config
         self._group, self._world = model._tp_group, model._tp_world
+        self._vocab_size = model.config.vocab_size
 
     def source_of(self, name: str) -> str:
         return self._sources[name]
 
     def gather(self, source: str) -> torch.Tensor:
         shard = self._shards[source].detach()
-        return gather_tensor_parallel(source, shard, self._group) if self._world > 1 else shard
+        if self._world == 1:
+            return shard
+        return gather_tensor_parallel(source, shard, self._group, self._vocab_size)
 
     def derive(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         return hf_tensor(name, whole, self._config).contiguous()

@@ -3,7 +3,8 @@ them. Llama, Qwen2 and Qwen3 are built (`FAMILIES`): default RoPE, SiLU-gated ML
 RMSNorm, full attention in every layer, attention without bias (Qwen2: q/k/v with bias, o without)
 and per-head q/k RMSNorm for Qwen3. Anything else is refused by `check_megatron_config` with the
 model_type and the feature it cannot express; so is a tensor-parallel size that does not divide
-the vocabulary, the attention heads, the key/value heads or the MLP width.
+the attention heads, the key/value heads or the MLP width. The vocabulary need not divide: the
+model pads it (`weights.padded_vocab_size`), as long as every rank holds some real ids.
 
 Knows nothing about megatron-core itself (no import of it), so the trainer can check a run before
 any rank builds a model.
@@ -97,7 +98,6 @@ def check_megatron_config(config: HfConfig, tensor_parallel: int = 1) -> Family:
     rope_theta(config)
     _, groups, _ = head_layout(config)
     sizes = {
-        "vocab_size": config.vocab_size,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": groups,
         "intermediate_size": config.intermediate_size,
@@ -109,4 +109,11 @@ def check_megatron_config(config: HfConfig, tensor_parallel: int = 1) -> Family:
                 f"{config.model_type!r} has {name}={size}, which {tensor_parallel} ranks cannot split "
                 "evenly"
             )
+    per_rank = -(-config.vocab_size // tensor_parallel)  # the padded vocabulary's slice per rank
+    if (tensor_parallel - 1) * per_rank >= config.vocab_size:
+        raise ValueError(
+            f"trainer.megatron.tensor_parallel {tensor_parallel}: model_type {config.model_type!r} "
+            f"has vocab_size={config.vocab_size}, too few for every rank's slice of {per_rank} ids to "
+            "hold a real one"
+        )
     return family

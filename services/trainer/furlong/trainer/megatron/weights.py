@@ -9,6 +9,11 @@ row-parallel ones (proj, fc2) by columns; fc1 is split as gate and up separately
 tensor each Hugging Face tensor comes from and `hf_tensor` cuts it out, one name at a time (a
 publish gathers round by round). Knows nothing about models or process groups beyond the shard
 arithmetic; `gather_tensor_parallel` runs the all-gather.
+
+A vocabulary the ranks cannot split evenly is padded (as Megatron-LM does) to the next multiple of
+the tensor-parallel size (`padded_vocab_size`): `tensor_parallel_shard` appends zero rows to the
+embedding and the output layer before splitting them, `gather_tensor_parallel` cuts them off
+again, so whole tensors always have the model's real vocabulary size.
 """
 
 from __future__ import annotations
@@ -31,6 +36,18 @@ _SPLIT_DIMS = {
     "mlp.linear_fc2.weight": 1,
 }
 _FC1 = "mlp.linear_fc1.weight"
+# the tensors whose rows are vocabulary ids (split by rows; padded under tensor parallelism)
+_VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def padded_vocab_size(vocab_size: int, world: int) -> int:
+    """`vocab_size` rounded up to a multiple of `world`: the rows the split vocabulary has."""
+    return -(-vocab_size // world) * world
+
+
+def is_vocab_rows(name: str) -> bool:
+    """Whether `name`'s rows are vocabulary ids (the embedding, the output layer)."""
+    return name.endswith(_VOCAB_ROWS)
 
 
 def split_dim(name: str) -> int | None:
@@ -133,19 +150,27 @@ def hf_tensor(name: str, source: torch.Tensor, config: HfConfig) -> torch.Tensor
 
 
 def tensor_parallel_shard(name: str, tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rank `rank`'s shard of the whole Megatron tensor `name` among `world` tensor-parallel ranks."""
+    """Rank `rank`'s shard of the whole Megatron tensor `name` among `world` tensor-parallel ranks
+    (vocabulary rows: of the tensor padded with zero rows to `padded_vocab_size`)."""
     dim = split_dim(name)
     if dim is None or world == 1:
         return tensor
+    if is_vocab_rows(name):
+        padding = padded_vocab_size(tensor.shape[0], world) - tensor.shape[0]
+        if padding:
+            tensor = torch.cat([tensor, tensor.new_zeros((padding, *tensor.shape[1:]))])
     if name.endswith(_FC1):
         gate, up = tensor.chunk(2)
         return torch.cat([gate.chunk(world)[rank], up.chunk(world)[rank]])
     return tensor.chunk(world, dim=dim)[rank]
 
 
-def gather_tensor_parallel(name: str, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_tensor_parallel(
+    name: str, shard: torch.Tensor, group: dist.ProcessGroup, vocab_size: int
+) -> torch.Tensor:
     """The whole Megatron tensor `name` from every rank's `shard` (a collective over `group`: every
-    rank calls it, in the same order of names). Inverse of `tensor_parallel_shard`."""
+    rank calls it, in the same order of names), vocabulary rows cut to the first `vocab_size`
+    (the padding dropped). Inverse of `tensor_parallel_shard`."""
     dim, world = split_dim(name), dist.get_world_size(group)
     if dim is None or world == 1:
         return shard
@@ -154,4 +179,5 @@ def gather_tensor_parallel(name: str, shard: torch.Tensor, group: dist.ProcessGr
     if name.endswith(_FC1):
         halves = [p.chunk(2) for p in pieces]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-    return torch.cat(pieces, dim=dim)
+    whole = torch.cat(pieces, dim=dim)
+    return whole[:vocab_size] if is_vocab_rows(name) else whole
