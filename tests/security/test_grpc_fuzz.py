@@ -312,7 +312,8 @@ def test_rollout_and_trainer_serve_after_the_fuzz(services):
         grpc.StatusCode.FAILED_PRECONDITION,
     )
     taken = services["stubs"]["trainer"].Checkpoint(trainer_pb2.CheckpointRequest(run_id=RUN), timeout=60)
-    # the fuzz may have trained a step (a valid Generate followed by a valid TrainStep)
-    assert taken.step in (0, 1)
+    # the fuzz may have trained steps (valid Generate requests each followed by a valid TrainStep),
+    # never more than the run's 5
+    assert 0 <= taken.step <= 5
     assert taken.path == str(services["tmp"] / "checkpoints" / RUN / f"step-{taken.step}")
     assert (services["tmp"] / "checkpoints" / RUN / f"step-{taken.step}" / MANIFEST).is_file()
