@@ -26,6 +26,7 @@ rounds, nor what a checksum should be (only how to take it while pulling).
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -218,19 +219,23 @@ class NixlLane:
         pass  # the endpoint outlives the lane; peers are reused across versions
 
 
-class _MappedLane:
+class _MappedLane(abc.ABC):
     """A lane whose source bucket is a tensor mapped into this process (shared memory, a CUDA IPC
     share): reads are torch copies out of it. Subclasses give the mapped tensor (`_source`), how it
     is named in errors (`_what`), and what makes the copies final (`_settle`)."""
 
+    @abc.abstractmethod
     def _source(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The mapped bucket; UnavailableError once it is closed."""
 
+    @abc.abstractmethod
     def _what(self) -> str:
-        raise NotImplementedError
+        """The bucket as errors name it."""
 
     def _settle(self, src: torch.Tensor, *dst: torch.Tensor) -> None:
-        """The copies into dst have finished (host copies are synchronous)."""
+        """Return once the copies into dst have finished: at once for host copies, which are
+        synchronous (a lane whose copies run on a device waits for them)."""
+        return None
 
     def _check_range(self, src: torch.Tensor, offset: int, num_bytes: int) -> None:
         if offset < 0 or offset + num_bytes > src.numel():
