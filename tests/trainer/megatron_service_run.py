@@ -224,7 +224,7 @@ def main() -> None:
         result.update(losses=losses, grad_norms=norms, names=sorted(published), first_step=first)
         result["published_round_by_round"] = RecordingPublisher.round_by_round
         if tp_size > 1:  # what the rounds gave the publisher is the whole gather, bit for bit
-            whole = trainer._state_dict(trainer._run(RUN))
+            whole = trainer._run(RUN).state.full()
             result["published_equals_whole_gather"] = list(whole) == list(published) and all(
                 torch.equal(whole[k], published[k]) for k in whole
             )

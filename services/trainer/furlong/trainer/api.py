@@ -54,11 +54,11 @@ class TrainerRunConfig:
             self.backend == "megatron" and self.megatron.tensor_parallel > 1
         )
 
-    @property
-    def trainer(self) -> TrainerSettings:
-        """The run's `trainer` settings, checked together (SettingError naming the field)."""
+    def check_trainer(self) -> None:
+        """SettingError naming the field unless the run's `trainer` settings (parallel, backend,
+        megatron) hold together."""
         try:
-            return TrainerSettings(parallel=self.parallel, backend=self.backend, megatron=self.megatron)
+            TrainerSettings(parallel=self.parallel, backend=self.backend, megatron=self.megatron)
         except SettingError as err:  # named under the run spec's section
             raise err.under("trainer") from None
 

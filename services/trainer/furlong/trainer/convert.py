@@ -70,7 +70,7 @@ def config_from_proto(msg: pb.ConfigureRunRequest) -> TrainerRunConfig:
             else MegatronSettings()
         ),
     )
-    config.trainer  # noqa: B018  # the trainer settings checked together
+    config.check_trainer()
     return config
 
 

@@ -20,23 +20,15 @@ dtype of the run's `precision` (see `core.learner`).
 Under torchrun (`ranks`), this object runs on rank 0 and drives the other ranks: configuring a
 run, training a step (on the groups rank 0 read) and ending a run are posted to them as commands
 (`ranks.TrainerRanks.command`), and each rank trains its slice of the batch over the trainer's
-process group (`run.parallel`: ddp or fsdp2). Publishing and exports are rank 0's alone; with fsdp2
-a publish gathers the tensors one staging round at a time as the publisher reads them, every rank
-in the publisher's order (`GatherCommand`), so rank 0 holds about one round of gathered tensors
-beyond its shards, never a second copy of the model; an export gathers them all first (the same
-command without rounds). Training checkpoints are rank
-0's with ddp; with fsdp2 every rank writes its shards of the sharded format (`CheckpointCommand`,
-see `train_checkpoint`), and a run resumes from either format at any world size. A run whose
+process group (ddp or fsdp2). Publishing, exports and training checkpoints are rank 0's; with a
+sharded state (fsdp2, megatron tensor parallelism) the other ranks join their gathers
+(`run_state`), and a run resumes from either checkpoint format at any world size. A run whose
 `trainer.parallel.world_size` is not the trainer's is refused (ConflictError). Offload and restore
 need one rank.
 
 With `trainer.backend: megatron` every rank's learner trains a megatron-core GPTModel
 (`run_learner`); with `trainer.megatron.tensor_parallel` > 1 each rank holds its shards of the split
-layers, publishing gathers the whole tensors under the Hugging Face names round by round as fsdp2
-does, exports all of them first (`GatherCommand`), and a training checkpoint gathers the policy's and
-AdamW's shards into the one-rank layout on every rank (`CheckpointCommand`), which rank 0 writes in
-the whole-tensor format; on resume every rank keeps its shards of it, so it resumes at any
-tensor-parallel size.
+layers, and its checkpoints resume at any tensor-parallel size.
 
 `offload` releases a run's tensors (policy, reference, value model, optimizer state) for a
 colocated rollout engine and `restore` brings them back bit for bit (`offload.Offloader`). While a
@@ -64,7 +56,6 @@ from furlong.core.checkpoint import export_policy, read_model_config
 from furlong.core.devices import parse_device
 from furlong.core.errors import ConflictError, IntegrityError, NotFoundError
 from furlong.core.samples import TRAINER_GROUP, SampleGroup, stream_key
-from furlong.core.settings import ParallelSettings
 from furlong.core.settings.checkpoint import DEFAULT_EXPORT_SHARD_BYTES
 from furlong.core.settings.run_shape import MAX_PROMPTS_PER_STEP, MAX_STEPS
 from furlong.core.weights import WeightLayout
@@ -86,10 +77,8 @@ from furlong.trainer.lm_head import DEFAULT_CHUNK_TOKENS
 from furlong.trainer.metrics import TrainerMetrics
 from furlong.trainer.offload import Offloader, learner_offloader
 from furlong.trainer.ranks import (
-    CheckpointCommand,
     ConfigureCommand,
     EndCommand,
-    GatherCommand,
     RankCommand,
     RanksFailed,
     TrainCommand,
@@ -104,16 +93,15 @@ from furlong.trainer.run_learner import (
     check_world_size,
     learner_config,
 )
+from furlong.trainer.run_state import RunState
 from furlong.trainer.sample_reader import SampleReader
 from furlong.trainer.train_checkpoint import (
-    CheckpointInfo,
     load_training_checkpoint,
-    save_training_checkpoint,
 )
 from furlong.trainer.trained_groups import TrainedGroups
 from furlong.transfer.broker_client import BrokerClient
 from furlong.transfer.equality import check_weight_update_equal
-from furlong.transfer.publisher import PublishResult, WeightPublisher
+from furlong.transfer.publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +112,7 @@ EQUALITY_RUN_INFIX = "~equality-"  # the equality check's run on the broker: <ru
 class _Run:
     run_id: str
     model_dir: Path  # the model directory the run started from (its config and tokenizer files)
-    learner: Learner
+    state: RunState  # its learner, and how rank 0 reads and writes its whole state
     publisher: WeightPublisher
     reader: SampleReader
     total_steps: int
@@ -136,8 +124,10 @@ class _Run:
     published_version: int = 0
     data_cursor: Any = None  # what the last step consumed (a checkpoint's data cursor)
     offloader: Offloader | None = None  # set while the run's tensors are offloaded
-    parallel: ParallelSettings = ParallelSettings()  # how the run's learner spans the ranks
-    gathers_state: bool = False  # its whole state dict is a collective of every rank (see api)
+
+    @property
+    def learner(self) -> Learner:
+        return self.state.learner
 
     @property
     def offloaded(self) -> bool:
@@ -218,7 +208,7 @@ class TrainerService:
             or not 1 <= total_steps <= MAX_STEPS
         ):
             raise ValueError(f"total_steps must be an integer in [1, {MAX_STEPS}], got {total_steps!r}")
-        config.trainer  # noqa: B018  # the trainer settings, checked together
+        config.check_trainer()
         learner_config(config, self._memory)  # a bad setting fails before any rank loads the model
         path = Path(model_dir)
         if not path.is_dir():
@@ -261,7 +251,7 @@ class TrainerService:
         run = _Run(
             run_id=run_id,
             model_dir=path,
-            learner=learner,
+            state=RunState(run_id, learner, self._ranks, config.gathers_state),
             publisher=publisher,
             reader=reader,
             total_steps=total_steps,
@@ -271,8 +261,6 @@ class TrainerService:
             data_cursor=cursor,
             ledger=ledger,
             checkpoints=checkpoints,
-            parallel=config.parallel,
-            gathers_state=config.gathers_state,
         )
         with self._lock:
             if run_id in self._runs:
@@ -292,51 +280,12 @@ class TrainerService:
         """Around rank 0's part of a command the other ranks execute too (nothing with one rank)."""
         return contextlib.nullcontext() if self._ranks is None else self._ranks.command(command)
 
-    def _publish(self, run: _Run, version: int) -> PublishResult:
-        """Publish the run's policy as `version`. With its state sharded over several ranks (fsdp2,
-        megatron tensor parallel) the publisher reads it round by round, each round gathered when
-        it is read and released after it (`Learner.gathered_rounds`; the other ranks gather the
-        same rounds in the same order, `GatherCommand`), so rank 0 never holds a whole extra copy
-        of the model: about one staging round's worth of gathered tensors beyond its shards."""
-        if self._ranks is None or not run.gathers_state:
-            return run.publisher.publish(version, run.learner.state_dict())
-        order = run.publisher.publish_order
-        with self._ranks.command(GatherCommand(run.run_id, order)):
-            with run.learner.gathered_rounds(order) as rounds:  # leaving it gathers what is unread
-                result = run.publisher.publish(version, rounds)
-        log.info(
-            "run %s: version %d gathered in %d collectives, at most %d bytes at once",
-            run.run_id,
-            version,
-            rounds.num_gathers,
-            rounds.peak_bytes,
-        )
-        return result
-
-    def _state_dict(self, run: _Run) -> dict[str, torch.Tensor]:
-        """The run's full policy state dict (exports); with fsdp2 or megatron tensor parallel over
-        several ranks a gather every rank joins."""
-        if self._ranks is None or not run.gathers_state:
-            return run.learner.state_dict()
-        with self._ranks.command(GatherCommand(run.run_id)):
-            return run.learner.state_dict()
-
     def _require_one_rank(self, run: _Run, action: str) -> None:
         if self.world_size > 1:
             raise ConflictError(
                 f"run {run.run_id}: cannot {action} on a trainer of {self.world_size} ranks; "
                 "offload and restore need one rank"
             )
-
-    def _save_checkpoint(self, run: _Run, target: Path, step: int, cursor: Any) -> CheckpointInfo:
-        """Write the run's training checkpoint; with fsdp2 over several ranks every rank writes its
-        shards (`CheckpointCommand`) and rank 0 the manifest; with megatron's tensor parallelism
-        every rank joins the gathers of the whole tensors (`CheckpointCommand`) and rank 0 writes
-        them."""
-        if self._ranks is None or not run.gathers_state:
-            return save_training_checkpoint(run.learner, target, step, cursor)
-        with self._ranks.command(CheckpointCommand(run.run_id, str(target), step)):
-            return save_training_checkpoint(run.learner, target, step, cursor)
 
     def _checkpoints(self, run_id: str, keep_last: int) -> RunCheckpoints | None:
         return (
@@ -403,7 +352,7 @@ class TrainerService:
             if run.checkpoints is None:  # nothing becomes more durable than this
                 run.ledger.commit(step, run.learner.version, run.reader, durable=False)
             elif run.ledger.due(step, run.total_steps):  # durable before ledger and acknowledgement
-                self._save_checkpoint(run, run.checkpoints.path_for(step), step, cursor)
+                run.state.save_checkpoint(run.checkpoints.path_for(step), step, cursor)
                 run.ledger.commit(step, run.learner.version, run.reader, result=summary)
                 run.checkpoints.prune()
             run.last_step = step
@@ -455,7 +404,7 @@ class TrainerService:
                     f"version {run.published_version}"
                 )
             run.ledger.ledger.record_published(version)
-            result = self._publish(run, version)
+            result = run.state.publish(run.publisher, version)
             run.published_version = version
         self.metrics.published(result.stage_seconds)
         return Published(
@@ -509,13 +458,13 @@ class TrainerService:
         with run.lock:
             _require_resident(run, "checkpoint")
             if directory:  # a snapshot: the resume point is unchanged
-                info = self._save_checkpoint(run, Path(directory), run.last_step, run.data_cursor)
+                info = run.state.save_checkpoint(Path(directory), run.last_step, run.data_cursor)
             else:
                 assert run.checkpoints is not None
                 # The resume point: what it holds becomes durable, as after a step's own checkpoint.
                 cursor = run.ledger.cursor(run.last_step)
                 target = run.checkpoints.path_for(run.last_step)
-                info = self._save_checkpoint(run, target, run.last_step, cursor)
+                info = run.state.save_checkpoint(target, run.last_step, cursor)
                 run.ledger.commit(run.last_step, run.learner.version, run.reader)
                 run.data_cursor = cursor
                 run.checkpoints.prune()
@@ -550,7 +499,7 @@ class TrainerService:
                 assert self._policy_root is not None
                 base = self._policy_root / run_id
                 target = base / "final" if final else base / "checkpoints" / f"step-{step}"
-            written = export_policy(self._state_dict(run), run.model_dir, target, max_shard_bytes)
+            written = export_policy(run.state.full(), run.model_dir, target, max_shard_bytes)
             version = run.learner.version
         log.info("run %s: exported the policy of step %d (version %d) to %s", run_id, step, version, target)
         return PolicyExport(
