@@ -4,8 +4,10 @@ the backend and tensor-parallel size given, and rank 0 prints one JSON line (per
 gradient norms) and writes the policy it published after the last step to OUT/published.safetensors.
 Every step is checkpointed under OUT/checkpoints (the newest two are kept).
 
-    megatron_service_run.py BACKEND FAMILY TP RANK PORT MODEL_DIR OUT [--resume-check]
+    megatron_service_run.py BACKEND FAMILY TP[xPP] RANK PORT MODEL_DIR OUT [--resume-check]
         [--resume-from CHECKPOINT [--refuse-tampered]]
+
+TP[xPP]: the tensor-parallel size, and the pipeline-parallel one after an x (`2x2`: four ranks).
 
 `--resume-from`: the run starts from a copy of that training checkpoint (`step-N`) and trains the
 steps after N; with `--refuse-tampered` it first tries two altered copies (a policy tensor and an
@@ -46,7 +48,7 @@ STEPS = 3
 RUN = "mg"
 
 
-def write_model(directory: Path, family: str, vocab: int) -> None:
+def write_model(directory: Path, family: str, vocab: int, tied: bool = False) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from furlong.core.checkpoint import save_policy
@@ -65,7 +67,7 @@ def write_model(directory: Path, family: str, vocab: int) -> None:
         num_key_value_heads=2,
         head_dim=8,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         pad_token_id=tokenizer.pad_id,
         bos_token_id=tokenizer.bos_id,
         eos_token_id=tokenizer.eos_id,
@@ -103,7 +105,7 @@ def groups(step: int, vocab: int) -> list[SampleGroup]:
     return out
 
 
-def run_config(model_dir: Path, backend: str, tp: int) -> TrainerRunConfig:
+def run_config(model_dir: Path, backend: str, tp: int, pp: int = 1) -> TrainerRunConfig:
     return TrainerRunConfig(
         run_id=RUN,
         model_dir=str(model_dir),
@@ -112,9 +114,11 @@ def run_config(model_dir: Path, backend: str, tp: int) -> TrainerRunConfig:
         seed=3,
         total_steps=STEPS + 1,
         checkpoint=CheckpointSettings(every_steps=1),
-        parallel=ParallelSettings(world_size=tp),
+        parallel=ParallelSettings(world_size=tp * pp),
         backend=backend,
-        megatron=MegatronSettings(tensor_parallel=tp) if backend == "megatron" else MegatronSettings(),
+        megatron=MegatronSettings(tensor_parallel=tp, pipeline_parallel=pp)
+        if backend == "megatron"
+        else MegatronSettings(),
     )
 
 
@@ -176,13 +180,14 @@ def _refusals(trainer: TrainerService, config: TrainerRunConfig, source: Path, t
 
 
 def main() -> None:
-    backend, family, tp, rank, port, model_dir, out = sys.argv[1:8]
-    tp_size, model, out_dir = int(tp), Path(model_dir), Path(out)
+    backend, family, layout, rank, port, model_dir, out = sys.argv[1:8]
+    tp_size, pp_size = (int(n) for n in (layout.split("x") if "x" in layout else (layout, "1")))
+    world, model, out_dir = tp_size * pp_size, Path(model_dir), Path(out)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     resume_check = "--resume-check" in sys.argv
     resume_from = Path(sys.argv[sys.argv.index("--resume-from") + 1]) if "--resume-from" in sys.argv else None
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=tp)
-    ranks = join("gloo", timeout_s=300.0) if tp_size > 1 else None
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=str(world))
+    ranks = join("gloo", timeout_s=300.0) if world > 1 else None
     if ranks is not None and not ranks.is_leader:
         sys.exit(RankFollower(ranks, torch.device("cpu")).serve())
     client = redis.Redis.from_url(os.environ["FURLONG_TEST_REDIS_URL"])
@@ -201,9 +206,14 @@ def main() -> None:
         check_weight_update_equal=True,
         ranks=ranks,
     )
-    result: dict[str, object] = {"backend": backend, "family": family, "tensor_parallel": tp_size}
+    result: dict[str, object] = {
+        "backend": backend,
+        "family": family,
+        "tensor_parallel": tp_size,
+        "pipeline_parallel": pp_size,
+    }
     try:
-        config = run_config(model, backend, tp_size)
+        config = run_config(model, backend, tp_size, pp_size)
         if resume_from is not None:
             target = checkpoints / RUN / resume_from.name
             if "--refuse-tampered" in sys.argv:
@@ -223,14 +233,14 @@ def main() -> None:
         save_file(published, out_dir / "published.safetensors")
         result.update(losses=losses, grad_norms=norms, names=sorted(published), first_step=first)
         result["published_round_by_round"] = RecordingPublisher.round_by_round
-        if tp_size > 1:  # what the rounds gave the publisher is the whole gather, bit for bit
+        if world > 1:  # what the rounds gave the publisher is the whole gather, bit for bit
             whole = trainer._run(RUN).state.full()
             result["published_equals_whole_gather"] = list(whole) == list(published) and all(
                 torch.equal(whole[k], published[k]) for k in whole
             )
         learner = trainer._run(RUN).learner
         mg = getattr(learner.model, "gpt", None)
-        if mg is not None and tp_size == 1:
+        if mg is not None and world == 1:
             from furlong.trainer.megatron.weights import hf_to_megatron
 
             trained = {k: v for k, v in mg.state_dict().items() if not k.endswith("_extra_state")}
@@ -240,7 +250,7 @@ def main() -> None:
             )
         if resume_check:
             trainer.end_run(RUN)
-            trainer.configure_run(run_config(model, backend, tp_size))
+            trainer.configure_run(run_config(model, backend, tp_size, pp_size))
             resumed = trainer._run(RUN).learner.state_dict()
             result["resumed_equals_published"] = set(resumed) == set(published) and all(
                 torch.equal(resumed[k], published[k]) for k in published
@@ -256,6 +266,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "write-model":
-        write_model(Path(sys.argv[3]), sys.argv[2], int(sys.argv[4]))
+        write_model(Path(sys.argv[3]), sys.argv[2], int(sys.argv[4]), tied="--tied" in sys.argv)
     else:
         main()

@@ -2,7 +2,9 @@
 broker, real NIXL publishing): per-step losses equal the torch backend's, the weights it publishes
 under the Hugging Face names equal the trained ones, a one-rank checkpoint resumes bit for bit,
 tensor parallelism over two ranks (gloo) trains what one rank does, and a training checkpoint
-written at tensor_parallel 2 resumes at 2 (bit for bit) and at 1, one written at 1 resumes at 2.
+written at tensor_parallel 2 resumes at 2 (bit for bit) and at 1, one written at 1 resumes at 2;
+two pipeline stages (alone, with a tied embedding, and with two tensor-parallel ranks each) train
+what one rank does, and their checkpoints resume in any layout.
 
 Each run is its own process (`megatron_service_run.py`): megatron-core needs a torch.distributed
 group and process-wide parallel state. Measured on this machine over 3 AdamW steps at lr 1e-2:
@@ -39,10 +41,13 @@ def _env(redis_url: str) -> dict[str, str]:
     return {**os.environ, "FURLONG_TEST_REDIS_URL": redis_url}
 
 
-def _run(redis_url, out: Path, model: Path, backend: str, tp: int = 1, *extra: str) -> dict:
+def _run(redis_url, out: Path, model: Path, backend: str, layout: int | str = 1, *extra: str) -> dict:
+    """The leader's result of a run over `layout` ranks: a tensor-parallel size, or `TPxPP`."""
     out.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
-    args = [backend, model.parent.name.split("-")[0], str(tp)]
+    args = [backend, model.parent.name.split("-")[0], str(layout)]
+    sizes = [int(n) for n in str(layout).split("x")]
+    world = sizes[0] * (sizes[1] if len(sizes) > 1 else 1)
     followers = [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), *args, str(rank), port, str(model), str(out)],
@@ -52,7 +57,7 @@ def _run(redis_url, out: Path, model: Path, backend: str, tp: int = 1, *extra: s
             stderr=subprocess.PIPE,
             text=True,
         )
-        for rank in range(1, tp)
+        for rank in range(1, world)
     ]
     leader = subprocess.run(
         [sys.executable, str(SCRIPT), *args, "0", port, str(model), str(out), *extra],
@@ -71,10 +76,11 @@ def _run(redis_url, out: Path, model: Path, backend: str, tp: int = 1, *extra: s
     return result
 
 
-def _write_model(family: str, tmp_path_factory, vocab: int = 16) -> Path:
-    directory = tmp_path_factory.mktemp(f"{family}-vocab{vocab}") / "model"
+def _write_model(family: str, tmp_path_factory, vocab: int = 16, tied: bool = False) -> Path:
+    directory = tmp_path_factory.mktemp(f"{family}-vocab{vocab}{'-tied' if tied else ''}") / "model"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "write-model", family, str(directory), str(vocab)],
+        [sys.executable, str(SCRIPT), "write-model", family, str(directory), str(vocab)]
+        + (["--tied"] if tied else []),
         cwd=ROOT,
         check=True,
         capture_output=True,
@@ -211,3 +217,103 @@ def test_a_vocabulary_two_ranks_cannot_split_trains_like_one_torch_rank_and_resu
     assert at_one["first_step"] == 3
     assert at_one["losses"] == pytest.approx(torch_run["losses"][2:], abs=LOSS_ABS)
     assert _max_weight_diff(at_one["published"], torch_run["published"]) < WEIGHT_ABS_BACKENDS
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(llama_model, tmp_path_factory, redis_server_url) -> tuple[dict, Path]:
+    """An uninterrupted megatron run of the llama model in two pipeline stages (one layer each)."""
+    out = tmp_path_factory.mktemp("pipeline") / "pp2"
+    return _run(redis_server_url, out, llama_model, "megatron", "1x2"), out
+
+
+def test_two_pipeline_stages_train_what_one_rank_does(straight_runs, pipeline_run):
+    (one, _), (two, _) = straight_runs[1], pipeline_run
+    assert (two["tensor_parallel"], two["pipeline_parallel"]) == (1, 2)
+    # each stage's tensors reach the publisher round by round, as the whole gather gives them
+    assert two["published_round_by_round"] is True and two["published_equals_whole_gather"] is True
+    assert two["losses"] == pytest.approx(one["losses"], abs=LOSS_ABS)
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    assert two["names"] == one["names"]
+    assert _max_weight_diff(two["published"], one["published"]) < WEIGHT_ABS_RANKS
+
+
+def test_tensor_and_pipeline_parallel_together_train_what_one_rank_does(
+    straight_runs, llama_model, tmp_path, redis_url
+):
+    one, _ = straight_runs[1]
+    four = _run(redis_url, tmp_path / "tp2pp2", llama_model, "megatron", "2x2")
+    assert (four["tensor_parallel"], four["pipeline_parallel"]) == (2, 2)
+    assert four["published_equals_whole_gather"] is True
+    assert four["losses"] == pytest.approx(one["losses"], abs=LOSS_ABS)
+    assert four["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    assert _max_weight_diff(four["published"], one["published"]) < WEIGHT_ABS_RANKS
+    # its checkpoint is the one-rank layout: the same names and shapes, numerically the same state
+    for name in ("policy.safetensors", "reference.safetensors", "optimizer.safetensors"):
+        whole = load_file(_step_2(straight_runs[1][1]) / name)
+        gathered = load_file(_step_2(tmp_path / "tp2pp2") / name)
+        assert {k: v.shape for k, v in whole.items()} == {k: v.shape for k, v in gathered.items()}
+        assert _max_weight_diff(whole, gathered) < WEIGHT_ABS_RANKS
+
+
+def test_a_tied_embedding_over_two_stages_trains_like_the_torch_backend(
+    tmp_path_factory, tmp_path, redis_url
+):
+    model = _write_model("llama", tmp_path_factory, tied=True)
+    torch_run = _run(redis_url, tmp_path / "torch", model, "torch")
+    two = _run(redis_url, tmp_path / "pp2", model, "megatron", "1x2")
+    # the first stage's embedding and the last stage's copy get the sum of both gradients
+    assert two["losses"] == pytest.approx(torch_run["losses"], abs=LOSS_ABS)
+    assert two["grad_norms"] == pytest.approx(torch_run["grad_norms"], rel=1e-5)
+    assert two["names"] == torch_run["names"]
+    assert torch.equal(two["published"]["lm_head.weight"], two["published"]["model.embed_tokens.weight"])
+    assert _max_weight_diff(two["published"], torch_run["published"]) < WEIGHT_ABS_BACKENDS
+    # the checkpoint stores the embedding once, and resumes at one rank
+    policy = load_file(_step_2(tmp_path / "pp2") / "policy.safetensors")
+    assert "gpt.output_layer.weight" not in policy
+    at_one = _run(
+        redis_url,
+        tmp_path / "pp2-at-1",
+        model,
+        "megatron",
+        1,
+        "--resume-from",
+        str(_step_2(tmp_path / "pp2")),
+    )
+    assert at_one["losses"] == pytest.approx(torch_run["losses"][2:], abs=LOSS_ABS)
+    assert _max_weight_diff(at_one["published"], torch_run["published"]) < WEIGHT_ABS_BACKENDS
+
+
+def test_a_pipeline_checkpoint_resumes_at_any_layout(
+    llama_model, straight_runs, pipeline_run, tmp_path, redis_url
+):
+    (one, one_dir), (two, two_dir) = straight_runs[1], pipeline_run
+    manifest = json.loads((_step_2(two_dir) / "manifest.json").read_text())
+    assert (manifest["tensor_parallel"], manifest["pipeline_parallel"], manifest["step"]) == (1, 2, 2)
+    resume = ("--resume-from", str(_step_2(two_dir)))
+    at_two = _run(
+        redis_url, tmp_path / "pp2-at-pp2", llama_model, "megatron", "1x2", *resume, "--refuse-tampered"
+    )
+    at_one = _run(redis_url, tmp_path / "pp2-at-1", llama_model, "megatron", 1, *resume)
+    one_at_two = _run(
+        redis_url,
+        tmp_path / "1-at-pp2",
+        llama_model,
+        "megatron",
+        "1x2",
+        "--resume-from",
+        str(_step_2(one_dir)),
+    )
+    for resumed in (at_two, at_one, one_at_two):
+        assert resumed["first_step"] == 3 and len(resumed["losses"]) == 1
+    # in the same layout, bit for bit
+    assert at_two["losses"] == two["losses"][2:] and at_two["grad_norms"] == two["grad_norms"][2:]
+    assert all(torch.equal(at_two["published"][k], two["published"][k]) for k in two["published"])
+    assert at_one["losses"] == pytest.approx(two["losses"][2:], abs=LOSS_ABS)
+    assert _max_weight_diff(at_one["published"], two["published"]) < WEIGHT_ABS_RANKS
+    assert one_at_two["losses"] == pytest.approx(one["losses"][2:], abs=LOSS_ABS)
+    assert _max_weight_diff(one_at_two["published"], one["published"]) < WEIGHT_ABS_RANKS
+    # malformed checkpoints are refused, naming file and tensor (every stage checks the whole one)
+    policy, optimizer = at_two["refused"]
+    assert "policy.safetensors" in policy and "gpt.decoder.layers.0.mlp.linear_fc1.weight" in policy
+    assert "(127, 32) in the checkpoint, (128, 32) in the model" in policy
+    assert "optimizer.safetensors" in optimizer and "0.exp_avg (the state of gpt.embedding" in optimizer

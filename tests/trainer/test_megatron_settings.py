@@ -19,8 +19,10 @@ pytestmark = pytest.mark.unit
         ({"backend": "jax"}, "backend: must be one of ['torch', 'megatron'], got 'jax'"),
         (
             {"backend": "megatron", "megatron": {"pipeline_parallel": 2}},
-            "megatron.pipeline_parallel: 2 is not supported: only 1",
+            "megatron.tensor_parallel: tensor_parallel 1 x pipeline_parallel 2 = 2 ranks, but "
+            "parallel.world_size is 1",
         ),
+        ({"backend": "megatron", "megatron": {"pipeline_parallel": 0}}, "megatron.pipeline_parallel: "),
         (
             {"backend": "megatron", "megatron": {"tensor_parallel": 2}},
             "megatron.tensor_parallel: tensor_parallel 2 x pipeline_parallel 1 = 2 ranks, but "
@@ -81,9 +83,12 @@ def test_the_run_spec_carries_the_backend_to_configure_run_and_back():
     sent.megatron.tensor_parallel, sent.megatron.pipeline_parallel = 2, 1
     with pytest.raises(SettingError, match=r"^trainer\.megatron\.tensor_parallel: tensor_parallel 2"):
         config_from_proto(sent)
-    sent.megatron.tensor_parallel, sent.megatron.pipeline_parallel = 1, 4
-    with pytest.raises(SettingError, match=r"^trainer\.megatron\.pipeline_parallel: 4 is not supported"):
-        config_from_proto(sent)
+    # two pipeline stages of two tensor-parallel ranks each over four ranks
+    sent.megatron.tensor_parallel, sent.megatron.pipeline_parallel = 2, 2
+    sent.parallel.world_size = 4
+    staged = config_from_proto(sent)
+    assert staged.megatron == MegatronSettings(tensor_parallel=2, pipeline_parallel=2)
+    assert staged.gathers_state
 
 
 def _tiny(cls, **overrides):
@@ -103,6 +108,13 @@ def _tiny(cls, **overrides):
 def test_llama_qwen2_and_qwen3_configs_are_built(cls):
     family = check_megatron_config(_tiny(cls), tensor_parallel=2)
     assert family.qkv_bias == (cls is Qwen2Config) and family.qk_norm == (cls is Qwen3Config)
+
+
+def test_layers_the_pipeline_stages_cannot_share_equally_are_refused_by_name():
+    check_megatron_config(_tiny(LlamaConfig, num_hidden_layers=4), pipeline_parallel=2)
+    with pytest.raises(ValueError, match="trainer.megatron.pipeline_parallel 2") as info:
+        check_megatron_config(_tiny(LlamaConfig, num_hidden_layers=3), pipeline_parallel=2)
+    assert "num_hidden_layers=3, which 2 stages cannot split evenly" in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -49,9 +49,9 @@ class TrainerRunConfig:
     @property
     def gathers_state(self) -> bool:
         """Whether the policy's whole state dict is a collective every rank joins: fsdp2 shards,
-        or megatron's tensor-parallel shards."""
+        or megatron's tensor-parallel shards and pipeline stages."""
         return self.parallel.strategy == "fsdp2" or (
-            self.backend == "megatron" and self.megatron.tensor_parallel > 1
+            self.backend == "megatron" and self.megatron.model_parallel_size > 1
         )
 
     def check_trainer(self) -> None:

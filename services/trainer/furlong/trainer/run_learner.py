@@ -2,7 +2,7 @@
 rank's device, its family contract checked, and a `Learner` over the trainer's process group when
 the run asks for data parallelism (`trainer.parallel`); with `trainer.backend: megatron` the
 policy is a megatron-core GPTModel built from it (`megatron.gpt.MegatronCausalLM`), split over the
-trainer's ranks when `trainer.megatron.tensor_parallel` > 1.
+trainer's ranks by `trainer.megatron.tensor_parallel` and `pipeline_parallel`.
 
 Rank 0 (`service`) and the follower ranks (`rank_follower`) build it with the same code, the same
 seed and the same files, so their learners agree before the first step (DDP also broadcasts rank
@@ -107,7 +107,7 @@ def check_megatron_run(config: TrainerRunConfig, model_config: object) -> None:
     algorithm (before any rank builds it)."""
     from furlong.trainer.megatron.spec import check_megatron_config
 
-    check_megatron_config(model_config, config.megatron.tensor_parallel)
+    check_megatron_config(model_config, config.megatron.tensor_parallel, config.megatron.pipeline_parallel)
     if config.algorithm.name == "ppo":
         raise ValueError(
             "trainer.backend megatron: algorithm ppo needs a value model over the policy's body, "
@@ -125,7 +125,9 @@ def _megatron_policy(config: TrainerRunConfig, model: torch.nn.Module) -> torch.
     from furlong.trainer.megatron.gpt import MegatronCausalLM, init_model_parallel
 
     check_megatron_run(config, model.config)
-    init_model_parallel(tensor_parallel=config.megatron.tensor_parallel)
+    init_model_parallel(
+        tensor_parallel=config.megatron.tensor_parallel, pipeline_parallel=config.megatron.pipeline_parallel
+    )
     policy = MegatronCausalLM.from_hf_state(model.config, model.state_dict())
     device = next(model.parameters()).device
     module: torch.nn.Module = policy.to(device)

@@ -72,6 +72,14 @@ from furlong.trainer.megatron.checkpoint_shards import (
     shard_optimizer_state,
     take_shards,
 )
+from furlong.trainer.megatron.checkpoint_stages import (
+    check_whole,
+    check_whole_optimizer,
+    gather_stages,
+    one_rank_param_groups,
+    stage_optimizer_state,
+    stage_tensors,
+)
 from furlong.trainer.megatron.gpt import MegatronCausalLM
 
 log = logging.getLogger(__name__)
@@ -141,11 +149,15 @@ def save_training_checkpoint(
     extra: dict[str, Any] = {}
     if megatron is not None:
         extra["tensor_parallel"] = megatron.tensor_parallel
-    if megatron is not None and megatron.tensor_parallel > 1:
+        extra["pipeline_parallel"] = megatron.stage.world
+    if megatron is not None and (megatron.tensor_parallel > 1 or megatron.pipeline is not None):
         # Every rank joins the gathers of the whole tensors; rank 0 alone writes them.
-        models, tensors = _gather_whole(learner, megatron, models, tensors)
-        if megatron.tensor_parallel_rank != 0:
+        gathered = _gather_whole(learner, megatron, models, tensors, optim_meta["scalars"])
+        if gathered is None:
             return info
+        models, tensors, optim_meta["scalars"] = gathered
+        if megatron.pipeline is not None:
+            optim_meta["param_groups"] = one_rank_param_groups(megatron, optim_meta["param_groups"])
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -183,15 +195,43 @@ def _gather_whole(
     megatron: MegatronCausalLM,
     models: dict[str, dict[str, torch.Tensor]],
     optimizer: dict[str, torch.Tensor],
-) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    scalars: dict[str, Any],
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor], dict[str, Any]] | None:
     """The whole tensors (the one-rank layout) of this rank's shards of every model and of the
-    optimizer state: a collective every tensor-parallel rank joins."""
+    optimizer state (and its scalars, renumbered), on the rank that writes them (None on the
+    others): a collective every rank joins (tensor-parallel gathers, then the pipeline stages'
+    gather on the first)."""
     group = megatron.tensor_parallel_group
     check_split_layout(megatron, megatron.tensor_parallel)
     params = optimizer_parameters(megatron, learner.optimizer)
     vocab_size = megatron.config.vocab_size
     whole = {name: gather_state(state, group, vocab_size) for name, state in models.items()}
-    return whole, gather_optimizer(optimizer, params, group, vocab_size)
+    optim = gather_optimizer(optimizer, params, group, vocab_size)
+    if megatron.pipeline is None:
+        return (whole, optim, scalars) if megatron.tensor_parallel_rank == 0 else None
+    marked = {f"{index}.{_SCALAR}{entry}": v for index, entry, v in _entries(scalars)}
+    gathered = gather_stages(megatron, whole, {**optim, **marked}, params)
+    if gathered is None:
+        return None
+    whole, entries = gathered
+    optim = {k: v for k, v in entries.items() if _SCALAR not in k}
+    scalars = {
+        f"{index}.{entry.removeprefix(_SCALAR)}": v
+        for index, entry, v in _entries(entries)
+        if entry.startswith(_SCALAR)
+    }
+    return whole, optim, scalars
+
+
+_SCALAR = "scalar:"  # an optimizer entry that is not a tensor, while the stages' entries are renumbered
+
+
+def _entries(state: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    out = []
+    for key, value in state.items():
+        index, entry = key.split(".", 1)
+        out.append((index, entry, value))
+    return out
 
 
 def _files(directory: Path) -> list[Path]:
@@ -336,6 +376,9 @@ def load_training_checkpoint(learner: Learner, directory: str | Path) -> Checkpo
             tensors = load_file(path / manifest["models"][name])
             if megatron is not None:  # every rank keeps its shards of the whole tensors
                 file = path / manifest["models"][name]
+                if megatron.pipeline is not None:  # and of its stage's
+                    check_whole(megatron, tensors, f"{file}: {name}")
+                    tensors = stage_tensors(megatron, tensors)
                 rank, world = megatron.tensor_parallel_rank, megatron.tensor_parallel
                 what, vocab_size = f"{file}: {name}", megatron.config.vocab_size
                 tensors = take_shards(tensors, unique_state(model), rank, world, what, vocab_size)
@@ -351,6 +394,10 @@ def load_training_checkpoint(learner: Learner, directory: str | Path) -> Checkpo
                 params = optimizer_parameters(megatron, learner.optimizer)
                 rank, world = megatron.tensor_parallel_rank, megatron.tensor_parallel
                 file = path / "optimizer.safetensors"
+                if megatron.pipeline is not None:
+                    check_whole_optimizer(megatron, state["state"], str(file))
+                    state["state"] = stage_optimizer_state(megatron, state["state"], params)
+                    state["param_groups"] = [{**state["param_groups"][0], "params": list(range(len(params)))}]
                 state["state"] = shard_optimizer_state(
                     state["state"], params, rank, world, str(file), megatron.config.vocab_size
                 )

@@ -10,10 +10,10 @@ is `furlong.v1.ParallelConfig`.
 itself; `megatron` trains a megatron-core GPTModel built from the model's config (Llama, Qwen2 and
 Qwen3 architectures; the trainer refuses another model naming its model_type and what megatron
 cannot express) and publishes it under the Hugging Face names. `megatron.tensor_parallel` splits
-every layer over that many ranks; `megatron.pipeline_parallel` must be 1 (pipeline stages are not
-built). A megatron run lays its ranks out itself: strategy `none`, and tensor_parallel x
-pipeline_parallel equal to `parallel.world_size`. The proto forms are
-`ConfigureRunRequest.backend` and `furlong.v1.MegatronConfig`.
+every layer over that many ranks; `megatron.pipeline_parallel` splits the layers into that many
+stages (equal shares, one micro-batch in flight at a time). A megatron run lays its ranks out
+itself: strategy `none`, and tensor_parallel x pipeline_parallel equal to `parallel.world_size`.
+The proto forms are `ConfigureRunRequest.backend` and `furlong.v1.MegatronConfig`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from furlong.core.settings.fields import SettingError, check_fields, setting
 STRATEGIES = ("none", "ddp", "fsdp2")
 BACKENDS = ("torch", "megatron")
 MAX_WORLD_SIZE = 1024
-BUILT_PIPELINE_PARALLEL = (1,)  # megatron pipeline sizes the trainer can build
 
 
 @dataclass(frozen=True)
@@ -59,17 +58,15 @@ class MegatronSettings:
         "heads, key/value heads and the MLP width must divide by it)",
     )
     pipeline_parallel: int = setting(
-        1, ge=1, le=MAX_WORLD_SIZE, doc="pipeline stages; only 1 is supported (no pipeline stages are built)"
+        1,
+        ge=1,
+        le=MAX_WORLD_SIZE,
+        doc="pipeline stages the layers are split into (equal shares: num_hidden_layers must divide "
+        "by it); one micro-batch in flight at a time",
     )
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.pipeline_parallel not in BUILT_PIPELINE_PARALLEL:
-            raise SettingError(
-                "pipeline_parallel",
-                f"{self.pipeline_parallel} is not supported: only 1 (the megatron backend builds no "
-                "pipeline stages; split the model with tensor_parallel instead)",
-            )
 
     @property
     def model_parallel_size(self) -> int:

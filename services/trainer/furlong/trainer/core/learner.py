@@ -251,14 +251,14 @@ class Learner:
             weight_decay=config.algorithm.weight_decay,
             betas=(config.algorithm.adam_beta1, config.algorithm.adam_beta2),
         )
-        get_embeddings = getattr(model, "get_input_embeddings", None)  # a transformers model's
-        embeddings = get_embeddings() if get_embeddings is not None else None
         # a model whose embedding holds more rows than its vocabulary (megatron's, padded for
-        # tensor parallelism) declares the vocabulary's size as `logits_vocab_size`
+        # tensor parallelism, or on another pipeline stage) declares the vocabulary's size as
+        # `logits_vocab_size`; a transformers model's is its input embedding's
         declared = getattr(model, "logits_vocab_size", None)
-        self.vocab_size: int | None = (
-            declared if declared is not None else getattr(embeddings, "num_embeddings", None)
-        )
+        get_embeddings = getattr(model, "get_input_embeddings", None)
+        if declared is None and get_embeddings is not None:
+            declared = getattr(get_embeddings(), "num_embeddings", None)
+        self.vocab_size: int | None = declared
         self._math = StepMath(self.objective)
         model.eval()
         if num_checkpointed:  # eval() cleared the checkpointed layers' flags: set them again
@@ -419,6 +419,11 @@ class Learner:
             weighted = dict(zip(keys, totals))
             loss_sum, value_loss_sum, trained_tokens = totals[-3], totals[-2], int(totals[-1])
         backward_done = time.perf_counter()
+        # A model whose parameters have copies elsewhere (a tied embedding over pipeline stages)
+        # completes their gradients first (`finish_gradients`).
+        finish = getattr(self.model, "finish_gradients", None)
+        if finish is not None:
+            finish()
         max_norm = self.objective.max_grad_norm if self.objective.max_grad_norm > 0 else math.inf
         # A tensor-parallel model measures its norm over every rank's shards (`clip_grad_norm_`).
         clip = getattr(self.model, "clip_grad_norm_", torch.nn.utils.clip_grad_norm_)

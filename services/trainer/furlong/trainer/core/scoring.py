@@ -12,8 +12,10 @@ forward and its logits are scored (the choice and its reason are logged once). A
 micro-batch passes its position ids and its block-diagonal mask (boolean for SDPA attention,
 additive float for eager). A model whose logits hold a slice of the vocabulary (tensor
 parallelism: the megatron backend) declares it as `vocab_shard` (a `logprobs.VocabShard`), and its
-logits are scored with it (maxima, sums and targets all-reduced over the shard's group). Knows
-nothing about objectives or optimizers.
+logits are scored with it (maxima, sums and targets all-reduced over the shard's group). A model
+split into pipeline stages declares this rank's as `pipeline` (`megatron.pipeline.PipelineStage`):
+its last stage scores the logits and every stage gets the scores. Knows nothing about objectives
+or optimizers.
 """
 
 from __future__ import annotations
@@ -164,15 +166,24 @@ class Scorer:
                 chunk_tokens=self.head_chunk_tokens,
                 matmul_dtype=self.autocast_dtype,
             )
-        logits = self._logits(model, mb)
-        return log_probs_with_support(
-            logits,
-            mb.targets,
-            mb.support,
-            self.temperature,
-            positions=mb.positions(logits.shape[1]),
-            vocab_shard=self.vocab_shard,
-        )
+
+        def scores(logits: torch.Tensor) -> LogProbs:
+            return log_probs_with_support(
+                logits,
+                mb.targets,
+                mb.support,
+                self.temperature,
+                positions=mb.positions(logits.shape[1]),
+                vocab_shard=self.vocab_shard,
+            )
+
+        stage = getattr(model, "pipeline", None)
+        if stage is not None:  # a pipeline stage: the last one scores, every one gets the scores
+            with self._autocast():
+                out = model(**self._inputs(model, mb, self._pass_use_cache))
+            output = out.logits if out.logits is not None else out.hidden
+            return stage.scores(output, scores, num_tokens=mb.positions(mb.width).numel())  # type: ignore[no-any-return]
+        return scores(self._logits(model, mb))
 
     def _logprobs(
         self, model: torch.nn.Module, mb: MicroBatch, chunked: bool

@@ -20,7 +20,7 @@ import logging
 import math
 from collections.abc import Iterable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from furlong.trainer.logprobs import VocabShard
 from furlong.trainer.megatron._compat import apply_cpu_shims
 from furlong.trainer.megatron.checkpoint_shards import whole_shape
+from furlong.trainer.megatron.pipeline import PipelineStage
 from furlong.trainer.megatron.spec import HfConfig, check_megatron_config, head_layout, rope_theta
 from furlong.trainer.megatron.weights import (
     gather_tensor_parallel,
@@ -48,37 +49,74 @@ GptModel = Any
 log = logging.getLogger(__name__)
 
 
-def init_model_parallel(port: int | None = None, tensor_parallel: int = 1) -> None:
-    """Megatron's parallel state over the process's torch.distributed world, whose every rank is
-    one tensor-parallel rank (`tensor_parallel` must be the world size). Without a process group,
-    a one-process gloo group on 127.0.0.1:`port` (a free port when None). ValueError when the
-    process already holds another layout (megatron's parallel state is process-wide)."""
+def init_model_parallel(
+    port: int | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1
+) -> None:
+    """Megatron's parallel state over the process's torch.distributed world, laid out as
+    `pipeline_parallel` stages of `tensor_parallel` ranks each (their product must be the world
+    size). Without a process group, a one-process gloo group on 127.0.0.1:`port` (a free port when
+    None). ValueError when the process already holds another layout (megatron's parallel state is
+    process-wide)."""
     from megatron.core import parallel_state
 
+    ranks = tensor_parallel * pipeline_parallel
     if not dist.is_initialized():
-        if tensor_parallel != 1:
-            raise ValueError(f"tensor_parallel {tensor_parallel} needs a process group of that many ranks")
+        if ranks != 1:
+            raise ValueError(
+                f"tensor_parallel {tensor_parallel} x pipeline_parallel {pipeline_parallel} needs a "
+                "process group of that many ranks"
+            )
         if port is None:
             from furlong.rpc.ports import free_port
 
             port = free_port()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     world = dist.get_world_size()
-    if world != tensor_parallel:
+    if world != ranks:
         raise ValueError(
-            f"trainer.megatron.tensor_parallel {tensor_parallel} on a trainer of {world} ranks: "
-            "they must be equal"
+            f"trainer.megatron.tensor_parallel {tensor_parallel} x pipeline_parallel {pipeline_parallel} "
+            f"on a trainer of {world} ranks: they must be equal"
         )
     if parallel_state.model_parallel_is_initialized():
-        held = parallel_state.get_tensor_model_parallel_world_size()
-        if held != tensor_parallel:
+        held = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+        if held != (tensor_parallel, pipeline_parallel):
             raise ValueError(
-                f"this trainer process already runs megatron with tensor_parallel {held}; "
-                f"a run with tensor_parallel {tensor_parallel} needs a trainer of its own"
+                f"this trainer process already runs megatron with tensor_parallel {held[0]} and "
+                f"pipeline_parallel {held[1]}; a run with tensor_parallel {tensor_parallel} and "
+                f"pipeline_parallel {pipeline_parallel} needs a trainer of its own"
             )
         return
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
-    log.info("megatron parallel state: tensor_parallel %d", tensor_parallel)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+    )
+    log.info(
+        "megatron parallel state: tensor_parallel %d, pipeline_parallel %d",
+        tensor_parallel,
+        pipeline_parallel,
+    )
+
+
+def pipeline_stage(config: HfConfig) -> PipelineStage:
+    """This rank's pipeline stage of a model of `config` (megatron's parallel state): its layers are
+    an equal share of the decoder's, in stage order."""
+    from megatron.core import parallel_state
+
+    world = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    per_stage = config.num_hidden_layers // world
+    return PipelineStage(
+        rank=rank,
+        world=world,
+        group=parallel_state.get_pipeline_model_parallel_group() if world > 1 else None,
+        first_layer=rank * per_stage,
+        num_layers=per_stage,
+        prev_rank=parallel_state.get_pipeline_model_parallel_prev_rank() if rank > 0 else None,
+        next_rank=parallel_state.get_pipeline_model_parallel_next_rank() if rank < world - 1 else None,
+        last_rank=parallel_state.get_pipeline_model_parallel_last_rank(),
+    )
 
 
 def build_gpt_model(config: HfConfig, dtype: torch.dtype = torch.float32) -> GptModel:
@@ -90,7 +128,8 @@ def build_gpt_model(config: HfConfig, dtype: torch.dtype = torch.float32) -> Gpt
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
-    family = check_megatron_config(config, tensor_parallel)
+    stage = pipeline_stage(config)
+    family = check_megatron_config(config, tensor_parallel, stage.world)
     theta = rope_theta(config)
     apply_cpu_shims()
     head_dim, groups, _ = head_layout(config)
@@ -109,6 +148,8 @@ def build_gpt_model(config: HfConfig, dtype: torch.dtype = torch.float32) -> Gpt
         add_qkv_bias=family.qkv_bias,
         qk_layernorm=family.qk_norm,
         tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=stage.world,
+        pipeline_dtype=dtype if stage.world > 1 else None,
         sequence_parallel=False,  # its reduce-scatter is not in gloo
         use_cpu_initialization=True,
         bias_activation_fusion=False,
@@ -128,7 +169,11 @@ def build_gpt_model(config: HfConfig, dtype: torch.dtype = torch.float32) -> Gpt
         max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=theta,
-        share_embeddings_and_output_weights=bool(config.tie_word_embeddings),
+        pre_process=stage.is_first,
+        post_process=stage.is_last,
+        # tied over several stages: the last stage's copy of the embedding is an output layer of
+        # its own, kept equal to it by `MegatronCausalLM` (megatron's own tie moves it to CUDA)
+        share_embeddings_and_output_weights=bool(config.tie_word_embeddings) and stage.world == 1,
     )
 
 
@@ -143,11 +188,18 @@ class MegatronCausalLM(torch.nn.Module):
 
     Under tensor parallelism the logits are this rank's vocabulary slice (`vocab_shard`), the
     gradient norm is taken over every rank's shards (`clip_grad_norm_`), and `hf_state_dict`
-    gathers the whole tensors (a collective every rank joins). `state_dict` is the GPTModel's own
-    (this rank's shards, Megatron names) without megatron's empty `_extra_state` entries; a deep
-    copy (the learner's frozen reference) is a second GPTModel with the same tensors."""
+    gathers the whole tensors (a collective every rank joins). Under pipeline parallelism
+    (`pipeline`, a `pipeline.PipelineStage`) this rank holds one stage: the forward of a stage
+    before the last returns its hidden states (`.hidden`, `.logits` None), and the scorer gets the
+    last stage's scores through `pipeline.scores`; a tied embedding has a copy on the last stage
+    whose gradient is summed with the embedding's (`finish_gradients`). `state_dict` is the
+    GPTModel's own (this rank's shards, Megatron names, layers numbered from the stage's first)
+    without megatron's empty `_extra_state` entries; a deep copy (the learner's frozen reference)
+    is a second GPTModel with the same tensors."""
 
-    def __init__(self, gpt: GptModel, config: HfConfig) -> None:
+    def __init__(
+        self, gpt: GptModel, config: HfConfig, layout: dict[str, TensorLayout] | None = None
+    ) -> None:
         super().__init__()
         from megatron.core import parallel_state
 
@@ -156,14 +208,24 @@ class MegatronCausalLM(torch.nn.Module):
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._tp_world = parallel_state.get_tensor_model_parallel_world_size()
+        self.stage = pipeline_stage(config)
         # this rank's slice of the padded vocabulary, and how many of its ids are real ones
         self._vocab_per_rank = padded_vocab_size(config.vocab_size, self._tp_world) // self._tp_world
         self._vocab_start = self._tp_rank * self._vocab_per_rank
         self._vocab_real = min(self._vocab_per_rank, config.vocab_size - self._vocab_start)
+        tied_stages = bool(config.tie_word_embeddings) and self.stage.world > 1
+        # the last stage's output layer of a tied model: a copy of the first stage's embedding
+        self._tied_copy = tied_stages and self.stage.is_last
+        self._embedding_group = (
+            parallel_state.get_embedding_group()
+            if tied_stages and (self.stage.is_first or self.stage.is_last)
+            else None
+        )
         pad = getattr(config, "pad_token_id", None)
-        if isinstance(pad, int) and 0 <= pad < config.vocab_size:
+        if isinstance(pad, int) and 0 <= pad < config.vocab_size and self.stage.is_first:
             self._pad_id = pad
             gpt.embedding.word_embeddings.register_forward_hook(self._detach_pad_lookups)
+        self.layout = layout if layout is not None else self._gather_layout()
 
     def _detach_pad_lookups(self, module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
         """transformers' input embedding has `padding_idx`: no gradient flows into the pad token's
@@ -171,6 +233,38 @@ class MegatronCausalLM(torch.nn.Module):
         values, with the pad ids' lookups cut from the graph, give the same gradients."""
         mask = (inputs[0] == self._pad_id).unsqueeze(-1)  # [b, s, h] out: no sequence parallelism
         return torch.where(mask, output.detach(), output)
+
+    def _own_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors under the one-rank model's names (a tied copy left out)."""
+        return {
+            self.stage.global_name(name): t
+            for name, t in _tensors(self.gpt.state_dict()).items()
+            if not (self._tied_copy and name == _OUTPUT)
+        }
+
+    def _gather_layout(self) -> dict[str, TensorLayout]:
+        """Every tensor of the one-rank model, in its order, with the stage holding it, its whole
+        shape and dtype and whether it is a parameter (with several stages: a collective over the
+        pipeline group)."""
+        params = {self.stage.global_name(name) for name, _ in self.gpt.named_parameters()}
+        own = [
+            (
+                name,
+                tuple(whole_shape(name, t.shape, self._tp_world, self.config.vocab_size)),
+                str(t.dtype).removeprefix("torch."),
+                name in params,
+            )
+            for name, t in self._own_tensors().items()
+        ]
+        stages: list[Any] = [own]
+        if self.stage.world > 1:
+            stages = [None] * self.stage.world
+            dist.all_gather_object(stages, own, group=self.stage.group)
+        return {
+            name: TensorLayout(stage, shape, getattr(torch, dtype), parameter)
+            for stage, entries in enumerate(stages)
+            for name, shape, dtype, parameter in entries
+        }
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module) -> MegatronCausalLM:
@@ -183,12 +277,21 @@ class MegatronCausalLM(torch.nn.Module):
     ) -> MegatronCausalLM:
         gpt = build_gpt_model(config, dtype=dtype)
         model = cls(gpt, config)
-        converted = {
-            name: tensor_parallel_shard(name, tensor, model._tp_rank, model._tp_world)
-            for name, tensor in hf_to_megatron(state, config).items()
-        }
-        model._load_gpt_state(converted)
+        model.load_whole(hf_to_megatron(state, config))
         return model.eval()
+
+    def load_whole(self, whole: dict[str, torch.Tensor]) -> None:
+        """Load this rank's shards of this stage's tensors out of `whole` (the one-rank model's
+        tensors; a tied copy is the embedding)."""
+        if self._tied_copy:
+            whole = {**whole, _OUTPUT: whole[_EMBEDDING]}
+        own = _tensors(self.gpt.state_dict())
+        mine = {}
+        for name, tensor in whole.items():
+            local = self.stage.local_name(name)
+            if local is not None and local in own:
+                mine[local] = tensor_parallel_shard(local, tensor, self._tp_rank, self._tp_world)
+        self._load_gpt_state(mine)
 
     def _load_gpt_state(self, state: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.gpt.load_state_dict(state, strict=False)
@@ -199,7 +302,7 @@ class MegatronCausalLM(torch.nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> MegatronCausalLM:
         # A GPTModel holds process groups, which cannot be copied: build another and load it.
         dtype = next(self.gpt.parameters()).dtype
-        copy = MegatronCausalLM(build_gpt_model(self.config, dtype=dtype), self.config)
+        copy = MegatronCausalLM(build_gpt_model(self.config, dtype=dtype), self.config, layout=self.layout)
         copy._load_gpt_state({k: v.detach().clone() for k, v in _tensors(self.gpt.state_dict()).items()})
         copy.train(self.training)
         return copy
@@ -213,6 +316,11 @@ class MegatronCausalLM(torch.nn.Module):
         if self._tp_world == 1:
             return None
         return VocabShard(group=self._tp_group, start=self._vocab_start, vocab_size=self.config.vocab_size)
+
+    @property
+    def pipeline(self) -> PipelineStage | None:
+        """This rank's pipeline stage (None: one stage holds the whole model)."""
+        return self.stage if self.stage.world > 1 else None
 
     @property
     def logits_vocab_size(self) -> int:
@@ -235,19 +343,18 @@ class MegatronCausalLM(torch.nn.Module):
         return group
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
+        if not self.stage.is_first:
+            raise ValueError(
+                f"pipeline stage {self.stage.rank} holds no input embedding (the first stage does)"
+            )
         embeddings: torch.nn.Embedding = self.gpt.embedding.word_embeddings
         return embeddings
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole policy under the Hugging Face names (with tensor parallelism: gathered, a
-        collective every rank of the group joins)."""
-        state = _tensors(self.gpt.state_dict())
-        if self._tp_world > 1:
-            state = {
-                name: gather_tensor_parallel(name, t.detach(), self._tp_group, self.config.vocab_size)
-                for name, t in state.items()
-            }
-        return megatron_to_hf(state, self.config)
+        """The whole policy under the Hugging Face names (with tensor or pipeline parallelism:
+        gathered, a collective every rank joins)."""
+        gatherer = self.hf_gatherer()
+        return megatron_to_hf({name: gatherer.gather(name) for name in self.layout}, self.config)
 
     def hf_gatherer(self) -> HfGatherer:
         """The Hugging Face tensors of `hf_state_dict` one Megatron tensor at a time (a publish
@@ -256,19 +363,36 @@ class MegatronCausalLM(torch.nn.Module):
 
     def hf_state_meta(self) -> dict[str, torch.Tensor]:
         """`hf_state_dict`'s names, dtypes and whole shapes as meta tensors; nothing is gathered."""
-        whole = {}
-        for name, shard in _tensors(self.gpt.state_dict()).items():
-            shape = whole_shape(name, shard.shape, self._tp_world, self.config.vocab_size)
-            whole[name] = torch.empty(shape, dtype=shard.dtype, device="meta")
+        whole = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in self.layout.items()}
         return {name: t.contiguous() for name, t in megatron_to_hf(whole, self.config).items()}
 
+    def finish_gradients(self) -> None:
+        """After the backward passes of a step: a tied embedding split over two stages gets the sum
+        of both copies' gradients on both (what the one tensor of a one-stage model gets)."""
+        if self._embedding_group is None:
+            return
+        weight = (
+            self.gpt.embedding.word_embeddings.weight if self.stage.is_first else self.gpt.output_layer.weight
+        )
+        present = torch.tensor([0 if weight.grad is None else 1], dtype=torch.int64)
+        dist.all_reduce(present, group=self._embedding_group)
+        if int(present) == 0:
+            return
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=self._embedding_group)
+
     def clip_grad_norm_(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-        """torch.nn.utils.clip_grad_norm_ over the whole (tensor-parallel) model: the squares of
-        split parameters' gradients are summed over the ranks, whole ones counted once (every rank
-        holds the same gradient of a whole parameter)."""
+        """torch.nn.utils.clip_grad_norm_ over the whole (tensor- and pipeline-parallel) model: the
+        squares of split parameters' gradients are summed over the tensor-parallel ranks, whole
+        ones counted once (every rank holds the same gradient of a whole parameter), and the
+        stages' sums added up (a tied copy of the embedding counted once)."""
+        copy = self.gpt.output_layer.weight if self._tied_copy else None
         grads = [(p, p.grad.detach()) for p in params if p.grad is not None]
         split, whole = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for p, grad in grads:
+            if p is copy:
+                continue
             squares = grad.double().pow(2).sum().cpu()
             if getattr(p, "tensor_model_parallel", False) and self._tp_world > 1:
                 split += squares
@@ -276,7 +400,10 @@ class MegatronCausalLM(torch.nn.Module):
                 whole += squares
         if self._tp_world > 1:
             dist.all_reduce(split, group=self._tp_group)
-        norm = (split + whole).sqrt()
+        total = split + whole
+        if self.stage.world > 1:
+            dist.all_reduce(total, group=self.stage.group)
+        norm = total.sqrt()
         if math.isfinite(max_norm):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for _, grad in grads:
@@ -287,22 +414,49 @@ class MegatronCausalLM(torch.nn.Module):
         b, s = input_ids.shape
         positions = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=input_ids.device), diagonal=1)
-        logits = self.gpt(input_ids=input_ids, position_ids=positions, attention_mask=causal[None, None])
-        if self._vocab_real < logits.shape[-1]:  # the padded ids: no probability, no gradient
-            logits = logits[..., : self._vocab_real]
-        return SimpleNamespace(logits=logits)
+        if not self.stage.is_first:  # this stage's input: the previous stage's hidden states
+            dtype = next(self.gpt.parameters()).dtype
+            self.gpt.set_input_tensor(self.stage.receive_hidden((s, b, self.config.hidden_size), dtype))
+        out = self.gpt(
+            input_ids=input_ids if self.stage.is_first else None,
+            position_ids=positions,
+            attention_mask=causal[None, None],
+        )
+        if not self.stage.is_last:
+            return SimpleNamespace(logits=None, hidden=out)
+        if self._vocab_real < out.shape[-1]:  # the padded ids: no probability, no gradient
+            out = out[..., : self._vocab_real]
+        return SimpleNamespace(logits=out, hidden=None)
+
+
+_EMBEDDING = "embedding.word_embeddings.weight"
+_OUTPUT = "output_layer.weight"
+
+
+class TensorLayout(NamedTuple):
+    """Where a tensor of the one-rank model lives: the pipeline stage holding it (every tensor-
+    parallel rank of it holds a shard, or the whole), its whole shape and dtype, and whether it is
+    a parameter (not a buffer)."""
+
+    stage: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parameter: bool
 
 
 class HfGatherer:
     """`core.round_gather.TensorGatherer` of a `MegatronCausalLM`: each Hugging Face tensor from the
     Megatron tensor it is made of (`weights.hf_sources`), gathered from the tensor-parallel ranks
-    (a collective every rank of the group joins) once for all the names a fused q|k|v or gate|up
-    is the source of. Not thread-safe."""
+    of the stage that holds it and broadcast from that stage to the others (collectives every
+    rank joins) once for all the names a fused q|k|v or gate|up is the source of. Not
+    thread-safe."""
 
     def __init__(self, model: MegatronCausalLM) -> None:
-        self._shards = _tensors(model.gpt.state_dict())  # this rank's: nothing is gathered
-        self._sources = hf_sources(self._shards, model.config)
+        self._shards = model._own_tensors()  # this rank's: nothing is gathered
+        self._layout = model.layout
+        self._sources = hf_sources(self._layout, model.config)
         self._config = model.config
+        self._stage = model.stage
         self._group, self._world = model._tp_group, model._tp_world
         self._vocab_size = model.config.vocab_size
 
@@ -310,10 +464,19 @@ class HfGatherer:
         return self._sources[name]
 
     def gather(self, source: str) -> torch.Tensor:
-        shard = self._shards[source].detach()
-        if self._world == 1:
-            return shard
-        return gather_tensor_parallel(source, shard, self._group, self._vocab_size)
+        held = self._layout[source]
+        whole = None
+        if held.stage == self._stage.rank:
+            shard = self._shards[source].detach()
+            whole = (
+                shard
+                if self._world == 1
+                else gather_tensor_parallel(source, shard, self._group, self._vocab_size)
+            )
+        if self._stage.world == 1:
+            assert whole is not None
+            return whole
+        return self._stage.broadcast_from(held.stage, whole, torch.Size(held.shape), held.dtype)
 
     def derive(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         return hf_tensor(name, whole, self._config).contiguous()

@@ -85,9 +85,10 @@ def _unsupported(config: HfConfig, family: Family) -> str | None:
     return None
 
 
-def check_megatron_config(config: HfConfig, tensor_parallel: int = 1) -> Family:
+def check_megatron_config(config: HfConfig, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Family:
     """The model's family when the megatron backend can build it split over `tensor_parallel`
-    ranks; ValueError naming the model_type and the feature (or the size) otherwise."""
+    ranks and `pipeline_parallel` stages (equal shares of the layers); ValueError naming the
+    model_type and the feature (or the size) otherwise."""
     family = family_of(config)
     problem = _unsupported(config, family)
     if problem is not None:
@@ -115,5 +116,11 @@ def check_megatron_config(config: HfConfig, tensor_parallel: int = 1) -> Family:
             f"trainer.megatron.tensor_parallel {tensor_parallel}: model_type {config.model_type!r} "
             f"has vocab_size={config.vocab_size}, too few for every rank's slice of {per_rank} ids to "
             "hold a real one"
+        )
+    if config.num_hidden_layers % pipeline_parallel:
+        raise ValueError(
+            f"trainer.megatron.pipeline_parallel {pipeline_parallel}: model_type {config.model_type!r} "
+            f"has num_hidden_layers={config.num_hidden_layers}, which {pipeline_parallel} stages cannot "
+            "split evenly"
         )
     return family
