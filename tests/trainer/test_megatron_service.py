@@ -4,7 +4,8 @@ under the Hugging Face names equal the trained ones, a one-rank checkpoint resum
 tensor parallelism over two ranks (gloo) trains what one rank does, and a training checkpoint
 written at tensor_parallel 2 resumes at 2 (bit for bit) and at 1, one written at 1 resumes at 2;
 two pipeline stages (alone, with a tied embedding, and with two tensor-parallel ranks each) train
-what one rank does, and their checkpoints resume in any layout.
+what one rank does, and their checkpoints resume in any layout; so do two replicas of a layout
+(strategy ddp), whose first replica writes the checkpoint.
 
 Each run is its own process (`megatron_service_run.py`): megatron-core needs a torch.distributed
 group and process-wide parallel state. Measured on this machine over 3 AdamW steps at lr 1e-2:
@@ -15,6 +16,7 @@ checkpoint of step 2 at another tensor-parallel size: losses within 3e-8 of the 
 published tensors within 1.2e-7."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -42,12 +44,12 @@ def _env(redis_url: str) -> dict[str, str]:
 
 
 def _run(redis_url, out: Path, model: Path, backend: str, layout: int | str = 1, *extra: str) -> dict:
-    """The leader's result of a run over `layout` ranks: a tensor-parallel size, or `TPxPP`."""
+    """The leader's result of a run over `layout` ranks: a tensor-parallel size, `TPxPP` or
+    `TPxPPxDP` (DP replicas of the layout)."""
     out.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
     args = [backend, model.parent.name.split("-")[0], str(layout)]
-    sizes = [int(n) for n in str(layout).split("x")]
-    world = sizes[0] * (sizes[1] if len(sizes) > 1 else 1)
+    world = math.prod(int(n) for n in str(layout).split("x"))
     followers = [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), *args, str(rank), port, str(model), str(out)],
@@ -317,3 +319,32 @@ def test_a_pipeline_checkpoint_resumes_at_any_layout(
     assert "policy.safetensors" in policy and "gpt.decoder.layers.0.mlp.linear_fc1.weight" in policy
     assert "(127, 32) in the checkpoint, (128, 32) in the model" in policy
     assert "optimizer.safetensors" in optimizer and "0.exp_avg (the state of gpt.embedding" in optimizer
+
+
+def test_replicas_of_the_layout_train_what_one_rank_does_and_checkpoint_once(
+    straight_runs, llama_model, tmp_path, redis_url
+):
+    one, _ = straight_runs[1]
+    # two replicas of one rank, then two replicas of two tensor-parallel ranks (strategy ddp)
+    two = _run(redis_url, tmp_path / "dp2", llama_model, "megatron", "1x1x2")
+    four = _run(redis_url, tmp_path / "tp2dp2", llama_model, "megatron", "2x1x2")
+    for run in (two, four):
+        assert run["replicas"] == 2
+        assert run["losses"] == pytest.approx(one["losses"], abs=LOSS_ABS)
+        assert run["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+        assert _max_weight_diff(run["published"], one["published"]) < WEIGHT_ABS_RANKS
+    # the first replica writes the checkpoint (the one-rank layout), which resumes at one rank
+    manifest = json.loads((_step_2(tmp_path / "tp2dp2") / "manifest.json").read_text())
+    assert (manifest["tensor_parallel"], manifest["step"]) == (2, 2)
+    at_one = _run(
+        redis_url,
+        tmp_path / "at-1",
+        llama_model,
+        "megatron",
+        1,
+        "--resume-from",
+        str(_step_2(tmp_path / "tp2dp2")),
+    )
+    assert at_one["first_step"] == 3
+    assert at_one["losses"] == pytest.approx(one["losses"][2:], abs=LOSS_ABS)
+    assert _max_weight_diff(at_one["published"], one["published"]) < WEIGHT_ABS_RANKS

@@ -29,8 +29,16 @@ pytestmark = pytest.mark.unit
             "parallel.world_size is 1",
         ),
         (
-            {"backend": "megatron", "parallel": {"strategy": "ddp", "world_size": 2}},
+            {"backend": "megatron", "parallel": {"strategy": "fsdp2", "world_size": 2}},
             "parallel.strategy: backend megatron lays its ranks out itself",
+        ),
+        (
+            {
+                "backend": "megatron",
+                "parallel": {"strategy": "ddp", "world_size": 3},
+                "megatron": {"tensor_parallel": 2},
+            },
+            "parallel.world_size: 3 ranks cannot be replicas of tensor_parallel 2 x pipeline_parallel 1",
         ),
         ({"megatron": {"tensor_parallel": 2}}, "megatron: set only with backend megatron"),
         ({"parallel": {"world_size": 2}}, "parallel.world_size: 2 ranks need a strategy"),
@@ -40,6 +48,23 @@ def test_bad_backend_settings_name_the_field_and_value(trainer, message):
     with pytest.raises(SettingError) as info:
         from_mapping(TrainerSettings, trainer)
     assert str(info.value).startswith(message), str(info.value)
+
+
+def test_megatron_with_ddp_holds_replicas_of_its_layout_over_the_ranks():
+    settings = from_mapping(
+        TrainerSettings,
+        {
+            "backend": "megatron",
+            "parallel": {"strategy": "ddp", "world_size": 8},
+            "megatron": {"tensor_parallel": 2, "pipeline_parallel": 2},
+        },
+    )
+    assert settings.data_parallel_size == 2
+    assert (
+        from_mapping(TrainerSettings, {"parallel": {"strategy": "ddp", "world_size": 4}}).data_parallel_size
+        == 4
+    )
+    assert from_mapping(TrainerSettings, {}).data_parallel_size == 1
 
 
 def test_megatron_over_two_ranks_is_tensor_parallel_with_strategy_none():

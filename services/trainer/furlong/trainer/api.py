@@ -54,6 +54,13 @@ class TrainerRunConfig:
             self.backend == "megatron" and self.megatron.model_parallel_size > 1
         )
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the policy over the trainer's ranks (`TrainerSettings.data_parallel_size`)."""
+        return TrainerSettings(
+            parallel=self.parallel, backend=self.backend, megatron=self.megatron
+        ).data_parallel_size
+
     def check_trainer(self) -> None:
         """SettingError naming the field unless the run's `trainer` settings (parallel, backend,
         megatron) hold together."""

@@ -2,7 +2,8 @@
 rank's device, its family contract checked, and a `Learner` over the trainer's process group when
 the run asks for data parallelism (`trainer.parallel`); with `trainer.backend: megatron` the
 policy is a megatron-core GPTModel built from it (`megatron.gpt.MegatronCausalLM`), split over the
-trainer's ranks by `trainer.megatron.tensor_parallel` and `pipeline_parallel`.
+trainer's ranks by `trainer.megatron.tensor_parallel` and `pipeline_parallel`, in replicas over the
+rest of the ranks with strategy `ddp`.
 
 Rank 0 (`service`) and the follower ranks (`rank_follower`) build it with the same code, the same
 seed and the same files, so their learners agree before the first step (DDP also broadcasts rank
@@ -94,7 +95,15 @@ def build_learner(
         f", release {checked.spec.name}" if checked.spec else "",
     )
     if config.backend == "megatron":
-        return Learner(_megatron_policy(config, model), lconfig)
+        policy = _megatron_policy(config, model)
+        if config.data_parallel_size == 1:
+            return Learner(policy, lconfig)
+        from megatron.core import parallel_state
+
+        # replicas of the model-parallel layout: each trains on its share of the rows, and each
+        # shard's gradients are summed over its replicas once a step (no wrapper)
+        replicas = parallel_state.get_data_parallel_group()
+        return Learner(policy, lconfig, data_parallel_group=replicas, data_parallel="allreduce")
     parallel = config.parallel
     if group is None or not parallel.data_parallel:
         return Learner(model, lconfig)
@@ -126,15 +135,18 @@ def _megatron_policy(config: TrainerRunConfig, model: torch.nn.Module) -> torch.
 
     check_megatron_run(config, model.config)
     init_model_parallel(
-        tensor_parallel=config.megatron.tensor_parallel, pipeline_parallel=config.megatron.pipeline_parallel
+        tensor_parallel=config.megatron.tensor_parallel,
+        pipeline_parallel=config.megatron.pipeline_parallel,
+        data_parallel=config.data_parallel_size,
     )
     policy = MegatronCausalLM.from_hf_state(model.config, model.state_dict())
     device = next(model.parameters()).device
     module: torch.nn.Module = policy.to(device)
     log.info(
-        "run %s: megatron backend, tensor_parallel %d, pipeline_parallel %d",
+        "run %s: megatron backend, tensor_parallel %d, pipeline_parallel %d, %d replica(s)",
         config.run_id,
         config.megatron.tensor_parallel,
         config.megatron.pipeline_parallel,
+        config.data_parallel_size,
     )
     return module

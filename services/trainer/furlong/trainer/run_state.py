@@ -1,6 +1,6 @@
 """Rank 0's reads and writes of a run's whole state under torchrun: a publish, an export, a
 training checkpoint. With one rank, or a state every rank holds whole (one rank, ddp), rank 0 does
-them alone. With a sharded state (fsdp2, megatron tensor parallelism: `TrainerRunConfig.
+them alone. With a sharded state (fsdp2, megatron tensor or pipeline parallelism: `TrainerRunConfig.
 gathers_state`) each is a command the other ranks join (`ranks`):
 
 - a publish gathers the tensors one staging round at a time as the publisher reads them, every rank
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RunState:
     """A run's learner as rank 0 reads and writes its whole state. `ranks` None: one rank;
-    `sharded`: the state is a collective of every rank (fsdp2, megatron tensor parallelism)."""
+    `sharded`: the state is a collective of every rank (fsdp2, megatron tensor or pipeline parallelism)."""
 
     run_id: str
     learner: Learner

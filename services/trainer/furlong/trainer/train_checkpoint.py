@@ -201,6 +201,8 @@ def _gather_whole(
     optimizer state (and its scalars, renumbered), on the rank that writes them (None on the
     others): a collective every rank joins (tensor-parallel gathers, then the pipeline stages'
     gather on the first)."""
+    if megatron.data_parallel_rank != 0:  # a replica of what the first one writes
+        return None
     group = megatron.tensor_parallel_group
     check_split_layout(megatron, megatron.tensor_parallel)
     params = optimizer_parameters(megatron, learner.optimizer)

@@ -12,7 +12,9 @@ Qwen3 architectures; the trainer refuses another model naming its model_type and
 cannot express) and publishes it under the Hugging Face names. `megatron.tensor_parallel` splits
 every layer over that many ranks; `megatron.pipeline_parallel` splits the layers into that many
 stages (equal shares, one micro-batch in flight at a time). A megatron run lays its ranks out
-itself: strategy `none`, and tensor_parallel x pipeline_parallel equal to `parallel.world_size`.
+itself: with strategy `none`, tensor_parallel x pipeline_parallel equals `parallel.world_size`;
+with `ddp`, `world_size` is a multiple of it and the ranks hold that many replicas of the layout,
+each training on its share of the batch (gradients summed over the replicas once a step).
 The proto forms are `ConfigureRunRequest.backend` and `furlong.v1.MegatronConfig`.
 """
 
@@ -24,6 +26,7 @@ from furlong.core.settings.fields import SettingError, check_fields, setting
 
 STRATEGIES = ("none", "ddp", "fsdp2")
 BACKENDS = ("torch", "megatron")
+MEGATRON_STRATEGIES = ("none", "ddp")  # ddp: replicas of the model-parallel layout
 MAX_WORLD_SIZE = 1024
 
 
@@ -103,21 +106,37 @@ class TrainerSettings:
                     f"set only with backend megatron, got backend {self.backend!r} and {megatron}",
                 )
             return
-        if parallel.strategy != "none":
+        if parallel.strategy not in MEGATRON_STRATEGIES:
             raise SettingError(
                 "parallel.strategy",
                 f"backend megatron lays its ranks out itself (megatron.tensor_parallel x "
-                f"pipeline_parallel); data parallelism over it is not built: set strategy 'none', "
-                f"got {parallel.strategy!r}",
+                f"pipeline_parallel per replica) and replicates that over the rest with strategy "
+                f"'ddp'; set strategy 'none' or 'ddp', got {parallel.strategy!r}",
             )
-        if megatron.model_parallel_size != parallel.world_size:
+        size = megatron.model_parallel_size
+        if parallel.strategy == "none" and size != parallel.world_size:
             raise SettingError(
                 "megatron.tensor_parallel",
                 f"tensor_parallel {megatron.tensor_parallel} x pipeline_parallel "
-                f"{megatron.pipeline_parallel} = {megatron.model_parallel_size} ranks, but "
-                f"parallel.world_size is {parallel.world_size}: they must be equal",
+                f"{megatron.pipeline_parallel} = {size} ranks, but parallel.world_size is "
+                f"{parallel.world_size}: they must be equal (or strategy 'ddp' over replicas of {size})",
+            )
+        if parallel.strategy == "ddp" and parallel.world_size % size:
+            raise SettingError(
+                "parallel.world_size",
+                f"{parallel.world_size} ranks cannot be replicas of tensor_parallel "
+                f"{megatron.tensor_parallel} x pipeline_parallel {megatron.pipeline_parallel} = {size} "
+                "ranks: it must be a multiple of it",
             )
 
     @property
     def is_megatron(self) -> bool:
         return self.backend == "megatron"
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the policy the ranks hold (with megatron: the ranks over the model-parallel
+        size; ddp and fsdp2: every rank; none: 1)."""
+        if self.is_megatron:
+            return self.parallel.world_size // self.megatron.model_parallel_size
+        return self.parallel.world_size if self.parallel.data_parallel else 1

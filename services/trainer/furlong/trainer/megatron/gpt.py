@@ -50,22 +50,23 @@ log = logging.getLogger(__name__)
 
 
 def init_model_parallel(
-    port: int | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1
+    port: int | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1, data_parallel: int = 1
 ) -> None:
     """Megatron's parallel state over the process's torch.distributed world, laid out as
-    `pipeline_parallel` stages of `tensor_parallel` ranks each (their product must be the world
-    size). Without a process group, a one-process gloo group on 127.0.0.1:`port` (a free port when
-    None). ValueError when the process already holds another layout (megatron's parallel state is
-    process-wide)."""
+    `data_parallel` replicas of `pipeline_parallel` stages of `tensor_parallel` ranks each (their
+    product must be the world size). Without a process group, a one-process gloo group on
+    127.0.0.1:`port` (a free port when None). ValueError when the process already holds another
+    layout (megatron's parallel state is process-wide)."""
     from megatron.core import parallel_state
 
-    ranks = tensor_parallel * pipeline_parallel
+    ranks = tensor_parallel * pipeline_parallel * data_parallel
+    layout = (
+        f"tensor_parallel {tensor_parallel} x pipeline_parallel {pipeline_parallel} x "
+        f"{data_parallel} replica{'s' if data_parallel > 1 else ''}"
+    )
     if not dist.is_initialized():
         if ranks != 1:
-            raise ValueError(
-                f"tensor_parallel {tensor_parallel} x pipeline_parallel {pipeline_parallel} needs a "
-                "process group of that many ranks"
-            )
+            raise ValueError(f"{layout} needs a process group of {ranks} ranks")
         if port is None:
             from furlong.rpc.ports import free_port
 
@@ -74,8 +75,7 @@ def init_model_parallel(
     world = dist.get_world_size()
     if world != ranks:
         raise ValueError(
-            f"trainer.megatron.tensor_parallel {tensor_parallel} x pipeline_parallel {pipeline_parallel} "
-            f"on a trainer of {world} ranks: they must be equal"
+            f"trainer.megatron: {layout} = {ranks} ranks on a trainer of {world} ranks: they must be equal"
         )
     if parallel_state.model_parallel_is_initialized():
         held = (
@@ -92,11 +92,7 @@ def init_model_parallel(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
     )
-    log.info(
-        "megatron parallel state: tensor_parallel %d, pipeline_parallel %d",
-        tensor_parallel,
-        pipeline_parallel,
-    )
+    log.info("megatron parallel state: %s", layout)
 
 
 def pipeline_stage(config: HfConfig) -> PipelineStage:
@@ -330,6 +326,13 @@ class MegatronCausalLM(torch.nn.Module):
     @property
     def tensor_parallel(self) -> int:
         return int(self._tp_world)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which replica of the model-parallel layout this rank belongs to (0 without replicas)."""
+        from megatron.core import parallel_state
+
+        return int(parallel_state.get_data_parallel_rank())
 
     @property
     def tensor_parallel_rank(self) -> int:
