@@ -6,10 +6,21 @@ own: `python tests/gpu/gpu_transfer_checks.py`, exit 1 on failure):
    several pieces) and into a host buffer; the bytes equal the bucket's. Needs `nixl` (and what
    furlong.transfer.nixl_transport imports): where it is not importable the check is skipped with
    the reason printed. With FURLONG_GPU_DEVICE=cpu the same transfer runs between host buffers.
-2. a CUDA-IPC update: the bucket is exported as a CUDA IPC share (furlong.transfer.cuda_ipc); a
+2. an engine's receive into a GPU buffer: the rollout service's receivers with
+   `--weight-buffer-device` set to the device (`furlong.rollout.receivers.receiver_transfer`:
+   `TransferConfig(device=...)`) take a version, in several rounds, into a receive buffer on that
+   device (`furlong.transfer.destination.BufferDestination`), over NIXL from a host bucket and from
+   a bucket on the device; every round verifies against its checksum (hashed from a host copy of
+   the GPU buffer) and the engine's parameters on the device load the received views with no copy
+   through host memory. Needs `nixl` (skipped otherwise, as 1.); with FURLONG_GPU_DEVICE=cpu the
+   buffer is host memory, as with the default `cpu`.
+3. a CUDA-IPC update: the bucket is exported as a CUDA IPC share (furlong.transfer.cuda_ipc); a
    child process on the same GPU opens it and copies a range into its own GPU memory, twice, the
    publisher rewriting the bucket in between; each copy equals the bucket's bytes at that time.
    Needs CUDA (skipped on the CPU) and only torch plus libs/core and libs/transfer.
+
+Check 2 also imports furlong.rpc and furlong.v1 (libs/proto, with grpc and protobuf; skipped where
+they are not importable).
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-for _source in ("libs/core", "libs/transfer"):
+for _source in ("libs/core", "libs/transfer", "libs/proto"):
     if str(ROOT / _source) not in sys.path:  # the GPU machine has the tree, not installed packages
         sys.path.insert(0, str(ROOT / _source))
 
@@ -94,6 +105,87 @@ def check_nixl_vram(device: str) -> str:
     return (
         f"{kind} bucket on {bucket.device} (NIXL device {device_id}) read into {on_device.device} "
         f"({size} bytes, {gbps:.2f} GB/s incl. setup), in 3 pieces, and into host memory: bytes equal"
+    )
+
+
+def _receive_state() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return {
+        "embed.weight": torch.randn(2048, 512, generator=generator),  # 4 MiB: a round of its own
+        "layer.proj.weight": torch.randn(1024, 768, generator=generator).to(torch.bfloat16),
+        "layer.norm.weight": torch.randn(513, generator=generator),
+        "lm_head.weight": torch.randn(1000, 512, generator=generator).to(torch.bfloat16),
+    }
+
+
+def check_receive_into_device_buffer(device: str) -> str:
+    try:
+        from furlong.core.weight_versions import WeightSourceInfo
+        from furlong.core.weights import (
+            Manifest,
+            WeightLayout,
+            combine_checksums,
+            plan_buckets,
+            round_checksums,
+            stage_round,
+        )
+        from furlong.transfer.config import TransferConfig
+        from furlong.transfer.destination import BufferDestination
+        from furlong.transfer.device_memory import memory_of, settle
+        from furlong.transfer.lanes import connect_lane
+        from furlong.transfer.nixl_transport import NixlEndpoint
+    except ImportError as exc:
+        raise Skipped(f"receive into a {device} buffer: {exc.name or exc} is not importable here") from None
+
+    state = _receive_state()
+    layout = WeightLayout.from_state_dict(state)
+    plan = plan_buckets(layout, 2 << 20)
+    plan = plan.with_checksums(round_checksums(layout, plan, state))
+    manifest = Manifest(1, layout, combine_checksums([r.checksum for r in plan.rounds]), plan)
+    receive_device = TransferConfig(device=device).device  # what --weight-buffer-device sets
+    done = []
+    for bucket_device in dict.fromkeys(("cpu", device)):  # the trainer's bucket: host, then the GPU
+        bucket = torch.zeros(plan.bucket_size_bytes, dtype=torch.uint8, device=bucket_device)
+        publisher, receiver = NixlEndpoint("gpu-check-trainer"), NixlEndpoint("gpu-check-engine")
+        lane = None
+        try:
+            publisher.register(bucket)
+            kind, device_id = memory_of(bucket)
+            source = WeightSourceInfo(
+                publisher.agent_name,
+                publisher.metadata,
+                bucket.data_ptr(),
+                bucket.numel(),
+                memory_kind=kind,
+                device_id=device_id,
+            )
+            received = BufferDestination(layout, receiver, receive_device)
+            assert received.buffer.device.type == torch.device(device).type, received.buffer.device
+            lane = connect_lane(source, ("nixl",), receiver, 1 << 20)
+            for rnd in manifest.rounds:
+                stage_round(layout, rnd, state, bucket)
+                settle(bucket)
+                _, digest = received.pull(lane, rnd, source.holds_all_rounds, 60.0)
+                digest = digest or received.digest(rnd)
+                assert digest == rnd.checksum, f"round {rnd.index}: {digest} != {rnd.checksum}"
+            views = received.tensors(manifest)
+            params = {name: torch.zeros_like(t, device=device) for name, t in state.items()}
+            for name, param in params.items():
+                assert views[name].device == received.buffer.device, (name, views[name].device)
+                param.copy_(views[name])  # the engine's load (Engine.load_weights): on the device
+            settle(next(iter(params.values())))
+            for name, tensor in state.items():
+                assert torch.equal(params[name].cpu(), tensor), f"{name} differs after the load"
+        finally:
+            if lane is not None:
+                lane.close()
+            receiver.close()
+            publisher.close()
+        done.append(f"{kind} bucket on {bucket.device}")
+    return (
+        f"{len(manifest.rounds)} rounds ({layout.total_bytes} bytes) into a receive buffer on "
+        f"{received.buffer.device} from a {' and a '.join(done)} over NIXL: every round's checksum "
+        f"holds and parameters on {device} loaded the views"
     )
 
 
@@ -186,6 +278,7 @@ def check_cuda_ipc_update(device: str) -> str:
 
 CHECKS = [
     ("VRAM NIXL transfer", check_nixl_vram),
+    ("engine receive into a device buffer", check_receive_into_device_buffer),
     ("CUDA-IPC update", check_cuda_ipc_update),
 ]
 

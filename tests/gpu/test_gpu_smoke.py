@@ -24,8 +24,10 @@ What it checks, against transformers' own modeling code on the CPU in float32 as
    within 1e-4) and no longer the old ones';
 4. weight transfers out of GPU memory (tests/gpu/gpu_transfer_checks.py): a VRAM NIXL transfer
    into GPU and host buffers (skipped, with the reason printed, where `nixl` is not importable;
-   between host buffers with FURLONG_GPU_DEVICE=cpu), and a CUDA-IPC update read by a child process
-   on the same GPU (skipped on the CPU).
+   between host buffers with FURLONG_GPU_DEVICE=cpu), an engine's receive of a version into a
+   receive buffer on the device (the rollout's `--weight-buffer-device`), verified round by round
+   and loaded into parameters on the device (skipped likewise), and a CUDA-IPC update read by a
+   child process on the same GPU (skipped on the CPU).
 """
 
 from __future__ import annotations
@@ -47,7 +49,12 @@ for source in ("libs/core", "libs/transfer", "services/rollout", "services/train
 
 import torch  # noqa: E402
 from family_models import VOCAB, family_model, family_prompts, hf_greedy, hf_logprobs  # noqa: E402
-from gpu_transfer_checks import Skipped, check_cuda_ipc_update, check_nixl_vram  # noqa: E402
+from gpu_transfer_checks import (  # noqa: E402
+    Skipped,
+    check_cuda_ipc_update,
+    check_nixl_vram,
+    check_receive_into_device_buffer,
+)
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from furlong.core.samples import Sample, SampleGroup  # noqa: E402
@@ -203,6 +210,7 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("engine parity deepseek_v3", lambda: check_engine_parity("deepseek_v3")),
     ("bf16 train step and weight update", check_bf16_train_step_and_weight_update),
     ("VRAM NIXL transfer", lambda: check_nixl_vram(DEVICE)),
+    ("engine receive into a device buffer", lambda: check_receive_into_device_buffer(DEVICE)),
     ("CUDA-IPC update", lambda: check_cuda_ipc_update(DEVICE)),
 ]
 
@@ -228,6 +236,10 @@ def _transfer_check(check: Callable[[str], str]) -> None:
 
 def test_vram_nixl_transfer():
     _transfer_check(check_nixl_vram)
+
+
+def test_engine_receive_into_a_device_buffer():
+    _transfer_check(check_receive_into_device_buffer)
 
 
 def test_cuda_ipc_update():

@@ -7,6 +7,7 @@
         [--chunk-rows 8] [--engine-work-dir DIR] [--gateway-port P]
         [--sglang-command CMD] [--sglang-arg ARG ...]
         [--weight-route auto|disk|tensor|distributed] [--weight-group-address HOST] [--replica-id K]
+        [--device cpu|cuda|cuda:N] [--weight-buffer-device cpu|cuda|cuda:N]
         [--log-level INFO] [--shutdown-grace-s 10] [--auth-token-file F]
         [--tls-ca-file F --tls-cert-file F --tls-key-file F [--tls-server-name NAME]]
 
@@ -35,7 +36,7 @@ from furlong.rollout.core.service import RolloutService
 from furlong.rollout.environment_workers import environment_pool
 from furlong.rollout.metrics import RolloutMetrics
 from furlong.rollout.process_engines import ProcessEnginesConfig, engine_factory, process_factory
-from furlong.rollout.receivers import broker_receiver_factory
+from furlong.rollout.receivers import service_receiver_factory
 from furlong.rollout.rewards import resolve_user_reward, reward_registry
 from furlong.rollout.run_records import redis_records
 from furlong.rollout.run_reward import build_run_reward
@@ -77,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     metrics = RolloutMetrics(runtime.registry)
-    receivers = broker_receiver_factory(broker)
+    receivers = service_receiver_factory(broker, config)  # buffers on --weight-buffer-device
     support_bound = SupportBound(max_size=config.max_support_size)
     processes = ProcessEnginesConfig(
         max_batch_size=config.engine_max_batch_size,
@@ -129,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_workers=config.max_workers,
     )
     log.info(
-        "rollout serving on %s:%d, metrics on %s:%d, broker %s, %d torch thread(s), engines %s",
+        "rollout serving on %s:%d, metrics on %s:%d, broker %s, %d torch thread(s), engines %s, "
+        "weight buffers on %s",
         config.host,
         server.port,
         config.host,
@@ -137,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.broker_address,
         config.num_threads,
         config.engines,
+        config.weight_buffer_device,
     )
 
     drain_on_shutdown(runtime.shutdown, server)

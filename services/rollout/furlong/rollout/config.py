@@ -50,6 +50,10 @@ class RolloutServerConfig:
     engine_work_dir: str = ""  # process mode: weights and engine logs; "" = under /dev/shm
     tls: TlsFiles = TlsFiles()  # no files = plaintext gRPC; else mutual TLS (furlong.rpc.tls)
     device: str = "cpu"  # where runs' engines run: "cpu", "cuda" or "cuda:N"
+    # Where the engines' weight receivers put the versions they receive: "cpu" (host memory) or
+    # "cuda" / "cuda:N" (GPU memory: NIXL reads land there, engines load from it on the device;
+    # furlong.transfer.destination).
+    weight_buffer_device: str = "cpu"
     gateway_port: int | None = None  # the OpenAI-compatible gateway's HTTP port; None = off, 0 = free
     sglang_command: tuple[str, ...] = ()  # starts one SGLang server; () = python -m sglang.launch_server
     sglang_args: tuple[str, ...] = ()  # extra flags for every SGLang server the service launches
@@ -62,6 +66,10 @@ class RolloutServerConfig:
             parse_device(self.device)
         except ValueError as exc:
             raise ValueError(f"--device {self.device!r}: {exc}") from None
+        try:
+            parse_device(self.weight_buffer_device)
+        except ValueError as exc:
+            raise ValueError(f"--weight-buffer-device {self.weight_buffer_device!r}: {exc}") from None
         if not self.host:
             raise ValueError("host must not be empty")
         check_port("port", self.port)
@@ -174,6 +182,13 @@ class RolloutServerConfig:
             "(run spec) sets their dtype",
         )
         parser.add_argument(
+            "--weight-buffer-device",
+            default=cls.weight_buffer_device,
+            help="where the weight receivers' buffers live: cpu (default: host memory) or cuda / "
+            "cuda:N (GPU memory: NIXL reads land there and engines load each version from it on "
+            "the device)",
+        )
+        parser.add_argument(
             "--sglang-command",
             default="",
             help="runs with rollout.engine sglang: the command that starts one SGLang server, split "
@@ -233,6 +248,7 @@ class RolloutServerConfig:
             chunk_rows=args.chunk_rows,
             engine_work_dir=args.engine_work_dir,
             device=args.device,
+            weight_buffer_device=args.weight_buffer_device,
             gateway_port=args.gateway_port,
             replica_id=args.replica_id,
             sglang_command=tuple(shlex.split(args.sglang_command)),
