@@ -65,8 +65,20 @@ def main() -> None:
     from test_learner import batch  # samples drawn from the HF model
 
     groups: list[SampleGroup] = batch(hf)
-    s_hf = Learner(hf, LearnerConfig(AlgorithmSettings(learning_rate=1e-2))).train_step(groups)
-    s_mg = Learner(mg, LearnerConfig(AlgorithmSettings(learning_rate=1e-2))).train_step(groups)
+    algorithm = AlgorithmSettings(learning_rate=1e-2)
+    # the forward under bfloat16 autocast (the trainer refuses megatron's backward under CPU autocast)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16_hf, bf16_mg = (
+            log_probs_with_support(m(input_ids=ids[:, :-1]).logits.float(), targets, temperature=0.7).logprobs
+            for m in (hf, mg)
+        )
+    # a trainer that packs micro-batches: the megatron learner pads them (its layers take no
+    # per-sequence positions), so the step is the padded one
+    s_mg_packed = Learner(copy.deepcopy(mg), LearnerConfig(algorithm, micro_batch_tokens=64)).train_step(
+        groups
+    )
+    s_hf = Learner(hf, LearnerConfig(algorithm)).train_step(groups)
+    s_mg = Learner(mg, LearnerConfig(algorithm)).train_step(groups)
     trained = mg.hf_state_dict()
     diffs = {k: float((trained[k] - v).abs().max()) for k, v in hf.state_dict().items()}
     after = max(diffs.values())
@@ -83,6 +95,10 @@ def main() -> None:
                 "grad_norm_hf": s_hf.grad_norm,
                 "grad_norm_megatron": s_mg.grad_norm,
                 "param_max_abs_diff_after_step": after,
+                "bf16_logprob_max_abs_diff": float((bf16_hf - bf16_mg).abs().max()),
+                "bf16_vs_fp32_logprob_max_abs_diff": float((bf16_mg - b).abs().max()),
+                "packed_equals_padded": (s_mg_packed.loss, s_mg_packed.grad_norm)
+                == (s_mg.loss, s_mg.grad_norm),
             }
         )
     )

@@ -2,11 +2,19 @@
 value, the trip to ConfigureRun and back, and the model configs the megatron backend refuses."""
 
 import pytest
+import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from furlong.controller.run_requests import trainer_config
 from furlong.controller.run_spec import parse_run_spec
-from furlong.core.settings import MegatronSettings, SettingError, TrainerSettings, from_mapping
+from furlong.core.settings import (
+    AlgorithmSettings,
+    MegatronSettings,
+    PrecisionSettings,
+    SettingError,
+    TrainerSettings,
+    from_mapping,
+)
 from furlong.trainer.convert import config_from_proto, config_to_proto
 from furlong.trainer.megatron.spec import check_megatron_config
 
@@ -179,3 +187,50 @@ def test_configs_megatron_cannot_express_are_refused_by_name(config, tensor_para
     with pytest.raises(ValueError, match="trainer.(backend megatron|megatron.tensor_parallel)") as info:
         check_megatron_config(config, tensor_parallel)
     assert message in str(info.value), str(info.value)
+
+
+def _megatron_run(**fields):
+    from furlong.trainer.api import TrainerRunConfig
+
+    fields = {"algorithm": AlgorithmSettings(), **fields}
+    return TrainerRunConfig(
+        run_id="r",
+        model_dir="/m",
+        sampling_temperature=1.0,
+        seed=0,
+        total_steps=1,
+        backend="megatron",
+        **fields,
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "device", "message"),
+    [
+        ({"algorithm": AlgorithmSettings(name="ppo")}, "cpu", "algorithm ppo needs a value model"),
+        (
+            {"precision": PrecisionSettings(gradient_checkpointing=True)},
+            "cpu",
+            "precision.gradient_checkpointing",
+        ),
+        (
+            {"precision": PrecisionSettings(dtype="bfloat16")},
+            "cpu",
+            "precision.dtype bfloat16 on a CPU trainer",
+        ),
+    ],
+)
+def test_runs_the_megatron_backend_cannot_train_are_refused_by_setting(fields, device, message):
+    from furlong.trainer.run_learner import check_megatron_run
+
+    with pytest.raises(ValueError, match="trainer.backend megatron") as info:
+        check_megatron_run(_megatron_run(**fields), _tiny(LlamaConfig), torch.device(device))
+    assert message in str(info.value), str(info.value)
+
+
+def test_a_bfloat16_megatron_run_is_taken_on_a_cuda_trainer():
+    from furlong.trainer.run_learner import check_megatron_run
+
+    check_megatron_run(
+        _megatron_run(precision=PrecisionSettings(dtype="bfloat16")), _tiny(LlamaConfig), torch.device("cuda")
+    )

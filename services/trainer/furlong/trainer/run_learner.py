@@ -111,9 +111,9 @@ def build_learner(
     return Learner(model, lconfig, data_parallel_group=group, data_parallel=parallel.strategy)
 
 
-def check_megatron_run(config: TrainerRunConfig, model_config: object) -> None:
+def check_megatron_run(config: TrainerRunConfig, model_config: object, device: torch.device) -> None:
     """ValueError naming the setting when the megatron backend cannot train this run's model or
-    algorithm (before any rank builds it)."""
+    algorithm on `device` (before any rank builds it)."""
     from furlong.trainer.megatron.spec import check_megatron_config
 
     check_megatron_config(model_config, config.megatron.tensor_parallel, config.megatron.pipeline_parallel)
@@ -121,6 +121,12 @@ def check_megatron_run(config: TrainerRunConfig, model_config: object) -> None:
         raise ValueError(
             "trainer.backend megatron: algorithm ppo needs a value model over the policy's body, "
             "which the megatron backend does not build; use trainer.backend torch"
+        )
+    if config.precision.dtype == "bfloat16" and device.type == "cpu":
+        raise ValueError(
+            "trainer.backend megatron: precision.dtype bfloat16 on a CPU trainer: megatron-core's "
+            "linear layers restore CUDA's autocast state in their backward, not the CPU's, so the "
+            "backward mixes bfloat16 and float32; use float32 on CPU, or trainer.backend torch"
         )
     if config.precision.gradient_checkpointing:
         raise ValueError(
@@ -133,7 +139,7 @@ def _megatron_policy(config: TrainerRunConfig, model: torch.nn.Module) -> torch.
     """The run's policy as a megatron-core GPTModel holding `model`'s weights (this rank's shards)."""
     from furlong.trainer.megatron.gpt import MegatronCausalLM, init_model_parallel
 
-    check_megatron_run(config, model.config)
+    check_megatron_run(config, model.config, next(model.parameters()).device)
     init_model_parallel(
         tensor_parallel=config.megatron.tensor_parallel,
         pipeline_parallel=config.megatron.pipeline_parallel,

@@ -214,7 +214,7 @@ class TrainerService:
         if not path.is_dir():
             raise ValueError(f"model_dir {model_dir!r} is not a directory")
         if config.backend == "megatron":
-            check_megatron_run(config, read_model_config(path))
+            check_megatron_run(config, read_model_config(path), self.device)
         with self._lock:
             if run_id in self._runs:
                 raise ConflictError(f"run {run_id} is already configured on this trainer")

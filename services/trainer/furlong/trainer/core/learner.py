@@ -200,15 +200,17 @@ class Learner:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an integer >= 0, got {version!r}")
         self.model = model
+        # a model that cannot take packed micro-batches says why (`packing_unsupported`)
+        unpackable: str | None = getattr(model, "packing_unsupported", None)
         attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        if config.micro_batch_tokens and attention not in PACKED_ATTENTION:
+        if unpackable is None and attention not in PACKED_ATTENTION:
             # a packed micro-batch needs a 4-D mask, which other attention kernels do not take
+            unpackable = (
+                f"{type(model).__name__} uses {attention!r} attention, not one of {list(PACKED_ATTENTION)}"
+            )
+        if config.micro_batch_tokens and unpackable:
             log.warning(
-                "micro_batch_tokens=%d: %s uses %r attention, not one of %s; micro-batches are padded",
-                config.micro_batch_tokens,
-                type(model).__name__,
-                attention,
-                list(PACKED_ATTENTION),
+                "micro_batch_tokens=%d: %s; micro-batches are padded", config.micro_batch_tokens, unpackable
             )
             config = dataclasses.replace(config, micro_batch_tokens=0)
         self.config = config

@@ -313,6 +313,12 @@ class MegatronCausalLM(torch.nn.Module):
             return None
         return VocabShard(group=self._tp_group, start=self._vocab_start, vocab_size=self.config.vocab_size)
 
+    # why the learner pads this model's micro-batches whatever the trainer's micro_batch_tokens
+    packing_unsupported = (
+        "megatron-core's local layers take no per-sequence RoPE positions (packed sequences need "
+        "Transformer Engine's THD attention)"
+    )
+
     @property
     def pipeline(self) -> PipelineStage | None:
         """This rank's pipeline stage (None: one stage holds the whole model)."""
