@@ -76,7 +76,7 @@ FULL = {
     "trainer": {
         "parallel": {"strategy": "ddp", "world_size": 2},
         "backend": "torch",
-        "megatron": {"tensor_parallel": 1, "pipeline_parallel": 1},
+        "megatron": {"tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1},
     },
 }
 

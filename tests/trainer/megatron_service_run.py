@@ -7,8 +7,9 @@ Every step is checkpointed under OUT/checkpoints (the newest two are kept).
     megatron_service_run.py BACKEND FAMILY TP[xPP] RANK PORT MODEL_DIR OUT [--resume-check]
         [--resume-from CHECKPOINT [--refuse-tampered]]
 
-TP[xPP[xDP]]: the tensor-parallel size, the pipeline-parallel one after an x, and the replicas of
-that layout after another (`2x2`: four ranks; `2x1x2`: two replicas of two tensor-parallel ranks).
+TP[xPP[xDP[xCP]]]: the tensor-parallel size, the pipeline-parallel one after an x, the replicas of
+that layout after another, and the context-parallel size after a third (`2x2`: four ranks;
+`2x1x2`: two replicas of two tensor-parallel ranks; `1x1x1x2`: two context-parallel ranks).
 
 `--resume-from`: the run starts from a copy of that training checkpoint (`step-N`) and trains the
 steps after N; with `--refuse-tampered` it first tries two altered copies (a policy tensor and an
@@ -106,7 +107,9 @@ def groups(step: int, vocab: int) -> list[SampleGroup]:
     return out
 
 
-def run_config(model_dir: Path, backend: str, tp: int, pp: int = 1, dp: int = 1) -> TrainerRunConfig:
+def run_config(
+    model_dir: Path, backend: str, tp: int, pp: int = 1, dp: int = 1, cp: int = 1
+) -> TrainerRunConfig:
     return TrainerRunConfig(
         run_id=RUN,
         model_dir=str(model_dir),
@@ -115,9 +118,9 @@ def run_config(model_dir: Path, backend: str, tp: int, pp: int = 1, dp: int = 1)
         seed=3,
         total_steps=STEPS + 1,
         checkpoint=CheckpointSettings(every_steps=1),
-        parallel=ParallelSettings(strategy="ddp" if dp > 1 else "none", world_size=tp * pp * dp),
+        parallel=ParallelSettings(strategy="ddp" if dp > 1 else "none", world_size=tp * pp * dp * cp),
         backend=backend,
-        megatron=MegatronSettings(tensor_parallel=tp, pipeline_parallel=pp)
+        megatron=MegatronSettings(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
         if backend == "megatron"
         else MegatronSettings(),
     )
@@ -182,8 +185,8 @@ def _refusals(trainer: TrainerService, config: TrainerRunConfig, source: Path, t
 
 def main() -> None:
     backend, family, layout, rank, port, model_dir, out = sys.argv[1:8]
-    tp_size, pp_size, dp_size = ([int(n) for n in layout.split("x")] + [1, 1])[:3]
-    world, model, out_dir = tp_size * pp_size * dp_size, Path(model_dir), Path(out)
+    tp_size, pp_size, dp_size, cp_size = ([int(n) for n in layout.split("x")] + [1, 1, 1])[:4]
+    world, model, out_dir = tp_size * pp_size * dp_size * cp_size, Path(model_dir), Path(out)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     resume_check = "--resume-check" in sys.argv
     resume_from = Path(sys.argv[sys.argv.index("--resume-from") + 1]) if "--resume-from" in sys.argv else None
@@ -213,9 +216,10 @@ def main() -> None:
         "tensor_parallel": tp_size,
         "pipeline_parallel": pp_size,
         "replicas": dp_size,
+        "context_parallel": cp_size,
     }
     try:
-        config = run_config(model, backend, tp_size, pp_size, dp_size)
+        config = run_config(model, backend, tp_size, pp_size, dp_size, cp_size)
         if resume_from is not None:
             target = checkpoints / RUN / resume_from.name
             if "--refuse-tampered" in sys.argv:
@@ -252,7 +256,7 @@ def main() -> None:
             )
         if resume_check:
             trainer.end_run(RUN)
-            trainer.configure_run(run_config(model, backend, tp_size, pp_size, dp_size))
+            trainer.configure_run(run_config(model, backend, tp_size, pp_size, dp_size, cp_size))
             resumed = trainer._run(RUN).learner.state_dict()
             result["resumed_equals_published"] = set(resumed) == set(published) and all(
                 torch.equal(resumed[k], published[k]) for k in published

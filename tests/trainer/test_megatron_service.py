@@ -5,7 +5,8 @@ tensor parallelism over two ranks (gloo) trains what one rank does, and a traini
 written at tensor_parallel 2 resumes at 2 (bit for bit) and at 1, one written at 1 resumes at 2;
 two pipeline stages (alone, with a tied embedding, and with two tensor-parallel ranks each) train
 what one rank does, and their checkpoints resume in any layout; so do two replicas of a layout
-(strategy ddp), whose first replica writes the checkpoint.
+(strategy ddp), whose first replica writes the checkpoint, and two context-parallel ranks (alone
+and with two tensor-parallel shards each), whose checkpoint resumes at one rank.
 
 Each run is its own process (`megatron_service_run.py`): megatron-core needs a torch.distributed
 group and process-wide parallel state. Measured on this machine over 3 AdamW steps at lr 1e-2:
@@ -348,3 +349,40 @@ def test_replicas_of_the_layout_train_what_one_rank_does_and_checkpoint_once(
     assert at_one["first_step"] == 3
     assert at_one["losses"] == pytest.approx(one["losses"][2:], abs=LOSS_ABS)
     assert _max_weight_diff(at_one["published"], one["published"]) < WEIGHT_ABS_RANKS
+
+
+def test_context_parallel_ranks_train_what_one_rank_does_and_resume_at_one(
+    straight_runs, llama_model, tmp_path, redis_url
+):
+    one, one_dir = straight_runs[1]
+    # every sequence split over two ranks, then over two ranks of two tensor-parallel shards each
+    two = _run(redis_url, tmp_path / "cp2", llama_model, "megatron", "1x1x1x2")
+    four = _run(redis_url, tmp_path / "tp2cp2", llama_model, "megatron", "2x1x1x2")
+    for run in (two, four):
+        assert run["context_parallel"] == 2
+        assert run["losses"] == pytest.approx(one["losses"], abs=LOSS_ABS)
+        assert run["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+        assert _max_weight_diff(run["published"], one["published"]) < WEIGHT_ABS_RANKS
+    # the checkpoint (written by the first context-parallel rank) resumes at one rank, and back
+    at_one = _run(
+        redis_url,
+        tmp_path / "cp2-at-1",
+        llama_model,
+        "megatron",
+        1,
+        "--resume-from",
+        str(_step_2(tmp_path / "cp2")),
+    )
+    one_at_two = _run(
+        redis_url,
+        tmp_path / "1-at-cp2",
+        llama_model,
+        "megatron",
+        "1x1x1x2",
+        "--resume-from",
+        str(_step_2(one_dir)),
+    )
+    for resumed in (at_one, one_at_two):
+        assert resumed["first_step"] == 3
+        assert resumed["losses"] == pytest.approx(one["losses"][2:], abs=LOSS_ABS)
+        assert _max_weight_diff(resumed["published"], one["published"]) < WEIGHT_ABS_RANKS

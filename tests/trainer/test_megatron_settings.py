@@ -27,14 +27,14 @@ pytestmark = pytest.mark.unit
         ({"backend": "jax"}, "backend: must be one of ['torch', 'megatron'], got 'jax'"),
         (
             {"backend": "megatron", "megatron": {"pipeline_parallel": 2}},
-            "megatron.tensor_parallel: tensor_parallel 1 x pipeline_parallel 2 = 2 ranks, but "
-            "parallel.world_size is 1",
+            "megatron.tensor_parallel: tensor_parallel 1 x pipeline_parallel 2 x context_parallel 1 = 2 "
+            "ranks, but parallel.world_size is 1",
         ),
         ({"backend": "megatron", "megatron": {"pipeline_parallel": 0}}, "megatron.pipeline_parallel: "),
         (
             {"backend": "megatron", "megatron": {"tensor_parallel": 2}},
-            "megatron.tensor_parallel: tensor_parallel 2 x pipeline_parallel 1 = 2 ranks, but "
-            "parallel.world_size is 1",
+            "megatron.tensor_parallel: tensor_parallel 2 x pipeline_parallel 1 x context_parallel 1 = 2 "
+            "ranks, but parallel.world_size is 1",
         ),
         (
             {"backend": "megatron", "parallel": {"strategy": "fsdp2", "world_size": 2}},
@@ -46,7 +46,8 @@ pytestmark = pytest.mark.unit
                 "parallel": {"strategy": "ddp", "world_size": 3},
                 "megatron": {"tensor_parallel": 2},
             },
-            "parallel.world_size: 3 ranks cannot be replicas of tensor_parallel 2 x pipeline_parallel 1",
+            "parallel.world_size: 3 ranks cannot be replicas of tensor_parallel 2 x pipeline_parallel 1 x "
+            "context_parallel 1",
         ),
         ({"megatron": {"tensor_parallel": 2}}, "megatron: set only with backend megatron"),
         ({"parallel": {"world_size": 2}}, "parallel.world_size: 2 ranks need a strategy"),
@@ -122,6 +123,11 @@ def test_the_run_spec_carries_the_backend_to_configure_run_and_back():
     staged = config_from_proto(sent)
     assert staged.megatron == MegatronSettings(tensor_parallel=2, pipeline_parallel=2)
     assert staged.gathers_state
+    # context parallelism travels too; an older client leaves it 0, which is one rank
+    sent.megatron.context_parallel, sent.megatron.pipeline_parallel = 2, 1
+    assert config_from_proto(sent).megatron == MegatronSettings(tensor_parallel=2, context_parallel=2)
+    sent.megatron.context_parallel, sent.parallel.world_size = 0, 2
+    assert config_from_proto(sent).megatron == MegatronSettings(tensor_parallel=2)
 
 
 def _tiny(cls, **overrides):

@@ -84,12 +84,14 @@ class ConfigureRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., model_dir: _Optional[str] = ..., algorithm: _Optional[_Union[AlgorithmConfig, _Mapping]] = ..., seed: _Optional[int] = ..., total_steps: _Optional[int] = ..., sampling_temperature: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., precision: _Optional[_Union[_common_pb2.PrecisionConfig, _Mapping]] = ..., checkpoint_keep_last: _Optional[int] = ..., parallel: _Optional[_Union[ParallelConfig, _Mapping]] = ..., backend: _Optional[str] = ..., megatron: _Optional[_Union[MegatronConfig, _Mapping]] = ...) -> None: ...
 
 class MegatronConfig(_message.Message):
-    __slots__ = ("tensor_parallel", "pipeline_parallel")
+    __slots__ = ("tensor_parallel", "pipeline_parallel", "context_parallel")
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     tensor_parallel: int
     pipeline_parallel: int
-    def __init__(self, tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ...) -> None: ...
+    context_parallel: int
+    def __init__(self, tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., context_parallel: _Optional[int] = ...) -> None: ...
 
 class ParallelConfig(_message.Message):
     __slots__ = ("strategy", "world_size")

@@ -65,7 +65,12 @@ def config_from_proto(msg: pb.ConfigureRunRequest) -> TrainerRunConfig:
         ),
         backend=msg.backend or "torch",  # "": an older client
         megatron=(
-            from_proto(MegatronSettings, msg.megatron, "trainer.megatron")
+            from_proto(
+                MegatronSettings,
+                msg.megatron,
+                "trainer.megatron",
+                context_parallel=msg.megatron.context_parallel or 1,  # 0: an older client's
+            )
             if msg.HasField("megatron")
             else MegatronSettings()
         ),

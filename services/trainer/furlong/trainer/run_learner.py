@@ -144,15 +144,15 @@ def _megatron_policy(config: TrainerRunConfig, model: torch.nn.Module) -> torch.
         tensor_parallel=config.megatron.tensor_parallel,
         pipeline_parallel=config.megatron.pipeline_parallel,
         data_parallel=config.data_parallel_size,
+        context_parallel=config.megatron.context_parallel,
     )
     policy = MegatronCausalLM.from_hf_state(model.config, model.state_dict())
     device = next(model.parameters()).device
     module: torch.nn.Module = policy.to(device)
     log.info(
-        "run %s: megatron backend, tensor_parallel %d, pipeline_parallel %d, %d replica(s)",
+        "run %s: megatron backend, %s, %d replica(s)",
         config.run_id,
-        config.megatron.tensor_parallel,
-        config.megatron.pipeline_parallel,
+        config.megatron.describe(),
         config.data_parallel_size,
     )
     return module

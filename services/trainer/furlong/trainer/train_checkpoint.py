@@ -150,6 +150,8 @@ def save_training_checkpoint(
     if megatron is not None:
         extra["tensor_parallel"] = megatron.tensor_parallel
         extra["pipeline_parallel"] = megatron.stage.world
+    if megatron is not None and not megatron.writes_whole_state:
+        return info  # a replica or context-parallel peer of the ranks that write it
     if megatron is not None and (megatron.tensor_parallel > 1 or megatron.pipeline is not None):
         # Every rank joins the gathers of the whole tensors; rank 0 alone writes them.
         gathered = _gather_whole(learner, megatron, models, tensors, optim_meta["scalars"])
@@ -201,7 +203,7 @@ def _gather_whole(
     optimizer state (and its scalars, renumbered), on the rank that writes them (None on the
     others): a collective every rank joins (tensor-parallel gathers, then the pipeline stages'
     gather on the first)."""
-    if megatron.data_parallel_rank != 0:  # a replica of what the first one writes
+    if not megatron.writes_whole_state:  # a replica (or context-parallel peer) of the writer's
         return None
     group = megatron.tensor_parallel_group
     check_split_layout(megatron, megatron.tensor_parallel)

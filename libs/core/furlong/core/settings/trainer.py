@@ -11,8 +11,9 @@ itself; `megatron` trains a megatron-core GPTModel built from the model's config
 Qwen3 architectures; the trainer refuses another model naming its model_type and what megatron
 cannot express) and publishes it under the Hugging Face names. `megatron.tensor_parallel` splits
 every layer over that many ranks; `megatron.pipeline_parallel` splits the layers into that many
-stages (equal shares, one micro-batch in flight at a time). A megatron run lays its ranks out
-itself: with strategy `none`, tensor_parallel x pipeline_parallel equals `parallel.world_size`;
+stages (equal shares, one micro-batch in flight at a time); `megatron.context_parallel` splits
+every sequence over that many ranks. A megatron run lays its ranks out itself: with strategy
+`none`, tensor_parallel x pipeline_parallel x context_parallel equals `parallel.world_size`;
 with `ddp`, `world_size` is a multiple of it and the ranks hold that many replicas of the layout,
 each training on its share of the batch (gradients summed over the replicas once a step).
 The proto forms are `ConfigureRunRequest.backend` and `furlong.v1.MegatronConfig`.
@@ -68,12 +69,27 @@ class MegatronSettings:
         "by it); one micro-batch in flight at a time",
     )
 
+    context_parallel: int = setting(
+        1,
+        ge=1,
+        le=MAX_WORLD_SIZE,
+        doc="ranks every sequence is split over (2 x context_parallel chunks, rank r holding chunks r "
+        "and 2 x context_parallel - 1 - r); attention gathers the keys and values of the others",
+    )
+
     def __post_init__(self) -> None:
         check_fields(self)
 
     @property
     def model_parallel_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+    def describe(self) -> str:
+        """The layout, as errors name it."""
+        return (
+            f"tensor_parallel {self.tensor_parallel} x pipeline_parallel {self.pipeline_parallel} x "
+            f"context_parallel {self.context_parallel}"
+        )
 
 
 @dataclass(frozen=True)
@@ -98,7 +114,7 @@ class TrainerSettings:
                 raise SettingError(
                     "parallel.world_size",
                     f"{parallel.world_size} ranks need a strategy (ddp or fsdp2), got strategy 'none' "
-                    "(or backend megatron with tensor_parallel x pipeline_parallel equal to it)",
+                    "(or backend megatron with its model-parallel sizes' product equal to it)",
                 )
             if megatron != MegatronSettings():
                 raise SettingError(
@@ -110,22 +126,20 @@ class TrainerSettings:
             raise SettingError(
                 "parallel.strategy",
                 f"backend megatron lays its ranks out itself (megatron.tensor_parallel x "
-                f"pipeline_parallel per replica) and replicates that over the rest with strategy "
-                f"'ddp'; set strategy 'none' or 'ddp', got {parallel.strategy!r}",
+                f"pipeline_parallel x context_parallel per replica) and replicates that over the "
+                f"rest with strategy 'ddp'; set strategy 'none' or 'ddp', got {parallel.strategy!r}",
             )
         size = megatron.model_parallel_size
         if parallel.strategy == "none" and size != parallel.world_size:
             raise SettingError(
                 "megatron.tensor_parallel",
-                f"tensor_parallel {megatron.tensor_parallel} x pipeline_parallel "
-                f"{megatron.pipeline_parallel} = {size} ranks, but parallel.world_size is "
+                f"{megatron.describe()} = {size} ranks, but parallel.world_size is "
                 f"{parallel.world_size}: they must be equal (or strategy 'ddp' over replicas of {size})",
             )
         if parallel.strategy == "ddp" and parallel.world_size % size:
             raise SettingError(
                 "parallel.world_size",
-                f"{parallel.world_size} ranks cannot be replicas of tensor_parallel "
-                f"{megatron.tensor_parallel} x pipeline_parallel {megatron.pipeline_parallel} = {size} "
+                f"{parallel.world_size} ranks cannot be replicas of {megatron.describe()} = {size} "
                 "ranks: it must be a multiple of it",
             )
 

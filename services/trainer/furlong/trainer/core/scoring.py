@@ -14,8 +14,10 @@ additive float for eager). A model whose logits hold a slice of the vocabulary (
 parallelism: the megatron backend) declares it as `vocab_shard` (a `logprobs.VocabShard`), and its
 logits are scored with it (maxima, sums and targets all-reduced over the shard's group). A model
 split into pipeline stages declares this rank's as `pipeline` (`megatron.pipeline.PipelineStage`):
-its last stage scores the logits and every stage gets the scores. Knows nothing about objectives
-or optimizers.
+its last stage scores the logits and every stage gets the scores; one whose sequences are split
+over context-parallel ranks declares `context_parallel` (`megatron.context_parallel`), and each
+rank scores the response tokens among its positions (`support_rows` naming their supports).
+Knows nothing about objectives or optimizers.
 """
 
 from __future__ import annotations
@@ -168,14 +170,32 @@ class Scorer:
             )
 
         def scores(logits: torch.Tensor) -> LogProbs:
-            return log_probs_with_support(
-                logits,
-                mb.targets,
-                mb.support,
-                self.temperature,
-                positions=mb.positions(logits.shape[1]),
-                vocab_shard=self.vocab_shard,
-            )
+            if context is None:
+                return log_probs_with_support(
+                    logits,
+                    mb.targets,
+                    mb.support,
+                    self.temperature,
+                    positions=mb.positions(logits.shape[1]),
+                    vocab_shard=self.vocab_shard,
+                )
+
+            def own(positions: torch.Tensor, index: torch.Tensor) -> LogProbs:
+                return log_probs_with_support(
+                    logits,
+                    mb.targets[index],
+                    mb.support,
+                    self.temperature,
+                    positions=positions,
+                    support_rows=index,
+                    vocab_shard=self.vocab_shard,
+                )
+
+            return context.scores(logits, mb.positions(mb.width), mb.width, own)  # type: ignore[no-any-return]
+
+        # a context-parallel rank's logits are its share of the positions: it scores the tokens
+        # among them and every rank gets every token's scores (`megatron.context_parallel`)
+        context = getattr(model, "context_parallel", None)
 
         stage = getattr(model, "pipeline", None)
         if stage is not None:  # a pipeline stage: the last one scores, every one gets the scores

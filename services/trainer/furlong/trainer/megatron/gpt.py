@@ -16,6 +16,7 @@ gathered with the real vocabulary size.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterable
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from furlong.trainer.logprobs import VocabShard
 from furlong.trainer.megatron._compat import apply_cpu_shims
 from furlong.trainer.megatron.checkpoint_shards import whole_shape
+from furlong.trainer.megatron.context_parallel import ContextParallel, GatheredKeysAttention
 from furlong.trainer.megatron.pipeline import PipelineStage
 from furlong.trainer.megatron.spec import HfConfig, check_megatron_config, head_layout, rope_theta
 from furlong.trainer.megatron.weights import (
@@ -50,19 +52,23 @@ log = logging.getLogger(__name__)
 
 
 def init_model_parallel(
-    port: int | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1, data_parallel: int = 1
+    port: int | None = None,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    data_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> None:
     """Megatron's parallel state over the process's torch.distributed world, laid out as
-    `data_parallel` replicas of `pipeline_parallel` stages of `tensor_parallel` ranks each (their
-    product must be the world size). Without a process group, a one-process gloo group on
-    127.0.0.1:`port` (a free port when None). ValueError when the process already holds another
-    layout (megatron's parallel state is process-wide)."""
+    `data_parallel` replicas of `pipeline_parallel` stages of `context_parallel` x
+    `tensor_parallel` ranks each (their product must be the world size). Without a process group,
+    a one-process gloo group on 127.0.0.1:`port` (a free port when None). ValueError when the
+    process already holds another layout (megatron's parallel state is process-wide)."""
     from megatron.core import parallel_state
 
-    ranks = tensor_parallel * pipeline_parallel * data_parallel
+    ranks = tensor_parallel * pipeline_parallel * context_parallel * data_parallel
     layout = (
         f"tensor_parallel {tensor_parallel} x pipeline_parallel {pipeline_parallel} x "
-        f"{data_parallel} replica{'s' if data_parallel > 1 else ''}"
+        f"context_parallel {context_parallel} x {data_parallel} replica{'s' if data_parallel > 1 else ''}"
     )
     if not dist.is_initialized():
         if ranks != 1:
@@ -81,16 +87,19 @@ def init_model_parallel(
         held = (
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
         )
-        if held != (tensor_parallel, pipeline_parallel):
+        if held != (tensor_parallel, pipeline_parallel, context_parallel):
             raise ValueError(
-                f"this trainer process already runs megatron with tensor_parallel {held[0]} and "
-                f"pipeline_parallel {held[1]}; a run with tensor_parallel {tensor_parallel} and "
-                f"pipeline_parallel {pipeline_parallel} needs a trainer of its own"
+                f"this trainer process already runs megatron with tensor_parallel {held[0]}, "
+                f"pipeline_parallel {held[1]} and context_parallel {held[2]}; a run with {layout} "
+                "needs a trainer of its own"
             )
         return
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        context_parallel_size=context_parallel,
     )
     log.info("megatron parallel state: %s", layout)
 
@@ -115,9 +124,25 @@ def pipeline_stage(config: HfConfig) -> PipelineStage:
     )
 
 
-def build_gpt_model(config: HfConfig, dtype: torch.dtype = torch.float32) -> GptModel:
+def context_parallel_state() -> ContextParallel | None:
+    """This rank's context-parallel state from megatron's parallel state (None: one rank holds
+    every position)."""
+    from megatron.core import parallel_state
+
+    world = parallel_state.get_context_parallel_world_size()
+    if world == 1:
+        return None
+    group = parallel_state.get_context_parallel_group()
+    return ContextParallel(group=group, rank=parallel_state.get_context_parallel_rank(), world=world)
+
+
+def build_gpt_model(
+    config: HfConfig, dtype: torch.dtype = torch.float32, context: ContextParallel | None = None
+) -> GptModel:
     """A GPTModel with the architecture of a Llama, Qwen2 or Qwen3 config (weights random), split
-    over megatron's tensor-parallel group."""
+    over megatron's tensor-parallel group (and this rank's pipeline stage); with `context`, its
+    attention gathers the keys and values of the context-parallel ranks and its RoPE takes the
+    positions `context` assigns (`context_parallel`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -158,9 +183,13 @@ def build_gpt_model(config: HfConfig, dtype: torch.dtype = torch.float32) -> Gpt
         params_dtype=dtype,
         gradient_accumulation_fusion=False,
     )
-    return GPTModel(
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=family.qk_norm)
+    if context is not None:  # megatron-core's local core attention refuses context parallelism
+        attention = layer_spec.submodules.self_attention.submodules
+        attention.core_attention = functools.partial(GatheredKeysAttention, context=context)
+    gpt = GPTModel(
         tconfig,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=family.qk_norm),
+        transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(config.vocab_size, tensor_parallel),
         max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope",
@@ -171,6 +200,9 @@ def build_gpt_model(config: HfConfig, dtype: torch.dtype = torch.float32) -> Gpt
         # its own, kept equal to it by `MegatronCausalLM` (megatron's own tie moves it to CUDA)
         share_embeddings_and_output_weights=bool(config.tie_word_embeddings) and stage.world == 1,
     )
+    if context is not None:  # each position's own angle (megatron-core's CP slicing allocates on CUDA)
+        gpt.rotary_pos_emb.forward = context.rope(gpt.rotary_pos_emb)
+    return gpt
 
 
 def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -194,7 +226,11 @@ class MegatronCausalLM(torch.nn.Module):
     is a second GPTModel with the same tensors."""
 
     def __init__(
-        self, gpt: GptModel, config: HfConfig, layout: dict[str, TensorLayout] | None = None
+        self,
+        gpt: GptModel,
+        config: HfConfig,
+        layout: dict[str, TensorLayout] | None = None,
+        context: ContextParallel | None = None,
     ) -> None:
         super().__init__()
         from megatron.core import parallel_state
@@ -205,6 +241,7 @@ class MegatronCausalLM(torch.nn.Module):
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._tp_world = parallel_state.get_tensor_model_parallel_world_size()
         self.stage = pipeline_stage(config)
+        self.context = context  # the one `build_gpt_model` built `gpt` with
         # this rank's slice of the padded vocabulary, and how many of its ids are real ones
         self._vocab_per_rank = padded_vocab_size(config.vocab_size, self._tp_world) // self._tp_world
         self._vocab_start = self._tp_rank * self._vocab_per_rank
@@ -271,8 +308,8 @@ class MegatronCausalLM(torch.nn.Module):
     def from_hf_state(
         cls, config: HfConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
     ) -> MegatronCausalLM:
-        gpt = build_gpt_model(config, dtype=dtype)
-        model = cls(gpt, config)
+        context = context_parallel_state()
+        model = cls(build_gpt_model(config, dtype=dtype, context=context), config, context=context)
         model.load_whole(hf_to_megatron(state, config))
         return model.eval()
 
@@ -298,7 +335,9 @@ class MegatronCausalLM(torch.nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> MegatronCausalLM:
         # A GPTModel holds process groups, which cannot be copied: build another and load it.
         dtype = next(self.gpt.parameters()).dtype
-        copy = MegatronCausalLM(build_gpt_model(self.config, dtype=dtype), self.config, layout=self.layout)
+        context = context_parallel_state()
+        gpt = build_gpt_model(self.config, dtype=dtype, context=context)
+        copy = MegatronCausalLM(gpt, self.config, layout=self.layout, context=context)
         copy._load_gpt_state({k: v.detach().clone() for k, v in _tensors(self.gpt.state_dict()).items()})
         copy.train(self.training)
         return copy
@@ -332,6 +371,17 @@ class MegatronCausalLM(torch.nn.Module):
     @property
     def tensor_parallel(self) -> int:
         return int(self._tp_world)
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """This rank's share of the positions (None: it holds every position)."""
+        return self.context
+
+    @property
+    def writes_whole_state(self) -> bool:
+        """Whether this rank's replica and context-parallel share are the first: the ones whose
+        ranks gather and write a checkpoint (the others hold the same tensors)."""
+        return self.data_parallel_rank == 0 and (self.context is None or self.context.rank == 0)
 
     @property
     def data_parallel_rank(self) -> int:
@@ -376,8 +426,19 @@ class MegatronCausalLM(torch.nn.Module):
         return {name: t.contiguous() for name, t in megatron_to_hf(whole, self.config).items()}
 
     def finish_gradients(self) -> None:
-        """After the backward passes of a step: a tied embedding split over two stages gets the sum
-        of both copies' gradients on both (what the one tensor of a one-stage model gets)."""
+        """After the backward passes of a step: every parameter's gradient summed over the
+        context-parallel ranks (each holds its positions' share), and a tied embedding split over
+        two stages gets the sum of both copies' gradients on both (what the one tensor of a
+        one-stage model gets)."""
+        if self.context is not None:
+            params = [p for p in self.gpt.parameters() if p.requires_grad]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.context.group)
+            offset = 0
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
         if self._embedding_group is None:
             return
         weight = (
@@ -420,6 +481,9 @@ class MegatronCausalLM(torch.nn.Module):
         return norm.float()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> SimpleNamespace:
+        if self.context is not None:  # this rank's positions of every sequence
+            pad = getattr(self.config, "pad_token_id", None)
+            input_ids = self.context.split(input_ids, pad if isinstance(pad, int) else 0)
         b, s = input_ids.shape
         positions = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=input_ids.device), diagonal=1)
