@@ -20,7 +20,8 @@ from furlong.rpc.ports import free_port
 from furlong.trainer.core.learner import Learner, LearnerConfig
 from furlong.trainer.logprobs import log_probs_with_support
 from furlong.trainer.megatron._compat import megatron_version
-from furlong.trainer.megatron.gpt import MegatronCausalLM, init_model_parallel
+from furlong.trainer.megatron.gpt import MegatronCausalLM
+from furlong.trainer.megatron.parallel import init_model_parallel
 
 warnings.filterwarnings("ignore")
 

@@ -79,6 +79,11 @@ def _run(redis_url, out: Path, model: Path, backend: str, layout: int | str = 1,
     return result
 
 
+def _resume(redis_url, out: Path, model: Path, layout: int | str, checkpoint: Path) -> dict:
+    """A megatron run over `layout` resumed from a copy of training checkpoint `checkpoint`."""
+    return _run(redis_url, out, model, "megatron", layout, "--resume-from", str(checkpoint))
+
+
 def _write_model(family: str, tmp_path_factory, vocab: int = 16, tied: bool = False) -> Path:
     directory = tmp_path_factory.mktemp(f"{family}-vocab{vocab}{'-tied' if tied else ''}") / "model"
     subprocess.run(
@@ -106,6 +111,14 @@ def llama_model(tmp_path_factory) -> Path:
 def _max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert set(a) == set(b)
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _assert_trains_like(run: dict, one: dict) -> None:
+    """`run` (over several ranks) trained the steps the one-rank run `one` did: its losses, gradient
+    norms and published tensors."""
+    assert run["losses"] == pytest.approx(one["losses"], abs=LOSS_ABS)
+    assert run["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    assert _max_weight_diff(run["published"], one["published"]) < WEIGHT_ABS_RANKS
 
 
 def test_megatron_run_trains_and_publishes_what_the_torch_backend_does(model, tmp_path, redis_url):
@@ -165,21 +178,22 @@ def test_tensor_parallel_checkpoint_resumes_at_any_tensor_parallel_size(
     resume = ("--resume-from", str(_step_2(two_dir)))
     at_two = _run(redis_url, tmp_path / "tp2-at-tp2", model, "megatron", 2, *resume, "--refuse-tampered")
     at_one = _run(redis_url, tmp_path / "tp2-at-tp1", model, "megatron", 1, *resume)
-    one_at_two = _run(
-        redis_url, tmp_path / "tp1-at-tp2", model, "megatron", 2, "--resume-from", str(_step_2(one_dir))
-    )
+    one_at_two = _resume(redis_url, tmp_path / "tp1-at-tp2", model, 2, _step_2(one_dir))
+    _assert_resumes(one, two, at_two, at_one, one_at_two)
+
+
+def _assert_resumes(one: dict, two: dict, at_two: dict, at_one: dict, one_at_two: dict) -> None:
+    """Step 3 after resuming the step-2 checkpoint of the two-rank run `two` at two ranks (bit for
+    bit), at one rank, and the one-rank run `one`'s at two ranks (what the uninterrupted runs
+    train); the two-rank resume first refused two altered copies, naming file and tensor."""
     for resumed in (at_two, at_one, one_at_two):
         assert resumed["first_step"] == 3 and len(resumed["losses"]) == 1
-    # at the same size, bit for bit: the loss of step 3 and every published tensor
-    assert at_two["losses"] == two["losses"][2:]
-    assert at_two["grad_norms"] == two["grad_norms"][2:]
+    assert at_two["losses"] == two["losses"][2:] and at_two["grad_norms"] == two["grad_norms"][2:]
     assert all(torch.equal(at_two["published"][k], two["published"][k]) for k in two["published"])
-    # at another size, what the uninterrupted run of that size trains
     assert at_one["losses"] == pytest.approx(two["losses"][2:], abs=LOSS_ABS)
     assert _max_weight_diff(at_one["published"], two["published"]) < WEIGHT_ABS_RANKS
     assert one_at_two["losses"] == pytest.approx(one["losses"][2:], abs=LOSS_ABS)
     assert _max_weight_diff(one_at_two["published"], one["published"]) < WEIGHT_ABS_RANKS
-    # a checkpoint whose tensors have other shapes than the model's is refused, naming file and tensor
     policy, optimizer = at_two["refused"]
     assert "policy.safetensors" in policy and "gpt.decoder.layers.0.mlp.linear_fc1.weight" in policy
     assert "(127, 32) in the checkpoint, (128, 32) in the model" in policy
@@ -208,15 +222,7 @@ def test_a_vocabulary_two_ranks_cannot_split_trains_like_one_torch_rank_and_resu
     # nor checkpointed: the two-rank checkpoint holds the real vocabulary and resumes at one rank
     policy = load_file(_step_2(tmp_path / "tp2") / "policy.safetensors")
     assert policy["gpt.embedding.word_embeddings.weight"].shape == (15, 32)
-    at_one = _run(
-        redis_url,
-        tmp_path / "tp2-at-tp1",
-        model,
-        "megatron",
-        1,
-        "--resume-from",
-        str(_step_2(tmp_path / "tp2")),
-    )
+    at_one = _resume(redis_url, tmp_path / "tp2-at-tp1", model, 1, _step_2(tmp_path / "tp2"))
     assert at_one["first_step"] == 3
     assert at_one["losses"] == pytest.approx(torch_run["losses"][2:], abs=LOSS_ABS)
     assert _max_weight_diff(at_one["published"], torch_run["published"]) < WEIGHT_ABS_BACKENDS
@@ -273,15 +279,7 @@ def test_a_tied_embedding_over_two_stages_trains_like_the_torch_backend(
     # the checkpoint stores the embedding once, and resumes at one rank
     policy = load_file(_step_2(tmp_path / "pp2") / "policy.safetensors")
     assert "gpt.output_layer.weight" not in policy
-    at_one = _run(
-        redis_url,
-        tmp_path / "pp2-at-1",
-        model,
-        "megatron",
-        1,
-        "--resume-from",
-        str(_step_2(tmp_path / "pp2")),
-    )
+    at_one = _resume(redis_url, tmp_path / "pp2-at-1", model, 1, _step_2(tmp_path / "pp2"))
     assert at_one["losses"] == pytest.approx(torch_run["losses"][2:], abs=LOSS_ABS)
     assert _max_weight_diff(at_one["published"], torch_run["published"]) < WEIGHT_ABS_BACKENDS
 
@@ -297,29 +295,9 @@ def test_a_pipeline_checkpoint_resumes_at_any_layout(
         redis_url, tmp_path / "pp2-at-pp2", llama_model, "megatron", "1x2", *resume, "--refuse-tampered"
     )
     at_one = _run(redis_url, tmp_path / "pp2-at-1", llama_model, "megatron", 1, *resume)
-    one_at_two = _run(
-        redis_url,
-        tmp_path / "1-at-pp2",
-        llama_model,
-        "megatron",
-        "1x2",
-        "--resume-from",
-        str(_step_2(one_dir)),
-    )
-    for resumed in (at_two, at_one, one_at_two):
-        assert resumed["first_step"] == 3 and len(resumed["losses"]) == 1
-    # in the same layout, bit for bit
-    assert at_two["losses"] == two["losses"][2:] and at_two["grad_norms"] == two["grad_norms"][2:]
-    assert all(torch.equal(at_two["published"][k], two["published"][k]) for k in two["published"])
-    assert at_one["losses"] == pytest.approx(two["losses"][2:], abs=LOSS_ABS)
-    assert _max_weight_diff(at_one["published"], two["published"]) < WEIGHT_ABS_RANKS
-    assert one_at_two["losses"] == pytest.approx(one["losses"][2:], abs=LOSS_ABS)
-    assert _max_weight_diff(one_at_two["published"], one["published"]) < WEIGHT_ABS_RANKS
-    # malformed checkpoints are refused, naming file and tensor (every stage checks the whole one)
-    policy, optimizer = at_two["refused"]
-    assert "policy.safetensors" in policy and "gpt.decoder.layers.0.mlp.linear_fc1.weight" in policy
-    assert "(127, 32) in the checkpoint, (128, 32) in the model" in policy
-    assert "optimizer.safetensors" in optimizer and "0.exp_avg (the state of gpt.embedding" in optimizer
+    one_at_two = _resume(redis_url, tmp_path / "1-at-pp2", llama_model, "1x2", _step_2(one_dir))
+    # every stage checks the whole checkpoint before it keeps its layers
+    _assert_resumes(one, two, at_two, at_one, one_at_two)
 
 
 def test_replicas_of_the_layout_train_what_one_rank_does_and_checkpoint_once(
@@ -331,21 +309,11 @@ def test_replicas_of_the_layout_train_what_one_rank_does_and_checkpoint_once(
     four = _run(redis_url, tmp_path / "tp2dp2", llama_model, "megatron", "2x1x2")
     for run in (two, four):
         assert run["replicas"] == 2
-        assert run["losses"] == pytest.approx(one["losses"], abs=LOSS_ABS)
-        assert run["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
-        assert _max_weight_diff(run["published"], one["published"]) < WEIGHT_ABS_RANKS
+        _assert_trains_like(run, one)
     # the first replica writes the checkpoint (the one-rank layout), which resumes at one rank
     manifest = json.loads((_step_2(tmp_path / "tp2dp2") / "manifest.json").read_text())
     assert (manifest["tensor_parallel"], manifest["step"]) == (2, 2)
-    at_one = _run(
-        redis_url,
-        tmp_path / "at-1",
-        llama_model,
-        "megatron",
-        1,
-        "--resume-from",
-        str(_step_2(tmp_path / "tp2dp2")),
-    )
+    at_one = _resume(redis_url, tmp_path / "at-1", llama_model, 1, _step_2(tmp_path / "tp2dp2"))
     assert at_one["first_step"] == 3
     assert at_one["losses"] == pytest.approx(one["losses"][2:], abs=LOSS_ABS)
     assert _max_weight_diff(at_one["published"], one["published"]) < WEIGHT_ABS_RANKS
@@ -360,28 +328,10 @@ def test_context_parallel_ranks_train_what_one_rank_does_and_resume_at_one(
     four = _run(redis_url, tmp_path / "tp2cp2", llama_model, "megatron", "2x1x1x2")
     for run in (two, four):
         assert run["context_parallel"] == 2
-        assert run["losses"] == pytest.approx(one["losses"], abs=LOSS_ABS)
-        assert run["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
-        assert _max_weight_diff(run["published"], one["published"]) < WEIGHT_ABS_RANKS
+        _assert_trains_like(run, one)
     # the checkpoint (written by the first context-parallel rank) resumes at one rank, and back
-    at_one = _run(
-        redis_url,
-        tmp_path / "cp2-at-1",
-        llama_model,
-        "megatron",
-        1,
-        "--resume-from",
-        str(_step_2(tmp_path / "cp2")),
-    )
-    one_at_two = _run(
-        redis_url,
-        tmp_path / "1-at-cp2",
-        llama_model,
-        "megatron",
-        "1x1x1x2",
-        "--resume-from",
-        str(_step_2(one_dir)),
-    )
+    at_one = _resume(redis_url, tmp_path / "cp2-at-1", llama_model, 1, _step_2(tmp_path / "cp2"))
+    one_at_two = _resume(redis_url, tmp_path / "1-at-cp2", llama_model, "1x1x1x2", _step_2(one_dir))
     for resumed in (at_one, one_at_two):
         assert resumed["first_step"] == 3
         assert resumed["losses"] == pytest.approx(one["losses"][2:], abs=LOSS_ABS)

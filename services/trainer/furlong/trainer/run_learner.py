@@ -137,7 +137,8 @@ def check_megatron_run(config: TrainerRunConfig, model_config: object, device: t
 
 def _megatron_policy(config: TrainerRunConfig, model: torch.nn.Module) -> torch.nn.Module:
     """The run's policy as a megatron-core GPTModel holding `model`'s weights (this rank's shards)."""
-    from furlong.trainer.megatron.gpt import MegatronCausalLM, init_model_parallel
+    from furlong.trainer.megatron.gpt import MegatronCausalLM
+    from furlong.trainer.megatron.parallel import init_model_parallel
 
     check_megatron_run(config, model.config, next(model.parameters()).device)
     init_model_parallel(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import logging
 
@@ -169,28 +170,24 @@ class Scorer:
                 matmul_dtype=self.autocast_dtype,
             )
 
-        def scores(logits: torch.Tensor) -> LogProbs:
+        def scores(
+            logits: torch.Tensor, positions: torch.Tensor | None = None, index: torch.Tensor | None = None
+        ) -> LogProbs:
+            """The tokens `index` (default: all) at rows `positions` of `logits` (default: theirs)."""
+            return log_probs_with_support(
+                logits,
+                mb.targets if index is None else mb.targets[index],
+                mb.support,
+                self.temperature,
+                positions=mb.positions(logits.shape[1]) if positions is None else positions,
+                support_rows=index,
+                vocab_shard=self.vocab_shard,
+            )
+
+        def all_scores(logits: torch.Tensor) -> LogProbs:
             if context is None:
-                return log_probs_with_support(
-                    logits,
-                    mb.targets,
-                    mb.support,
-                    self.temperature,
-                    positions=mb.positions(logits.shape[1]),
-                    vocab_shard=self.vocab_shard,
-                )
-
-            def own(positions: torch.Tensor, index: torch.Tensor) -> LogProbs:
-                return log_probs_with_support(
-                    logits,
-                    mb.targets[index],
-                    mb.support,
-                    self.temperature,
-                    positions=positions,
-                    support_rows=index,
-                    vocab_shard=self.vocab_shard,
-                )
-
+                return scores(logits)
+            own = functools.partial(scores, logits)
             return context.scores(logits, mb.positions(mb.width), mb.width, own)  # type: ignore[no-any-return]
 
         # a context-parallel rank's logits are its share of the positions: it scores the tokens
@@ -202,8 +199,8 @@ class Scorer:
             with self._autocast():
                 out = model(**self._inputs(model, mb, self._pass_use_cache))
             output = out.logits if out.logits is not None else out.hidden
-            return stage.scores(output, scores, num_tokens=mb.positions(mb.width).numel())  # type: ignore[no-any-return]
-        return scores(self._logits(model, mb))
+            return stage.scores(output, all_scores, num_tokens=mb.positions(mb.width).numel())  # type: ignore[no-any-return]
+        return all_scores(self._logits(model, mb))
 
     def _logprobs(
         self, model: torch.nn.Module, mb: MicroBatch, chunked: bool
