@@ -21,14 +21,15 @@ Under torchrun (`ranks`), this object runs on rank 0 and drives the other ranks:
 run, training a step (on the groups rank 0 read) and ending a run are posted to them as commands
 (`ranks.TrainerRanks.command`), and each rank trains its slice of the batch over the trainer's
 process group (ddp or fsdp2). Publishing, exports and training checkpoints are rank 0's; with a
-sharded state (fsdp2, megatron tensor parallelism) the other ranks join their gathers
+sharded state (fsdp2, megatron model parallelism) the other ranks join their gathers
 (`run_state`), and a run resumes from either checkpoint format at any world size. A run whose
 `trainer.parallel.world_size` is not the trainer's is refused (ConflictError). Offload and restore
 need one rank.
 
 With `trainer.backend: megatron` every rank's learner trains a megatron-core GPTModel
-(`run_learner`); with `trainer.megatron.tensor_parallel` > 1 each rank holds its shards of the split
-layers, and its checkpoints resume at any tensor-parallel size.
+(`run_learner`), laid out as `trainer.megatron` says (tensor-parallel shards, pipeline stages,
+context-parallel shares of every sequence, replicas with strategy ddp), and its checkpoints resume
+in any layout.
 
 `offload` releases a run's tensors (policy, reference, value model, optimizer state) for a
 colocated rollout engine and `restore` brings them back bit for bit (`offload.Offloader`). While a
