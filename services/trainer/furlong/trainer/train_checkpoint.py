@@ -76,7 +76,8 @@ from furlong.trainer.megatron.checkpoint_stages import (
     check_whole,
     check_whole_optimizer,
     gather_stages,
-    one_rank_param_groups,
+    global_parameters,
+    one_group,
     stage_optimizer_state,
     stage_tensors,
 )
@@ -159,7 +160,8 @@ def save_training_checkpoint(
             return info
         models, tensors, optim_meta["scalars"] = gathered
         if megatron.pipeline is not None:
-            optim_meta["param_groups"] = one_rank_param_groups(megatron, optim_meta["param_groups"])
+            groups = optim_meta["param_groups"]
+            optim_meta["param_groups"] = one_group(groups, len(global_parameters(megatron)))
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -203,8 +205,6 @@ def _gather_whole(
     optimizer state (and its scalars, renumbered), on the rank that writes them (None on the
     others): a collective every rank joins (tensor-parallel gathers, then the pipeline stages'
     gather on the first)."""
-    if not megatron.writes_whole_state:  # a replica (or context-parallel peer) of the writer's
-        return None
     group = megatron.tensor_parallel_group
     check_split_layout(megatron, megatron.tensor_parallel)
     params = optimizer_parameters(megatron, learner.optimizer)
@@ -213,29 +213,13 @@ def _gather_whole(
     optim = gather_optimizer(optimizer, params, group, vocab_size)
     if megatron.pipeline is None:
         return (whole, optim, scalars) if megatron.tensor_parallel_rank == 0 else None
-    marked = {f"{index}.{_SCALAR}{entry}": v for index, entry, v in _entries(scalars)}
-    gathered = gather_stages(megatron, whole, {**optim, **marked}, params)
+    # tensors and scalars have distinct keys (`<index>.<entry>`): renumbered together, told apart after
+    gathered = gather_stages(megatron, whole, {**optim, **scalars}, params)
     if gathered is None:
         return None
     whole, entries = gathered
-    optim = {k: v for k, v in entries.items() if _SCALAR not in k}
-    scalars = {
-        f"{index}.{entry.removeprefix(_SCALAR)}": v
-        for index, entry, v in _entries(entries)
-        if entry.startswith(_SCALAR)
-    }
-    return whole, optim, scalars
-
-
-_SCALAR = "scalar:"  # an optimizer entry that is not a tensor, while the stages' entries are renumbered
-
-
-def _entries(state: dict[str, Any]) -> list[tuple[str, str, Any]]:
-    out = []
-    for key, value in state.items():
-        index, entry = key.split(".", 1)
-        out.append((index, entry, value))
-    return out
+    optim = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+    return whole, optim, {k: v for k, v in entries.items() if not isinstance(v, torch.Tensor)}
 
 
 def _files(directory: Path) -> list[Path]:
@@ -401,7 +385,7 @@ def load_training_checkpoint(learner: Learner, directory: str | Path) -> Checkpo
                 if megatron.pipeline is not None:
                     check_whole_optimizer(megatron, state["state"], str(file))
                     state["state"] = stage_optimizer_state(megatron, state["state"], params)
-                    state["param_groups"] = [{**state["param_groups"][0], "params": list(range(len(params)))}]
+                    state["param_groups"] = one_group(state["param_groups"], len(params))
                 state["state"] = shard_optimizer_state(
                     state["state"], params, rank, world, str(file), megatron.config.vocab_size
                 )

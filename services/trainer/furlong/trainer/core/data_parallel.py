@@ -125,24 +125,30 @@ class DataParallel:
     def sum_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         """All-reduce (sum) the gradients of params that no wrapper reduces: every parameter in
         `allreduce` mode, extra ones (a value model) otherwise."""
-        if not params:
-            return
-        grads: list[torch.Tensor] = []
-        for p in params:
-            if p.grad is None:  # a rank without rows, or a parameter its rows did not reach
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for p, grad in zip(params, grads):
-            grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        sum_gradients(params, self.group)
 
     def sum_floats(self, values: list[float]) -> list[float]:
         totals = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, group=self.group)
         return totals.tolist()
+
+
+def sum_gradients(params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Sum the gradients of `params` over `group` in one all-reduce (a missing gradient counts as
+    zeros: a rank without rows, or a parameter its rows did not reach)."""
+    if not params:
+        return
+    grads: list[torch.Tensor] = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p, grad in zip(params, grads):
+        grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

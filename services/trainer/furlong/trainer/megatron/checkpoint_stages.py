@@ -87,14 +87,14 @@ def gather_stages(
     return whole, optim
 
 
-def one_rank_param_groups(model: MegatronCausalLM, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The optimizer's param groups as a one-rank learner holds them (one group over every
-    parameter of the model)."""
+def one_group(groups: list[dict[str, Any]], num_params: int) -> list[dict[str, Any]]:
+    """The optimizer's one param group over `num_params` parameters: the one-rank model's (in a
+    checkpoint) or this stage's (on resume)."""
     if len(groups) != 1:
         raise ValueError(
             f"a pipeline-parallel checkpoint needs one optimizer param group, the learner has {len(groups)}"
         )
-    return [{**groups[0], "params": list(range(len(global_parameters(model))))}]
+    return [{**groups[0], "params": list(range(num_params))}]
 
 
 def check_whole(model: MegatronCausalLM, tensors: dict[str, torch.Tensor], what: str) -> None:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from furlong.trainer.core.data_parallel import sum_gradients
 from furlong.trainer.logprobs import VocabShard
 from furlong.trainer.megatron._compat import apply_cpu_shims
 from furlong.trainer.megatron.checkpoint_shards import whole_shape
@@ -157,7 +158,9 @@ class MegatronCausalLM(torch.nn.Module):
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._tp_world = parallel_state.get_tensor_model_parallel_world_size()
         self.stage = pipeline_stage(config)
-        self.context = context  # the one `build_gpt_model` built `gpt` with
+        # this rank's share of the positions (None: it holds every position); the one
+        # `build_gpt_model` built `gpt` with
+        self.context_parallel = context
         # this rank's slice of the padded vocabulary, and how many of its ids are real ones
         self._vocab_per_rank = padded_vocab_size(config.vocab_size, self._tp_world) // self._tp_world
         self._vocab_start = self._tp_rank * self._vocab_per_rank
@@ -200,7 +203,7 @@ class MegatronCausalLM(torch.nn.Module):
             (
                 name,
                 tuple(whole_shape(name, t.shape, self._tp_world, self.config.vocab_size)),
-                str(t.dtype).removeprefix("torch."),
+                t.dtype,
                 name in params,
             )
             for name, t in self._own_tensors().items()
@@ -210,7 +213,7 @@ class MegatronCausalLM(torch.nn.Module):
             stages = [None] * self.stage.world
             dist.all_gather_object(stages, own, group=self.stage.group)
         return {
-            name: TensorLayout(stage, shape, getattr(torch, dtype), parameter)
+            name: TensorLayout(stage, shape, dtype, parameter)
             for stage, entries in enumerate(stages)
             for name, shape, dtype, parameter in entries
         }
@@ -289,15 +292,11 @@ class MegatronCausalLM(torch.nn.Module):
         return int(self._tp_world)
 
     @property
-    def context_parallel(self) -> ContextParallel | None:
-        """This rank's share of the positions (None: it holds every position)."""
-        return self.context
-
-    @property
     def writes_whole_state(self) -> bool:
         """Whether this rank's replica and context-parallel share are the first: the ones whose
         ranks gather and write a checkpoint (the others hold the same tensors)."""
-        return self.data_parallel_rank == 0 and (self.context is None or self.context.rank == 0)
+        context = self.context_parallel
+        return self.data_parallel_rank == 0 and (context is None or context.rank == 0)
 
     @property
     def data_parallel_rank(self) -> int:
@@ -346,15 +345,9 @@ class MegatronCausalLM(torch.nn.Module):
         context-parallel ranks (each holds its positions' share), and a tied embedding split over
         two stages gets the sum of both copies' gradients on both (what the one tensor of a
         one-stage model gets)."""
-        if self.context is not None:
+        if self.context_parallel is not None:
             params = [p for p in self.gpt.parameters() if p.requires_grad]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.context.group)
-            offset = 0
-            for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+            sum_gradients(params, self.context_parallel.group)
         if self._embedding_group is None:
             return
         weight = (
@@ -397,9 +390,9 @@ class MegatronCausalLM(torch.nn.Module):
         return norm.float()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> SimpleNamespace:
-        if self.context is not None:  # this rank's positions of every sequence
+        if self.context_parallel is not None:  # this rank's positions of every sequence
             pad = getattr(self.config, "pad_token_id", None)
-            input_ids = self.context.split(input_ids, pad if isinstance(pad, int) else 0)
+            input_ids = self.context_parallel.split(input_ids, pad if isinstance(pad, int) else 0)
         b, s = input_ids.shape
         positions = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=input_ids.device), diagonal=1)

@@ -125,11 +125,9 @@ class PipelineStage:
         self, stage: int, tensor: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype
     ) -> torch.Tensor:
         """`tensor` of stage `stage` on every stage of the group (a collective: every stage calls it;
-        `tensor` is None on the others, which allocate `shape` and `dtype`)."""
-        if self.world == 1:
-            assert tensor is not None
-            return tensor
-        src = dist.get_global_rank(self.group, stage) if self.group is not None else stage
+        `tensor` is None on the others, which allocate `shape` and `dtype`). Several stages only."""
+        assert self.group is not None
+        src = dist.get_global_rank(self.group, stage)
         out = (
             tensor.detach().contiguous()
             if stage == self.rank and tensor is not None
