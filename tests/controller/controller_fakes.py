@@ -158,8 +158,9 @@ class FakeTrainer:
         return 1
 
     def checkpoint(self, run_id: str, directory: str = "") -> CheckpointResult:
+        # the checkpoint is of the state the call found; a gate only delays the answer
+        run = dict(self._run(run_id))
         self.faults.hit("trainer.checkpoint")
-        run = self._run(run_id)
         return CheckpointResult(
             run_id=run_id, path=f"/checkpoints/{run_id}", step=run["step"], policy_version=run["version"]
         )

@@ -38,6 +38,9 @@ SCRIPT = ROOT / "tests/trainer/megatron_service_run.py"
 LOSS_ABS = 1e-6
 WEIGHT_ABS_BACKENDS = 1e-4  # megatron vs torch after 3 steps
 WEIGHT_ABS_RANKS = 1e-5  # two tensor-parallel ranks vs one
+# two context-parallel ranks (of two tensor-parallel shards each) vs one: attention over gathered
+# keys and values sums in another order (measured 3.8e-6 alone, 1.15e-5 with tensor parallelism)
+WEIGHT_ABS_CONTEXT = 5e-5
 
 
 def _env(redis_url: str) -> dict[str, str]:
@@ -113,12 +116,12 @@ def _max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _assert_trains_like(run: dict, one: dict) -> None:
+def _assert_trains_like(run: dict, one: dict, weight_abs: float = WEIGHT_ABS_RANKS) -> None:
     """`run` (over several ranks) trained the steps the one-rank run `one` did: its losses, gradient
-    norms and published tensors."""
+    norms and published tensors (within `weight_abs`)."""
     assert run["losses"] == pytest.approx(one["losses"], abs=LOSS_ABS)
     assert run["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
-    assert _max_weight_diff(run["published"], one["published"]) < WEIGHT_ABS_RANKS
+    assert _max_weight_diff(run["published"], one["published"]) < weight_abs
 
 
 def test_megatron_run_trains_and_publishes_what_the_torch_backend_does(model, tmp_path, redis_url):
@@ -328,7 +331,7 @@ def test_context_parallel_ranks_train_what_one_rank_does_and_resume_at_one(
     four = _run(redis_url, tmp_path / "tp2cp2", llama_model, "megatron", "2x1x1x2")
     for run in (two, four):
         assert run["context_parallel"] == 2
-        _assert_trains_like(run, one)
+        _assert_trains_like(run, one, WEIGHT_ABS_CONTEXT)
     # the checkpoint (written by the first context-parallel rank) resumes at one rank, and back
     at_one = _resume(redis_url, tmp_path / "cp2-at-1", llama_model, 1, _step_2(tmp_path / "cp2"))
     one_at_two = _resume(redis_url, tmp_path / "1-at-cp2", llama_model, "1x1x1x2", _step_2(one_dir))
