@@ -1,7 +1,8 @@
 """Environments for the rollout tests, imported by name in the environment worker processes (so no
 torch here). `CountingEnvironment` answers every assistant turn with a tool message that names the
-turn and the length of what the policy wrote, rewards 0.25 per turn and ends after three turns;
-a row whose metadata says "crash" or "hang" makes its step kill the worker or never answer."""
+turn and the length of what the policy wrote, rewards 0.25 per turn and ends after three turns (or
+the row's metadata "turns"); a row whose metadata says "crash" or "hang" makes its step kill the
+worker or never answer."""
 
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ def tool_answer(turn: int, text: str) -> str:
 class CountingEnvironment:
     def __init__(self) -> None:
         self._turn = 0
+        self._turns = TURNS
         self._mode = ""
 
     def reset(self, row: Mapping[str, Any]) -> EpisodeStart:
         self._turn = 0
         self._mode = str(row["metadata"].get("mode", ""))
+        self._turns = int(row["metadata"].get("turns", TURNS))
         if self._mode == "hang_reset":
             time.sleep(3600)
         return EpisodeStart(messages=list(row["messages"]), tools=[COUNT_TOOL])
@@ -42,7 +45,7 @@ class CountingEnvironment:
             os._exit(3)
         if self._mode == "hang":
             time.sleep(3600)
-        done = self._turn >= TURNS
+        done = self._turn >= self._turns
         messages = [] if done else [{"role": "tool", "content": tool_answer(self._turn, turn.text)}]
         return StepResult(messages=messages, reward=TURN_REWARD, done=done)
 

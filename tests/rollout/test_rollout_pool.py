@@ -1,6 +1,8 @@
 """The engine pool: engines as separate processes, least-loaded routing, and kill -9 of an engine
 during a request (acceptance 3): the request completes, the ledger shows every sample done exactly
-once, and the engine comes back serving the pool's current policy version."""
+once, and the engine comes back serving the pool's current policy version. With session affinity,
+rows bound to an engine are sent to it, and when it dies they are served elsewhere and bound
+there."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import threading
 import pytest
 import redis
 from polling import wait_until as wait_for
+from recording_ledger import RecordingLedger
 from rollout_models import tokenizer, write_checkpoint
 
 from furlong.core.errors import UnavailableError
 from furlong.rollout.core.sampling import SamplingConfig
+from furlong.rollout.core.session_affinity import SessionAffinity
 from furlong.rollout.pool import EnginePool, PoolConfig
 from furlong.rollout.sample_ledger import DONE, RedisSampleLedger, ledger_key
 
@@ -80,6 +84,47 @@ def test_kill_9_during_a_request_loses_and_duplicates_nothing(redis_url, tmp_pat
         assert sorted(again) == sorted(s for s, _ in rows[:8])
         with pytest.raises(ValueError, match="sample ids repeat"):
             pool.generate("req-3", rows[:2] * 2, config)
+    finally:
+        pool.close()
+        red.close()
+
+
+def test_bound_rows_go_to_their_engine_and_are_bound_elsewhere_when_it_dies(redis_url, tmp_path):
+    v0 = str(write_checkpoint(tmp_path / "v0", seed=61))
+    red = redis.Redis.from_url(redis_url)
+    ledger = RecordingLedger(RedisSampleLedger(red))
+    tok = tokenizer()
+    config = PoolConfig(num_engines=2, chunk_rows=2, max_batch_size=4)
+    pool = EnginePool(v0, tok, tok.vocab_size, config, log_dir=tmp_path / "logs", ledger=ledger)
+    e0, e1 = "pool-engine-0", "pool-engine-1"
+    rows = [(f"p{i}/{j}", tok.encode(f"{i}+{j}=")) for i in range(4) for j in range(2)]
+    ids = [sid for sid, _ in rows]
+    sampled = SamplingConfig(temperature=1.0, top_k=8, max_new_tokens=8, seed=9)
+    try:
+        pool.start()
+        affinity = SessionAffinity()
+        assert sorted(pool.generate("turn-0", rows, sampled, affinity=affinity)) == sorted(ids)
+        served = ledger.engines_of("turn-0")
+        assert affinity.engines_of(ids) == {sid: engines[-1] for sid, engines in served.items()}
+
+        # The first half bound to engine 1: routed least-loaded, its first chunk would go to engine 0.
+        affinity.bind(ids[:4], e1)
+        affinity.bind(ids[4:], e0)
+        assert sorted(pool.generate("turn-1", rows, sampled, affinity=affinity)) == sorted(ids)
+        assert ledger.engines_of("turn-1") == {sid: [e1] if sid in ids[:4] else [e0] for sid in ids}
+        assert affinity.engines_of(ids) == {sid: e1 if sid in ids[:4] else e0 for sid in ids}
+
+        killed = pool.adapter(e1)
+        assert killed is not None
+        os.kill(pool.pids()[e1], signal.SIGKILL)
+        wait_for(lambda: not killed.alive(timeout_s=1.0), 30, "the killed engine to stop answering")
+        assert sorted(pool.generate("turn-2", rows, sampled, affinity=affinity)) == sorted(ids)
+        moved = ledger.engines_of("turn-2")
+        assert {sid: engines[-1] for sid, engines in moved.items()} == {sid: e0 for sid in ids}
+        assert affinity.engines_of(ids) == {sid: e0 for sid in ids}  # bound where they were served
+        states = RedisSampleLedger(red).states("turn-2")
+        assert set(states.values()) == {DONE} and len(states) == len(ids)
+        assert pool.duplicates_refused == 0
     finally:
         pool.close()
         red.close()

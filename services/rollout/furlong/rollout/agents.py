@@ -3,16 +3,19 @@
 A run with `agent.function` (`furlong.core.settings.AgentSettings`) draws each sample by calling
 `await function(row, client)`: `row` is the dataset row (`prompt` or `messages`, `tools`, `answer`,
 `metadata`) and `client` an `openai.AsyncOpenAI` bound to a fresh session of the OpenAI-compatible
-gateway (`furlong.rollout.gateway`) over the run's serving engine, reached in this process (an
-in-memory ASGI transport: no port, no network). Whatever model name the agent asks for, its calls
-are served by the run's policy, sampled with the run's sampling settings (temperature, top-k,
-top-p, min-p replace the call's; the seed is the sample's own, stepped at each call) and one choice
-per call. Every call is recorded token-exact with its sampling supports; when the agent
-returns its reward, the session becomes one training trajectory (`core.agent_sessions`). An agent
-that raises, overruns `timeout_s`, makes more than `max_calls` calls or returns something not a
-finite number fails its sample as an infrastructure failure: its group is left out of the step.
-At most `concurrency` agents run at once, each in the harness's event loop; their calls reach the
-engine one at a time (the engine holds its batch lock for a call).
+gateway (`furlong.rollout.gateway`) over the run's engines, reached in this process (an in-memory
+ASGI transport: no port, no network). Each session is placed on one of the run's serving engines
+as it starts (the least-loaded, as the gateway places a new session) and every call of the session
+goes to that engine (its prefix cache holds the conversation so far). Whatever model name the agent
+asks for, its calls are served by the run's policy, sampled with the run's sampling settings
+(temperature, top-k, top-p, min-p replace the call's; the seed is the sample's own, stepped at each
+call) and one choice per call. Every call is recorded token-exact with its sampling supports; when
+the agent returns its reward, the session becomes one training trajectory (`core.agent_sessions`).
+An agent that raises, overruns `timeout_s`, makes more than `max_calls` calls or returns something
+not a finite number fails its sample as an infrastructure failure: its group is left out of the
+step.
+At most `concurrency` agents run at once, each in the harness's event loop; the calls of sessions
+on one engine reach it one at a time (the engine holds its batch lock for a call).
 """
 
 from __future__ import annotations
@@ -22,18 +25,19 @@ import dataclasses
 import inspect
 import logging
 import math
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from furlong.core.samples import Sample
 from furlong.core.settings import AgentSettings
 from furlong.rollout.core.agent_sessions import RunAgent, session_trajectory
-from furlong.rollout.core.engine import Engine, Generation, TokenCallback
+from furlong.rollout.core.engine import Generation, TokenCallback
 from furlong.rollout.core.environment import ERROR, TIMEOUT, EnvironmentFailure
 from furlong.rollout.core.episodes import EpisodeResult, row_of
 from furlong.rollout.core.gateway_session import SessionLog
 from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
-from furlong.rollout.core.served_models import EngineModel, ServedModel
+from furlong.rollout.core.served_models import ModelCatalog, ServedModel
 from furlong.rollout.core.types import Prompt
 from furlong.rollout.rewards import resolve_reference
 
@@ -62,10 +66,10 @@ def resolve_agent(reference: str) -> AgentFn:
 
 
 class _TrainingModel:
-    """The run's engine as the gateway serves it to a training session: the run's sampling
+    """The session's engine as the gateway serves it to a training session: the run's sampling
     replaces the call's, one choice per call."""
 
-    def __init__(self, base: EngineModel, sampling: SamplingConfig) -> None:
+    def __init__(self, base: ServedModel, sampling: SamplingConfig) -> None:
         self._base = base
         self._sampling = sampling
         self._calls = 0
@@ -106,17 +110,21 @@ class _AnyName:
     def names(self) -> list[str]:
         return [self._model.name]
 
-    def get(self, name: str) -> ServedModel:
+    def get(self, name: str, session_id: str | None = None) -> ServedModel:
         return self._model
+
+    def close_session(self, session_id: str) -> None:
+        pass  # the harness ends its sessions with the run's models itself
 
 
 class AgentHarness(RunAgent):
-    def __init__(
-        self, settings: AgentSettings, run_id: str, served: Callable[[], tuple[Engine, Any]]
-    ) -> None:
+    """`models` is the run's model as the gateway serves it: `get(run_id, session_id)` places a
+    session on one of the run's engines, `close_session` forgets it."""
+
+    def __init__(self, settings: AgentSettings, run_id: str, models: ModelCatalog) -> None:
         self._settings = settings
         self._run_id = run_id
-        self._served = served
+        self._models = models
         self._fn = resolve_agent(settings.function)
 
     def draw(
@@ -125,12 +133,12 @@ class AgentHarness(RunAgent):
         sampling: SamplingConfig,
         seed_of: Callable[[int], int],
     ) -> Mapping[str, EpisodeResult | EnvironmentFailure]:
-        engine, tokenizer = self._served()
-        return asyncio.run(self._draw(engine, tokenizer, episodes, sampling, seed_of))
+        # a run that cannot be served fails the draw before any session starts
+        tokenizer = self._models.get(self._run_id).tokenizer
+        return asyncio.run(self._draw(tokenizer, episodes, sampling, seed_of))
 
     async def _draw(
         self,
-        engine: Engine,
         tokenizer: Any,
         episodes: Sequence[tuple[str, Prompt]],
         sampling: SamplingConfig,
@@ -142,24 +150,27 @@ class AgentHarness(RunAgent):
         from furlong.rollout.gateway.calls import Gateway
 
         sessions = SessionLog(max_sessions=max(1, len(episodes)), max_calls=self._settings.max_calls)
-        apps: dict[int, Any] = {}
         out: dict[str, EpisodeResult | EnvironmentFailure] = {}
         gate = asyncio.Semaphore(self._settings.concurrency)
-        base = EngineModel(self._run_id, engine, tokenizer)
-
-        def app_for(seed: int) -> Any:
-            # one app per seed: a session's calls are sampled with its sample's own seed
-            model = _TrainingModel(base, dataclasses.replace(sampling, seed=seed))
-            return create_app(Gateway(_AnyName(model), sessions))
+        draw = uuid.uuid4().hex  # this draw's sessions are distinct from any other's at the engines
 
         async def one(index: int, sid: str, prompt: Prompt) -> None:
             session = f"s{index}"
             async with gate:
-                app = apps.setdefault(index, app_for(seed_of(index)))
-                transport = httpx.ASGITransport(app=app)
-                async with httpx.AsyncClient(transport=transport, base_url=BASE_URL, timeout=None) as http:
-                    out[sid] = await self._session(sid, session, prompt, http, sessions, tokenizer)
-                apps.pop(index, None)
+                # Placed as it starts (the least-loaded engine), then every call on that engine.
+                placed = f"furlong-agent-{draw}-{index}"
+                base = self._models.get(self._run_id, placed)
+                try:
+                    # a session's calls are sampled with its sample's own seed
+                    model = _TrainingModel(base, dataclasses.replace(sampling, seed=seed_of(index)))
+                    app = create_app(Gateway(_AnyName(model), sessions))
+                    transport = httpx.ASGITransport(app=app)
+                    async with httpx.AsyncClient(
+                        transport=transport, base_url=BASE_URL, timeout=None
+                    ) as http:
+                        out[sid] = await self._session(sid, session, prompt, http, sessions, tokenizer)
+                finally:
+                    self._models.close_session(placed)
 
         await asyncio.gather(*(one(i, sid, prompt) for i, (sid, prompt) in enumerate(episodes)))
         return out
@@ -211,6 +222,6 @@ class AgentHarness(RunAgent):
         pass
 
 
-def agent_harness(settings: AgentSettings, run_id: str, served: Callable[[], tuple[Engine, Any]]) -> RunAgent:
+def agent_harness(settings: AgentSettings, run_id: str, models: ModelCatalog) -> RunAgent:
     """The rollout service's `run_agents` factory."""
-    return AgentHarness(settings, run_id, served)
+    return AgentHarness(settings, run_id, models)

@@ -14,6 +14,10 @@ Furlong's `engine_server` or SGLang's `launch_server`, each in its own process g
 - **Routing**: a request's rows are cut into chunks of `chunk_rows`; each chunk goes to the healthy
   engine with the fewest chunks in flight. A chunk's seed is derived from the request seed and the
   chunk's index, so a retried chunk draws what it would have drawn on the first engine.
+- **Session affinity**: with `generate(..., affinity=a)` (`core.session_affinity`), the rows bound
+  to a serving engine are cut into chunks for that engine and sent there first (a failure there is
+  retried least-loaded, as any chunk); the other rows are chunked and routed as above. The engine
+  that delivers each row is bound in `a`, so a multi-turn episode's turns stay on one engine.
 - **Failures**: an engine that cannot be reached (connection refused, reset, 5xx, a dead process) is
   marked unhealthy and restarted in the background; its in-flight chunks are retried on other
   engines, up to `max_attempts` engines per chunk. A monitor thread polls every process every
@@ -54,6 +58,7 @@ import torch
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.rollout.core.engine import Generation
 from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
+from furlong.rollout.core.session_affinity import SessionAffinity, pool_chunks
 from furlong.rollout.core.types import EngineState, EngineStatus, SampleLedger, last_engine_message
 from furlong.rollout.engine_launch import LaunchSpec, start_process, stop_process
 from furlong.rollout.sglang import SGLangEngine
@@ -322,12 +327,17 @@ class EnginePool:
 
     # -- routing ---------------------------------------------------------------------------------
 
-    def _acquire(self, exclude: set[str]) -> _EngineProcess:
+    def _acquire(self, exclude: set[str], prefer: str | None = None) -> _EngineProcess:
+        """`prefer` when it serves and is not excluded, else the least-loaded serving engine."""
         deadline = time.monotonic() + self.config.startup_timeout_s
         with self._cond:
             while True:
                 serving = [e for e in self._engines if e.healthy and not e.draining]
                 ready = [e for e in serving if e.engine_id not in exclude]
+                preferred = [e for e in ready if e.engine_id == prefer]
+                if preferred:
+                    preferred[0].in_flight += 1
+                    return preferred[0]
                 if not ready:  # everyone was tried: allow a restarted engine again
                     ready = serving
                 if ready:
@@ -353,26 +363,30 @@ class EnginePool:
         config: SamplingConfig,
         seed_of: Callable[[int], int] | None = None,
         enough: Callable[[Mapping[str, Generation]], bool] | None = None,
+        affinity: SessionAffinity | None = None,
     ) -> dict[str, Generation]:
         """One generation per (sample id, prompt ids) row, keyed by sample id, in the order the
         chunks completed. Chunk i samples with seed `seed_of(i)` (default: derived from
-        config.seed). Once `enough(results so far)` is true, chunks not yet started are skipped."""
+        config.seed). Once `enough(results so far)` is true, chunks not yet started are skipped.
+        With `affinity`, bound rows go to their engine first and delivered rows are bound."""
         ids = [sample_id for sample_id, _ in rows]
         if len(set(ids)) != len(ids):
             raise ValueError(f"request {request_id}: sample ids repeat")
         if self._ledger is not None:
             self._ledger.open(request_id, ids)
         seed_of = seed_of or (lambda i: chunk_seed(config.seed, i))
-        size = self.config.chunk_rows
-        chunks = [list(rows[i : i + size]) for i in range(0, len(rows), size)]
+        with self._cond:
+            serving = [e.engine_id for e in self._engines if e.healthy and not e.draining]
+        bound = affinity.engines_of(ids) if affinity is not None else {}
+        chunks = [  # (the engine its rows are bound to, the rows, their sampling)
+            (c.engine_id, [rows[i] for i in c.rows], dataclasses.replace(config, seed=seed_of(k)))
+            for k, c in enumerate(pool_chunks(ids, serving, bound, self.config.chunk_rows))
+        ]
         out: dict[str, Generation] = {}
         stop = threading.Event()
         with ThreadPoolExecutor(max_workers=max(1, min(len(chunks), 2 * len(self._engines)))) as ex:
             futures = [
-                ex.submit(
-                    self._run_chunk, request_id, i, c, dataclasses.replace(config, seed=seed_of(i)), stop
-                )
-                for i, c in enumerate(chunks)
+                ex.submit(self._run_chunk, request_id, i, *c, stop, affinity) for i, c in enumerate(chunks)
             ]
             try:
                 for f in as_completed(futures):
@@ -388,16 +402,18 @@ class EnginePool:
         self,
         request_id: str,
         index: int,
+        prefer: str | None,
         chunk: list[tuple[str, list[int]]],
         chunk_config: SamplingConfig,
         stop: threading.Event,
+        affinity: SessionAffinity | None,
     ) -> dict[str, Generation]:
         tried: set[str] = set()
         errors: list[str] = []
         for _ in range(self.config.max_attempts):
             if stop.is_set():
                 return {}
-            e = self._acquire(tried)
+            e = self._acquire(tried, prefer)
             tried.add(e.engine_id)
             try:
                 if self._ledger is not None:
@@ -409,7 +425,10 @@ class EnginePool:
                 continue
             finally:
                 self._release(e)
-            return self._deliver(request_id, chunk, gens)
+            out = self._deliver(request_id, chunk, gens)
+            if affinity is not None:
+                affinity.bind(out, e.engine_id)
+            return out
         raise UnavailableError(
             f"request {request_id} chunk {index} failed on {self.config.max_attempts} engines: {errors}"
         )

@@ -48,6 +48,7 @@ from furlong.rollout.core.engine_set import (
     engine_prefix,
 )
 from furlong.rollout.core.sampling import SamplingConfig
+from furlong.rollout.core.session_affinity import SessionAffinity
 from furlong.rollout.core.types import (
     EngineStatus,
     ReceiverFactory,
@@ -197,8 +198,10 @@ class ProcessEngines:
         sampling: SamplingConfig,
         seed_of: SeedOf,
         enough: Enough | None = None,
+        *,
+        affinity: SessionAffinity | None = None,
     ) -> dict[str, Generation]:
-        return self.pool.generate(request_id, rows, sampling, seed_of, enough)
+        return self.pool.generate(request_id, rows, sampling, seed_of, enough, affinity=affinity)
 
     def status(self) -> list[EngineStatus]:
         return self.pool.status()

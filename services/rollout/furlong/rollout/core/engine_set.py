@@ -4,19 +4,23 @@ A run's engines either live inside the rollout service (`InProcessEngines`: one 
 replica, weight versions applied by one receiver per engine) or run as separate processes
 (`furlong.rollout.process_engines.ProcessEngines`, over the engine pool). The service only sees
 `EngineSet`: rows keyed by sample id go in, generations keyed by sample id come out, and every
-sample is recorded in the sample ledger on its way (pending → in flight on an engine → done).
+sample is recorded in the sample ledger on its way (pending → in flight on an engine → done). With
+a `SessionAffinity` (core.session_affinity) the rows of a session go to the engine that served it
+before and the engine that delivers each row is recorded in it, so a multi-turn episode's turns
+stay on one engine (its prefix cache) while that engine serves.
 
 Knows nothing about gRPC, Redis or processes: the ledger is the `SampleLedger` seam.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -25,9 +29,9 @@ import torch
 from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
 from furlong.core.settings import RolloutSettings
 from furlong.core.settings.rollout import ENGINE_BUILTIN
-from furlong.rollout.core.checks import split_evenly
 from furlong.rollout.core.engine import Engine, Generation
 from furlong.rollout.core.sampling import SamplingConfig, SupportBound
+from furlong.rollout.core.session_affinity import EngineLoad, GatewaySessions, SessionAffinity, place_rows
 from furlong.rollout.core.types import (
     ApplyWeightsFn,
     EngineState,
@@ -49,7 +53,9 @@ Enough = Callable[[Mapping[str, Generation]], bool]
 class EngineSet(Protocol):
     """A run's engines. Thread-safe. `generate` returns a generation for every row, in the order
     the rows completed, unless `enough(results so far)` became true: then rows not yet started are
-    skipped (the caller closes them in the ledger). UnavailableError when no engine can serve."""
+    skipped (the caller closes them in the ledger). UnavailableError when no engine can serve.
+    With `affinity`, a row whose sample id is bound to a serving engine is generated there, and
+    every delivered row's sample id is bound to the engine that generated it."""
 
     engine_ids: list[str]
 
@@ -67,6 +73,8 @@ class EngineSet(Protocol):
         sampling: SamplingConfig,
         seed_of: SeedOf,
         enough: Enough | None = None,
+        *,
+        affinity: SessionAffinity | None = None,
     ) -> dict[str, Generation]: ...
 
     def status(self) -> list[EngineStatus]: ...
@@ -96,12 +104,18 @@ class _Slot:
 
 class InProcessEngines:
     """`num_engines` replicas of one model in this process. A request's rows are split evenly over
-    the serving (not drained) engines. With T torch threads and E engines taking shares, min(E, T)
+    the serving (not drained) engines; with a `SessionAffinity`, bound rows go to their engine and
+    the others to the least-loaded engines (`session_affinity.place_rows`: a request without bound
+    rows is still split evenly). With T torch threads and E engines taking shares, min(E, T)
     shares run at once, each on T // min(E, T) torch threads of its own (on a CPU host two 1-thread
     engines decode faster together than one 2-thread engine: the small decode matmuls do not split
     well); with one thread they run one after another. Either way the results are taken in share
     order, and once `enough` is satisfied the later shares' results are not recorded (one after
-    another, those shares do not even start). Share i samples with `seed_of(i)`."""
+    another, those shares do not even start). Share i samples with `seed_of(i)`.
+
+    Gateway calls (`place_call`, `gateway_call`) are counted in flight on their engine like shares;
+    a gateway session stays on the engine of its first call while that engine serves
+    (`session_affinity.GatewaySessions`)."""
 
     def __init__(
         self,
@@ -122,6 +136,7 @@ class InProcessEngines:
         self._ledger = ledger
         self._observer = observer
         self._lock = threading.Lock()
+        self._sessions = GatewaySessions()
         self._slots = [
             _Slot(
                 engine_id=f"{prefix}-engine-{i}",
@@ -172,22 +187,28 @@ class InProcessEngines:
         sampling: SamplingConfig,
         seed_of: SeedOf,
         enough: Enough | None = None,
+        *,
+        affinity: SessionAffinity | None = None,
     ) -> dict[str, Generation]:
         with self._lock:
-            serving = [s for s in self._slots if not s.draining]
+            serving = {s.engine_id: s for s in self._slots if not s.draining}
+            loads = [EngineLoad(s.engine_id, s.in_flight) for s in serving.values()]
         if not serving:
             raise UnavailableError(f"run {self._run_id}: every engine is drained")
-        self._ledger.open(request_id, [sid for sid, _ in rows])
+        ids = [sid for sid, _ in rows]
+        self._ledger.open(request_id, ids)
+        bound = affinity.engines_of(ids) if affinity is not None else {}
         shares = [
-            (share, serving[share], list(rows[start:end]))
-            for share, (start, end) in enumerate(split_evenly(len(rows), len(serving)))
-            if end > start
+            (share, serving[placed.engine_id], [rows[i] for i in placed.rows])
+            for share, placed in enumerate(place_rows(ids, loads, bound))
         ]
         threads = torch.get_num_threads()
         at_once = min(len(shares), threads)
         if at_once <= 1:
-            return self._one_after_another(request_id, shares, sampling, seed_of, enough)
-        return self._at_once(request_id, shares, sampling, seed_of, enough, at_once, threads // at_once)
+            return self._one_after_another(request_id, shares, sampling, seed_of, enough, affinity)
+        return self._at_once(
+            request_id, shares, sampling, seed_of, enough, affinity, at_once, threads // at_once
+        )
 
     def _one_after_another(
         self,
@@ -196,14 +217,14 @@ class InProcessEngines:
         sampling: SamplingConfig,
         seed_of: SeedOf,
         enough: Enough | None,
+        affinity: SessionAffinity | None,
     ) -> dict[str, Generation]:
         out: dict[str, Generation] = {}
         for share, slot, part in shares:
             if enough is not None and enough(out):
                 break
-            self._finish(
-                request_id, part, self._run_share(request_id, slot, part, sampling, seed_of(share)), out
-            )
+            gens = self._run_share(request_id, slot, part, sampling, seed_of(share))
+            self._finish(request_id, slot, part, gens, out, affinity)
         return out
 
     def _at_once(
@@ -213,6 +234,7 @@ class InProcessEngines:
         sampling: SamplingConfig,
         seed_of: SeedOf,
         enough: Enough | None,
+        affinity: SessionAffinity | None,
         at_once: int,
         threads_each: int,
     ) -> dict[str, Generation]:
@@ -228,7 +250,7 @@ class InProcessEngines:
         with ThreadPoolExecutor(max_workers=at_once, thread_name_prefix=f"{self._run_id}-share") as pool:
             futures = [pool.submit(run, *share) for share in shares]
             errors: list[BaseException] = []
-            for (_, _, part), future in zip(shares, futures):
+            for (_, slot, part), future in zip(shares, futures):
                 try:
                     gens = future.result()  # every share ends before this call returns
                 except Exception as exc:  # noqa: BLE001 - raised below, after the other shares
@@ -236,7 +258,7 @@ class InProcessEngines:
                     continue
                 if errors or (enough is not None and enough(out)):
                     continue
-                self._finish(request_id, part, gens, out)
+                self._finish(request_id, slot, part, gens, out, affinity)
         if errors:
             raise errors[0]
         return out
@@ -262,18 +284,58 @@ class InProcessEngines:
         return gens
 
     def _finish(
-        self, request_id: str, part: list[Row], gens: list[Generation], out: dict[str, Generation]
+        self,
+        request_id: str,
+        slot: _Slot,
+        part: list[Row],
+        gens: list[Generation],
+        out: dict[str, Generation],
+        affinity: SessionAffinity | None,
     ) -> None:
+        delivered = []
         for (sid, _), g in zip(part, gens):
             if self._ledger.finish(request_id, sid):
                 out[sid] = g
+                delivered.append(sid)
+        if affinity is not None:
+            affinity.bind(delivered, slot.engine_id)
 
     def engine(self, engine_id: str) -> Engine:
         """The engine itself (its model, for checks against other replicas)."""
+        return self._slot(engine_id).engine
+
+    def _slot(self, engine_id: str) -> _Slot:
         for slot in self._slots:
             if slot.engine_id == engine_id:
-                return slot.engine
+                return slot
         raise NotFoundError(f"run {self._run_id} has no engine {engine_id!r}")
+
+    def place_call(self, session_id: str | None = None) -> str:
+        """The serving engine a gateway call goes to: its session's engine while that serves, else
+        the least-loaded (`GatewaySessions.place`), to which the session is then bound.
+        UnavailableError when every engine is drained."""
+        with self._lock:
+            loads = [EngineLoad(s.engine_id, s.in_flight) for s in self._slots if not s.draining]
+        if not loads:
+            raise UnavailableError(f"run {self._run_id}: every engine is drained")
+        return self._sessions.place(session_id, loads)
+
+    @contextlib.contextmanager
+    def gateway_call(self, engine_id: str) -> Iterator[None]:
+        """Counts a gateway call in flight on the engine while it runs. NotFoundError for an
+        unknown engine."""
+        slot = self._slot(engine_id)
+        with self._lock:
+            slot.in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                slot.in_flight -= 1
+
+    def forget_session(self, session_id: str) -> None:
+        """The gateway session ended: its calls are placed afresh (idempotent)."""
+        self._sessions.forget(session_id)
 
     def _status(self, slot: _Slot) -> EngineStatus:
         state = (

@@ -1,18 +1,21 @@
 """The models an OpenAI-compatible gateway serves, and one call on one of them, as plain objects.
 
 A `ServedModel` is a named engine with its tokenizer; a `ModelCatalog` names the served models (one
-for `furlong serve`, each configured run's engine in the rollout service). `render_chat` turns a
-chat into the exact prompt ids the engine is given (the model's own chat template, tools included,
-with the generation prompt); `run_call` samples a call's choices and parses tool calls out of them
-(`tool_calls`), and `call_record` is what the session log keeps of it (`gateway_session`).
+for `furlong serve`, each configured run's engines in the rollout service) and may serve each
+session's calls from one engine (the rollout service does: an engine's prefix cache holds the
+session's context). `render_chat` turns a chat into the exact prompt ids the engine is given (the
+model's own chat template, tools included, with the generation prompt); `run_call` samples a call's
+choices and parses tool calls out of them (`tool_calls`), and `call_record` is what the session log
+keeps of it (`gateway_session`).
 
 Knows nothing about HTTP, JSON bodies or SSE: the wire format lives in `furlong.rollout.gateway`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,14 +80,28 @@ class ModelCatalog(Protocol):
 
     def names(self) -> list[str]: ...
 
-    def get(self, name: str) -> ServedModel:
-        """The model; NotFoundError naming it and the served names when there is none."""
+    def get(self, name: str, session_id: str | None = None) -> ServedModel:
+        """The model, for a call in session `session_id` when one is given; NotFoundError naming
+        it and the served names when there is none."""
+
+    def close_session(self, session_id: str) -> None:
+        """The session ended: forget whatever was kept for it (idempotent)."""
+
+
+# Held while each call of an engine model runs (the rollout service counts calls in flight).
+CallScope = Callable[[], contextlib.AbstractContextManager[object]]
 
 
 class EngineModel:
-    """A built-in engine served under `name`."""
+    """A built-in engine served under `name`; `call_scope()` is entered for every call."""
 
-    def __init__(self, name: str, engine: Engine, tokenizer: ChatTokenizer) -> None:
+    def __init__(
+        self,
+        name: str,
+        engine: Engine,
+        tokenizer: ChatTokenizer,
+        call_scope: CallScope = contextlib.nullcontext,
+    ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"a served model needs a non-empty name, got {name!r}")
         self.name = name
@@ -92,6 +109,7 @@ class EngineModel:
         self.tokenizer = tokenizer
         self.max_positions = engine.max_positions
         self.max_rows = engine.max_batch_size
+        self._call_scope = call_scope
 
     def policy_version(self) -> int:
         return self.engine.policy_version
@@ -103,13 +121,14 @@ class EngineModel:
         num_top_logprobs: int | None,
         on_token: TokenCallback | None = None,
     ) -> list[Generation]:
-        return self.engine.generate(
-            prompt_ids,
-            sampling,
-            num_top_logprobs=num_top_logprobs,
-            on_token=on_token,
-            end_ids=self.tokenizer.eos_ids,  # as transformers and vLLM stop: at any of them
-        )
+        with self._call_scope():
+            return self.engine.generate(
+                prompt_ids,
+                sampling,
+                num_top_logprobs=num_top_logprobs,
+                on_token=on_token,
+                end_ids=self.tokenizer.eos_ids,  # as transformers and vLLM stop: at any of them
+            )
 
 
 class StaticModels:
@@ -124,12 +143,15 @@ class StaticModels:
     def names(self) -> list[str]:
         return list(self._models)
 
-    def get(self, name: str) -> ServedModel:
+    def get(self, name: str, session_id: str | None = None) -> ServedModel:
         model = self._models.get(name)
         if model is None:
             served = ", ".join(map(repr, self._models))
             raise NotFoundError(f"the model {name!r} does not exist; this server serves {served}")
         return model
+
+    def close_session(self, session_id: str) -> None:
+        pass  # one engine per model: nothing is kept per session
 
 
 def render_chat(

@@ -17,6 +17,7 @@ gRPC or Redis (the records being unreachable is an UnavailableError).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -24,7 +25,7 @@ from typing import Any
 
 from furlong.core import tasks
 from furlong.core.devices import DTYPES, parse_device
-from furlong.core.errors import ConflictError, NotFoundError, UnavailableError
+from furlong.core.errors import ConflictError, NotFoundError
 from furlong.core.settings import AgentSettings, DataSettings, PrecisionSettings, RolloutSettings
 from furlong.core.settings.run_shape import MAX_RUN_SEED
 from furlong.core.task_data import DataFile, read_data_file
@@ -32,7 +33,6 @@ from furlong.rollout.core.active_run import ActiveRun
 from furlong.rollout.core.agent_sessions import RunAgent
 from furlong.rollout.core.checks import check_id, check_int, check_timeout
 from furlong.rollout.core.data_source import DataSource
-from furlong.rollout.core.engine import Engine
 from furlong.rollout.core.engine_set import (
     EngineSetFactory,
     InProcessEngines,
@@ -43,10 +43,10 @@ from furlong.rollout.core.episodes import EpisodeRunner, RunEnvironmentsFactory
 from furlong.rollout.core.evaluation import evaluate
 from furlong.rollout.core.group_scoring import RunReward, RunRewardFactory, Scorer
 from furlong.rollout.core.sampling import OVERFLOW_ERROR, SupportBound
+from furlong.rollout.core.served_models import EngineModel, ModelCatalog, ServedModel
 from furlong.rollout.core.step_generation import StepGeneration
 from furlong.rollout.core.trajectory import ChatRenderer
 from furlong.rollout.core.types import (
-    EngineState,
     EngineStatus,
     EvaluateRequest,
     EvaluateResult,
@@ -66,8 +66,8 @@ from furlong.rollout.rewards import RewardFn, get_reward, reward_registry
 log = logging.getLogger(__name__)
 
 PolicyLoader = Callable[[str], tuple[Any, Any]]  # model_dir -> (causal LM, tokenizer)
-# (settings, run id, the run's serving engine and tokenizer) -> the run's agent harness
-RunAgentFactory = Callable[[AgentSettings, str, Callable[[], tuple[Engine, Any]]], RunAgent]
+# (settings, run id, the run's model as the gateway serves it) -> the run's agent harness
+RunAgentFactory = Callable[[AgentSettings, str, ModelCatalog], RunAgent]
 
 
 def _default_loader(model_dir: str) -> tuple[Any, Any]:
@@ -268,7 +268,7 @@ class RolloutService:
             agent = None
             if config.agent.enabled:
                 assert self._run_agents is not None
-                agent = self._run_agents(config.agent, run_id, lambda: self.served_engine(run_id))
+                agent = self._run_agents(config.agent, run_id, _RunModel(self, run_id))
                 self._closers[run_id] = agent.shutdown
             run = ActiveRun(
                 run_id=run_id,
@@ -340,21 +340,33 @@ class RolloutService:
             data = self._eval_data.get(request.run_id)
         return evaluate(run, data, request, self._reward_timeout_s, self._reward_workers)
 
-    def served_engine(self, run_id: str) -> tuple[Engine, Any]:
-        """A serving in-process engine of the run and the run's tokenizer, for the OpenAI-compatible
-        gateway (whose calls are no step's samples: they bypass the sample ledger). NotFoundError
-        for an unknown run; UnavailableError when every engine is drained; ValueError when the run's
-        engines are processes (`--engines process`), which the gateway does not reach."""
+    def served_engine(self, run_id: str, session_id: str | None = None) -> EngineModel:
+        """The run as the OpenAI-compatible gateway serves a call (whose samples are no step's:
+        they bypass the sample ledger): a serving in-process engine of the run, named after the run,
+        with the run's tokenizer. A call in session `session_id` goes to the engine that served the
+        session before while that engine serves; any other call to the least-loaded serving engine,
+        to which the session is then bound (`InProcessEngines.place_call`). Each call is counted in
+        flight on its engine while it runs. NotFoundError for an unknown run; UnavailableError when
+        every engine is drained; ValueError when the run's engines are processes (`--engines
+        process`), which the gateway does not reach."""
         run = self._get(run_id)
         engines = run.engines
         if not isinstance(engines, InProcessEngines):
             raise ValueError(
                 f"run {run_id}'s engines run as processes; the gateway serves in-process engines only"
             )
-        serving = [s.engine_id for s in engines.status() if s.state == EngineState.SERVING]
-        if not serving:
-            raise UnavailableError(f"run {run_id}: every engine is drained")
-        return engines.engine(serving[0]), run.tokenizer
+        engine_id = engines.place_call(session_id)
+        call_scope = functools.partial(engines.gateway_call, engine_id)
+        return EngineModel(run_id, engines.engine(engine_id), run.tokenizer, call_scope)
+
+    def close_session(self, session_id: str, run_id: str | None = None) -> None:
+        """The gateway session ended: the engines of every run (or of run `run_id`) forget it, so
+        its next call is placed afresh. Idempotent; an unknown run is ignored."""
+        with self._lock:
+            runs = [run for rid, (_, run) in self._runs.items() if run_id is None or rid == run_id]
+        for run in runs:
+            if isinstance(run.engines, InProcessEngines):
+                run.engines.forget_session(session_id)
 
     def status(self, run_id: str) -> RunStatus:
         """The run's engines and its sample-ledger counts."""
@@ -398,6 +410,24 @@ class RolloutService:
                 self.end_run(run_id)
             except NotFoundError:
                 pass
+
+
+class _RunModel:
+    """One run as a `ModelCatalog` of one model (its agent harness's): every call is placed on the
+    run's engines as a gateway call (`RolloutService.served_engine`), whatever name it asks for."""
+
+    def __init__(self, service: RolloutService, run_id: str) -> None:
+        self._service = service
+        self._run_id = run_id
+
+    def names(self) -> list[str]:
+        return [self._run_id]
+
+    def get(self, name: str, session_id: str | None = None) -> ServedModel:
+        return self._service.served_engine(self._run_id, session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self._service.close_session(session_id, self._run_id)
 
 
 def _scored_by_agent(response_text: str, prompt: Prompt) -> float:

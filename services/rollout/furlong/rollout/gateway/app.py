@@ -6,8 +6,9 @@
 
 The same three `/v1` routes under `/sessions/{session_id}/v1` record every call in that session
 (token ids and log-probs, `core.gateway_session`): an agent bound to a session is an OpenAI client
-with that base URL. `GET /sessions/{session_id}` returns the session's records, `DELETE` removes
-them (and returns them).
+with that base URL; a catalog may serve a session's calls from one engine (`ModelCatalog.get`).
+`GET /sessions/{session_id}` returns the session's records, `DELETE` removes them (and returns them)
+and ends the session in the catalog.
 
 Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}`, mapped here in one
 place: a bad request 400 (`invalid_request_error`, naming the parameter), an unknown model or

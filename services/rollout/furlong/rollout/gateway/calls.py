@@ -136,7 +136,7 @@ class Gateway:
     def prepare_chat(self, body: object, session_id: str | None = None) -> Call:
         """The checked call of a chat body (RequestError, NotFoundError, ValueError)."""
         request = parse_chat(body)
-        model = self.catalog.get(request.model)
+        model = self.catalog.get(request.model, session_id)
         prompt = render_chat(model.tokenizer, request.messages, request.tools)
         spec = self._spec(
             model,
@@ -151,7 +151,7 @@ class Gateway:
     def prepare_text(self, body: object, session_id: str | None = None) -> Call:
         """The checked call of a text-completion body (RequestError, NotFoundError, ValueError)."""
         request = parse_text(body)
-        model = self.catalog.get(request.model)
+        model = self.catalog.get(request.model, session_id)
         if session_id is not None and len(request.prompts) != 1:
             raise RequestError(
                 f"a session records calls of one prompt; this call has {len(request.prompts)}", "prompt"
@@ -268,6 +268,7 @@ class Gateway:
         return {"session_id": session_id, "calls": [c.to_json() for c in calls]}
 
     def close_session(self, session_id: str) -> dict[str, Any] | None:
+        self.catalog.close_session(session_id)  # its next calls are placed afresh
         calls = self.sessions.close(session_id)
         if calls is None:
             return None

@@ -1,13 +1,15 @@
-"""The rollout service's configured runs as the gateway's models: model `<run id>` is a serving
-in-process engine of that run (its current policy version), with the run's tokenizer. Calls through
-the gateway are sampled outside the run's steps and never enter its sample stream; what they drew
-is in the gateway's session log.
+"""The rollout service's configured runs as the gateway's models: model `<run id>` is the run's
+in-process engines (their current policy version), with the run's tokenizer. A call in a session
+goes to the engine that served the session before while it serves, any other call to the
+least-loaded serving engine (`RolloutService.served_engine`). Calls through the gateway are sampled
+outside the run's steps and never enter its sample stream; what they drew is in the gateway's
+session log.
 """
 
 from __future__ import annotations
 
 from furlong.core.errors import NotFoundError
-from furlong.rollout.core.served_models import EngineModel, ServedModel
+from furlong.rollout.core.served_models import ServedModel
 from furlong.rollout.core.service import RolloutService
 
 
@@ -20,9 +22,11 @@ class RunModels:
     def names(self) -> list[str]:
         return self._service.run_ids()
 
-    def get(self, name: str) -> ServedModel:
+    def get(self, name: str, session_id: str | None = None) -> ServedModel:
         if name not in self._service.run_ids():
             served = ", ".join(map(repr, self._service.run_ids())) or "none yet"
             raise NotFoundError(f"the model {name!r} does not exist; the models are the runs: {served}")
-        engine, tokenizer = self._service.served_engine(name)
-        return EngineModel(name, engine, tokenizer)
+        return self._service.served_engine(name, session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self._service.close_session(session_id)
