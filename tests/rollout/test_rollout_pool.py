@@ -41,7 +41,7 @@ def test_kill_9_during_a_request_loses_and_duplicates_nothing(redis_url, tmp_pat
     )
     try:
         pool.start()
-        pool.update_weights(1, v1)
+        pool.update_weights(1, model_dir=v1)
         assert [s.policy_version for s in pool.status()] == [1, 1]
         rows = [(f"p{i}/{j}", tok.encode(f"{i}+{j}=")) for i in range(12) for j in range(4)]
         config = SamplingConfig(temperature=1.0, top_k=8, max_new_tokens=40, seed=9)

@@ -122,7 +122,7 @@ def test_sglang_engines_launch_restart_after_kill_9_and_stop_by_group(redis_url,
         first = standin_pids(pid_dir)
         assert sorted(leader for leader, _ in first.values()) == sorted(pool.pids().values())
         assert all(running(child) for _, child in first.values())
-        pool.update_weights(1, v1)
+        pool.update_weights(1, model_dir=v1)
         assert [s.policy_version for s in pool.status()] == [1, 1]
 
         rows = [(f"p{i}/{j}", tok.encode(f"{i}+{j}=")) for i in range(12) for j in range(4)]

@@ -1,7 +1,8 @@
 """`python -m furlong.rollout --sglang-command ...` with a run whose spec says `rollout.engine:
 sglang`: the service launches the run's engine with SGLang's command line (a CPU stand-in process
 speaking SGLang's HTTP API), a policy version published through the broker reaches it (from disk,
-the CPU path), Generate samples with it, and SIGTERM leaves no engine process behind."""
+the CPU path, or as the receiver's tensors through `/update_weights_from_tensor`, with no model
+directory written), Generate samples with it, and SIGTERM leaves no engine process behind."""
 
 from __future__ import annotations
 
@@ -40,7 +41,10 @@ def engines(broker: GrpcBrokerClient) -> tuple[str, ...]:
         return ()
 
 
-def test_a_run_with_engine_sglang_is_served_by_launched_sglang_servers(redis_url, tmp_path, monkeypatch):
+@pytest.mark.parametrize("route", ["disk", "tensor"])
+def test_a_run_with_engine_sglang_is_served_by_launched_sglang_servers(
+    redis_url, tmp_path, monkeypatch, route
+):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     monkeypatch.setenv("FURLONG_STANDIN_PID_DIR", str(pid_dir))
@@ -53,7 +57,8 @@ def test_a_run_with_engine_sglang_is_served_by_launched_sglang_servers(redis_url
     rollout_proc = start(
         ["furlong.rollout", "--host", "127.0.0.1", "--port", str(rollout_port),
          "--metrics-port", str(free_port()), "--redis-url", redis_url, "--broker", broker_address,
-         "--num-threads", "1", "--sglang-command", shlex.join(STANDIN)],
+         "--num-threads", "1", "--sglang-command", shlex.join(STANDIN), "--weight-route", route,
+         "--engine-work-dir", str(tmp_path / "work")],
         tmp_path / "rollout.log",
     )  # fmt: skip
     log = Path(tmp_path / "rollout.log")
@@ -98,6 +103,8 @@ def test_a_run_with_engine_sglang_is_served_by_launched_sglang_servers(redis_url
             )
         )
         assert result.policy_version == 1 and result.num_samples == 4
+        written = sorted(p.name for p in (tmp_path / "work").glob("*/weights/*"))
+        assert written == (["v1"] if route == "disk" else []), written
         r = redis.Redis.from_url(redis_url)
         groups = [SampleGroup.decode(f[STREAM_FIELD]) for _, f in r.xrange(stream_key(RUN))]
         r.close()

@@ -172,6 +172,42 @@ def test_pieces_land_straight_in_the_engine_parameters(lane):
         client.close()
 
 
+@pytest.mark.integration
+def test_a_receive_buffer_engine_is_told_before_the_next_version_overwrites_what_apply_got():
+    """Without params, apply gets views of the receive buffer; prepare(v + 1) comes before the
+    first byte of version v + 1 lands in it, while the views still hold version v."""
+    layout = WeightLayout.from_state_dict(llama(0))
+    config = TransferConfig(bucket_size_bytes=BUCKET, lanes=("shm",))
+    client = InProcessBrokerClient(BrokerCore())
+    held: dict[str, torch.Tensor] = {}
+    events: list[tuple[str, int, bool]] = []
+
+    def apply(version: int, tensors) -> None:
+        held.clear()
+        held.update(tensors)
+        events.append(("apply", version, _equal(held, llama(version))))
+
+    def prepare(version: int) -> None:  # the views still hold the previous version, whole
+        events.append(("prepare", version, not held or _equal(held, llama(version - 1))))
+
+    receiver = WeightReceiver(client, RUN, "engine-buffer", apply, config=config, prepare=prepare)
+    publisher = WeightPublisher(client, RUN, layout, "trainer-buffer", config=config)
+    try:
+        receiver.start()
+        for version in (1, 2, 3):
+            publisher.publish(version, llama(version))
+            client.wait_committed(RUN, version, 30.0)
+        assert events == [(kind, v, True) for v in (1, 2, 3) for kind in ("prepare", "apply")]
+    finally:
+        publisher.close()
+        receiver.close()
+        client.close()
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.unit
 def test_an_engine_whose_layout_the_version_does_not_cover_waits_for_the_next_one():
     core = BrokerCore()

@@ -1,19 +1,20 @@
-"""Engine side of weight transfer: watch the broker for new versions, pull each staged round over
-the best lane that reaches the publisher, verify every round's checksum, hand the complete version
-to the engine and acknowledge it.
+"""Engine side of weight transfer: watch the broker for new versions, pull each staged round over the
+best lane that reaches the publisher, verify every round's checksum, hand the complete version to
+the engine and acknowledge it.
 
-Where the bytes land (see furlong.transfer.destination): by default a receive buffer laid out
-like the published tensors, and `apply(version, tensors)` gets views of it that the next version
+Where the bytes land (see furlong.transfer.destination): by default a receive buffer laid out like
+the published tensors, and `apply(version, tensors)` gets views of it that the next version
 overwrites, so apply copies them into the model between decode steps. An engine may instead offer
-its parameter tensors (`params`): pieces are then pulled straight into them (no receive buffer,
-no apply copy), `prepare(version)` is called before the first byte of a version lands (the engine
-stops reading its parameters) and `apply(version, params)` once every round arrived and verified
-(the engine serves again). An engine whose tensors differ from the published ones (tensor-parallel
-shards, fused projections) declares a `shard_layout` (furlong.core.weight_shards) when it
-registers; it receives exactly its pieces, verified against the manifest's digests for its layout.
-apply is called only once every round of the version arrived and verified, so an engine never
-serves a torn version. Engines on one host take turns pulling out of host memory
-(furlong.transfer.pull_lock), so one verifies while the next pulls.
+its parameter tensors (`params`): pieces are then pulled straight into them (no receive buffer, no
+apply copy), `prepare(version)` is called before the first byte of a version lands (the engine stops
+reading its parameters) and `apply(version, params)` once every round arrived and verified (the
+engine serves again). With a receive buffer, `prepare(version)` likewise says that the views the
+last apply got are about to be overwritten (an engine that keeps reading them stops). An engine
+whose tensors differ from the published ones (tensor-parallel shards, fused projections) declares a
+`shard_layout` (furlong.core.weight_shards) when it registers; it receives exactly its pieces,
+verified against the manifest's digests for its layout. apply is called only once every round of the
+version arrived and verified, so an engine never serves a torn version. Engines on one host take
+turns pulling out of host memory (furlong.transfer.pull_lock), so one verifies while the next pulls.
 """
 
 from __future__ import annotations
@@ -100,8 +101,6 @@ class WeightReceiver:
     ) -> None:
         if not run_id or not engine_id:
             raise ValueError(f"run_id {run_id!r} and engine_id {engine_id!r} must not be empty")
-        if prepare is not None and params is None:
-            raise ValueError("prepare is called before pulling into params; no params were given")
         self._shard_layout = shard_layout
         self._params = params
         self._prepare = prepare

@@ -9,7 +9,8 @@ Furlong's `engine_server` or SGLang's `launch_server`, each in its own process g
 - **Restarts**: a launched engine that is down is killed (its whole process group) and started
   again; an attached one is waited for. Attempts back off: `restart_backoff_s`, doubled after each
   failed attempt up to `max_restart_backoff_s`, reset once the engine serves again. Its chunks in
-  flight fail over to other engines (below), so none is lost.
+  flight fail over to other engines (below), so none is lost. A restarted engine catches up with
+  the pool's current version before it takes work (`pool_weights`).
 
 - **Routing**: a request's rows are cut into chunks of `chunk_rows`; each chunk goes to the healthy
   engine with the fewest chunks in flight. A chunk's seed is derived from the request seed and the
@@ -21,15 +22,14 @@ Furlong's `engine_server` or SGLang's `launch_server`, each in its own process g
 - **Failures**: an engine that cannot be reached (connection refused, reset, 5xx, a dead process) is
   marked unhealthy and restarted in the background; its in-flight chunks are retried on other
   engines, up to `max_attempts` engines per chunk. A monitor thread polls every process every
-  `health_interval_s`. A restarted engine is re-synced to the pool's current policy version (it
-  loads the current weights directory) before it takes work again.
+  `health_interval_s`.
 - **Ledger**: with a sample ledger (`SampleLedger`), every sample is recorded pending → in flight on
   an engine → done, and a result for a sample already done is refused (counted in
   `duplicates_refused`), so no sample is lost or delivered twice.
-- **Weights**: `update_weights(version, model_dir, tensors)` pauses, loads and resumes every healthy
-  engine through the config's route (`weight_routes`: disk, tensor or distributed; `tensors` are
-  the version's parameters, needed by the last two) and makes `model_dir` the version restarted
-  engines load (from disk).
+- **Weights**: `update_weights(version, model_dir=..., tensors=...)` pauses, loads and resumes
+  every healthy engine through the config's route (`weight_routes`: disk takes the version's model
+  directory; tensor and distributed its tensors, and write no directory); `weights_tearing(version)`
+  says that the tensors of the current version are about to be overwritten (`pool_weights`).
 - **Drain**: `drain(engine_id)` stops routing new chunks to an engine; the chunks it runs finish.
   It reports "draining" until its last chunk is done, then "drained".
 - **Early stop**: `generate(..., enough=f)` stops starting chunks once `f(results so far)` is true
@@ -61,15 +61,9 @@ from furlong.rollout.core.sampling import MAX_SEED, SamplingConfig
 from furlong.rollout.core.session_affinity import SessionAffinity, pool_chunks
 from furlong.rollout.core.types import EngineState, EngineStatus, SampleLedger, last_engine_message
 from furlong.rollout.engine_launch import LaunchSpec, start_process, stop_process
+from furlong.rollout.pool_weights import PoolWeights
 from furlong.rollout.sglang import SGLangEngine
-from furlong.rollout.weight_routes import (
-    WEIGHT_ROUTE_AUTO,
-    WEIGHT_ROUTE_DISK,
-    WEIGHT_ROUTE_TENSOR,
-    choose_weight_route,
-    group_backend,
-)
-from furlong.rollout.weight_update_group import WeightUpdateGroup
+from furlong.rollout.weight_routes import WEIGHT_ROUTE_AUTO, choose_weight_route
 from furlong.service_main.ports import free_port
 
 log = logging.getLogger(__name__)
@@ -186,9 +180,10 @@ class EnginePool:
         self._vocab_size = vocab_size
         self.config = config
         self._ledger = ledger
-        self._version = 0  # the version engines load (restarts included)
         self._served = 0  # the version every taken engine has finished loading
-        self._weights_dir = model_dir
+        self._weights = PoolWeights(
+            config.route, model_dir, config.device, config.weight_group_address, config.request_timeout_s
+        )
         self._cond = threading.Condition()
         self._stop = threading.Event()
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -198,7 +193,6 @@ class EnginePool:
             for i, url in enumerate(urls)
         ]
         self._monitor = threading.Thread(target=self._watch, name=f"{name}-monitor", daemon=True)
-        self._group: WeightUpdateGroup | None = None  # the distributed route's group, once opened
         self.duplicates_refused = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -257,7 +251,7 @@ class EnginePool:
         self._stop.set()
         if self._monitor.is_alive():
             self._monitor.join(10)
-        self._close_group()
+        self._weights.close()
         with ThreadPoolExecutor(max_workers=max(1, len(self._engines))) as ex:
             list(ex.map(_EngineProcess.stop, self._engines))  # all at once: each takes a moment
 
@@ -307,17 +301,16 @@ class EnginePool:
             stop_process(e.proc, grace_s=2.0)  # the whole group: an SGLang child may hold the port
         self._spawn(e)
         self._wait_ready(e)
-        while True:  # catch up with updates made while restarting
-            with self._cond:
-                version, weights = self._version, self._weights_dir
-            if e.engine.policy_version >= version:
+        while True:  # catch up, with the updates made meanwhile too
+            self._weights.catch_up(e.engine, self._stop)
+            with self._cond:  # taken with update_weights' choice of the engines it updates
+                if e.engine.policy_version < self._weights.version:
+                    continue
+                e.healthy, e.restarting = True, False
+                e.restarts += 1
+                e.failures = 0
+                self._cond.notify_all()
                 break
-            e.engine.update_weights_from_disk(version, weights)
-        with self._cond:
-            e.healthy, e.restarting = True, False
-            e.restarts += 1
-            e.failures = 0
-            self._cond.notify_all()
         log.info(
             "%s %s, serving version %d",
             e.engine_id,
@@ -448,70 +441,37 @@ class EnginePool:
     # -- weights and status ----------------------------------------------------------------------
 
     def update_weights(
-        self, version: int, model_dir: str, tensors: Mapping[str, torch.Tensor] | None = None
+        self,
+        version: int,
+        *,
+        model_dir: str | None = None,
+        tensors: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        """Every healthy engine loads `version` through the pool's route (`tensors` for the tensor
-        and distributed routes, `model_dir` for disk); restarted engines load `model_dir`."""
-        route = self.config.route
-        if route != WEIGHT_ROUTE_DISK and not tensors:
-            raise ValueError(f"weight route {route!r} needs the version's tensors")
-        with self._cond:
-            if version < self._version:
-                raise ValueError(f"policy version {version} is older than the pool's {self._version}")
-            self._version, self._weights_dir = version, model_dir
+        """Every healthy engine loads `version` through the pool's route: from `model_dir` (disk)
+        or `tensors` (tensor, distributed). The tensors must stay as they are until
+        `weights_tearing` is called for the next version: restarted engines catch up from them."""
+        with self._cond:  # a restart that has not yet caught up sees the new version
+            self._weights.set_current(version, model_dir, tensors)
             engines = [e for e in self._engines if e.healthy]
+        route = self._weights.route
         log.info("policy version %d to %d engine(s) through route %s", version, len(engines), route)
-        if route == WEIGHT_ROUTE_DISK or route == WEIGHT_ROUTE_TENSOR:
-            for e in engines:
-                try:
-                    if route == WEIGHT_ROUTE_DISK:
-                        e.engine.update_weights_from_disk(version, model_dir)
-                    else:
-                        assert tensors is not None  # checked above
-                        e.engine.update_weights_from_tensor(version, tensors)
-                except UnavailableError as exc:
-                    self._mark_dead(e, str(exc))  # the restart loads this version
-        elif engines:
-            assert tensors is not None  # checked above
-            self._update_distributed(version, engines, tensors)
+        failed = self._weights.load([e.engine for e in engines])
+        for e in engines:
+            for engine, why in failed:
+                if engine is e.adapter:
+                    self._mark_dead(e, why)  # the restart catches up with this version
         with self._cond:
             self._served = max(self._served, version)
             self._cond.notify_all()
 
-    def _update_distributed(
-        self, version: int, engines: list[_EngineProcess], tensors: Mapping[str, torch.Tensor]
-    ) -> None:
-        """One broadcast to every engine of a group over `engines`, opened for this set of engines
-        and kept until it changes or breaks."""
-        members = [e.engine for e in engines]
-        if self._group is not None and self._group.engines != members:
-            self._close_group()
-        try:
-            if self._group is None:
-                self._group = WeightUpdateGroup(
-                    members,
-                    master_address=self.config.weight_group_address,
-                    backend=group_backend(self.config.device),
-                    timeout_s=self.config.request_timeout_s,
-                )
-            self._group.update(version, tensors)
-        except UnavailableError as exc:
-            self._close_group()
-            for e in engines:
-                if e.engine.policy_version < version:
-                    self._mark_dead(e, str(exc))  # the restart loads this version from disk
-
-    def _close_group(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            try:
-                group.close()
-            except Exception:
-                log.exception("closing the weight update group failed")
+    def weights_tearing(self, version: int) -> None:
+        """The tensors of the current version (tensor and distributed routes) are about to be
+        overwritten by `version`'s: restarted engines wait for `update_weights(version, ...)`."""
+        self._weights.tearing(version)
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._weights.version
 
     def wait_for_version(self, min_version: int, timeout_s: float) -> bool:
         """Block until the pool's version (what every engine serves before taking work) is at least

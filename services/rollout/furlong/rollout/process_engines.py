@@ -6,18 +6,21 @@ engine server (`builtin`) or an SGLang server (`sglang`, started with this confi
 servers instead of launching any. `engine_factory` routes each run to the factory of its engine
 type.
 
-Weights: the run has one weight receiver (named `<run>-pool` at the broker). The pool's route
-(`weight_routes`) carries each version to the engines: SGLang servers on a GPU get the tensors
-themselves (`tensor` on this host, `distributed` for attached servers); otherwise, and always on
-CPU, they load the directory below from disk. Each version it
-receives is written as a model directory `<work dir>/weights/v<version>` (`export_policy`: config,
-generation config and tokenizer files from the run's model directory, the received tensors as its
-weights), and the pool loads it into
-every engine (`EnginePool.update_weights`, SGLang's `/update_weights_from_disk` route) before the
-receiver acknowledges the version. A restarted engine loads the current directory before it takes
-work. The work directory defaults to a private folder under /dev/shm (memory, not disk) when the
-host has one; the current and the previous version are kept (a restart may be reading the
-previous one while a new one is written), older ones removed.
+Weights: the run has one weight receiver (named `<run>-pool` at the broker); every version is in
+every engine (`EnginePool.update_weights`) before the receiver acknowledges it. The pool's route
+(`weight_routes`) decides how:
+
+- SGLang servers on a GPU get the tensors themselves (`tensor` on this host, `distributed` for
+  attached servers), straight from the receiver's buffer: nothing is written. The receiver tells
+  the pool before the next version overwrites that buffer (`EnginePool.weights_tearing`), so a
+  restarted engine catches up from a whole version (`pool_weights`).
+- Otherwise, and always on CPU (`disk`), each version is written as a model directory
+  `<work dir>/weights/v<version>` (`export_policy`: config, generation config and tokenizer files
+  from the run's model directory, the received tensors as its weights), which every engine loads
+  (SGLang's `/update_weights_from_disk` route) and a restarted engine loads before it takes work.
+  The work directory defaults to a private folder under /dev/shm (memory, not disk) when the host
+  has one; the current and the previous version are kept (a restart may be reading the previous
+  one while a new one is written), older ones removed.
 
 Knows nothing about gRPC; the receiver factory and the ledger are passed in.
 """
@@ -58,7 +61,7 @@ from furlong.rollout.core.types import (
 )
 from furlong.rollout.engine_launch import LaunchSpec
 from furlong.rollout.pool import EnginePool, PoolConfig
-from furlong.rollout.weight_routes import WEIGHT_ROUTE_AUTO
+from furlong.rollout.weight_routes import WEIGHT_ROUTE_AUTO, WEIGHT_ROUTE_DISK
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +156,10 @@ class ProcessEngines:
                 observer.version_applied(run_id, engine_id, 0)
             if receiver_factory is not None:
                 self._receiver = receiver_factory(
-                    run_id, f"{engine_prefix(run_id, config.replica_id)}-pool", self._apply
+                    run_id,
+                    f"{engine_prefix(run_id, config.replica_id)}-pool",
+                    self._apply,
+                    None if self.pool.config.route == WEIGHT_ROUTE_DISK else self.pool.weights_tearing,
                 )
                 self._receiver.start()
         except BaseException:
@@ -169,21 +175,26 @@ class ProcessEngines:
         )
 
     def _apply(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Write the version's checkpoint directory, then have every engine load it."""
+        """Have every engine load the version: its tensors, or the checkpoint directory written
+        from them (disk route)."""
         with self._apply_lock:
-            weights = self.work_dir / "weights"
-            target = weights / f"v{version}"
-            # The run's model directory with the received weights, moved into place when complete:
-            # engines never see a half-written directory.
-            export_policy(tensors, self._model_dir, target)
-            # the disk route loads this directory; the tensor and distributed routes send `tensors`
-            # and keep the directory for engines that restart later
-            self.pool.update_weights(version, str(target), tensors)
+            if self.pool.config.route != WEIGHT_ROUTE_DISK:
+                self.pool.update_weights(version, tensors=tensors)
+            else:
+                self._load_from_disk(version, tensors)
             for status in self.pool.status():
                 self._observer.version_applied(self._run_id, status.engine_id, status.policy_version)
-            for old in weights.glob("v*"):
-                if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
-                    shutil.rmtree(old, ignore_errors=True)
+
+    def _load_from_disk(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        weights = self.work_dir / "weights"
+        target = weights / f"v{version}"
+        # The run's model directory with the received weights, moved into place when complete:
+        # engines never see a half-written directory.
+        export_policy(tensors, self._model_dir, target)
+        self.pool.update_weights(version, model_dir=str(target))
+        for old in weights.glob("v*"):
+            if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                shutil.rmtree(old, ignore_errors=True)
 
     def policy_version(self) -> int:
         return min(s.policy_version for s in self.pool.status())

@@ -13,7 +13,7 @@ the first update.
 from __future__ import annotations
 
 from furlong.rollout.config import RolloutServerConfig
-from furlong.rollout.core.types import ApplyWeightsFn, ReceiverFactory
+from furlong.rollout.core.types import ApplyWeightsFn, PrepareWeightsFn, ReceiverFactory
 from furlong.transfer.broker_client import BrokerClient
 from furlong.transfer.config import TransferConfig
 from furlong.transfer.receiver import WeightReceiver
@@ -24,8 +24,10 @@ def broker_receiver_factory(
 ) -> ReceiverFactory:
     """A factory of broker-backed receivers; the engine id doubles as its NIXL agent name prefix."""
 
-    def make(run_id: str, engine_id: str, apply: ApplyWeightsFn) -> WeightReceiver:
-        return WeightReceiver(broker, run_id, engine_id, apply, config=transfer)
+    def make(
+        run_id: str, engine_id: str, apply: ApplyWeightsFn, prepare: PrepareWeightsFn | None = None
+    ) -> WeightReceiver:
+        return WeightReceiver(broker, run_id, engine_id, apply, config=transfer, prepare=prepare)
 
     return make
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 # apply(version, tensors): called by a receiver with a verified version keyed by state_dict names.
 ApplyWeightsFn = Callable[[int, Mapping[str, "torch.Tensor"]], None]
+PrepareWeightsFn = Callable[[int], None]  # version about to overwrite what apply got
 
 
 @dataclass(frozen=True)
@@ -255,9 +256,17 @@ class WeightReceiverLike(Protocol):
 
 
 class ReceiverFactory(Protocol):
-    """Builds (does not start) the weight receiver of one engine of a run."""
+    """Builds (does not start) the weight receiver of one engine of a run. `apply(version, tensors)`
+    gets each complete version as views of the receiver's buffer; `prepare(version)`, when given,
+    is called before the next version begins to overwrite them."""
 
-    def __call__(self, run_id: str, engine_id: str, apply: ApplyWeightsFn) -> WeightReceiverLike: ...
+    def __call__(
+        self,
+        run_id: str,
+        engine_id: str,
+        apply: ApplyWeightsFn,
+        prepare: PrepareWeightsFn | None = None,
+    ) -> WeightReceiverLike: ...
 
 
 class RolloutObserver(Protocol):
