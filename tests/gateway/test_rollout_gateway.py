@@ -7,7 +7,10 @@ placed afresh."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -37,11 +40,12 @@ class Receiver:
         pass
 
 
-def test_runs_are_served_with_their_policy_version(redis_url, tmp_path):
-    model_dir = write_random_dir(tmp_path / "policy")
+@contextlib.contextmanager
+def service_with_gateway(redis_url: str) -> Iterator[tuple[RolloutService, Any, dict[str, Receiver]]]:
+    """A rollout service whose engines' receivers are `Receiver`s (by engine id), with its gateway."""
     receivers: dict[str, Receiver] = {}
 
-    def receiver(run_id, engine_id, apply):
+    def receiver(run_id, engine_id, apply, prepare=None):
         receivers[engine_id] = Receiver(apply)
         return receivers[engine_id]
 
@@ -49,6 +53,16 @@ def test_runs_are_served_with_their_policy_version(redis_url, tmp_path):
     service = RolloutService(redis_records(client), receiver)
     gateway = start_gateway(service, "127.0.0.1", 0)
     try:
+        yield service, gateway, receivers
+    finally:
+        gateway.stop(5.0)
+        service.close()
+        client.close()
+
+
+def test_runs_are_served_with_their_policy_version(redis_url, tmp_path):
+    model_dir = write_random_dir(tmp_path / "policy")
+    with service_with_gateway(redis_url) as (service, gateway, receivers):
         with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0) as c:
             assert c.models.list().data == []
             with pytest.raises(openai.NotFoundError, match="run-g"):
@@ -76,25 +90,12 @@ def test_runs_are_served_with_their_policy_version(redis_url, tmp_path):
             assert second.choices[0].message.content == first.choices[0].message.content  # same weights
             service.end_run("run-g")
             assert c.models.list().data == []
-    finally:
-        gateway.stop(5.0)
-        service.close()
-        client.close()
 
 
 def test_sessions_stay_on_their_engine_and_new_ones_go_least_loaded(redis_url, tmp_path):
     model_dir = write_random_dir(tmp_path / "policy")
-    receivers: dict[str, Receiver] = {}
-
-    def receiver(run_id, engine_id, apply):
-        receivers[engine_id] = Receiver(apply)
-        return receivers[engine_id]
-
-    client = redis.Redis.from_url(redis_url)
-    service = RolloutService(redis_records(client), receiver)
-    gateway = start_gateway(service, "127.0.0.1", 0)
     e0, e1 = "run-s-engine-0", "run-s-engine-1"
-    try:
+    with service_with_gateway(redis_url) as (service, gateway, receivers):
         service.configure_run(
             RolloutRunConfig(
                 run_id="run-s",
@@ -152,7 +153,3 @@ def test_sessions_stay_on_their_engine_and_new_ones_go_least_loaded(redis_url, t
         # A drained engine's sessions move to a serving engine and stay there.
         service.drain_engine("run-s", e0)
         assert [served("a"), served("b"), served("a"), served(None)] == [e1, e1, e1, e1]
-    finally:
-        gateway.stop(5.0)
-        service.close()
-        client.close()
