@@ -128,7 +128,7 @@ def services(tmp_path_factory, redis_server_url):
 SEEN = {"accepted": 0}
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_a_spec_the_rest_model_accepts_configures_trainer_and_rollout(services, data):
     model, trainer, rollout = services
